@@ -1,0 +1,218 @@
+"""Encoding and validating multipart messages.
+
+Frame 0 is a msgpack :class:`~wire.messages.Header`; frames 1..n are the raw,
+C-contiguous bytes of the tensors listed in the header's tensor table, in
+order. Sending hands numpy buffers to ZeroMQ without copying; receiving wraps
+the received frame buffers with ``np.frombuffer`` without copying (the arrays
+are read-only views that keep their frame alive). Nothing received is ever
+unpickled or ``torch.load``-ed.
+
+:func:`decode` validates everything before a handler sees the message and
+raises :class:`WireError` with a short machine-readable ``reason`` (used as a
+metric label) and a human-readable detail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from wire.messages import BODY_SCHEMAS, FINITE_CHECKED, PROTOCOL_VERSION, Body, Header, TensorSpec
+
+ALLOWED_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+}
+
+REASONS = (
+    "bad_header",
+    "bad_version",
+    "unknown_type",
+    "bad_body",
+    "bad_dtype",
+    "bad_shape",
+    "size_mismatch",
+    "frame_count",
+    "too_many_tensors",
+    "too_large",
+    "non_finite",
+    "unknown_sender",
+    "sender_mismatch",
+    "unexpected",
+)
+
+
+class WireError(Exception):
+    """A received message failed validation. ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.peer: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Receiver-side bounds on what one message may carry."""
+
+    max_header_bytes: int = 1 << 20
+    max_tensors: int = 4096
+    max_total_bytes: int = 1 << 30
+    max_ndim: int = 8
+    check_finite: bool = True  # scan float tensors of FINITE_CHECKED types for NaN/inf
+
+
+@dataclass
+class Message:
+    """A decoded, validated message (or one about to be sent)."""
+
+    type: str
+    body: Body
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    sender: str = ""
+    seq: int = 0
+    round: int = 0
+    task: int = 0
+    nbytes: int = 0  # bytes on the wire, all frames (not counting the routing id)
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+_body_decoders = {name: msgspec.msgpack.Decoder(schema) for name, schema in BODY_SCHEMAS.items()}
+
+
+def _as_wire_array(name: str, value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype.name not in ALLOWED_DTYPES:
+        raise ValueError(f"tensor {name!r}: dtype {array.dtype} is not allowed on the wire")
+    return array.astype(ALLOWED_DTYPES[dtype.name], copy=False)
+
+
+def encode(
+    msg_type: str,
+    body: Body,
+    *,
+    sender: str,
+    seq: int,
+    round: int = 0,
+    task: int = 0,
+    tensors: Mapping[str, Any] | None = None,
+) -> list[Any]:
+    """Frames for one message: header bytes, then one buffer per tensor (not copied)."""
+    schema = BODY_SCHEMAS.get(msg_type)
+    if schema is None or not isinstance(body, schema):
+        raise TypeError(f"message type {msg_type!r} needs a {schema.__name__ if schema else '?'} body")
+    arrays = [(name, _as_wire_array(name, value)) for name, value in (tensors or {}).items()]
+    table = [TensorSpec(name, a.dtype.name, list(a.shape), a.nbytes) for name, a in arrays]
+    header = Header(
+        v=PROTOCOL_VERSION,
+        type=msg_type,
+        sender=sender,
+        seq=seq,
+        round=round,
+        task=task,
+        body=msgspec.Raw(_header_encoder.encode(body)),
+        tensors=table,
+    )
+    # 0-d and empty arrays have no useful buffer export for zmq; send bytes for those.
+    return [_header_encoder.encode(header)] + [a if a.ndim and a.size else a.tobytes() for _, a in arrays]
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The payload of a received frame (zmq.Frame, bytes or memoryview) without copying."""
+    buffer = getattr(frame, "buffer", None)
+    return buffer if buffer is not None else memoryview(frame)
+
+
+_FINITE_CHUNK = 1 << 16
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """True if no NaN or infinity. Chunked so the temporary mask stays in cache."""
+    flat = array.reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        if not np.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+            return False
+    return True
+
+
+def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
+    """Validate and decode one message's frames (routing id already removed)."""
+    if not frames:
+        raise WireError("frame_count", "empty message")
+    head = _buffer(frames[0])
+    if head.nbytes > limits.max_header_bytes:
+        raise WireError("too_large", f"header of {head.nbytes} bytes exceeds {limits.max_header_bytes}")
+    try:
+        header = _header_decoder.decode(head)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError("bad_header", str(exc)) from None
+    if header.v != PROTOCOL_VERSION:
+        raise WireError("bad_version", f"protocol version {header.v}, this side speaks {PROTOCOL_VERSION}")
+    body_decoder = _body_decoders.get(header.type)
+    if body_decoder is None:
+        raise WireError("unknown_type", f"message type {header.type!r}")
+    try:
+        body = body_decoder.decode(header.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError("bad_body", f"{header.type}: {exc}") from None
+
+    table = header.tensors
+    if len(table) > limits.max_tensors:
+        raise WireError("too_many_tensors", f"{len(table)} tensors, limit {limits.max_tensors}")
+    if len(frames) != len(table) + 1:
+        raise WireError("frame_count", f"{len(frames) - 1} tensor frames for {len(table)} table entries")
+    total = sum(spec.nbytes for spec in table)
+    if total > limits.max_total_bytes:
+        raise WireError("too_large", f"{total} tensor bytes, limit {limits.max_total_bytes}")
+
+    tensors: dict[str, np.ndarray] = {}
+    check_finite = limits.check_finite and header.type in FINITE_CHECKED
+    wire_bytes = head.nbytes
+    for spec, frame in zip(table, frames[1:]):
+        dtype = ALLOWED_DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise WireError("bad_dtype", f"tensor {spec.name!r}: dtype {spec.dtype!r} not allowed")
+        if len(spec.shape) > limits.max_ndim or any(d < 0 for d in spec.shape):
+            raise WireError("bad_shape", f"tensor {spec.name!r}: shape {spec.shape}")
+        if spec.name in tensors:
+            raise WireError("bad_shape", f"tensor {spec.name!r} appears twice")
+        buffer = _buffer(frame)
+        expected = math.prod(spec.shape) * dtype.itemsize
+        if expected != spec.nbytes or buffer.nbytes != expected:
+            raise WireError(
+                "size_mismatch",
+                f"tensor {spec.name!r}: shape {spec.shape} x {dtype.itemsize} B = {expected} B, "
+                f"table says {spec.nbytes} B, frame has {buffer.nbytes} B",
+            )
+        array = np.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
+        array.flags.writeable = False  # received tensors may be shared: never mutate them
+        if check_finite and dtype.kind == "f" and not all_finite(array):
+            raise WireError("non_finite", f"tensor {spec.name!r} holds NaN or infinity")
+        tensors[spec.name] = array
+        wire_bytes += buffer.nbytes
+    return Message(
+        type=header.type,
+        body=body,
+        tensors=tensors,
+        sender=header.sender,
+        seq=header.seq,
+        round=header.round,
+        task=header.task,
+        nbytes=wire_bytes,
+    )
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """Bytes in a list of outgoing frames (header plus tensor buffers)."""
+    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)

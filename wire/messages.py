@@ -1,0 +1,117 @@
+"""Message types and their body schemas.
+
+Every message on the wire is a msgpack header (frame 0) followed by raw tensor
+frames. The header is a :class:`Header`; its ``body`` is decoded against the
+schema registered for its ``type`` in :data:`BODY_SCHEMAS`, so a message with a
+missing field, a field of the wrong type or an unknown field is rejected before
+any handler sees it. Adding a message type means adding a body struct and one
+line in :data:`BODY_SCHEMAS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Table entry describing one tensor frame."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+class Header(msgspec.Struct, forbid_unknown_fields=True):
+    """Frame 0 of every message. ``body`` stays raw until its schema is known."""
+
+    v: int
+    type: str
+    sender: str
+    seq: int
+    round: int
+    task: int
+    body: msgspec.Raw
+    tensors: list[TensorSpec]
+
+
+class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of all bodies: unknown fields are an error."""
+
+
+class Join(Body):
+    node: str
+    pid: int
+    client_index: int
+
+
+class Welcome(Body):
+    run_id: str
+    scenario: dict[str, Any]
+    method: str
+    method_options: dict[str, Any]
+    model: str
+    training: dict[str, Any]
+    heartbeat_interval_s: float
+    join_task: int
+
+
+class Heartbeat(Body):
+    pass
+
+
+class Leave(Body):
+    reason: str
+
+
+class TaskStart(Body):
+    """Per-task assets (old models, generators...) ride in the tensor frames."""
+
+    classes: list[int]
+    seen_classes: list[int]
+
+
+class TrainRequest(Body):
+    """The global model rides in the tensor frames."""
+
+    local_epochs: int
+    lr: float
+
+
+class Update(Body):
+    """The model delta (and method extras) ride in the tensor frames."""
+
+    num_samples: int
+    train_time_s: float
+    loss: float
+    metrics: dict[str, float] = {}
+
+
+class Error(Body):
+    code: str
+    detail: str
+
+
+class Shutdown(Body):
+    reason: str
+
+
+BODY_SCHEMAS: dict[str, type[Body]] = {
+    "join": Join,
+    "welcome": Welcome,
+    "heartbeat": Heartbeat,
+    "leave": Leave,
+    "task_start": TaskStart,
+    "train_request": TrainRequest,
+    "update": Update,
+    "error": Error,
+    "shutdown": Shutdown,
+}
+
+# Message types whose float tensors must be finite (model content a receiver
+# will compute with). Others are checked for shape and size only.
+FINITE_CHECKED = frozenset({"update", "train_request", "task_start"})

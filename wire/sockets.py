@@ -1,0 +1,141 @@
+"""ZeroMQ socket set-up and the two endpoint kinds (server ROUTER, client DEALER).
+
+Socket options follow the design notes: ``ROUTER_MANDATORY`` so a send to a
+vanished peer fails loudly instead of vanishing, ``ROUTER_HANDOVER`` so a
+client that reconnects under the same identity takes over its old pipe, small
+send high-water marks because frames are large, ``MAXMSGSIZE`` so an
+oversized frame is refused by libzmq before it is buffered, and a linger long
+enough that an update in flight is delivered on close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes
+from wire.messages import Body
+
+LINGER_MS = 5000
+SEND_HWM = 16
+
+#: Called with (message type, direction "sent"/"received", bytes) for every message.
+ByteCounter = Callable[[str, str, int], None]
+
+
+def _no_count(msg_type: str, direction: str, nbytes: int) -> None:
+    return None
+
+
+@dataclass
+class Counters:
+    """Byte and message tallies by (message type, direction)."""
+
+    bytes: dict[tuple[str, str], int]
+    messages: dict[tuple[str, str], int]
+
+    @classmethod
+    def empty(cls) -> "Counters":
+        return cls({}, {})
+
+    def __call__(self, msg_type: str, direction: str, nbytes: int) -> None:
+        key = (msg_type, direction)
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+        self.messages[key] = self.messages.get(key, 0) + 1
+
+    def nested(self) -> dict[str, dict[str, int]]:
+        """``{type: {direction: bytes}}`` for result files."""
+        out: dict[str, dict[str, int]] = {}
+        for (msg_type, direction), n in sorted(self.bytes.items()):
+            out.setdefault(msg_type, {})[direction] = n
+        return out
+
+
+def _configure(sock: zmq.Socket, limits: Limits) -> None:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_total_bytes + limits.max_header_bytes)
+
+
+class ServerEndpoint:
+    """A bound ROUTER: receives from and sends to many identified peers."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, *, name: str = "coordinator",
+                 limits: Limits = Limits(), count: ByteCounter = _no_count):
+        self.sock = ctx.socket(zmq.ROUTER)
+        _configure(self.sock, limits)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if bind.endswith(":0"):
+            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.sock.bind(bind)
+            self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.name = name
+        self.limits = limits
+        self.count = count
+        self._seq = 0
+
+    def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
+             tensors: Mapping[str, Any] | None = None) -> int:
+        """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone."""
+        self._seq += 1
+        frames = encode(msg_type, body, sender=self.name, seq=self._seq, round=round, task=task, tensors=tensors)
+        self.sock.send_multipart([peer.encode()] + frames, copy=False)
+        nbytes = frames_nbytes(frames)
+        self.count(msg_type, "sent", nbytes)
+        return nbytes
+
+    def recv(self) -> tuple[str, Message]:
+        """Receive one message (blocking). A bad one raises WireError with ``.peer`` set."""
+        frames = self.sock.recv_multipart(copy=False)
+        peer = bytes(frames[0].buffer).decode("utf-8", "replace")
+        try:
+            msg = decode(frames[1:], self.limits)
+            if msg.sender != peer:
+                raise WireError("sender_mismatch", f"header says {msg.sender!r}, connection is {peer!r}")
+        except WireError as exc:
+            exc.peer = peer
+            raise
+        self.count(msg.type, "received", msg.nbytes)
+        return peer, msg
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ClientEndpoint:
+    """A DEALER with its own identity, connected to the coordinator."""
+
+    def __init__(self, ctx: zmq.Context, connect: str, identity: str, *,
+                 limits: Limits = Limits(), count: ByteCounter = _no_count):
+        self.sock = ctx.socket(zmq.DEALER)
+        _configure(self.sock, limits)
+        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.sock.connect(connect)
+        self.identity = identity
+        self.limits = limits
+        self.count = count
+        self._seq = 0
+
+    def send(self, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
+             tensors: Mapping[str, Any] | None = None) -> int:
+        self._seq += 1
+        frames = encode(msg_type, body, sender=self.identity, seq=self._seq, round=round, task=task,
+                        tensors=tensors)
+        self.sock.send_multipart(frames, copy=False)
+        nbytes = frames_nbytes(frames)
+        self.count(msg_type, "sent", nbytes)
+        return nbytes
+
+    def recv(self) -> Message:
+        msg = decode(self.sock.recv_multipart(copy=False), self.limits)
+        self.count(msg.type, "received", msg.nbytes)
+        return msg
+
+    def close(self, linger_ms: int | None = None) -> None:
+        self.sock.close(linger=linger_ms)
