@@ -1,0 +1,152 @@
+"""The emulated world of one run: the task stream and every client's data.
+
+:func:`build_scenario` is deterministic: the same spec and dataset give the
+same class order and partitions in any process (each random decision draws
+from its own ``numpy.random.Generator`` seeded with ``(seed, stream, task)``).
+A :class:`Scenario` holds index arrays into the dataset, never image copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scenario import partitions, tasks
+from scenario.datasets import ImageDataset
+from scenario.spec import ScenarioSpec
+
+# Independent random streams derived from one seed.
+_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM = 0, 1, 2
+
+
+def _rng(seed: int, *stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, *stream])
+
+
+class Scenario:
+    """Class-incremental tasks and the clients' training data at each task.
+
+    Class ids are incremental labels (see :mod:`scenario.tasks`). Clients are
+    numbered by join order: the first ``spec.initial_clients`` are active from
+    task 0 and ``spec.new_clients_per_task`` more join at each later task; a
+    client stays active once it has joined.
+
+    With ``partition='task_pool'`` clients work on different pool tasks at the
+    same step; the task stream used for evaluation is then the pool tasks in
+    order of first use: ``task_classes(t)`` are the classes some client meets
+    for the first time at step ``t`` (possibly none) and ``seen_classes(t)``
+    everything any client has met so far.
+    """
+
+    def __init__(
+        self,
+        spec: ScenarioSpec,
+        dataset: ImageDataset,
+        class_order: np.ndarray,
+        task_bounds: np.ndarray,
+        client_data: list[list[np.ndarray]],
+    ):
+        self.spec = spec
+        self.dataset = dataset
+        self.class_order = _frozen(class_order)
+        self.train_labels = _frozen(tasks.to_incremental(dataset.train_y, class_order))
+        self.test_labels = _frozen(tasks.to_incremental(dataset.test_y, class_order))
+        self._bounds = task_bounds
+        # Per task, all clients' indices back to back and where each client's start.
+        self._offsets = [np.concatenate([[0], np.cumsum([len(p) for p in parts])]) for parts in client_data]
+        self._indices = [_frozen(np.concatenate(parts)) for parts in client_data]
+
+    @property
+    def num_classes(self) -> int:
+        return self.dataset.num_classes
+
+    @property
+    def num_tasks(self) -> int:
+        return self.spec.num_tasks
+
+    def task_classes(self, t: int) -> np.ndarray:
+        """Incremental labels introduced at task ``t``."""
+        self._check_task(t)
+        return np.arange(self._bounds[t], self._bounds[t + 1])
+
+    def seen_classes(self, t: int) -> np.ndarray:
+        """Incremental labels introduced at tasks ``0..t``."""
+        self._check_task(t)
+        return np.arange(self._bounds[t + 1])
+
+    def join_task(self, client: int) -> int:
+        """The task at which ``client`` joins."""
+        if not 0 <= client < self.spec.num_clients:
+            raise ValueError(f"client {client} out of range 0..{self.spec.num_clients - 1}")
+        first = self.spec.initial_clients
+        return 0 if client < first else 1 + (client - first) // self.spec.new_clients_per_task
+
+    def active_clients(self, t: int) -> np.ndarray:
+        """Clients that have joined by task ``t``."""
+        self._check_task(t)
+        return np.arange(len(self._offsets[t]) - 1)
+
+    def client_indices(self, client: int, t: int) -> np.ndarray:
+        """Read-only training-set indices of ``client`` at task ``t`` (empty if not active)."""
+        self._check_task(t)
+        if self.join_task(client) > t:
+            return np.empty(0, dtype=np.int64)
+        return self._indices[t][self._offsets[t][client] : self._offsets[t][client + 1]]
+
+    def client_classes(self, client: int, t: int) -> np.ndarray:
+        """Incremental labels present in ``client``'s data at task ``t``."""
+        return np.unique(self.train_labels[self.client_indices(client, t)])
+
+    def test_indices(self, classes: np.ndarray) -> np.ndarray:
+        """Test-set indices whose incremental label is in ``classes``."""
+        return np.flatnonzero(np.isin(self.test_labels, classes))
+
+    def _check_task(self, t: int) -> None:
+        if not 0 <= t < self.num_tasks:
+            raise ValueError(f"task {t} out of range 0..{self.num_tasks - 1}")
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return f"Scenario({s.dataset}, {s.num_tasks} tasks, {s.num_clients} clients, {s.partition}, seed={s.seed})"
+
+
+def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
+    """Class order, task stream and every client's data at every task."""
+    if spec.dataset != dataset.name:
+        raise ValueError(f"spec is for dataset {spec.dataset!r} but got {dataset.name!r}")
+    order = tasks.class_order(dataset.num_classes, spec.shuffle_classes, _rng(spec.seed, _ORDER_STREAM))
+    active = [spec.initial_clients + spec.new_clients_per_task * t for t in range(spec.num_tasks)]
+
+    if spec.partition == "task_pool":
+        join = np.repeat(np.arange(spec.num_tasks), [active[0], *np.diff(active)])
+        sequences = tasks.draw_task_sequences(
+            spec.num_clients, spec.pool_size, spec.num_tasks, _rng(spec.seed, _POOL_STREAM)
+        )
+        order, bounds, rank = tasks.pool_stream(order, sequences, join, spec.pool_size)
+        per_task = dataset.num_classes // spec.pool_size
+    else:
+        bounds = tasks.bounds(tasks.task_sizes(dataset.num_classes, spec.num_tasks, spec.classes_first_task))
+    labels = tasks.to_incremental(dataset.train_y, order)
+
+    client_data = []
+    for t, n in enumerate(active):
+        rng = _rng(spec.seed, _PARTITION_STREAM, t)
+        classes = np.arange(bounds[t], bounds[t + 1])
+        if spec.partition == "iid":
+            parts = partitions.iid(labels, classes, n, rng)
+        elif spec.partition == "dirichlet":
+            parts = partitions.dirichlet(labels, classes, n, rng, spec.dirichlet_beta)
+        elif spec.partition == "class_fraction":
+            parts = partitions.class_fraction(labels, classes, n, rng, spec.class_fraction)
+        elif spec.partition == "private_classes":
+            parts = partitions.private_classes(labels, classes, n, rng, spec.private_fraction)
+        else:
+            client_tasks = [rank[p] * per_task + np.arange(per_task) for p in sequences[:n, t]]
+            parts = partitions.task_pool(labels, client_tasks, rng, spec.samples_per_client_task)
+        client_data.append(parts)
+    return Scenario(spec, dataset, order, bounds, client_data)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    a.flags.writeable = False
+    return a

@@ -1,0 +1,151 @@
+"""Scenario: task stream, clients joining, per-client data, determinism across processes, speed."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scenario.datasets import DatasetNotFoundError, ImageDataset, load_dataset, roots_from_env
+from scenario.scenario import Scenario, build_scenario
+from scenario.spec import ScenarioSpec
+
+REPO = Path(__file__).resolve().parents[1]
+PARTITIONS = ["iid", "dirichlet", "class_fraction", "private_classes", "task_pool"]
+
+
+def fake_dataset(name: str = "mnist", num_classes: int = 10, per_class: int = 100, seed: int = 0) -> ImageDataset:
+    """A small dataset with real shapes and balanced, shuffled labels (no image content needed)."""
+    rng = np.random.default_rng(seed)
+    train_y = rng.permutation(np.repeat(np.arange(num_classes), per_class)).astype(np.int64)
+    test_y = rng.permutation(np.repeat(np.arange(num_classes), per_class // 5)).astype(np.int64)
+    train_x, test_x = np.zeros((len(train_y), 2, 2, 1), np.uint8), np.zeros((len(test_y), 2, 2, 1), np.uint8)
+    names = tuple(str(i) for i in range(num_classes))
+    return ImageDataset(name, train_x, train_y, test_x, test_y, num_classes, names, (0.0,), (1.0,))
+
+
+def digest(s: Scenario) -> str:
+    h = hashlib.sha256(s.class_order.tobytes())
+    for t in range(s.num_tasks):
+        h.update(s.task_classes(t).tobytes())
+        for c in s.active_clients(t):
+            h.update(s.client_indices(c, t).tobytes() + b"|")
+    return h.hexdigest()
+
+
+def test_class_order_and_incremental_labels():
+    ds = fake_dataset()
+    s = build_scenario(ScenarioSpec(num_clients=10, seed=3), ds)
+    assert sorted(s.class_order.tolist()) == list(range(10)) and s.class_order.tolist() != list(range(10))
+    assert (s.class_order[s.train_labels] == ds.train_y).all() and (s.class_order[s.test_labels] == ds.test_y).all()
+    plain = build_scenario(ScenarioSpec(num_clients=10, shuffle_classes=False), ds)
+    assert plain.class_order.tolist() == list(range(10)) and (plain.train_labels == ds.train_y).all()
+
+
+def test_task_stream():
+    s = build_scenario(ScenarioSpec(num_tasks=4, classes_first_task=4, num_clients=5), fake_dataset())
+    assert (s.num_tasks, s.num_classes) == (4, 10)
+    assert [s.task_classes(t).tolist() for t in range(4)] == [[0, 1, 2, 3], [4, 5], [6, 7], [8, 9]]
+    assert s.seen_classes(2).tolist() == list(range(8))
+    with pytest.raises(ValueError, match="task 4 out of range"):
+        s.task_classes(4)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_clients_join_and_get_data(partition):
+    spec = ScenarioSpec(num_tasks=5, num_clients=14, new_clients_per_task=2, partition=partition)
+    s = build_scenario(spec, fake_dataset())
+    assert [len(s.active_clients(t)) for t in range(5)] == [6, 8, 10, 12, 14]
+    assert [s.join_task(c) for c in (0, 5, 6, 7, 8, 13)] == [0, 0, 1, 1, 2, 4]
+    assert len(s.client_indices(13, 3)) == 0 and len(s.client_classes(13, 3)) == 0
+    assert len(s.client_indices(13, 4)) > 0
+    for t in range(5):
+        parts = [s.client_indices(c, t) for c in s.active_clients(t)]
+        flat = np.concatenate(parts)
+        assert all(p.dtype == np.int64 for p in parts)
+        if partition != "task_pool":
+            assert len(np.unique(flat)) == len(flat)  # disjoint
+            assert set(flat.tolist()) == set(np.flatnonzero(np.isin(s.train_labels, s.task_classes(t))).tolist())
+        for c in s.active_clients(t):
+            assert np.isin(s.client_classes(c, t), s.seen_classes(t)).all()
+    with pytest.raises(ValueError, match="client 14 out of range"):
+        s.join_task(14)
+
+
+def test_client_indices_are_read_only_views():
+    s = build_scenario(ScenarioSpec(num_clients=4), fake_dataset())
+    idx = s.client_indices(1, 0)
+    with pytest.raises(ValueError):
+        idx[0] = 0
+    assert idx.base is not None  # a view into the task's index array, not a copy
+
+
+def test_test_indices():
+    s = build_scenario(ScenarioSpec(num_clients=4, seed=1), fake_dataset())
+    idx = s.test_indices(s.task_classes(1))
+    assert len(idx) == 2 * 20 and set(s.test_labels[idx].tolist()) == set(s.task_classes(1).tolist())
+    assert len(s.test_indices(s.seen_classes(4))) == len(s.test_labels)
+
+
+def test_class_fraction_scenario():
+    spec = ScenarioSpec(dataset="cifar100", num_tasks=10, num_clients=30, partition="class_fraction")
+    s = build_scenario(spec, fake_dataset("cifar100", 100, 20))
+    for t in (0, 9):
+        assert {len(s.client_classes(c, t)) for c in s.active_clients(t)} == {6}
+
+
+def test_task_pool_scenario():
+    spec = ScenarioSpec(num_tasks=3, num_clients=4, new_clients_per_task=1, partition="task_pool", task_pool_size=10)
+    s = build_scenario(spec, fake_dataset())
+    seen_by_clients: set[int] = set()
+    for t in range(3):
+        held = [tuple(s.client_classes(c, t).tolist()) for c in s.active_clients(t)]
+        assert all(len(h) == 1 for h in held)  # pool tasks of one class each
+        seen_by_clients |= {h[0] for h in held}
+        assert seen_by_clients == set(s.seen_classes(t).tolist())  # the stream = pool tasks in order of first use
+    for c in range(4):
+        mine = [tuple(s.client_classes(c, t).tolist()) for t in range(s.join_task(c), 3)]
+        assert len(set(mine)) == len(mine)  # a client never repeats a pool task
+
+
+def test_same_spec_same_scenario_in_another_process():
+    spec = ScenarioSpec(num_clients=37, new_clients_per_task=3, partition="dirichlet", dirichlet_beta=0.3, seed=11)
+    here = digest(build_scenario(spec, fake_dataset()))
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from test_scenario_build import digest, fake_dataset;"
+        "from scenario.scenario import build_scenario; from scenario.spec import ScenarioSpec;"
+        f"print(digest(build_scenario(ScenarioSpec(**{spec.model_dump()!r}), fake_dataset())))"
+    )
+    there = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert there.stdout.strip() == here
+    other = digest(build_scenario(spec.model_copy(update={"seed": 12}), fake_dataset()))
+    assert other != here
+
+
+def test_spec_must_match_dataset():
+    with pytest.raises(ValueError, match="spec is for dataset 'cifar10' but got 'mnist'"):
+        build_scenario(ScenarioSpec(dataset="cifar10"), fake_dataset())
+
+
+@pytest.fixture(scope="module")
+def real_mnist() -> ImageDataset:
+    roots = roots_from_env() or [REPO.parent / "shared" / "data"]
+    try:
+        return load_dataset("mnist", roots)
+    except DatasetNotFoundError as e:
+        pytest.skip(f"dataset 'mnist' is absent; looked at {', '.join(map(str, e.looked_at))}")
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_real_mnist_300_clients_is_fast(real_mnist, partition):
+    spec = ScenarioSpec(num_clients=300, partition=partition)
+    start = time.perf_counter()
+    s = build_scenario(spec, real_mnist)
+    assert time.perf_counter() - start < 1.0
+    assert min(len(s.client_indices(c, 0)) for c in s.active_clients(0)) > 0
