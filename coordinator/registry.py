@@ -1,0 +1,96 @@
+"""The coordinator's view of its clients: who joined, who is alive, who left.
+
+A client is *online* from its join until it leaves, misses heartbeats for
+``liveness_timeout_s``, or a send to it fails (its socket is gone). Any
+message from a client counts as a sign of life. Dead and left clients can
+join again under the same identity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Status(str, Enum):
+    ONLINE = "online"
+    LEFT = "left"
+    DEAD = "dead"
+
+
+@dataclass
+class ClientRecord:
+    client_id: str
+    index: int
+    node: str
+    join_task: int
+    status: Status = Status.ONLINE
+    last_seen: float = field(default_factory=time.monotonic)
+    assets_task: int = -1  # task whose per-task assets this client holds
+    rounds_trained: int = 0
+
+
+@dataclass
+class RegistryCounts:
+    joined: int = 0
+    rejoined: int = 0
+    left: int = 0
+    dropped: int = 0  # declared dead: missed heartbeats or unreachable
+
+
+class ClientRegistry:
+    def __init__(self, liveness_timeout_s: float):
+        self.liveness_timeout_s = liveness_timeout_s
+        self.records: dict[str, ClientRecord] = {}
+        self.counts = RegistryCounts()
+
+    def join(self, client_id: str, index: int, node: str, join_task: int) -> ClientRecord:
+        record = self.records.get(client_id)
+        if record is None:
+            record = ClientRecord(client_id, index, node, join_task)
+            self.records[client_id] = record
+            self.counts.joined += 1
+        else:
+            if record.status is not Status.ONLINE:
+                self.counts.rejoined += 1
+            record.status = Status.ONLINE
+            record.assets_task = -1  # it may have lost its state: send the task's assets again
+            record.node = node
+            record.last_seen = time.monotonic()
+        return record
+
+    def is_online(self, client_id: str) -> bool:
+        record = self.records.get(client_id)
+        return record is not None and record.status is Status.ONLINE
+
+    def touch(self, client_id: str) -> None:
+        self.records[client_id].last_seen = time.monotonic()
+
+    def leave(self, client_id: str) -> None:
+        record = self.records[client_id]
+        if record.status is Status.ONLINE:
+            record.status = Status.LEFT
+            self.counts.left += 1
+
+    def drop(self, client_id: str) -> None:
+        record = self.records[client_id]
+        if record.status is Status.ONLINE:
+            record.status = Status.DEAD
+            self.counts.dropped += 1
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Declare dead every online client silent for longer than the liveness timeout."""
+        now = time.monotonic() if now is None else now
+        dead = [r.client_id for r in self.records.values()
+                if r.status is Status.ONLINE and now - r.last_seen > self.liveness_timeout_s]
+        for client_id in dead:
+            self.drop(client_id)
+        return dead
+
+    def online(self) -> list[ClientRecord]:
+        return [r for r in self.records.values() if r.status is Status.ONLINE]
+
+    def eligible(self, task: int) -> list[ClientRecord]:
+        """Online clients whose scenario join task has come, in a stable order."""
+        return sorted((r for r in self.online() if r.join_task <= task), key=lambda r: r.index)

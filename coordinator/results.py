@@ -1,0 +1,108 @@
+"""Run directory, event log and summary, and the FCIL metric definitions.
+
+Definitions (also in docs/metrics.md). ``A[t][i]`` is the accuracy (percent)
+of the global model after task ``t`` on the test samples of task ``i``'s
+classes, predicting over all classes seen so far (class-incremental: no task
+identity at test time). Entries with ``i > t`` are ``null``.
+
+- ``average_accuracy``: mean of the last row, ``1/T sum_i A[T-1][i]``.
+- ``average_incremental_accuracy``: mean over ``t`` of the mean of row ``t``
+  over tasks ``0..t`` (Rebuffi et al., iCaRL, 2017).
+- ``average_forgetting``: mean over tasks ``i < T-1`` of
+  ``max_{t < T-1} A[t][i] - A[T-1][i]`` (Chaudhry et al., 2018); 0 for one task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def average_accuracy(matrix: list[list[float | None]]) -> float:
+    last = [a for a in matrix[-1] if a is not None]
+    return float(np.mean(last)) if last else float("nan")
+
+
+def average_incremental_accuracy(matrix: list[list[float | None]]) -> float:
+    rows = [np.mean([a for a in row[: t + 1] if a is not None]) for t, row in enumerate(matrix)]
+    return float(np.mean(rows)) if rows else float("nan")
+
+
+def average_forgetting(matrix: list[list[float | None]]) -> float:
+    if len(matrix) < 2:
+        return 0.0
+    final = matrix[-1]
+    drops = []
+    for i in range(len(matrix) - 1):
+        best = max(matrix[t][i] for t in range(i, len(matrix) - 1))
+        drops.append(best - final[i])
+    return float(np.mean(drops))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+@dataclass
+class RoundRecord:
+    task: int
+    round: int  # global round index
+    task_round: int
+    selected: int
+    participants: int
+    late: int
+    failed: int
+    skipped: bool
+    samples: int
+    mean_loss: float | None
+    accuracy_seen: float | None
+    duration_s: float
+    coordinator_cpu_s: float  # CPU time of the coordinator process in the round, evaluation excluded
+    phases_s: dict[str, float]
+    bytes_sent: int
+    bytes_received: int
+    online: int
+
+
+class RunRecorder:
+    """Owns the run directory: config.yaml, events.jsonl, summary.json."""
+
+    def __init__(self, run_dir: Path, config_yaml: str):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(config_yaml)
+        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        self.started = time.time()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"event": kind, "time": round(time.time() - self.started, 4), **fields}
+        self._events.write(json.dumps(record, default=_json_default) + "\n")
+
+    def round(self, record: RoundRecord) -> None:
+        self.event("round", **asdict(record))
+
+    def summary(self, summary: dict[str, Any]) -> Path:
+        path = self.run_dir / "summary.json"
+        write_json_atomic(path, summary)
+        return path
+
+    def close(self) -> None:
+        self._events.close()

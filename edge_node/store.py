@@ -1,0 +1,79 @@
+"""Per-client persistent storage and the node's shared asset cache.
+
+An idle emulated client must cost little memory, so anything model-sized a
+client keeps between rounds (its own previous model, a Fisher matrix...) is
+written to its :class:`ArrayStore`, a directory on the node's disk, like a
+device's flash. Per-task assets are identical for every client of a task;
+:class:`AssetCache` keeps one copy per distinct content on the node.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ArrayStore:
+    """Named groups of arrays in one directory, written atomically."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _path(self, name: str) -> Path:
+        if not _NAME.match(name):
+            raise ValueError(f"store name {name!r}: use letters, digits, '_', '.', '-'")
+        return self.root / f"{name}.npz"
+
+    def save(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._path(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **{k.replace("/", "|"): np.asarray(v) for k, v in arrays.items()})
+        os.replace(tmp, path)
+
+    def load(self, name: str) -> dict[str, np.ndarray] | None:
+        path = self._path(name)
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            return {k.replace("|", "/"): data[k] for k in data.files}
+
+    def has(self, name: str) -> bool:
+        return self._path(name).exists()
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+
+class AssetCache:
+    """Deduplicates received assets by content: equal arrays share one copy."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str, tuple[int, ...]], list[np.ndarray]] = {}
+
+    def intern(self, name: str, array: np.ndarray) -> np.ndarray:
+        key = (name, array.dtype.str, array.shape)
+        bucket = self._by_key.setdefault(key, [])
+        for known in bucket:
+            if np.array_equal(known, array):
+                return known
+        bucket.append(array)
+        return array
+
+    def intern_all(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: self.intern(k, v) for k, v in arrays.items()}
+
+    def retain(self, live: list[Mapping[str, np.ndarray]]) -> None:
+        """Forget cached arrays no client refers to any more."""
+        keep = {id(a) for assets in live for a in assets.values()}
+        for key, bucket in list(self._by_key.items()):
+            bucket[:] = [a for a in bucket if id(a) in keep]
+            if not bucket:
+                del self._by_key[key]

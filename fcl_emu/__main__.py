@@ -1,0 +1,3 @@
+from fcl_emu.cli import app
+
+app()

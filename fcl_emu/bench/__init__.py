@@ -1,0 +1,1 @@
+"""Benchmarks: each reports ratios against a baseline measured in the same run."""

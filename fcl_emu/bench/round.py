@@ -1,0 +1,85 @@
+"""``fcl-emu bench round``: coordinator cost per round and memory per idle emulated client.
+
+A real emulation on this machine (MNIST, the small CNN, one task, every
+client sampled every round, evaluation off) with two edge nodes: node A
+hosts one client, node B hosts the other ``clients - 1``. After the timed
+rounds, while both nodes still run:
+
+- coordinator time per round outside client training: the coordinator
+  process's CPU time per round (sending, receiving, validating,
+  aggregating; evaluation excluded), against the round's wall-clock time;
+- memory per idle client: (RSS of node B - RSS of node A) / (clients - 2),
+  against the bytes of one model copy (an idle client must hold none).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import numpy as np
+import psutil
+from rich.console import Console
+
+from coordinator.engine import Coordinator
+from fcl_emu.bench.report import emit
+from fcl_emu.config import RunConfig, default_data_roots
+from fcl_emu.launcher import node_command
+
+
+def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path] | None,
+        console: Console) -> dict:
+    if clients < 3:
+        raise ValueError("--clients must be at least 3")
+    config = RunConfig.model_validate({
+        "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients},
+        "rounds": {"clients_per_round": clients, "rounds_per_task": rounds, "eval_every": 10**6},
+        "model": "cnn", "nodes": 2, "device": "cpu",
+        "data_root": [str(p) for p in (data_root or default_data_roots())],
+    })
+    memory: dict[str, int] = {}
+    procs: list[subprocess.Popen] = []
+
+    def sample_memory(kind: str, info: dict) -> None:
+        if kind == "round" and info["task_round"] == rounds - 1:
+            memory["node_a"] = psutil.Process(procs[0].pid).memory_info().rss
+            memory["node_b"] = psutil.Process(procs[1].pid).memory_info().rss
+
+    coordinator = Coordinator(config, progress=sample_memory)
+    with TemporaryDirectory() as tmp:
+        for name, indices in (("node-a", [0]), ("node-b", list(range(1, clients)))):
+            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, name),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        try:
+            summary = coordinator.run(Path(tmp) / "run")
+            records = [r for r in _rounds(Path(tmp) / "run" / "events.jsonl")]
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            coordinator.close()
+    model_bytes = sum(a.nbytes for a in coordinator.server.global_state.values())
+    cpu = float(np.mean([r["coordinator_cpu_s"] for r in records]))
+    wall = float(np.mean([r["duration_s"] for r in records]))
+    per_client = (memory["node_b"] - memory["node_a"]) / (clients - 2)
+    rows = [
+        {"quantity": "coordinator CPU per round (s)", "value": cpu, "baseline": wall,
+         "ratio": cpu / wall, "target": "< 0.5 s"},
+        {"quantity": "memory per idle client (MB)", "value": per_client / 1e6, "baseline": model_bytes / 1e6,
+         "ratio": per_client / model_bytes, "target": "< 2 MB"},
+    ]
+    return emit("round", rows, {
+        "clients": clients, "rounds": rounds, "round_wall_clock_s": wall,
+        "phases_s_mean": {k: float(np.mean([r["phases_s"][k] for r in records])) for k in records[0]["phases_s"]},
+        "node_rss_bytes": memory, "model_bytes": model_bytes, "status": summary["status"],
+        "baselines": "coordinator CPU vs round wall-clock; idle-client memory vs one model copy",
+    }, json_path, console)
+
+
+def _rounds(events: Path) -> list[dict]:
+    import json
+
+    return [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "round"]

@@ -1,0 +1,276 @@
+"""The ``fcl-emu`` command line (typer).
+
+``up`` runs a whole emulation on this machine; ``coordinator`` and ``node``
+run the two halves separately (other hosts); ``methods`` lists the learning
+methods; ``bench`` holds the benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import pydantic
+import typer
+from rich.console import Console
+
+from fcl_emu.config import RunConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Emulate federated class-incremental learning at the edge.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+# Where each config field is set on the command line (for error messages).
+FLAG_OF = {
+    ("scenario", "num_clients"): "--clients",
+    ("scenario", "dataset"): "--dataset",
+    ("scenario", "num_tasks"): "--tasks",
+    ("scenario", "partition"): "--partition",
+    ("scenario", "dirichlet_beta"): "--beta",
+    ("scenario", "seed"): "--seed",
+    ("rounds", "clients_per_round"): "--clients-per-round",
+    ("rounds", "rounds_per_task"): "--rounds-per-task",
+    ("rounds", "deadline_s"): "--round-deadline",
+    ("rounds", "min_participants"): "--min-participants",
+    ("training", "local_epochs"): "--local-epochs",
+    ("training", "lr"): "--lr",
+    ("network", "bind"): "--bind",
+    ("method",): "--method",
+    ("method_options",): "--method-option",
+    ("model",): "--model",
+    ("nodes",): "--nodes",
+    ("device",): "--device",
+    ("data_root",): "--data-root",
+    ("seed",): "--seed",
+    ("run_dir",): "--run-dir",
+}
+
+
+def _flag_for(loc: tuple) -> str:
+    for n in range(len(loc), 0, -1):
+        if tuple(loc[:n]) in FLAG_OF:
+            return FLAG_OF[tuple(loc[:n])]
+    return ".".join(str(p) for p in loc) or "config"
+
+
+def _set(overrides: dict, path: tuple[str, ...], value: Any) -> None:
+    if value is None:
+        return
+    node = overrides
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _parse_method_options(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r}: use KEY=VALUE", param_hint="--method-option")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
+    """Resolve file + flags, turning validation errors into messages that name the flag."""
+    overrides: dict = {}
+    _set(overrides, ("scenario", "num_clients"), flags.get("clients"))
+    _set(overrides, ("scenario", "dataset"), flags.get("dataset"))
+    _set(overrides, ("scenario", "num_tasks"), flags.get("tasks"))
+    _set(overrides, ("scenario", "partition"), flags.get("partition"))
+    _set(overrides, ("scenario", "dirichlet_beta"), flags.get("beta"))
+    _set(overrides, ("rounds", "clients_per_round"), flags.get("clients_per_round"))
+    _set(overrides, ("rounds", "rounds_per_task"), flags.get("rounds_per_task"))
+    _set(overrides, ("rounds", "deadline_s"), flags.get("round_deadline"))
+    _set(overrides, ("rounds", "min_participants"), flags.get("min_participants"))
+    _set(overrides, ("training", "local_epochs"), flags.get("local_epochs"))
+    _set(overrides, ("training", "lr"), flags.get("lr"))
+    _set(overrides, ("network", "bind"), flags.get("bind"))
+    for key in ("method", "model", "nodes", "device", "run_dir"):
+        _set(overrides, (key,), flags.get(key))
+    if flags.get("seed") is not None:
+        overrides["seed"] = flags["seed"]
+        overrides.setdefault("scenario", {})["seed"] = flags["seed"]
+    if flags.get("data_root"):
+        overrides["data_root"] = [str(p) for p in flags["data_root"]]
+    if flags.get("method_option"):
+        overrides["method_options"] = _parse_method_options(flags["method_option"])
+    if flags.get("download"):
+        overrides["download"] = True
+    try:
+        return load_config(config_file, overrides)
+    except pydantic.ValidationError as exc:
+        lines = [f"Invalid value for {_flag_for(tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise typer.BadParameter("\n".join(lines)) from None
+    except (ValueError, KeyError) as exc:
+        raise typer.BadParameter(str(exc).strip("'\"")) from None
+
+
+def _finish(runner, cfg: RunConfig) -> None:
+    """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed."""
+    from scenario.datasets import DatasetNotFoundError
+
+    try:
+        summary = runner(cfg, console)
+    except DatasetNotFoundError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    raise typer.Exit(0 if summary.get("status") == "completed" else 1)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file; flags override it.")]
+ClientsOpt = Annotated[Optional[int], typer.Option(help="Number of emulated clients.")]
+PerRoundOpt = Annotated[Optional[int], typer.Option("--clients-per-round", help="Clients sampled per round (K).")]
+MethodOpt = Annotated[Optional[str], typer.Option(help="Learning method (see `fcl-emu methods`).")]
+MethodOptionOpt = Annotated[Optional[list[str]], typer.Option(
+    "--method-option", help="Method hyper-parameter KEY=VALUE (repeatable).")]
+DatasetOpt = Annotated[Optional[str], typer.Option(help="Dataset name.")]
+DataRootOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--data-root", help="Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or ./data).")]
+TasksOpt = Annotated[Optional[int], typer.Option(help="Number of class-incremental tasks.")]
+RoundsOpt = Annotated[Optional[int], typer.Option("--rounds-per-task", help="Communication rounds per task.")]
+EpochsOpt = Annotated[Optional[int], typer.Option("--local-epochs", help="Local epochs per round.")]
+NodesOpt = Annotated[Optional[int], typer.Option(help="Edge-node processes to start.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Seed of the scenario, sampling and training.")]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<time>-...).")]
+
+
+@app.command()
+def up(
+    config: ConfigOpt = None,
+    clients: ClientsOpt = None,
+    clients_per_round: PerRoundOpt = None,
+    method: MethodOpt = None,
+    method_option: MethodOptionOpt = None,
+    dataset: DatasetOpt = None,
+    data_root: DataRootOpt = None,
+    tasks: TasksOpt = None,
+    rounds_per_task: RoundsOpt = None,
+    local_epochs: EpochsOpt = None,
+    nodes: NodesOpt = None,
+    device: DeviceOpt = None,
+    seed: SeedOpt = None,
+    run_dir: RunDirOpt = None,
+    partition: Annotated[Optional[str], typer.Option(help="iid, dirichlet, class_fraction, private_classes, task_pool.")] = None,
+    beta: Annotated[Optional[float], typer.Option(help="Dirichlet concentration for --partition dirichlet.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Backbone: auto, cnn, resnet18, resnet32.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Local learning rate.")] = None,
+    round_deadline: Annotated[Optional[float], typer.Option("--round-deadline", help="Seconds before a round closes.")] = None,
+    min_participants: Annotated[Optional[int], typer.Option("--min-participants", help="Fewer updates: round skipped.")] = None,
+    download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
+    cfg = build_config(config, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
+    _logging(verbose)
+    from fcl_emu.run import run_local
+
+    _finish(run_local, cfg)
+
+
+@app.command()
+def coordinator(
+    config: ConfigOpt = None,
+    bind: Annotated[Optional[str], typer.Option(help="ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555.")] = None,
+    clients: ClientsOpt = None,
+    clients_per_round: PerRoundOpt = None,
+    method: MethodOpt = None,
+    method_option: MethodOptionOpt = None,
+    dataset: DatasetOpt = None,
+    data_root: DataRootOpt = None,
+    tasks: TasksOpt = None,
+    rounds_per_task: RoundsOpt = None,
+    local_epochs: EpochsOpt = None,
+    device: DeviceOpt = None,
+    seed: SeedOpt = None,
+    run_dir: RunDirOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run only the coordinator; edge nodes connect with `fcl-emu node --connect`."""
+    cfg = build_config(config, nodes=1, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
+    _logging(verbose)
+    from fcl_emu.run import run_coordinator
+
+    _finish(run_coordinator, cfg)
+
+
+@app.command()
+def node(
+    connect: Annotated[str, typer.Option(help="Coordinator endpoint, e.g. tcp://HOST:5555.")],
+    clients: Annotated[str, typer.Option(help="Client indices hosted here, e.g. 0-149 or 0,5,7-9.")],
+    data_root: DataRootOpt = None,
+    name: Annotated[Optional[str], typer.Option(help="Node name (default node-<pid>).")] = None,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads for local training.")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one edge node hosting many emulated clients."""
+    from fcl_emu.config import default_data_roots
+    from fcl_emu.launcher import parse_client_set
+
+    try:
+        indices = parse_client_set(clients)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--clients") from None
+    _logging(verbose)
+    from edge_node.node import EdgeNode
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
+             threads=threads).run(stop)
+
+
+@app.command("methods")
+def list_methods() -> None:
+    """List the registered learning methods."""
+    from rich.table import Table
+
+    from methods import registry
+
+    table = Table("method", "aliases", "description")
+    for spec in registry.all_specs():
+        table.add_row(spec.name, ", ".join(spec.aliases), spec.description)
+    Console().print(table)
+
+
+@bench_app.command("wire")
+def bench_wire(
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    seconds: Annotated[float, typer.Option(help="Measuring time per case.")] = 2.0,
+) -> None:
+    """Framing throughput between two processes vs raw zero-copy pyzmq and pickle."""
+    from fcl_emu.bench.wire import run
+
+    run(json_path, seconds, console)
+
+
+@bench_app.command("round")
+def bench_round(
+    clients: Annotated[int, typer.Option(help="Emulated clients.")] = 300,
+    rounds: Annotated[int, typer.Option(help="Rounds to time.")] = 5,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    data_root: DataRootOpt = None,
+) -> None:
+    """Coordinator time per round outside client training, and memory per idle client."""
+    from fcl_emu.bench.round import run
+
+    run(clients, rounds, json_path, data_root, console)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,137 @@
+"""The run configuration: one validated object built from a YAML file and flags.
+
+Precedence: command-line flags > ``--config`` YAML > defaults. Everything is
+validated before any process starts; an invalid value fails with a message
+naming the option. The resolved config is written into the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+
+from scenario.datasets import roots_from_env
+from scenario.spec import ScenarioSpec
+
+
+def default_data_roots() -> list[Path]:
+    """``$FCL_EMU_DATA_ROOT`` (os.pathsep-separated) if set, else ``./data``."""
+    return roots_from_env() or [Path("data")]
+
+
+class TrainingConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    local_epochs: int = pydantic.Field(1, ge=1)
+    lr: float = pydantic.Field(0.01, gt=0)
+    batch_size: int = pydantic.Field(32, ge=1)
+    momentum: float = pydantic.Field(0.9, ge=0, lt=1)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+
+
+class RoundConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    clients_per_round: int = pydantic.Field(30, ge=1)
+    rounds_per_task: int = pydantic.Field(5, ge=1)
+    deadline_s: float = pydantic.Field(120.0, gt=0, description="a round closes after this long")
+    min_participants: int = pydantic.Field(1, ge=1, description="fewer updates than this: the round is skipped")
+    eval_every: int = pydantic.Field(1, ge=1, description="evaluate every N rounds (and always at task end)")
+
+
+class NetworkConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    bind: str = "tcp://127.0.0.1:0"
+    heartbeat_interval_s: float = pydantic.Field(1.0, gt=0)
+    liveness_timeout_s: float = pydantic.Field(10.0, gt=0)
+    join_timeout_s: float = pydantic.Field(120.0, gt=0, description="how long to wait for the clients to join")
+    max_message_bytes: int = pydantic.Field(1 << 30, ge=1 << 16)
+
+    @pydantic.model_validator(mode="after")
+    def _timeouts(self) -> "NetworkConfig":
+        if self.liveness_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("liveness_timeout_s must exceed twice heartbeat_interval_s")
+        return self
+
+
+class RunConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    method: str = "fedavg"
+    method_options: dict[str, Any] = {}
+    model: str = "auto"
+    scenario: ScenarioSpec = ScenarioSpec()
+    training: TrainingConfig = TrainingConfig()
+    rounds: RoundConfig = RoundConfig()
+    network: NetworkConfig = NetworkConfig()
+    nodes: int = pydantic.Field(2, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data_root: list[Path] = pydantic.Field(default_factory=default_data_roots)
+    download: bool = False
+    seed: int = 0
+    run_dir: Path | None = None
+
+    @pydantic.field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        from methods import registry
+
+        return registry.get(value).name
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        from methods.models.classifier import MODELS
+
+        if value not in MODELS:
+            raise ValueError(f"unknown model {value!r}; choose one of {', '.join(MODELS)}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        from methods import registry
+
+        registry.get(self.method).options(**self.method_options)
+        if self.nodes > self.scenario.num_clients:
+            raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
+        if self.rounds.min_participants > self.rounds.clients_per_round:
+            raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
+        return self
+
+    def method_options_model(self):
+        from methods import registry
+
+        return registry.get(self.method).options(**self.method_options)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from an optional YAML file plus nested overrides (flags)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"--config: cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config: {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"--config: {path} must hold a mapping at the top level")
+        data = loaded or {}
+    return RunConfig.model_validate(_merge(data, overrides))

@@ -1,0 +1,92 @@
+"""Starting a whole emulation on this machine: the coordinator here, edge nodes as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fcl_emu.config import RunConfig
+
+
+def parse_client_set(text: str) -> list[int]:
+    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10]."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad client set {text!r}: use forms like '0-149' or '0,5,7-9'") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad client range {part!r}")
+        out.extend(range(first, last + 1))
+    if not out:
+        raise ValueError("the client set is empty")
+    return sorted(set(out))
+
+
+def format_client_set(indices: list[int]) -> str:
+    """Inverse of :func:`parse_client_set`, compact."""
+    parts, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            parts.append(f"{start}-{value}" if value != start else str(value))
+            start = None
+    return ",".join(parts)
+
+
+def node_assignment(num_clients: int, nodes: int) -> list[list[int]]:
+    """Clients striped over nodes (i, i+nodes, ...): balances load and late joiners."""
+    return [list(range(n, num_clients, nodes)) for n in range(nodes)]
+
+
+def default_run_dir(config: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{config.method}-{config.scenario.dataset}-s{config.seed}"
+
+
+def node_command(address: str, indices: list[int], config: RunConfig, name: str) -> list[str]:
+    cmd = [sys.executable, "-m", "fcl_emu", "node", "--connect", address,
+           "--clients", format_client_set(indices), "--name", name]
+    for root in config.data_root:
+        cmd += ["--data-root", str(root)]
+    return cmd
+
+
+class NodeProcesses:
+    """The edge-node child processes of ``fcl-emu up``; stopped for sure on exit."""
+
+    def __init__(self, address: str, config: RunConfig, log_dir: Path):
+        self.procs: list[subprocess.Popen] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes)):
+            name = f"node-{n}"
+            log = open(log_dir / f"{name}.log", "wb")
+            self.procs.append(subprocess.Popen(node_command(address, indices, config, name),
+                                               stdout=log, stderr=subprocess.STDOUT, env=env))
+            log.close()
+
+    def check(self) -> list[int]:
+        """Exit codes of nodes that have exited."""
+        return [p.returncode for p in self.procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,104 @@
+"""Running the coordinator with live progress and a closing summary table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.engine import Coordinator, RunAborted
+from fcl_emu.config import RunConfig
+from fcl_emu.launcher import NodeProcesses, default_run_dir
+
+
+class ProgressView:
+    """Progress hook for the coordinator: one bar over all rounds, with the latest numbers."""
+
+    def __init__(self, config: RunConfig, console: Console):
+        self.config = config
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=False)
+        total = config.scenario.num_tasks * config.rounds.rounds_per_task
+        self.bar = self.progress.add_task("waiting for clients", total=total)
+        self.online = 0
+        self.task = 0
+        self.accuracy: float | None = None
+
+    def __call__(self, kind: str, info: dict) -> None:
+        if kind == "join":
+            self.online += 1
+            self.progress.update(self.bar, description=f"waiting for clients: {self.online} joined")
+        elif kind == "task_start":
+            self.task = info["task"]
+        elif kind == "round":
+            if info["accuracy_seen"] is not None:
+                self.accuracy = info["accuracy_seen"]
+            acc = "-" if self.accuracy is None else f"{self.accuracy:.1f}%"
+            self.progress.update(self.bar, advance=1, description=(
+                f"task {info['task'] + 1}/{self.config.scenario.num_tasks} "
+                f"round {info['task_round'] + 1}/{self.config.rounds.rounds_per_task} | "
+                f"{info['participants']}/{info['selected']} clients | acc(seen) {acc}"))
+        elif kind == "task_end":
+            row = " ".join(f"{a:.1f}" for a in info["accuracy"])
+            self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
+            self.accuracy = None
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title=f"fcl-emu run: {summary['method']} on {summary['dataset']}", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def pct(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    table.add_row("status", summary["status"])
+    table.add_row("average accuracy (%)", pct(summary["average_accuracy"]))
+    table.add_row("average incremental accuracy (%)", pct(summary["average_incremental_accuracy"]))
+    table.add_row("average forgetting (%)", pct(summary["average_forgetting"]))
+    table.add_row("rounds (skipped)", f"{summary['rounds']} ({summary['rounds_skipped']})")
+    table.add_row("bytes on the wire", f"{summary['bytes_total'] / 1e6:.1f} MB")
+    c = summary["clients"]
+    table.add_row("clients joined / left / dropped", f"{c['joined']} / {c['left']} / {c['dropped']}")
+    table.add_row("rejected messages", str(sum(summary["rejected_messages"].values())))
+    table.add_row("wall clock", f"{summary['wall_clock_s']:.1f} s")
+    table.add_row("run directory", summary["run_dir"])
+    return table
+
+
+def _run(config: RunConfig, console: Console, start_nodes: bool) -> dict:
+    run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    view = ProgressView(config, console)
+    coordinator = Coordinator(config, progress=view)
+    console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}")
+    nodes = NodeProcesses(coordinator.address, config, run_dir / "logs") if start_nodes else None
+    try:
+        with view.progress:
+            summary = coordinator.run(run_dir)
+    except RunAborted as exc:
+        console.print(f"[red]run aborted:[/red] {exc}")
+        summary = _read_summary(run_dir)
+    finally:
+        if nodes is not None:
+            nodes.stop()
+        coordinator.close()
+    console.print(summary_table(summary))
+    return summary
+
+
+def _read_summary(run_dir: Path) -> dict:
+    import json
+
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_local(config: RunConfig, console: Console) -> dict:
+    """``fcl-emu up``: coordinator in this process, edge nodes as child processes."""
+    return _run(config, console, start_nodes=True)
+
+
+def run_coordinator(config: RunConfig, console: Console) -> dict:
+    """``fcl-emu coordinator``: nodes are started elsewhere by the user."""
+    return _run(config, console, start_nodes=False)

@@ -1,0 +1,265 @@
+"""The method interface: a server part (coordinator) and a client part (edge).
+
+A method is registered by name (see :mod:`methods.registry`) with
+
+- an ``Options`` pydantic model (its hyper-parameters, validated before a run
+  starts and sent to edge nodes as a plain dict),
+- a :class:`ServerPart`: what to send once per task (assets), what to send
+  each round (by default the global model), how to aggregate (by default
+  sample-weighted FedAvg of deltas), what to do at the end of a task, which
+  model to evaluate;
+- a :class:`ClientPart`: what to do when a client starts a task, the loss of
+  one batch, and what to upload besides the delta.
+
+Upload tensors are named ``delta/<param>`` for the model delta and
+``<method>/<name>`` for extras. ``ServerPart.summable`` says which prefixes are
+sums over clients (secure aggregation and compression may wrap only those);
+``ServerPart.individual_payload`` names the payload a server must see per client,
+if any, so that combining it with secure aggregation can fail clearly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import pydantic
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from methods.models.classifier import IncrementalClassifier
+from methods.models.state import delta_arrays, load_arrays, state_to_arrays
+
+Arrays = dict[str, np.ndarray]
+
+DELTA = "delta/"
+
+
+class Options(pydantic.BaseModel):
+    """Base of every method's options: unknown keys are an error."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Local-training hyper-parameters shared by all methods (from the run config)."""
+
+    local_epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 32
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ClientUpdate:
+    """One client's upload as the server part sees it."""
+
+    client: str
+    num_samples: int
+    tensors: Mapping[str, np.ndarray]
+    loss: float = float("nan")
+
+    def delta(self) -> Arrays:
+        return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
+
+
+def fedavg(updates: list[ClientUpdate]) -> Arrays:
+    """Sample-weighted mean of the clients' deltas (McMahan et al. 2017, eq. 'w <- sum n_k/n w_k').
+
+    Float tensors are averaged in float64 and returned as float32; integer
+    buffers (BatchNorm's step counter) take the largest value.
+    """
+    weighted = [u for u in updates if u.num_samples > 0]
+    if not weighted:
+        raise ValueError("no client update carries samples")
+    total = float(sum(u.num_samples for u in weighted))
+    deltas = [u.delta() for u in weighted]
+    names = deltas[0].keys()
+    for d, u in zip(deltas, weighted):
+        if d.keys() != names:
+            raise ValueError(f"client {u.client} uploaded delta keys that differ from the others")
+    out: Arrays = {}
+    for name in names:
+        first = deltas[0][name]
+        if first.dtype.kind == "f":
+            acc = np.zeros(first.shape, np.float64)
+            for d, u in zip(deltas, weighted):
+                acc += d[name] * (u.num_samples / total)
+            out[name] = acc.astype(np.float32)
+        else:
+            out[name] = np.max(np.stack([d[name] for d in deltas]), axis=0)
+    return out
+
+
+@dataclass
+class ServerContext:
+    """What a server part may use: its options, the scenario and a model builder."""
+
+    options: Options
+    scenario: Any  # scenario.scenario.Scenario
+    build_model: Any  # Callable[[int], IncrementalClassifier]: model with that many classes
+    seed: int = 0
+
+
+class ServerPart:
+    """Coordinator side. Holds the global model as immutable numpy arrays."""
+
+    summable: ClassVar[tuple[str, ...]] = (DELTA,)
+    individual_payload: ClassVar[str | None] = None
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+        self.options = ctx.options
+        self.model = ctx.build_model(0 if ctx.scenario is None else len(ctx.scenario.task_classes(0)))
+        self.global_state: Arrays = _frozen_copy(state_to_arrays(self.model))
+
+    # --- task life cycle -------------------------------------------------
+    def start_task(self, task: int) -> None:
+        """Grow the head to the classes seen so far."""
+        self.model.expand(len(self.ctx.scenario.seen_classes(task)))
+        self.global_state = _frozen_copy(state_to_arrays(self.model))
+
+    def task_assets(self, task: int) -> Arrays:
+        """Tensors every participant receives once per task (default: none)."""
+        return {}
+
+    def end_task(self, task: int) -> None:
+        """Hook after a task's last round (default: nothing)."""
+
+    # --- rounds ------------------------------------------------------------
+    def round_tensors(self, task: int, round: int) -> Arrays:
+        """Tensors sent with each train request (default: the global model)."""
+        return self.global_state
+
+    def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
+        """Default: w <- w + FedAvg(deltas)."""
+        delta = fedavg(updates)
+        new = {}
+        for name, value in self.global_state.items():
+            d = delta.get(name)
+            if d is None:
+                new[name] = value
+            elif value.dtype.kind == "f":
+                new[name] = value + d
+            else:
+                new[name] = d
+        self.global_state = _frozen_copy(new, copy=False)
+        load_arrays(self.model, self.global_state)
+
+    def eval_model(self) -> nn.Module:
+        """The model whose logits are evaluated (default: the global classifier)."""
+        return self.model
+
+    # --- persistence (checkpoints) -------------------------------------------
+    def state_arrays(self) -> Arrays:
+        return dict(self.global_state)
+
+
+def _frozen_copy(arrays: Mapping[str, np.ndarray], copy: bool = True) -> Arrays:
+    """Read-only arrays: sent zero-copy, so they must never change after sending."""
+    out = {}
+    for k, v in arrays.items():
+        a = np.array(v, copy=True) if copy else v
+        a.flags.writeable = False
+        out[k] = a
+    return out
+
+
+@dataclass
+class ClientContext:
+    """Everything one local-training job of one client can see.
+
+    ``state`` is the client's own persistent state across rounds and tasks
+    (small values); ``store`` its persistent large arrays (disk-backed on the
+    node, like a device's flash); ``assets`` the per-task tensors it received.
+    """
+
+    client: str
+    task: int
+    task_classes: np.ndarray
+    seen_classes: np.ndarray
+    x: torch.Tensor
+    y: torch.Tensor
+    settings: TrainingSettings
+    global_state: Mapping[str, np.ndarray]
+    assets: Mapping[str, np.ndarray]
+    state: dict[str, Any]
+    store: Any  # edge_node.store.ArrayStore
+    build_model: Any  # Callable[[int], IncrementalClassifier]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    new_task: bool = False  # first job of this client in this task
+
+    def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
+        """A model in eval mode with these weights and no gradients (teachers)."""
+        model = self.build_model(_head_size(arrays))
+        load_arrays(model, arrays)
+        model.to(self.device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+
+def _head_size(arrays: Mapping[str, np.ndarray]) -> int:
+    return int(arrays["head.weight"].shape[0]) if "head.weight" in arrays else 0
+
+
+class ClientPart:
+    """Edge side. One instance per edge node; per-client state lives in the context."""
+
+    def __init__(self, options: Options):
+        self.options = options
+
+    def start_task(self, ctx: ClientContext) -> None:
+        """Called before the first training job of a client in a task."""
+
+    def loss(self, ctx: ClientContext, model: IncrementalClassifier, x: torch.Tensor, y: torch.Tensor,
+             logits: torch.Tensor) -> torch.Tensor:
+        """Loss of one batch (default: cross-entropy over all seen classes)."""
+        return F.cross_entropy(logits, y)
+
+    def after_training(self, ctx: ClientContext, model: IncrementalClassifier) -> Arrays:
+        """Extra tensors to upload, and the place to update client state (default: none)."""
+        return {}
+
+    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> torch.optim.Optimizer:
+        s = ctx.settings
+        return torch.optim.SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+
+    def train(self, ctx: ClientContext, model: IncrementalClassifier) -> tuple[Arrays, dict[str, float]]:
+        """One round of local training; returns the upload tensors and metrics."""
+        if ctx.new_task:
+            self.start_task(ctx)
+        model.to(ctx.device).train()
+        opt = self.make_optimizer(ctx, model)
+        gen = torch.Generator().manual_seed(ctx.seed)
+        n = len(ctx.y)
+        total, batches = 0.0, 0
+        start = time.perf_counter()
+        for _ in range(ctx.settings.local_epochs):
+            order = torch.randperm(n, generator=gen)
+            for i in range(0, n, ctx.settings.batch_size):
+                idx = order[i:i + ctx.settings.batch_size]
+                x, y = ctx.x[idx].to(ctx.device), ctx.y[idx].to(ctx.device)
+                logits = model(x)
+                loss = self.loss(ctx, model, x, y, logits)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"client {ctx.client}: loss became {loss.item()}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+                batches += 1
+        model.eval()
+        extras = self.after_training(ctx, model)
+        new = state_to_arrays(model.cpu())
+        uploads = {DELTA + k: v for k, v in delta_arrays(new, ctx.global_state).items()}
+        uploads.update(extras)
+        metrics = {"loss": total / max(batches, 1), "train_time_s": time.perf_counter() - start}
+        return uploads, metrics

@@ -1,0 +1,59 @@
+"""Registry of learning methods by name.
+
+A method module calls :func:`register` at import time; :func:`get` imports
+the built-in method modules on first use so that ``fcl-emu methods`` and the
+config validator see all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from methods.base import ClientPart, Options, ServerPart
+
+BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    options: type[Options]
+    server: type[ServerPart]
+    client: type[ClientPart]
+    aliases: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    for key in (spec.name, *spec.aliases):
+        if key in _REGISTRY and _REGISTRY[key] is not spec:
+            raise ValueError(f"method name {key!r} registered twice")
+        _REGISTRY[key] = spec
+    return spec
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def get(name: str) -> MethodSpec:
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; registered: {', '.join(names())}") from None
+
+
+def names() -> list[str]:
+    """Canonical names (no aliases), sorted."""
+    _load_builtins()
+    return sorted({spec.name for spec in _REGISTRY.values()})
+
+
+def all_specs() -> list[MethodSpec]:
+    return [get(n) for n in names()]

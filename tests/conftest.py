@@ -1,0 +1,79 @@
+"""Shared fixtures: the data root, free ports, and a real emulation started as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fcl_emu.config import default_data_roots
+
+
+def find_dataset_root(folder: str) -> Path:
+    """The data root holding ``folder``; skip (saying where we looked) if none does."""
+    roots = default_data_roots()
+    for root in roots:
+        if (root / folder).exists():
+            return root
+    pytest.skip(f"dataset folder {folder!r} not found under {', '.join(map(str, roots))} "
+                f"(set FCL_EMU_DATA_ROOT)")
+
+
+@pytest.fixture(scope="session")
+def mnist_root() -> Path:
+    return find_dataset_root("mnist")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fcl_emu(*args: str, **kw) -> subprocess.Popen:
+    """Start the real command line as a child process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "fcl_emu", *args], env=env, **kw)
+
+
+def small_config(path: Path, **overrides) -> Path:
+    """A tiny but complete FCIL scenario on MNIST, fast heartbeats, written as YAML."""
+    config = {
+        "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": 6},
+        "rounds": {"clients_per_round": 4, "rounds_per_task": 2, "deadline_s": 60},
+        "network": {"heartbeat_interval_s": 0.3, "liveness_timeout_s": 2.0, "join_timeout_s": 60},
+        "model": "cnn",
+        "nodes": 2,
+        "device": "cpu",
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update(value)
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

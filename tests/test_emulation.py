@@ -1,0 +1,131 @@
+"""Whole emulations with real processes: coordinator, edge nodes, ZeroMQ between them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from tests.conftest import events, fcl_emu, free_port, small_config, wait_for
+from wire.framing import encode
+from wire.messages import PROTOCOL_VERSION, Header, Heartbeat, Join, Shutdown, TensorSpec, Update
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
+    config = small_config(tmp_path / "c.yaml")
+    run_dir = tmp_path / "run"
+    proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
+                   "--method", "fedavg", "--seed", "3")
+    assert proc.wait(timeout=240) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert (summary["method"], summary["dataset"], summary["seed"]) == ("fedavg", "mnist", 3)
+    matrix = summary["accuracy_matrix"]
+    assert len(matrix) == 2 and matrix[0][1] is None and all(0 <= a <= 100 for a in matrix[1])
+    assert matrix[0][0] > 60  # two MNIST classes are easy
+    assert summary["rounds"] == 4 and summary["rounds_skipped"] == 0
+    assert summary["clients"]["joined"] == 6 and summary["clients"]["dropped"] == 0
+    for msg_type in ("join", "welcome", "task_start", "train_request", "update", "heartbeat"):
+        assert msg_type in summary["bytes"], msg_type
+    assert summary["bytes"]["train_request"]["sent"] > 4 * 100_000  # a model per request
+    assert summary["average_forgetting"] >= 0
+    kinds = [e["event"] for e in events(run_dir)]
+    assert kinds.count("round") == 4 and kinds.count("task_end") == 2
+    assert (run_dir / "config.yaml").exists()
+
+
+def _raw_header(**fields) -> bytes:
+    base = dict(v=PROTOCOL_VERSION, type="heartbeat", sender="rogue", seq=1, round=0, task=0,
+                body=msgspec.Raw(msgspec.msgpack.encode({})), tensors=[])
+    base.update(fields)
+    return msgspec.msgpack.encode(Header(**base))
+
+
+def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
+    """Random and hand-crafted bad messages, from strangers and from a joined client."""
+    port = free_port()
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 7},
+                          rounds={"clients_per_round": 6, "rounds_per_task": 2})
+    run_dir = tmp_path / "run"
+    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", f"tcp://127.0.0.1:{port}",
+                          "--data-root", str(mnist_root), "--run-dir", str(run_dir))
+    node = fcl_emu("node", "--connect", f"tcp://127.0.0.1:{port}", "--clients", "0-5",
+                   "--data-root", str(mnist_root))
+    ctx = zmq.Context()
+    rng = np.random.default_rng(0)
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.IDENTITY, b"stranger")
+    stranger.connect(f"tcp://127.0.0.1:{port}")
+    rogue = ctx.socket(zmq.DEALER)  # a registered client (index 6) that misbehaves
+    rogue.setsockopt(zmq.IDENTITY, b"client-0006")
+    rogue.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for _ in range(200):  # random garbage from a stranger
+            stranger.send_multipart([bytes(rng.integers(0, 256, rng.integers(0, 80), dtype=np.uint8))
+                                     for _ in range(rng.integers(1, 4))])
+        stranger.send_multipart(encode("heartbeat", Heartbeat(), sender="stranger", seq=1))  # not joined
+        stranger.send_multipart([_raw_header(v=7)])
+        rogue.send_multipart(encode("join", Join(node="rogue", pid=1, client_index=6), sender="client-0006", seq=1))
+        rogue.send_multipart(encode("heartbeat", Heartbeat(), sender="client-0001", seq=2))  # spoofed sender
+        rogue.send_multipart([_raw_header(sender="client-0006", type="update",
+                                          body=msgspec.Raw(msgspec.msgpack.encode(
+                                              Update(num_samples=1, train_time_s=0, loss=0))),
+                                          tensors=[TensorSpec("delta/w", "float32", [1000, 1000], 4_000_000)]),
+                              b"short"])  # truncated tensor frame
+        nan = np.full(10, np.nan, np.float32)
+        rogue.send_multipart(encode("update", Update(num_samples=1, train_time_s=0, loss=0),
+                                    sender="client-0006", seq=3, tensors={"delta/w": nan}))
+        rogue.send_multipart(encode("update", Update(num_samples=1, train_time_s=0, loss=0),
+                                    sender="client-0006", seq=4, tensors={"delta/w": np.zeros(3, np.float32)}))
+        rogue.send_multipart(encode("shutdown", Shutdown(reason="x"), sender="client-0006", seq=5))  # wrong way
+        rogue.close(linger=1000)  # the rogue never trains: it is dropped by the liveness check
+        assert coordinator.wait(timeout=240) == 0
+        node.wait(timeout=60)
+    finally:
+        for p in (coordinator, node):
+            if p.poll() is None:
+                p.kill()
+        stranger.close(0)
+        ctx.term()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    rejected = summary["rejected_messages"]
+    for reason in ("bad_header", "unknown_sender", "bad_version", "sender_mismatch", "size_mismatch",
+                   "non_finite", "unexpected"):
+        assert rejected.get(reason, 0) >= 1, (reason, rejected)
+    assert sum(rejected.values()) >= 200
+    assert summary["rounds"] == 4
+
+
+def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
+    port = free_port()
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+                          rounds={"clients_per_round": 8, "rounds_per_task": 3, "deadline_s": 300})
+    run_dir = tmp_path / "run"
+    address = f"tcp://127.0.0.1:{port}"
+    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address,
+                          "--data-root", str(mnist_root), "--run-dir", str(run_dir))
+    survivor = fcl_emu("node", "--connect", address, "--clients", "0-3", "--data-root", str(mnist_root))
+    victim = fcl_emu("node", "--connect", address, "--clients", "4-7", "--data-root", str(mnist_root))
+    try:
+        wait_for(lambda: any(e["event"] == "round" for e in events(run_dir)), 180, "the first round")
+        os.kill(victim.pid, signal.SIGKILL)  # mid-run, typically mid-round
+        assert coordinator.wait(timeout=240) == 0
+    finally:
+        for p in (coordinator, survivor, victim):
+            if p.poll() is None:
+                p.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["clients"]["dropped"] == 4
+    rounds = [e for e in events(run_dir) if e["event"] == "round"]
+    assert len(rounds) == 6
+    assert all(r["duration_s"] < 60 for r in rounds)  # closed by liveness, not by the 300 s deadline
+    assert rounds[-1]["participants"] == 4
