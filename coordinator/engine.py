@@ -99,6 +99,7 @@ class Coordinator:
         self.rng = np.random.default_rng(config.seed)
         self.run_id = uuid.uuid4().hex[:12]
         self.rejected: Counter[str] = Counter()
+        self.handling_s: Counter[str] = Counter()  # time spent receiving+handling, by message type
         self._logged: set[str] = set()
         self.late_updates = 0
         self._round: _Round | None = None
@@ -140,6 +141,13 @@ class Coordinator:
             return False
 
     def _handle(self, peer: str, msg: Message) -> None:
+        try:
+            self._dispatch(peer, msg)
+        except WireError as exc:
+            exc.peer = peer
+            raise
+
+    def _dispatch(self, peer: str, msg: Message) -> None:
         if msg.type not in CLIENT_TYPES:
             raise WireError("unexpected", f"{msg.type!r} is not a client-to-coordinator message")
         if msg.type == "join":
@@ -214,22 +222,23 @@ class Coordinator:
                 self.progress("dead", {"client": client_id})
 
     def _receive_one(self) -> None:
+        """Receive, validate and handle one message; time it by message type."""
+        started = time.perf_counter()
+        msg_type = "rejected"
         try:
             peer, msg = self.endpoint.recv()
-        except WireError as exc:
-            self._reject(exc)
-            return
-        try:
+            msg_type = msg.type
             self._handle(peer, msg)
         except WireError as exc:
-            exc.peer = peer
             self._reject(exc)
+        self.handling_s[msg_type] += time.perf_counter() - started
 
     # ------------------------------------------------------------------- rounds
     def _wait_for_clients(self) -> None:
         expected = self.config.scenario.num_clients
         timeout = self.config.network.join_timeout_s
-        self.serve(lambda: len(self.registry.online()) >= expected, time.monotonic() + timeout)
+        # every configured client has shown up (one that joined and died since is not waited for)
+        self.serve(lambda: len(self.registry.records) >= expected, time.monotonic() + timeout)
         online = len(self.registry.eligible(0))
         if online < self.config.rounds.min_participants:
             raise RunAborted(f"only {online} clients joined within {timeout:.0f} s; "
@@ -264,9 +273,10 @@ class Coordinator:
             self._send(client_id, "train_request", request, task=task, round=r.number, tensors=payload)
         t_dispatch = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
+        t0, handled_before = time.perf_counter(), self.handling_s["update"]
         self.serve(lambda: not r.pending(self.registry.is_online), time.monotonic() + cfg.deadline_s)
         t_wait = time.perf_counter() - t0
+        t_updates = self.handling_s["update"] - handled_before
         self._round = None
         late = len(r.pending(self.registry.is_online))
 
@@ -295,7 +305,8 @@ class Coordinator:
             accuracy_seen=accuracy,
             duration_s=time.perf_counter() - started,
             coordinator_cpu_s=cpu_s,
-            phases_s={"dispatch": t_dispatch, "collect": t_wait, "aggregate": t_aggregate, "evaluate": t_eval},
+            phases_s={"dispatch": t_dispatch, "collect": t_wait, "receive_updates": t_updates,
+                      "aggregate": t_aggregate, "evaluate": t_eval},
             bytes_sent=bytes_after[0] - bytes_before[0], bytes_received=bytes_after[1] - bytes_before[1],
             online=len(self.registry.online()),
         )
@@ -379,6 +390,7 @@ class Coordinator:
             "rounds_skipped": sum(r.skipped for r in rounds),
             "wall_clock_s": wall,
             "phase_s": dict(phases),
+            "handling_s": dict(self.handling_s),
             "clients": {
                 "configured": self.config.scenario.num_clients,
                 "joined": counts.joined,

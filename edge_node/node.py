@@ -19,13 +19,14 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
-from edge_node.store import ArrayStore, AssetCache
+from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from methods import registry as methods
 from methods.base import ClientContext, ClientPart, TrainingSettings
 from methods.models.classifier import build_model
@@ -81,7 +82,9 @@ class _RunSetup:
 @dataclass
 class _Job:
     client: EmulatedClient
-    message: Message
+    round: int
+    task: int
+    model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class EdgeNode:
         self.counters = Counters.empty()
         self._state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fcl-emu-node-"))
         self.assets = AssetCache()
+        self.payloads = RoundPayloads()
         self.setup: _RunSetup | None = None
         self._datasets: dict[str, Any] = {}
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -160,41 +164,44 @@ class EdgeNode:
         model_cache: dict[int, Any] = {}
         try:
             while (job := self._jobs.get()) is not None:
-                self._results.put(self._train(job, model_cache))
+                result = self._train(job, model_cache)
+                self._results.put(result)
                 wake.send(b"")
         finally:
             wake.close(linger=0)
 
     def _train(self, job: _Job, model_cache: dict[int, Any]) -> _Result:
-        client, msg = job.client, job.message
+        client = job.client
         s = self.setup
         try:
             indices = s.scenario.client_indices(client.index, client.task)
             if len(indices) == 0:
-                return _Result(client, msg.round, msg.task, {}, 0)
-            head = int(msg.tensors["head.weight"].shape[0])
+                return _Result(client, job.round, job.task, {}, 0)
+            head = int(job.model["head.weight"].shape[0])
             model = model_cache.get(head)
             if model is None:
                 model_cache.clear()
                 model = model_cache[head] = self.build_model(head)
-            load_arrays(model, msg.tensors)
+            load_arrays(model, job.model)
             ds = s.scenario.dataset
             ctx = ClientContext(
                 client=client.id, task=client.task,
                 task_classes=np.asarray(client.classes), seen_classes=np.asarray(client.seen_classes),
                 x=to_tensor(ds.train_x[indices], ds.mean, ds.std),
                 y=torch.from_numpy(np.asarray(s.scenario.train_labels[indices], dtype=np.int64)),
-                settings=s.settings, global_state=msg.tensors, assets=client.assets,
+                settings=s.settings, global_state=job.model, assets=client.assets,
                 state=client.state, store=client.store, build_model=self.build_model, device=s.device,
-                seed=zlib.crc32(f"{s.seed}/{client.index}/{msg.round}".encode()),
+                seed=zlib.crc32(f"{s.seed}/{client.index}/{job.round}".encode()),
                 new_task=client.trained_task != client.task,
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
-            return _Result(client, msg.round, msg.task, uploads, len(indices), metrics)
+            return _Result(client, job.round, job.task, uploads, len(indices), metrics)
         except Exception as exc:  # reported to the coordinator, never kills the node
             log.exception("%s: training failed", client.id)
-            return _Result(client, msg.round, msg.task, None, error=f"{type(exc).__name__}: {exc}")
+            return _Result(client, job.round, job.task, None, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.payloads.release(job.round, job.model)
 
     # ------------------------------------------------------------------ I/O
     def _on_message(self, client: EmulatedClient, msg: Message) -> None:
@@ -212,7 +219,7 @@ class EdgeNode:
                 self._send(client, "error", Error(code="not_ready", detail="train request before task start"),
                            round=msg.round, task=msg.task)
                 return
-            self._jobs.put(_Job(client, msg))
+            self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors)))
         elif msg.type == "shutdown":
             client.closed = True
         elif msg.type == "error":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -77,3 +78,42 @@ class AssetCache:
             bucket[:] = [a for a in bucket if id(a) in keep]
             if not bucket:
                 del self._by_key[key]
+
+
+class RoundPayloads:
+    """One node-wide copy of the global model per round.
+
+    Every train request of a round usually carries the same model; a node
+    whose clients queue for the trainer would otherwise hold one received copy
+    per queued client. Payloads equal to the round's first are replaced by it
+    (the duplicate frames are freed at once); a payload that differs (a
+    personalised model) is kept as it is. Thread-safe: the I/O thread
+    acquires, the trainer thread releases.
+    """
+
+    def __init__(self) -> None:
+        self._rounds: dict[int, list] = {}  # round -> [tensors, users]
+        self._lock = threading.Lock()
+
+    def acquire(self, round: int, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        with self._lock:
+            entry = self._rounds.get(round)
+            if entry is None:
+                self._rounds[round] = [tensors, 1]
+                return tensors
+            shared = entry[0]
+        same = shared.keys() == tensors.keys() and all(np.array_equal(shared[k], v) for k, v in tensors.items())
+        with self._lock:
+            entry = self._rounds.get(round)
+            if same and entry is not None and entry[0] is shared:
+                entry[1] += 1
+                return shared
+            return tensors
+
+    def release(self, round: int, tensors: Mapping[str, np.ndarray]) -> None:
+        with self._lock:
+            entry = self._rounds.get(round)
+            if entry is not None and entry[0] is tensors:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._rounds[round]

@@ -25,9 +25,12 @@ def default_data_roots() -> list[Path]:
 class TrainingConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    local_epochs: int = pydantic.Field(1, ge=1)
-    lr: float = pydantic.Field(0.01, gt=0)
-    batch_size: int = pydantic.Field(32, ge=1)
+    # Defaults suit the default scenario (MNIST, 300 clients holding ~40 samples
+    # per task): two passes over a few batches are needed to learn a task in
+    # 10 rounds of 30 clients. Override for larger local datasets.
+    local_epochs: int = pydantic.Field(2, ge=1)
+    lr: float = pydantic.Field(0.05, gt=0)
+    batch_size: int = pydantic.Field(16, ge=1)
     momentum: float = pydantic.Field(0.9, ge=0, lt=1)
     weight_decay: float = pydantic.Field(0.0, ge=0)
 
@@ -36,7 +39,7 @@ class RoundConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     clients_per_round: int = pydantic.Field(30, ge=1)
-    rounds_per_task: int = pydantic.Field(5, ge=1)
+    rounds_per_task: int = pydantic.Field(10, ge=1)
     deadline_s: float = pydantic.Field(120.0, gt=0, description="a round closes after this long")
     min_participants: int = pydantic.Field(1, ge=1, description="fewer updates than this: the round is skipped")
     eval_every: int = pydantic.Field(1, ge=1, description="evaluate every N rounds (and always at task end)")

@@ -59,13 +59,23 @@ def node_command(address: str, indices: list[int], config: RunConfig, name: str)
     return cmd
 
 
+def node_env() -> dict[str, str]:
+    """Environment of an edge-node process: one torch thread (nodes are the unit of parallelism).
+
+    (glibc's MALLOC_MMAP_THRESHOLD_ was tried to return freed message buffers
+    to the system: it makes every large torch temporary an mmap/munmap pair and
+    slowed local training about 20-fold.)
+    """
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 class NodeProcesses:
     """The edge-node child processes of ``fcl-emu up``; stopped for sure on exit."""
 
     def __init__(self, address: str, config: RunConfig, log_dir: Path):
         self.procs: list[subprocess.Popen] = []
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = node_env()
         for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes)):
             name = f"node-{n}"
             log = open(log_dir / f"{name}.log", "wb")

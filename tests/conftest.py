@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from fcl_emu.config import default_data_roots
+from fcl_emu.launcher import node_env
 
 
 def find_dataset_root(folder: str) -> Path:
@@ -39,15 +39,15 @@ def free_port() -> int:
 
 def fcl_emu(*args: str, **kw) -> subprocess.Popen:
     """Start the real command line as a child process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "fcl_emu", *args], env=env, **kw)
+    return subprocess.Popen([sys.executable, "-m", "fcl_emu", *args], env=node_env(), **kw)
 
 
 def small_config(path: Path, **overrides) -> Path:
-    """A tiny but complete FCIL scenario on MNIST, fast heartbeats, written as YAML."""
+    """A tiny but complete FCIL scenario on MNIST (100 clients of ~300 samples per task), fast heartbeats."""
     config = {
-        "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": 6},
-        "rounds": {"clients_per_round": 4, "rounds_per_task": 2, "deadline_s": 60},
+        "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": 100},
+        "rounds": {"clients_per_round": 4, "rounds_per_task": 2, "deadline_s": 60, "eval_every": 2},
+        "training": {"local_epochs": 2, "batch_size": 32},
         "network": {"heartbeat_interval_s": 0.3, "liveness_timeout_s": 2.0, "join_timeout_s": 60},
         "model": "cnn",
         "nodes": 2,

@@ -11,6 +11,15 @@ from fcl_emu.launcher import format_client_set, node_assignment, parse_client_se
 runner = CliRunner()
 
 
+def invoke(*args: str):
+    """Run the CLI; returns (exit code, output with rich's box drawing and wrapping undone)."""
+    result = runner.invoke(app, list(args))
+    text = " ".join(result.output.replace("│", " ").split())
+    if result.exception and not isinstance(result.exception, SystemExit):
+        text += " " + str(result.exception)
+    return result.exit_code, text
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--clients", "0"], "--clients"),
     (["--clients-per-round", "0"], "--clients-per-round"),
@@ -27,18 +36,18 @@ runner = CliRunner()
     (["--method-option", "oops"], "KEY=VALUE"),
 ])
 def test_up_rejects_bad_values_before_starting(args, flag):
-    result = runner.invoke(app, ["up", *args])
-    assert result.exit_code == 2, result.output
-    assert flag in result.output
+    code, output = invoke("up", *args)
+    assert code == 2, output
+    assert flag in output
 
 
 def test_bad_config_files_are_reported(tmp_path):
-    missing = runner.invoke(app, ["up", "--config", str(tmp_path / "nope.yaml")])
-    assert missing.exit_code == 2 and "cannot read" in missing.output
+    code, output = invoke("up", "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "cannot read" in output
     (tmp_path / "bad.yaml").write_text("rounds: [1, 2")
-    assert "not valid YAML" in runner.invoke(app, ["up", "--config", str(tmp_path / "bad.yaml")]).output
+    assert "not valid YAML" in invoke("up", "--config", str(tmp_path / "bad.yaml"))[1]
     (tmp_path / "unknown.yaml").write_text("roundz: {}\n")
-    assert "roundz" in runner.invoke(app, ["up", "--config", str(tmp_path / "unknown.yaml")]).output
+    assert "roundz" in invoke("up", "--config", str(tmp_path / "unknown.yaml"))[1]
 
 
 def test_flags_override_the_config_file(tmp_path):
@@ -50,17 +59,16 @@ def test_flags_override_the_config_file(tmp_path):
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path):
-    result = runner.invoke(app, ["up", "--clients", "4", "--nodes", "1", "--data-root", str(tmp_path)])
-    assert result.exit_code != 0
-    text = str(result.exception) + result.output
-    assert "mnist" in text.lower() and str(tmp_path) in text
+    code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(tmp_path))
+    assert code == 1
+    assert "mnist" in output.lower() and str(tmp_path / "mnist") in output.replace(" ", "")
 
 
 def test_methods_lists_the_baselines():
-    result = runner.invoke(app, ["methods"])
-    assert result.exit_code == 0
+    code, output = invoke("methods")
+    assert code == 0
     for name in ("fedavg", "fedprox", "fedlwf2t", "fedewc"):
-        assert name in result.output
+        assert name in output
 
 
 def test_client_sets_and_node_assignment():

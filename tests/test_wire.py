@@ -65,6 +65,7 @@ def test_encode_refuses_disallowed_dtype_and_wrong_body():
 @pytest.mark.parametrize("frames,expected", [
     ([], "frame_count"),
     ([b"\x00not msgpack"], "bad_header"),
+    ([b"\x81\xa2\xad\xff\x01"], "bad_header"),  # a key that is not UTF-8
     ([msgspec.msgpack.encode({"v": 1})], "bad_header"),
     ([header_bytes(v=99)], "bad_version"),
     ([header_bytes(type="launch_missiles")], "unknown_type"),

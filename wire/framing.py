@@ -83,6 +83,8 @@ class Message:
     nbytes: int = 0  # bytes on the wire, all frames (not counting the routing id)
 
 
+# msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in a string.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError)
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
 _body_decoders = {name: msgspec.msgpack.Decoder(schema) for name, schema in BODY_SCHEMAS.items()}
@@ -155,7 +157,7 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
         raise WireError("too_large", f"header of {head.nbytes} bytes exceeds {limits.max_header_bytes}")
     try:
         header = _header_decoder.decode(head)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _DECODE_ERRORS as exc:
         raise WireError("bad_header", str(exc)) from None
     if header.v != PROTOCOL_VERSION:
         raise WireError("bad_version", f"protocol version {header.v}, this side speaks {PROTOCOL_VERSION}")
@@ -164,7 +166,7 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
         raise WireError("unknown_type", f"message type {header.type!r}")
     try:
         body = body_decoder.decode(header.body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _DECODE_ERRORS as exc:
         raise WireError("bad_body", f"{header.type}: {exc}") from None
 
     table = header.tensors
