@@ -47,12 +47,16 @@ class Options(pydantic.BaseModel):
 
 @dataclass(frozen=True)
 class TrainingSettings:
-    """Local-training hyper-parameters shared by all methods (from the run config)."""
+    """Local-training hyper-parameters shared by all methods.
 
-    local_epochs: int = 1
-    lr: float = 0.01
-    batch_size: int = 32
-    momentum: float = 0.9
+    Built from the run config's ``training`` section (where the defaults live)
+    as the ``welcome`` message carries it.
+    """
+
+    local_epochs: int
+    lr: float
+    batch_size: int
+    momentum: float = 0.0
     weight_decay: float = 0.0
 
 
@@ -195,6 +199,8 @@ class ClientContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
     new_task: bool = False  # first job of this client in this task
+    job: dict[str, Any] = field(default_factory=dict)  # scratch state of this job (teachers, anchors, sums)
+    metrics: dict[str, float] = field(default_factory=dict)  # method metrics of this job, reported upstream
 
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
         """A model in eval mode with these weights and no gradients (teachers)."""
@@ -219,6 +225,9 @@ class ClientPart:
     def start_task(self, ctx: ClientContext) -> None:
         """Called before the first training job of a client in a task."""
 
+    def begin_job(self, ctx: ClientContext, model: IncrementalClassifier) -> None:
+        """Called before the first batch of every job: put per-job state (teachers, anchors) in ``ctx.job``."""
+
     def loss(self, ctx: ClientContext, model: IncrementalClassifier, x: torch.Tensor, y: torch.Tensor,
              logits: torch.Tensor) -> torch.Tensor:
         """Loss of one batch (default: cross-entropy over all seen classes)."""
@@ -237,6 +246,7 @@ class ClientPart:
         if ctx.new_task:
             self.start_task(ctx)
         model.to(ctx.device).train()
+        self.begin_job(ctx, model)
         opt = self.make_optimizer(ctx, model)
         gen = torch.Generator().manual_seed(ctx.seed)
         n = len(ctx.y)
@@ -261,5 +271,5 @@ class ClientPart:
         new = state_to_arrays(model.cpu())
         uploads = {DELTA + k: v for k, v in delta_arrays(new, ctx.global_state).items()}
         uploads.update(extras)
-        metrics = {"loss": total / max(batches, 1), "train_time_s": time.perf_counter() - start}
+        metrics = {**ctx.metrics, "loss": total / max(batches, 1), "train_time_s": time.perf_counter() - start}
         return uploads, metrics

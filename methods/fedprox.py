@@ -34,15 +34,11 @@ def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor], mu: f
 class FedProxClient(ClientPart):
     options: FedProxOptions
 
-    def train(self, ctx: ClientContext, model):
-        self._anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
-        try:
-            return super().train(ctx, model)
-        finally:
-            del self._anchor
+    def begin_job(self, ctx: ClientContext, model) -> None:
+        ctx.job["anchor"] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def loss(self, ctx, model, x, y, logits):
-        return F.cross_entropy(logits, y) + proximal_term(model, self._anchor, self.options.mu)
+        return F.cross_entropy(logits, y) + proximal_term(model, ctx.job["anchor"], self.options.mu)
 
 
 SPEC = register(MethodSpec(
