@@ -131,3 +131,22 @@ def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
     assert len(rounds) == 4
     assert all(r["duration_s"] < 60 for r in rounds)  # closed by liveness, not by the 300 s deadline
     assert rounds[-1]["participants"] == rounds[-1]["selected"] == 10  # only survivors are sampled
+
+
+def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
+    """FedLwF-2T with the global old teacher ships the previous model once per client and task;
+    clients that join at the task boundary take part from then on."""
+    config = small_config(tmp_path / "c.yaml", scenario={"new_clients_per_task": 20},
+                          method="fedlwf2t", method_options={"old_teacher": "global"},
+                          rounds={"clients_per_round": 6})
+    run_dir = tmp_path / "run"
+    proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
+    assert proc.wait(timeout=240) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["method"] == "fedlwf2t"
+    model_bytes = summary["bytes"]["train_request"]["sent"] / summary["messages"]["train_request/sent"]
+    task_starts = summary["messages"]["task_start/sent"]
+    # task 0 has no assets; in task 1 each first-time participant gets the old model once
+    assert summary["bytes"]["task_start"]["sent"] > 0.9 * model_bytes * (task_starts - 12)
+    assert task_starts <= 4 * 6  # at most once per participant and task, never per round
+    assert summary["clients"]["joined"] == 100
