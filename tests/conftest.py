@@ -26,6 +26,17 @@ def find_dataset_root(folder: str) -> Path:
                 f"(set FCL_EMU_DATA_ROOT)")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Keep a module's torch work on one core (the test machine has two, shared with child processes)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def mnist_root() -> Path:
     return find_dataset_root("mnist")
@@ -60,6 +71,18 @@ def small_config(path: Path, **overrides) -> Path:
             config[key] = value
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def raw_header(**overrides) -> bytes:
+    """A header frame built field by field, to hand-craft messages the encoder would refuse."""
+    import msgspec
+
+    from wire.messages import PROTOCOL_VERSION, Header
+
+    fields = dict(v=PROTOCOL_VERSION, type="heartbeat", sender="c", seq=1, round=0, task=0,
+                  body=msgspec.Raw(msgspec.msgpack.encode({})), tensors=[])
+    fields.update(overrides)
+    return msgspec.msgpack.encode(Header(**fields))
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

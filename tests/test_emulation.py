@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.conftest import events, fcl_emu, free_port, small_config, wait_for
+from tests.conftest import events, fcl_emu, free_port, raw_header, small_config, wait_for
 from wire.framing import encode
-from wire.messages import PROTOCOL_VERSION, Header, Heartbeat, Join, Shutdown, TensorSpec, Update
+from wire.messages import Heartbeat, Join, Shutdown, TensorSpec, Update
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,6 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
     assert (run_dir / "config.yaml").exists()
 
 
-def _raw_header(**fields) -> bytes:
-    base = dict(v=PROTOCOL_VERSION, type="heartbeat", sender="rogue", seq=1, round=0, task=0,
-                body=msgspec.Raw(msgspec.msgpack.encode({})), tensors=[])
-    base.update(fields)
-    return msgspec.msgpack.encode(Header(**base))
-
-
 def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
     """Random and hand-crafted bad messages, from strangers and from a joined client."""
     port = free_port()
@@ -73,10 +66,10 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
             stranger.send_multipart([bytes(rng.integers(0, 256, rng.integers(0, 80), dtype=np.uint8))
                                      for _ in range(rng.integers(1, 4))])
         stranger.send_multipart(encode("heartbeat", Heartbeat(), sender="stranger", seq=1))  # not joined
-        stranger.send_multipart([_raw_header(v=7)])
+        stranger.send_multipart([raw_header(v=7)])
         rogue.send_multipart(encode("join", Join(node="rogue", pid=1, client_index=100), sender="client-0100", seq=1))
         rogue.send_multipart(encode("heartbeat", Heartbeat(), sender="client-0001", seq=2))  # spoofed sender
-        rogue.send_multipart([_raw_header(sender="client-0100", type="update",
+        rogue.send_multipart([raw_header(sender="client-0100", type="update",
                                           body=msgspec.Raw(msgspec.msgpack.encode(
                                               Update(num_samples=1, train_time_s=0, loss=0))),
                                           tensors=[TensorSpec("delta/w", "float32", [1000, 1000], 4_000_000)]),

@@ -14,13 +14,7 @@ from methods.models.classifier import MODELS, IncrementalClassifier, build_model
 from methods.models.state import StateError, apply_delta, delta_arrays, load_arrays, state_to_arrays
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The machine is shared: keep these tests on one core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _n_params(m: nn.Module) -> int:

@@ -8,17 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
-from wire.messages import BODY_SCHEMAS, PROTOCOL_VERSION, Header, Heartbeat, Join, TensorSpec, Update
+from tests.conftest import raw_header
+from wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from wire.sockets import ClientEndpoint, Counters, ServerEndpoint
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
-
-
-def header_bytes(**overrides) -> bytes:
-    fields = dict(v=PROTOCOL_VERSION, type="heartbeat", sender="c", seq=1, round=0, task=0,
-                  body=msgspec.Raw(msgspec.msgpack.encode({})), tensors=[])
-    fields.update(overrides)
-    return msgspec.msgpack.encode(Header(**fields))
 
 
 def reason(frames, limits=Limits()) -> str:
@@ -67,19 +61,19 @@ def test_encode_refuses_disallowed_dtype_and_wrong_body():
     ([b"\x00not msgpack"], "bad_header"),
     ([b"\x81\xa2\xad\xff\x01"], "bad_header"),  # a key that is not UTF-8
     ([msgspec.msgpack.encode({"v": 1})], "bad_header"),
-    ([header_bytes(v=99)], "bad_version"),
-    ([header_bytes(type="launch_missiles")], "unknown_type"),
-    ([header_bytes(type="join", body=msgspec.Raw(msgspec.msgpack.encode({"node": "n"})))], "bad_body"),
-    ([header_bytes(body=msgspec.Raw(msgspec.msgpack.encode({"extra": 1})))], "bad_body"),
-    ([header_bytes(type="join", body=msgspec.Raw(msgspec.msgpack.encode(
+    ([raw_header(v=99)], "bad_version"),
+    ([raw_header(type="launch_missiles")], "unknown_type"),
+    ([raw_header(type="join", body=msgspec.Raw(msgspec.msgpack.encode({"node": "n"})))], "bad_body"),
+    ([raw_header(body=msgspec.Raw(msgspec.msgpack.encode({"extra": 1})))], "bad_body"),
+    ([raw_header(type="join", body=msgspec.Raw(msgspec.msgpack.encode(
         {"node": 1, "pid": 2, "client_index": 3})))], "bad_body"),
-    ([header_bytes(tensors=[TensorSpec("x", "object", [1], 8)]), b"12345678"], "bad_dtype"),
-    ([header_bytes(tensors=[TensorSpec("x", "float32", [-1], 4)]), b"1234"], "bad_shape"),
-    ([header_bytes(tensors=[TensorSpec("x", "float32", [2], 8)]), b"1234"], "size_mismatch"),
-    ([header_bytes(tensors=[TensorSpec("x", "float32", [2], 4)]), b"12345678"], "size_mismatch"),
-    ([header_bytes(tensors=[TensorSpec("x", "float32", [1], 4)])], "frame_count"),
-    ([header_bytes(), b"stray"], "frame_count"),
-    ([header_bytes(tensors=[TensorSpec("x", "uint8", [1], 1)] * 2), b"a", b"b"], "bad_shape"),
+    ([raw_header(tensors=[TensorSpec("x", "object", [1], 8)]), b"12345678"], "bad_dtype"),
+    ([raw_header(tensors=[TensorSpec("x", "float32", [-1], 4)]), b"1234"], "bad_shape"),
+    ([raw_header(tensors=[TensorSpec("x", "float32", [2], 8)]), b"1234"], "size_mismatch"),
+    ([raw_header(tensors=[TensorSpec("x", "float32", [2], 4)]), b"12345678"], "size_mismatch"),
+    ([raw_header(tensors=[TensorSpec("x", "float32", [1], 4)])], "frame_count"),
+    ([raw_header(), b"stray"], "frame_count"),
+    ([raw_header(tensors=[TensorSpec("x", "uint8", [1], 1)] * 2), b"a", b"b"], "bad_shape"),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, expected):
     assert reason(frames) == expected
@@ -145,7 +139,7 @@ def test_table_and_frame_must_agree(dtype, shape, skew):
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
     frame = bytes(max(0, nbytes + skew))
     skew = len(frame) - nbytes
-    frames = [header_bytes(type="update", body=msgspec.Raw(msgspec.msgpack.encode(UPDATE)),
+    frames = [raw_header(type="update", body=msgspec.Raw(msgspec.msgpack.encode(UPDATE)),
                            tensors=[TensorSpec("x", dtype, shape, nbytes)]), frame]
     if skew == 0:
         assert decode(frames, Limits(check_finite=False)).tensors["x"].shape == tuple(shape)
