@@ -248,7 +248,7 @@ class Coordinator:
     def _run_round(self, task: int, task_round: int, recorder: RunRecorder) -> RoundRecord:
         cfg = self.config.rounds
         started, cpu_started = time.perf_counter(), time.process_time()
-        bytes_before = self._bytes_by_direction()
+        bytes_before = dict(self.counters.bytes)
         eligible = self.registry.eligible(task)
         k = min(cfg.clients_per_round, len(eligible))
         chosen = [eligible[i].client_id for i in sorted(self.rng.choice(len(eligible), size=k, replace=False))]
@@ -295,7 +295,7 @@ class Coordinator:
             accuracy = self.evaluator.accuracy_seen(self.server.eval_model(), task)
         t_eval = time.perf_counter() - t0
 
-        bytes_after = self._bytes_by_direction()
+        bytes_by_type = self._bytes_since(bytes_before)
         losses = [u.loss for u in useful if np.isfinite(u.loss)]
         record = RoundRecord(
             task=task, round=r.number, task_round=task_round, selected=len(chosen),
@@ -307,15 +307,22 @@ class Coordinator:
             coordinator_cpu_s=cpu_s,
             phases_s={"dispatch": t_dispatch, "collect": t_wait, "receive_updates": t_updates,
                       "aggregate": t_aggregate, "evaluate": t_eval},
-            bytes_sent=bytes_after[0] - bytes_before[0], bytes_received=bytes_after[1] - bytes_before[1],
+            bytes_sent=sum(d.get("sent", 0) for d in bytes_by_type.values()),
+            bytes_received=sum(d.get("received", 0) for d in bytes_by_type.values()),
+            bytes_by_type=bytes_by_type,
             online=len(self.registry.online()),
         )
         recorder.round(record)
         return record
 
-    def _bytes_by_direction(self) -> tuple[int, int]:
-        sent = sum(n for (_, d), n in self.counters.bytes.items() if d == "sent")
-        return sent, sum(self.counters.bytes.values()) - sent
+    def _bytes_since(self, before: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+        """Bytes on the wire since ``before`` (a copy of the counters), as ``{type: {direction: bytes}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for (msg_type, direction), n in self.counters.bytes.items():
+            delta = n - before.get((msg_type, direction), 0)
+            if delta:
+                out.setdefault(msg_type, {})[direction] = delta
+        return out
 
     # ---------------------------------------------------------------------- run
     def run(self, run_dir: Path) -> dict:

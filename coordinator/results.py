@@ -79,6 +79,7 @@ class RoundRecord:
     phases_s: dict[str, float]
     bytes_sent: int
     bytes_received: int
+    bytes_by_type: dict[str, dict[str, int]]  # {message type: {"sent"/"received": bytes}} in this round
     online: int
 
 

@@ -107,6 +107,7 @@ class EdgeNode:
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
         self.counters = Counters.empty()
+        self.rejected: dict[str, int] = {}
         self._state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fcl-emu-node-"))
         self.assets = AssetCache()
         self.payloads = RoundPayloads()
@@ -277,12 +278,19 @@ class EdgeNode:
                         try:
                             self._on_message(client, client.endpoint.recv())
                         except WireError as exc:
-                            log.warning("%s: rejected a message from the coordinator: %s", client.id, exc)
+                            self._rejected(client, exc)
                 self._heartbeats(time.monotonic())
         finally:
             self._jobs.put(None)
             trainer.join(timeout=30)
             self.close()
+
+    def _rejected(self, client: EmulatedClient, exc: WireError) -> None:
+        """Count a bad message from the coordinator; log the first of each reason."""
+        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        if self.rejected[exc.reason] == 1:
+            log.warning("%s: rejected a message from the coordinator (%s); further ones are only counted",
+                        client.id, exc)
 
     def leave(self, client: EmulatedClient, reason: str = "leaving") -> None:
         self._send(client, "leave", Leave(reason=reason))

@@ -42,7 +42,7 @@ class RoundConfig(pydantic.BaseModel):
     rounds_per_task: int = pydantic.Field(10, ge=1)
     deadline_s: float = pydantic.Field(120.0, gt=0, description="a round closes after this long")
     min_participants: int = pydantic.Field(1, ge=1, description="fewer updates than this: the round is skipped")
-    eval_every: int = pydantic.Field(1, ge=1, description="evaluate every N rounds (and always at task end)")
+    eval_every: int = pydantic.Field(5, ge=1, description="evaluate every N rounds (and always at task end)")
 
 
 class NetworkConfig(pydantic.BaseModel):
