@@ -36,11 +36,12 @@ from fcl_emu.config import RunConfig
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model
+from monitoring.metrics import CoordinatorMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import build_scenario
 from wire.framing import Limits, Message, WireError
 from wire.messages import Error, Shutdown, TaskStart, TrainRequest, Welcome
-from wire.sockets import Counters, ServerEndpoint
+from wire.sockets import Counters, ServerEndpoint, tee
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -91,10 +92,13 @@ class Coordinator:
         self.evaluator = Evaluator(self.scenario, self.device)
         self.registry = ClientRegistry(config.network.liveness_timeout_s)
         self.counters = Counters.empty()
+        # Prometheus metrics (served only when asked: ``metrics.serve``, see fcl_emu/run.py)
+        self.metrics = CoordinatorMetrics()
+        self.metrics.watch_online(lambda: self.registry.online_count)
         self.context = context or zmq.Context.instance()
         self.endpoint = ServerEndpoint(self.context, config.network.bind,
                                        limits=Limits(max_total_bytes=config.network.max_message_bytes),
-                                       count=self.counters)
+                                       count=tee(self.counters, self.metrics.count_message))
         self.address = self.endpoint.address
         self.rng = np.random.default_rng(config.seed)
         self.run_id = uuid.uuid4().hex[:12]
@@ -121,6 +125,7 @@ class Coordinator:
     # ------------------------------------------------------------------ serving
     def _reject(self, exc: WireError) -> None:
         self.rejected[exc.reason] += 1
+        self.metrics.rejected(exc.reason)
         if exc.reason not in self._logged:
             self._logged.add(exc.reason)
             log.warning("rejected a message from %r (%s); further rejections for this reason are only counted",
@@ -136,8 +141,8 @@ class Coordinator:
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            if client_id in self.registry.records:
-                self.registry.drop(client_id)
+            if self.registry.drop(client_id):
+                self.metrics.client_dropped("unreachable")
             return False
 
     def _handle(self, peer: str, msg: Message) -> None:
@@ -157,7 +162,8 @@ class Coordinator:
             raise WireError("unknown_sender", f"{msg.type!r} from a client that has not joined")
         self.registry.touch(peer)
         if msg.type == "leave":
-            self.registry.leave(peer)
+            if self.registry.leave(peer):
+                self.metrics.client_left()
             self.progress("leave", {"client": peer})
         elif msg.type == "update":
             self._on_update(peer, msg)
@@ -173,7 +179,13 @@ class Coordinator:
             raise WireError("unknown_sender",
                             f"client index {index} outside 0..{self.config.scenario.num_clients - 1}")
         join_task = self.scenario.join_task(index)
+        known = peer in self.registry.records
+        was_online = self.registry.is_online(peer)
         record = self.registry.join(peer, index, msg.body.node, join_task)
+        if not known:
+            self.metrics.client_joined()
+        elif not was_online:
+            self.metrics.client_joined(rejoin=True)
         self._send(peer, "welcome", Welcome(join_task=join_task, **self._welcome_template),
                    task=self._task, round=self._global_round)
         self.progress("join", {"client": peer, "index": record.index})
@@ -182,6 +194,7 @@ class Coordinator:
         r = self._round
         if r is None or msg.round != r.number or peer not in r.selected:
             self.late_updates += 1
+            self.metrics.late_update()
             return
         if peer in {u.client for u in r.updates} | r.failed:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
@@ -219,6 +232,7 @@ class Coordinator:
                 while sock.poll(0):
                     self._receive_one()
             for client_id in self.registry.expire():
+                self.metrics.client_dropped("heartbeat_timeout")
                 self.progress("dead", {"client": client_id})
 
     def _receive_one(self) -> None:
@@ -231,7 +245,9 @@ class Coordinator:
             self._handle(peer, msg)
         except WireError as exc:
             self._reject(exc)
-        self.handling_s[msg_type] += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.handling_s[msg_type] += elapsed
+        self.metrics.handled(msg_type, elapsed)
 
     # ------------------------------------------------------------------- rounds
     def _wait_for_clients(self) -> None:
@@ -255,6 +271,7 @@ class Coordinator:
         self._global_round += 1
         r = _Round(task, self._global_round, set(chosen))
         self._round = r
+        self.metrics.round_started(task, task_round, r.number)
 
         t0 = time.perf_counter()
         assets = self.server.task_assets(task) if any(
@@ -313,6 +330,10 @@ class Coordinator:
             online=len(self.registry.online()),
         )
         recorder.round(record)
+        self.metrics.round_closed(duration_s=record.duration_s, phases_s=record.phases_s, selected=record.selected,
+                                  participants=record.participants, missed_deadline=record.late,
+                                  failed=record.failed, skipped=record.skipped, mean_loss=record.mean_loss,
+                                  accuracy_seen_percent=record.accuracy_seen)
         return record
 
     def _bytes_since(self, before: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
@@ -332,6 +353,11 @@ class Coordinator:
         rounds: list[RoundRecord] = []
         status = "completed"
         try:
+            self.metrics.run_started(
+                run_id=self.run_id, method=self.config.method, dataset=self.config.scenario.dataset,
+                model=self.config.model, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
+                num_tasks=self.scenario.num_tasks, rounds_per_task=self.config.rounds.rounds_per_task,
+                clients_per_round=self.config.rounds.clients_per_round)
             self._wait_for_clients()
             recorder.event("start", run_id=self.run_id, address=self.address, online=len(self.registry.online()))
             for task in range(self.scenario.num_tasks):
@@ -342,10 +368,19 @@ class Coordinator:
                     record = self._run_round(task, task_round, recorder)
                     rounds.append(record)
                     self.progress("round", asdict(record))
+                t0 = time.perf_counter()
                 self.server.end_task(task)
+                t_end_task = time.perf_counter() - t0
                 row = self.evaluator.accuracy_per_task(self.server.eval_model(), task)
+                t_evaluate = time.perf_counter() - t0 - t_end_task
                 matrix.append(row + [None] * (self.scenario.num_tasks - task - 1))
-                recorder.event("task_end", task=task, accuracy=row, accuracy_seen=self._seen_accuracy(row, task))
+                seen = self._seen_accuracy(row, task)
+                recorder.event("task_end", task=task, accuracy=row, accuracy_seen=seen)
+                self.metrics.task_ended(
+                    task=task, matrix=matrix, accuracy_seen_percent=seen,
+                    average_accuracy=average_accuracy(matrix), average_forgetting=average_forgetting(matrix),
+                    average_incremental_accuracy=average_incremental_accuracy(matrix),
+                    phases_s={"end_task": t_end_task, "evaluate": t_evaluate})
                 self.progress("task_end", {"task": task, "accuracy": row})
         except KeyboardInterrupt:
             status = "interrupted"
@@ -413,3 +448,4 @@ class Coordinator:
 
     def close(self) -> None:
         self.endpoint.close()
+        self.metrics.close()

@@ -44,6 +44,8 @@ class ClientRegistry:
         self.liveness_timeout_s = liveness_timeout_s
         self.records: dict[str, ClientRecord] = {}
         self.counts = RegistryCounts()
+        # kept up to date on every change, so a metrics scrape (another thread) reads it without iterating
+        self.online_count = 0
 
     def join(self, client_id: str, index: int, node: str, join_task: int) -> ClientRecord:
         record = self.records.get(client_id)
@@ -51,9 +53,11 @@ class ClientRegistry:
             record = ClientRecord(client_id, index, node, join_task)
             self.records[client_id] = record
             self.counts.joined += 1
+            self.online_count += 1
         else:
             if record.status is not Status.ONLINE:
                 self.counts.rejoined += 1
+                self.online_count += 1
             record.status = Status.ONLINE
             record.assets_task = -1  # it may have lost its state: send the task's assets again
             record.node = node
@@ -67,17 +71,25 @@ class ClientRegistry:
     def touch(self, client_id: str) -> None:
         self.records[client_id].last_seen = time.monotonic()
 
-    def leave(self, client_id: str) -> None:
+    def leave(self, client_id: str) -> bool:
+        """Mark an online client as left; False if it was not online."""
         record = self.records[client_id]
         if record.status is Status.ONLINE:
             record.status = Status.LEFT
             self.counts.left += 1
+            self.online_count -= 1
+            return True
+        return False
 
-    def drop(self, client_id: str) -> None:
-        record = self.records[client_id]
-        if record.status is Status.ONLINE:
+    def drop(self, client_id: str) -> bool:
+        """Declare an online client dead; False if it is unknown or was not online."""
+        record = self.records.get(client_id)
+        if record is not None and record.status is Status.ONLINE:
             record.status = Status.DEAD
             self.counts.dropped += 1
+            self.online_count -= 1
+            return True
+        return False
 
     def expire(self, now: float | None = None) -> list[str]:
         """Declare dead every online client silent for longer than the liveness timeout."""

@@ -31,13 +31,14 @@ from methods import registry as methods
 from methods.base import ClientContext, ClientPart, TrainingSettings
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
+from monitoring.metrics import EdgeNodeMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
 from wire.framing import Limits, Message, WireError
 from wire.messages import Error, Heartbeat, Join, Leave, Update
-from wire.sockets import ClientEndpoint, Counters
+from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 
@@ -107,6 +108,9 @@ class EdgeNode:
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
         self.counters = Counters.empty()
+        # Prometheus metrics (served only when asked: ``metrics.serve``, see ``fcl-emu node --metrics-port``)
+        self.metrics = EdgeNodeMetrics()
+        self._count = tee(self.counters, self.metrics.count_message)
         self.rejected: dict[str, int] = {}
         self._state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fcl-emu-node-"))
         self.assets = AssetCache()
@@ -121,10 +125,11 @@ class EdgeNode:
         self._threads = threads
         self.clients = [self._new_client(i) for i in client_indices]
         self.heartbeat_interval_s = 1.0
+        self.metrics.watch(self.clients, self._jobs.qsize)
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
-        endpoint = ClientEndpoint(self.context, self.connect, cid, count=self.counters)
+        endpoint = ClientEndpoint(self.context, self.connect, cid, count=self._count)
         return EmulatedClient(index, endpoint, ArrayStore(self._state_dir / cid))
 
     # ----------------------------------------------------------------- setup
@@ -165,7 +170,10 @@ class EdgeNode:
         model_cache: dict[int, Any] = {}
         try:
             while (job := self._jobs.get()) is not None:
+                started = time.perf_counter()
                 result = self._train(job, model_cache)
+                outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
+                self.metrics.trained(time.perf_counter() - started, outcome, result.num_samples)
                 self._results.put(result)
                 wake.send(b"")
         finally:
@@ -288,6 +296,7 @@ class EdgeNode:
     def _rejected(self, client: EmulatedClient, exc: WireError) -> None:
         """Count a bad message from the coordinator; log the first of each reason."""
         self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        self.metrics.rejected(exc.reason)
         if self.rejected[exc.reason] == 1:
             log.warning("%s: rejected a message from the coordinator (%s); further ones are only counted",
                         client.id, exc)
@@ -297,6 +306,7 @@ class EdgeNode:
         client.closed = True
 
     def close(self) -> None:
+        """Close the sockets. The metrics endpoint stays up (``metrics.close()`` ends it)."""
         for client in self.clients:
             client.endpoint.close()
         self._wake_rx.close(linger=0)

@@ -2,7 +2,8 @@
 
 ``up`` runs a whole emulation on this machine; ``coordinator`` and ``node``
 run the two halves separately (other hosts); ``methods`` lists the learning
-methods; ``bench`` holds the benchmarks.
+methods; ``report`` and ``compare`` plot finished runs; ``bench`` holds the
+benchmarks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ FLAG_OF = {
     ("training", "local_epochs"): "--local-epochs",
     ("training", "lr"): "--lr",
     ("network", "bind"): "--bind",
+    ("metrics", "port"): "--metrics-port",
+    ("metrics", "host"): "--metrics-host",
+    ("metrics", "prometheus_port"): "--prometheus-port",
     ("method",): "--method",
     ("method_options",): "--method-option",
     ("model",): "--model",
@@ -94,6 +98,12 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     _set(overrides, ("training", "local_epochs"), flags.get("local_epochs"))
     _set(overrides, ("training", "lr"), flags.get("lr"))
     _set(overrides, ("network", "bind"), flags.get("bind"))
+    _set(overrides, ("metrics", "port"), flags.get("metrics_port"))
+    _set(overrides, ("metrics", "host"), flags.get("metrics_host"))
+    _set(overrides, ("metrics", "prometheus_port"), flags.get("prometheus_port"))
+    for flag in ("prometheus", "keep_prometheus"):
+        if flags.get(flag):
+            _set(overrides, ("metrics", flag), True)
     for key in ("method", "model", "nodes", "device", "run_dir"):
         _set(overrides, (key,), flags.get(key))
     if flags.get("seed") is not None:
@@ -116,6 +126,7 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
 
 def _finish(runner, cfg: RunConfig) -> None:
     """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed."""
+    from monitoring.stack import PortInUseError
     from scenario.datasets import DatasetNotFoundError
 
     try:
@@ -123,6 +134,9 @@ def _finish(runner, cfg: RunConfig) -> None:
     except DatasetNotFoundError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    except PortInUseError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     raise typer.Exit(0 if summary.get("status") == "completed" else 1)
 
 
@@ -147,6 +161,18 @@ NodesOpt = Annotated[Optional[int], typer.Option(help="Edge-node processes to st
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Seed of the scenario, sampling and training.")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<time>-...).")]
+MetricsPortOpt = Annotated[Optional[int], typer.Option(
+    "--metrics-port", help="Serve the coordinator's Prometheus /metrics on this port; edge node i of `up` "
+                           "takes PORT+1+i (default: no endpoints).")]
+MetricsHostOpt = Annotated[Optional[str], typer.Option(
+    "--metrics-host", help="Address the /metrics endpoints listen on (default 127.0.0.1; 0.0.0.0 for a "
+                           "Prometheus on another host or in a container).")]
+PrometheusOpt = Annotated[bool, typer.Option(
+    "--prometheus", help="Start a local Prometheus server (the `prometheus` binary) scraping this run.")]
+PrometheusPortOpt = Annotated[Optional[int], typer.Option(
+    "--prometheus-port", help="Port of the local Prometheus (default 9090, on 127.0.0.1).")]
+KeepPrometheusOpt = Annotated[bool, typer.Option(
+    "--keep-prometheus", help="Leave the local Prometheus running after the run ends.")]
 
 
 @app.command()
@@ -172,6 +198,11 @@ def up(
     round_deadline: Annotated[Optional[float], typer.Option("--round-deadline", help="Seconds before a round closes.")] = None,
     min_participants: Annotated[Optional[int], typer.Option("--min-participants", help="Fewer updates: round skipped.")] = None,
     download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = None,
+    prometheus: PrometheusOpt = False,
+    prometheus_port: PrometheusPortOpt = None,
+    keep_prometheus: KeepPrometheusOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
@@ -198,6 +229,11 @@ def coordinator(
     device: DeviceOpt = None,
     seed: SeedOpt = None,
     run_dir: RunDirOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = None,
+    prometheus: PrometheusOpt = False,
+    prometheus_port: PrometheusPortOpt = None,
+    keep_prometheus: KeepPrometheusOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run only the coordinator; edge nodes connect with `fcl-emu node --connect`."""
@@ -215,6 +251,11 @@ def node(
     data_root: DataRootOpt = None,
     name: Annotated[Optional[str], typer.Option(help="Node name (default node-<pid>).")] = None,
     threads: Annotated[int, typer.Option(min=1, help="Torch threads for local training.")] = 1,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        "--metrics-port", min=1, max=65535, help="Serve this node's Prometheus /metrics on this port.")] = None,
+    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
+    metrics_linger: Annotated[float, typer.Option(
+        "--metrics-linger", min=0, help="Seconds to keep /metrics up after the clients shut down.")] = 0.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
@@ -231,8 +272,22 @@ def node(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
-             threads=threads).run(stop)
+    edge = EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
+                    threads=threads)
+    serving = False
+    if metrics_port is not None:
+        try:
+            edge.metrics.serve(metrics_port, metrics_host)
+            serving = True
+        except OSError as exc:  # metrics are an aid: the clients still run
+            logging.getLogger("fcl_emu.edge_node").error(
+                "cannot serve /metrics on %s:%d (%s); running without it", metrics_host, metrics_port, exc)
+    try:
+        edge.run(stop)
+        if serving and metrics_linger > 0:
+            stop.wait(metrics_linger)  # a last scrape sees the end
+    finally:
+        edge.metrics.close()
 
 
 @app.command("methods")
@@ -246,6 +301,41 @@ def list_methods() -> None:
     for spec in registry.all_specs():
         table.add_row(spec.name, ", ".join(spec.aliases), spec.description)
     Console().print(table)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (summary.json, events.jsonl).")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default RUN_DIR/report).")] = None,
+) -> None:
+    """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
+    from monitoring.report import RunDirError, write_report
+
+    try:
+        path = write_report(run_dir, out)
+    except RunDirError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    Console().print(f"report: {path} (plots beside it)", markup=False, highlight=False)
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to put side by side.")],
+    out: Annotated[Path, typer.Option("--out", help="Where compare.png goes.")] = Path("."),
+) -> None:
+    """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png."""
+    from monitoring.compare import compare_runs, format_table
+    from monitoring.report import RunDirError
+
+    try:
+        rows, png = compare_runs(run_dirs, out)
+    except RunDirError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    stdout = Console()
+    stdout.print(format_table(rows))
+    stdout.print(f"plot: {png}", markup=False, highlight=False)
 
 
 @bench_app.command("wire")
@@ -270,6 +360,19 @@ def bench_round(
     from fcl_emu.bench.round import run
 
     run(clients, rounds, json_path, data_root, console)
+
+
+@bench_app.command("metrics")
+def bench_metrics(
+    clients: Annotated[int, typer.Option(help="Clients of the simulated run that fills the registries.")] = 300,
+    url: Annotated[Optional[list[str]], typer.Option(
+        "--url", help="Also time scrapes of this live /metrics URL (repeatable).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Prometheus metrics overhead: time per update, scrape time and size at --clients clients."""
+    from fcl_emu.bench.metrics import run
+
+    run(clients, list(url or []), json_path, console)
 
 
 if __name__ == "__main__":

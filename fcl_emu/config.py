@@ -61,6 +61,32 @@ class NetworkConfig(pydantic.BaseModel):
         return self
 
 
+class MetricsConfig(pydantic.BaseModel):
+    """Prometheus metrics endpoints and the optional local Prometheus server (docs/monitoring.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    port: int | None = pydantic.Field(
+        None, ge=1, le=65535,
+        description="the coordinator's /metrics port; edge node i of `up` takes port + 1 + i; unset: no endpoints")
+    host: str = pydantic.Field("127.0.0.1", min_length=1, description="address the /metrics endpoints listen on")
+    linger_s: float | None = pydantic.Field(
+        None, ge=0, description="keep /metrics up this long after the run so a last scrape sees the end "
+                                "(default: scrape_interval_s + 1)")
+    prometheus: bool = pydantic.Field(False, description="start a local Prometheus server for the run")
+    prometheus_port: int = pydantic.Field(9090, ge=1, le=65535)
+    keep_prometheus: bool = pydantic.Field(False, description="leave the local Prometheus running after the run")
+    scrape_interval_s: float = pydantic.Field(5.0, gt=0, le=300, description="scrape interval of the local Prometheus")
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None
+
+    @property
+    def linger(self) -> float:
+        return self.scrape_interval_s + 1.0 if self.linger_s is None else self.linger_s
+
+
 class RunConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -71,6 +97,7 @@ class RunConfig(pydantic.BaseModel):
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
     network: NetworkConfig = NetworkConfig()
+    metrics: MetricsConfig = MetricsConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_root: list[Path] = pydantic.Field(default_factory=default_data_roots)
@@ -103,6 +130,9 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
+        if self.metrics.port is not None and self.metrics.port + self.nodes > 65535:
+            raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node "
+                             f"ports after it (port + nodes must be at most 65535)")
         return self
 
     def method_options_model(self):

@@ -51,11 +51,20 @@ def default_run_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{stamp}-{config.method}-{config.scenario.dataset}-s{config.seed}"
 
 
-def node_command(address: str, indices: list[int], config: RunConfig, name: str) -> list[str]:
+def node_metrics_port(config: RunConfig, n: int) -> int | None:
+    """Edge node ``n`` of ``up`` serves /metrics on the coordinator's port + 1 + n."""
+    return None if config.metrics.port is None else config.metrics.port + 1 + n
+
+
+def node_command(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0) -> list[str]:
     cmd = [sys.executable, "-m", "fcl_emu", "node", "--connect", address,
            "--clients", format_client_set(indices), "--name", name]
     for root in config.data_root:
         cmd += ["--data-root", str(root)]
+    port = node_metrics_port(config, n)
+    if port is not None:
+        cmd += ["--metrics-port", str(port), "--metrics-host", config.metrics.host,
+                "--metrics-linger", f"{config.metrics.linger:g}"]
     return cmd
 
 
@@ -79,7 +88,7 @@ class NodeProcesses:
         for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes)):
             name = f"node-{n}"
             log = open(log_dir / f"{name}.log", "wb")
-            self.procs.append(subprocess.Popen(node_command(address, indices, config, name),
+            self.procs.append(subprocess.Popen(node_command(address, indices, config, name, n),
                                                stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
 

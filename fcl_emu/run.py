@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -11,6 +12,7 @@ from rich.table import Table
 from coordinator.engine import Coordinator, RunAborted
 from fcl_emu.config import RunConfig
 from fcl_emu.launcher import NodeProcesses, default_run_dir
+from monitoring import stack
 
 
 class ProgressView:
@@ -68,22 +70,85 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def resolve_metrics(config: RunConfig, start_nodes: bool) -> RunConfig:
+    """Check the /metrics ports are free; ``--prometheus`` without a port picks a free block from 9400.
+
+    Raises :class:`monitoring.stack.PortInUseError`.
+    """
+    m = config.metrics
+    count = 1 + (config.nodes if start_nodes else 0)
+    if m.port is None:
+        if not m.prometheus:
+            return config
+        port = stack.find_port_block(m.host, count)
+        config = config.model_copy(update={"metrics": m.model_copy(update={"port": port})})
+    stack.check_ports(config.metrics.host, [config.metrics.port + i for i in range(count)])
+    return config
+
+
+def _start_metrics(config: RunConfig, coordinator: Coordinator, run_dir: Path, start_nodes: bool,
+                   console: Console) -> stack.LocalPrometheus | None:
+    """Serve the coordinator's /metrics, write the targets file, start the local Prometheus if asked."""
+    m = config.metrics
+    if not m.enabled:
+        return None
+    coordinator.metrics.serve(m.port, m.host)
+    targets = stack.run_targets(m.host, m.port, config.nodes if start_nodes else 0)
+    path = stack.write_targets(run_dir, targets, coordinator.run_id)
+    nodes = f"; edge nodes {m.port + 1}-{m.port + config.nodes}" if start_nodes else ""
+    console.print(f"metrics: http://{targets[0].address}/metrics (coordinator){nodes}; targets {path}",
+                  markup=False, highlight=False)
+    if not m.prometheus:
+        return None
+    prometheus = stack.LocalPrometheus(run_dir, port=m.prometheus_port, scrape_interval_s=m.scrape_interval_s)
+    try:
+        prometheus.start()
+    except RuntimeError as exc:
+        console.print(f"warning: {exc}", style="yellow", markup=False, highlight=False)
+        return None
+    console.print(f"prometheus: {prometheus.url} (data in {prometheus.data_dir})", markup=False, highlight=False)
+    return prometheus
+
+
+def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, console: Console) -> None:
+    if prometheus is None:
+        return
+    if keep:
+        console.print(f"prometheus keeps running at {prometheus.url} (pid {prometheus.proc.pid}; "
+                      f"stop it with: kill $(cat {prometheus.pid_file}))", markup=False, highlight=False)
+        prometheus.detach()
+    else:
+        prometheus.stop()
+        console.print(f"prometheus stopped; browse the run again with: prometheus "
+                      f"--config.file={prometheus.config_file} --storage.tsdb.path={prometheus.data_dir}",
+                      markup=False, highlight=False)
+
+
 def _run(config: RunConfig, console: Console, start_nodes: bool) -> dict:
+    config = resolve_metrics(config, start_nodes)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     view = ProgressView(config, console)
     coordinator = Coordinator(config, progress=view)
     console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}")
-    nodes = NodeProcesses(coordinator.address, config, run_dir / "logs") if start_nodes else None
+    nodes = prometheus = None
+    finished = False
     try:
-        with view.progress:
-            summary = coordinator.run(run_dir)
-    except RunAborted as exc:
-        console.print(f"[red]run aborted:[/red] {exc}")
-        summary = _read_summary(run_dir)
+        prometheus = _start_metrics(config, coordinator, run_dir, start_nodes, console)
+        nodes = NodeProcesses(coordinator.address, config, run_dir / "logs") if start_nodes else None
+        try:
+            with view.progress:
+                summary = coordinator.run(run_dir)
+        except RunAborted as exc:
+            console.print(f"[red]run aborted:[/red] {exc}")
+            summary = _read_summary(run_dir)
+        finished = True
     finally:
+        if finished and config.metrics.enabled:
+            time.sleep(config.metrics.linger)  # a last scrape sees the end (the nodes linger alongside)
         if nodes is not None:
             nodes.stop()
         coordinator.close()
+        _stop_prometheus(prometheus, config.metrics.keep_prometheus and finished, console)
     console.print(summary_table(summary))
     return summary
 

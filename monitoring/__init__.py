@@ -1,5 +1,7 @@
 """Prometheus metrics, Prometheus and Grafana configuration, run reports and plots.
 
-Scope (not built yet; see the observability issue). Until then the run
-directory's ``events.jsonl`` and ``summary.json`` carry the measurements.
+- ``metrics``: every Prometheus metric of the coordinator and the edge nodes;
+- ``stack``: a run's ``prometheus_targets.json`` and a local Prometheus server;
+- ``prometheus/``, ``grafana/``, ``docker-compose.yml``: the monitoring stack
+  (docs/monitoring.md).
 """

@@ -234,3 +234,22 @@ def test_compare_fails_clearly_on_a_non_run(tmp_path):
     (tmp_path / "b").mkdir()
     with pytest.raises(RunDirError, match="not a run directory"):
         compare_runs([a, tmp_path / "b"], tmp_path / "cmp")
+
+
+def test_report_and_compare_commands(tmp_path):
+    from typer.testing import CliRunner
+
+    from fcl_emu.cli import app
+
+    runner = CliRunner()
+    a = make_run(tmp_path / "a")
+    b = make_run(tmp_path / "b", summary(seed=1, wall=50.0))
+    result = runner.invoke(app, ["report", str(a)])
+    assert result.exit_code == 0, result.output
+    assert (a / "report" / REPORT).is_file()
+    result = runner.invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    assert "runs compared" in result.output and (tmp_path / "cmp" / "compare.png").is_file()
+    for args in (["report", str(tmp_path / "nothing")], ["compare", str(a), str(tmp_path / "nothing")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1 and "error:" in result.output, result.output

@@ -54,6 +54,14 @@ class Counters:
         return out
 
 
+def tee(*counters: ByteCounter) -> ByteCounter:
+    """One ByteCounter that calls each of ``counters`` (e.g. the result tallies and Prometheus metrics)."""
+    def each(msg_type: str, direction: str, nbytes: int) -> None:
+        for count in counters:
+            count(msg_type, direction, nbytes)
+    return each
+
+
 def _configure(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
