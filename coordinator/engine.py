@@ -16,7 +16,10 @@ updates), so joins, heartbeats and leaves are served during rounds. A round:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -28,8 +31,12 @@ import numpy as np
 import torch
 import zmq
 
+from coordinator import checkpoint
+from coordinator.checkpoint import Checkpoint
 from coordinator.evaluation import Evaluator
-from coordinator.registry import ClientRegistry
+from coordinator.registry import ClientRegistry, Status
+from edge_node.availability import client_availability, parse_availability
+from edge_node.links import assign_profile, load_profiles
 from coordinator.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
                                  average_incremental_accuracy)
 from fcl_emu.config import RunConfig
@@ -40,16 +47,29 @@ from monitoring.metrics import CoordinatorMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import build_scenario
 from wire.framing import Limits, Message, WireError
-from wire.messages import Error, Shutdown, TaskStart, TrainRequest, Welcome
+from wire.messages import EdgeSettings, Error, Shutdown, TaskStart, TrainRequest, Welcome
 from wire.sockets import Counters, ServerEndpoint, tee
 
 log = logging.getLogger("fcl_emu.coordinator")
 
 CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error"})
+CHECKPOINT_DIR = "checkpoint"  # in the run directory (docs/resume.md)
+SERVER, TORCH_RNG, CUDA_RNG = "server/", "rng/torch", "rng/cuda/"  # checkpoint array names
+NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
 class RunAborted(RuntimeError):
     """The run cannot go on (for example: not enough clients joined)."""
+
+
+class BindError(RuntimeError):
+    """The coordinator cannot bind its address (in use, or not an address of this host)."""
+
+
+def run_fingerprint(config: RunConfig) -> str:
+    """A hash of what decides a run's results: the config less data location, metrics and run directory."""
+    data = config.model_dump(mode="json", exclude={"metrics", "data_root", "run_dir", "download"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -65,12 +85,18 @@ class _Round:
     task: int
     number: int
     selected: set[str]
+    wanted: int  # updates that close the round early (clients_per_round; fewer than selected with overcommit)
     updates: list[ClientUpdate] = field(default_factory=list)
-    failed: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)  # reported an error
+    lost: set[str] = field(default_factory=set)  # left or crashed and joined again during the round
 
     def pending(self, online: Callable[[str], bool]) -> set[str]:
-        done = {u.client for u in self.updates} | self.failed
+        done = {u.client for u in self.updates} | self.failed | self.lost
         return {c for c in self.selected - done if online(c)}
+
+    def done(self, online: Callable[[str], bool]) -> bool:
+        useful = sum(u.num_samples > 0 for u in self.updates)
+        return useful >= self.wanted or not self.pending(online)
 
 
 ProgressHook = Callable[[str, dict], None]
@@ -78,7 +104,8 @@ ProgressHook = Callable[[str, dict], None]
 
 class Coordinator:
     def __init__(self, config: RunConfig, *, context: zmq.Context | None = None,
-                 progress: ProgressHook | None = None):
+                 progress: ProgressHook | None = None, resume: Checkpoint | None = None):
+        """``resume``: continue from this checkpoint of the same run (same run id and address)."""
         self.config = config
         self.progress = progress or (lambda kind, info: None)
         self.device = resolve_device(config.device)
@@ -96,17 +123,26 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()
         self.metrics.watch_online(lambda: self.registry.online_count)
         self.context = context or zmq.Context.instance()
-        self.endpoint = ServerEndpoint(self.context, config.network.bind,
-                                       limits=Limits(max_total_bytes=config.network.max_message_bytes),
-                                       count=tee(self.counters, self.metrics.count_message))
+        bind = config.network.bind if resume is None else resume.state["address"]
+        try:
+            self.endpoint = ServerEndpoint(self.context, bind,
+                                           limits=Limits(max_total_bytes=config.network.max_message_bytes),
+                                           count=tee(self.counters, self.metrics.count_message))
+        except zmq.ZMQError as exc:
+            raise BindError(f"cannot bind {bind}: {exc}") from None
         self.address = self.endpoint.address
         self.rng = np.random.default_rng(config.seed)
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"]
         self.rejected: Counter[str] = Counter()
         self.handling_s: Counter[str] = Counter()  # time spent receiving+handling, by message type
         self._logged: set[str] = set()
         self.late_updates = 0
+        self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
+        self._stale_task = -1
         self._round: _Round | None = None
+        self._clock0 = time.monotonic()  # the run clock that availability models follow
+        self._availability = parse_availability(config.edge.availability)
+        self._profiles = load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None
         self._task = 0
         self._global_round = 0
         self._welcome_template = dict(
@@ -118,6 +154,13 @@ class Coordinator:
             training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
             heartbeat_interval_s=config.network.heartbeat_interval_s,
         )
+        # checkpoints and resuming (docs/resume.md)
+        self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
+        self._resumes = 0
+        self._resumed: dict | None = None  # the checkpoint's results and position, until run() takes them
+        self._checkpoints = {"saved": 0, "seconds": 0.0, "bytes": 0}
+        if resume is not None:
+            self._restore(resume)
 
     def _build_model(self, num_classes: int):
         return build_model(self.config.model, self.dataset.input_shape, num_classes)
@@ -159,6 +202,8 @@ class Coordinator:
             self._on_join(peer, msg)
             return
         if not self.registry.is_online(peer):
+            if msg.type != "leave":
+                self._not_joined(peer)
             raise WireError("unknown_sender", f"{msg.type!r} from a client that has not joined")
         self.registry.touch(peer)
         if msg.type == "leave":
@@ -173,6 +218,18 @@ class Coordinator:
                 r.failed.add(peer)
             log.warning("client %s reported %s: %s", peer, msg.body.code, msg.body.detail)
 
+    def _not_joined(self, peer: str) -> None:
+        """Tell a peer that is not online to join (again): after a coordinator restart, or once declared dead.
+        At most once per peer per NOT_JOINED_INTERVAL_S."""
+        now = time.monotonic()
+        if now - self._not_joined_at.get(peer, -NOT_JOINED_INTERVAL_S) < NOT_JOINED_INTERVAL_S:
+            return
+        if len(self._not_joined_at) >= 10_000:  # strangers with ever new identities: forget the old ones
+            self._not_joined_at = {p: t for p, t in self._not_joined_at.items()
+                                   if now - t < NOT_JOINED_INTERVAL_S}
+        self._not_joined_at[peer] = now
+        self._send(peer, "error", Error(code="not_joined", detail="send a join first"))
+
     def _on_join(self, peer: str, msg: Message) -> None:
         index = msg.body.client_index
         if not 0 <= index < self.config.scenario.num_clients:
@@ -181,20 +238,40 @@ class Coordinator:
         join_task = self.scenario.join_task(index)
         known = peer in self.registry.records
         was_online = self.registry.is_online(peer)
+        r = self._round
+        if r is not None and peer in r.selected and peer not in {u.client for u in r.updates}:
+            r.lost.add(peer)  # left or crashed and came back: its work for this round is gone
         record = self.registry.join(peer, index, msg.body.node, join_task)
+        if msg.body.assets_task >= 0:
+            record.assets_task = msg.body.assets_task  # kept its local state while away: no resend
         if not known:
             self.metrics.client_joined()
         elif not was_online:
             self.metrics.client_joined(rejoin=True)
-        self._send(peer, "welcome", Welcome(join_task=join_task, **self._welcome_template),
+        self._send(peer, "welcome", Welcome(join_task=join_task, edge=self._edge_settings(index),
+                                            **self._welcome_template),
                    task=self._task, round=self._global_round)
         self.progress("join", {"client": peer, "index": record.index})
 
+    def _edge_settings(self, index: int) -> EdgeSettings:
+        edge, seed = self.config.edge, self.config.seed
+        return EdgeSettings(
+            availability=client_availability(self._availability, index, seed, slot_s=edge.availability_slot_s,
+                                             trace_time_scale=edge.trace_time_scale),
+            profile=None if self._profiles is None else assign_profile(self._profiles, index, seed).to_wire(),
+            crash_rate=edge.crash_rate, crash_downtime_s=edge.crash_downtime_s,
+            clock_s=time.monotonic() - self._clock0)
+
     def _on_update(self, peer: str, msg: Message) -> None:
         r = self._round
-        if r is None or msg.round != r.number or peer not in r.selected:
+        if r is None or msg.round != r.number or peer not in r.selected or peer in r.lost:
             self.late_updates += 1
             self.metrics.late_update()
+            if (self.config.rounds.late_updates == "next_round" and self.server.accepts_stale_updates
+                    and msg.task == self._task and (r is None or msg.round < r.number)):
+                self._check_delta(msg)
+                self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss))
+                self._stale_task = msg.task
             return
         if peer in {u.client for u in r.updates} | r.failed:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
@@ -220,6 +297,17 @@ class Coordinator:
         if msg.body.num_samples < 0:
             raise WireError("bad_body", "negative num_samples")
 
+    def _drain(self) -> None:
+        """Handle every message already waiting, without blocking; then expire silent clients."""
+        while self.endpoint.sock.poll(0):
+            self._receive_one()
+        self._expire()
+
+    def _expire(self) -> None:
+        for client_id in self.registry.expire():
+            self.metrics.client_dropped("heartbeat_timeout")
+            self.progress("dead", {"client": client_id})
+
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
         """Handle messages until ``until()`` holds or the monotonic ``deadline`` passes."""
         sock = self.endpoint.sock
@@ -231,9 +319,7 @@ class Coordinator:
             if sock.poll(min(tick_ms, int(1000 * (deadline - now)) + 1)):
                 while sock.poll(0):
                     self._receive_one()
-            for client_id in self.registry.expire():
-                self.metrics.client_dropped("heartbeat_timeout")
-                self.progress("dead", {"client": client_id})
+            self._expire()
 
     def _receive_one(self) -> None:
         """Receive, validate and handle one message; time it by message type."""
@@ -265,11 +351,12 @@ class Coordinator:
         cfg = self.config.rounds
         started, cpu_started = time.perf_counter(), time.process_time()
         bytes_before = dict(self.counters.bytes)
+        self._drain()  # leaves and joins that queued up during evaluation or task-end work
         eligible = self.registry.eligible(task)
-        k = min(cfg.clients_per_round, len(eligible))
+        k = min(math.ceil(cfg.clients_per_round * cfg.overcommit), len(eligible))
         chosen = [eligible[i].client_id for i in sorted(self.rng.choice(len(eligible), size=k, replace=False))]
         self._global_round += 1
-        r = _Round(task, self._global_round, set(chosen))
+        r = _Round(task, self._global_round, set(chosen), wanted=cfg.clients_per_round)
         self._round = r
         self.metrics.round_started(task, task_round, r.number)
 
@@ -291,14 +378,19 @@ class Coordinator:
         t_dispatch = time.perf_counter() - t0
 
         t0, handled_before = time.perf_counter(), self.handling_s["update"]
-        self.serve(lambda: not r.pending(self.registry.is_online), time.monotonic() + cfg.deadline_s)
+        self.serve(lambda: r.done(self.registry.is_online), time.monotonic() + cfg.deadline_s)
         t_wait = time.perf_counter() - t0
         t_updates = self.handling_s["update"] - handled_before
         self._round = None
         late = len(r.pending(self.registry.is_online))
+        answered = {u.client for u in r.updates} | r.failed
+        dropped = len(r.selected - answered - r.pending(self.registry.is_online))
 
         t0 = time.perf_counter()
         useful = [u for u in r.updates if u.num_samples > 0]
+        stale = [u for u in self._stale if u.num_samples > 0] if self._stale_task == task else []
+        self._stale = []
+        useful = sorted(useful + stale, key=lambda u: u.client)
         skipped = len(useful) < cfg.min_participants
         if not skipped:
             self.server.aggregate(task, r.number, useful)
@@ -317,6 +409,8 @@ class Coordinator:
         record = RoundRecord(
             task=task, round=r.number, task_round=task_round, selected=len(chosen),
             participants=len(r.updates), late=late, failed=len(r.failed), skipped=skipped,
+            dropped=dropped, overcommitted=len(chosen) - min(cfg.clients_per_round, len(chosen)),
+            stale_used=0 if skipped else len(stale),
             samples=sum(u.num_samples for u in useful),
             mean_loss=float(np.mean(losses)) if losses else None,
             accuracy_seen=accuracy,
@@ -345,12 +439,119 @@ class Coordinator:
                 out.setdefault(msg_type, {})[direction] = delta
         return out
 
+    # -------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, run_dir: Path, task: int, task_round: int, matrix: list, rounds: list[RoundRecord],
+                         wall_s: float) -> None:
+        """Checkpoint atomically (docs/resume.md). ``(task, task_round)`` is the next round to run: task_round 0
+        means the task has not started (its head is not grown yet); task == num_tasks, the run is complete."""
+        t0 = time.perf_counter()
+        arrays = {SERVER + k: v for k, v in self.server.state_arrays().items()}
+        arrays[TORCH_RNG] = torch.get_rng_state().numpy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, state in enumerate(torch.cuda.get_rng_state_all()):
+                arrays[f"{CUDA_RNG}{i}"] = state.numpy()
+        state = {
+            "run_id": self.run_id, "address": self.address, "fingerprint": run_fingerprint(self.config),
+            "method": self.config.method, "saved_at": time.time(),
+            "next": {"task": task, "task_round": task_round}, "global_round": self._global_round,
+            "complete": task >= self.scenario.num_tasks,
+            "wall_clock_s": wall_s, "run_clock_s": time.monotonic() - self._clock0,
+            "rng": {"numpy": self.rng.bit_generator.state},
+            "server": self.server.state_meta(),
+            "registry": self.registry.snapshot(),
+            "results": {
+                "matrix": matrix, "rounds": [asdict(r) for r in rounds],
+                "bytes": [[t, d, n] for (t, d), n in self.counters.bytes.items()],
+                "messages": [[t, d, n] for (t, d), n in self.counters.messages.items()],
+                "rejected": dict(self.rejected), "handling_s": dict(self.handling_s),
+                "late_updates": self.late_updates,
+            },
+            "resumes": self._resumes,
+            "checkpoints": {**self._checkpoints, "saved": self._checkpoints["saved"] + 1},  # this one included
+        }
+        nbytes = checkpoint.save(run_dir / CHECKPOINT_DIR, state, arrays)
+        elapsed = time.perf_counter() - t0
+        self._checkpoints = {"saved": self._checkpoints["saved"] + 1,
+                             "seconds": self._checkpoints["seconds"] + elapsed, "bytes": nbytes}
+        log.debug("checkpoint before task %d round %d: %d bytes in %.3f s", task, task_round, nbytes, elapsed)
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        """Take over a checkpoint's state (the constructor's last step); run() continues after it."""
+        s, arrays = ckpt.state, ckpt.arrays
+        if s.get("fingerprint") != run_fingerprint(self.config):
+            raise checkpoint.CheckpointError("the checkpoint was written under another configuration "
+                                             "than this one (was config.yaml edited?)")
+        try:
+            self.server.load_state_arrays({k[len(SERVER):]: v for k, v in arrays.items() if k.startswith(SERVER)})
+            self.server.load_state_meta(s["server"])
+            # after the server: loading never draws from torch's RNG, but be sure nothing comes after this
+            torch.set_rng_state(torch.from_numpy(np.array(arrays[TORCH_RNG])))
+            cuda = [torch.from_numpy(np.array(v)) for k, v in sorted(arrays.items()) if k.startswith(CUDA_RNG)]
+            if cuda and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(cuda)
+            self.rng.bit_generator.state = s["rng"]["numpy"]
+            self.registry.restore(s["registry"])
+            res = s["results"]
+            for t, d, n in res["bytes"]:
+                self.counters.bytes[(t, d)] = n
+            for t, d, n in res["messages"]:
+                self.counters.messages[(t, d)] = n
+            self.rejected.update(res["rejected"])
+            self.handling_s.update(res["handling_s"])
+            self.late_updates = res["late_updates"]
+            self._global_round = s["global_round"]
+            self._task = min(s["next"]["task"], self.scenario.num_tasks - 1)
+            self._clock0 = time.monotonic() - s["run_clock_s"]
+            self._resumes = s["resumes"] + 1
+            self._checkpoints = {"saved": s["checkpoints"]["saved"], "seconds": s["checkpoints"]["seconds"],
+                                 "bytes": s["checkpoints"]["bytes"]}
+            self._resumed = {"task": s["next"]["task"], "task_round": s["next"]["task_round"],
+                             "matrix": res["matrix"], "rounds": [RoundRecord(**r) for r in res["rounds"]],
+                             "wall_clock_s": s["wall_clock_s"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise checkpoint.CheckpointError(f"corrupt checkpoint: cannot restore it ({type(exc).__name__}: "
+                                             f"{exc})") from None
+
+    def _wait_for_rejoin(self) -> list[str]:
+        """After a resume: serve until the clients online at the checkpoint have joined again (their DEALERs
+        reconnect on their own; any message of theirs is answered ``not_joined``). Stops early once none has
+        come back for ``liveness_timeout_s`` after the first did (clients away for now), and at
+        ``join_timeout_s``. Returns the clients that did not come back; they count as dropped."""
+        net = self.config.network
+        seen = {"awaiting": self.registry.awaiting_rejoin, "changed": None}
+
+        def settled() -> bool:
+            awaiting, now = self.registry.awaiting_rejoin, time.monotonic()
+            if awaiting != seen["awaiting"]:
+                seen.update(awaiting=awaiting, changed=now)
+            return awaiting == 0 or (seen["changed"] is not None and now - seen["changed"] > net.liveness_timeout_s)
+
+        self.serve(settled, time.monotonic() + net.join_timeout_s)
+        missing = self.registry.drop_resumed()
+        for _ in missing:
+            self.metrics.client_dropped("heartbeat_timeout")
+        online = len(self.registry.eligible(self._task))
+        if online < self.config.rounds.min_participants:
+            raise RunAborted(f"only {online} clients joined the resumed coordinator within "
+                             f"{net.join_timeout_s:.0f} s; at least {self.config.rounds.min_participants} are needed")
+        self.progress("ready", {"online": len(self.registry.online()), "expected": self.config.scenario.num_clients})
+        return missing
+
     # ---------------------------------------------------------------------- run
     def run(self, run_dir: Path) -> dict:
-        recorder = RunRecorder(run_dir, self.config.to_yaml())
-        started = time.perf_counter()
-        matrix: list[list[float | None]] = []
-        rounds: list[RoundRecord] = []
+        """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round."""
+        resumed, self._resumed = self._resumed, None
+        recorder = RunRecorder(run_dir, self.config.to_yaml() if resumed is None else None,
+                               elapsed_s=0.0 if resumed is None else resumed["wall_clock_s"])
+        started = time.perf_counter() - (0.0 if resumed is None else resumed["wall_clock_s"])
+        matrix: list[list[float | None]] = [] if resumed is None else resumed["matrix"]
+        rounds: list[RoundRecord] = [] if resumed is None else resumed["rounds"]
+        first_task, first_round = (0, 0) if resumed is None else (resumed["task"], resumed["task_round"])
+        last_round = self.config.rounds.rounds_per_task - 1
+
+        def save(task: int, task_round: int) -> None:
+            self._save_checkpoint(run_dir, task, task_round, matrix, rounds, time.perf_counter() - started)
+
         status = "completed"
         try:
             self.metrics.run_started(
@@ -358,16 +559,28 @@ class Coordinator:
                 model=self.config.model, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
                 num_tasks=self.scenario.num_tasks, rounds_per_task=self.config.rounds.rounds_per_task,
                 clients_per_round=self.config.rounds.clients_per_round)
-            self._wait_for_clients()
-            recorder.event("start", run_id=self.run_id, address=self.address, online=len(self.registry.online()))
-            for task in range(self.scenario.num_tasks):
+            if resumed is None:
+                self._wait_for_clients()
+                recorder.event("start", run_id=self.run_id, address=self.address, online=len(self.registry.online()))
+                save(0, 0)
+            else:
+                missing = self._wait_for_rejoin()
+                recorder.event("resume", run_id=self.run_id, address=self.address, task=first_task,
+                               task_round=first_round, after_round=self._global_round, resumes=self._resumes,
+                               online=len(self.registry.online()), missing=len(missing))
+                self.progress("resume", {"rounds": len(rounds), "task": first_task, "task_round": first_round})
+            for task in range(first_task, self.scenario.num_tasks):
                 self._task = task
-                self.server.start_task(task)
+                resuming_task = task == first_task and first_round > 0
+                if not resuming_task:  # a task resumed mid-way has its head grown in the checkpoint
+                    self.server.start_task(task)
                 self.progress("task_start", {"task": task, "classes": len(self.scenario.task_classes(task))})
-                for task_round in range(self.config.rounds.rounds_per_task):
+                for task_round in range(first_round if resuming_task else 0, last_round + 1):
                     record = self._run_round(task, task_round, recorder)
                     rounds.append(record)
                     self.progress("round", asdict(record))
+                    if task_round < last_round:  # after a task's last round: below, once the task has ended
+                        save(task, task_round + 1)
                 t0 = time.perf_counter()
                 self.server.end_task(task)
                 t_end_task = time.perf_counter() - t0
@@ -382,6 +595,7 @@ class Coordinator:
                     average_incremental_accuracy=average_incremental_accuracy(matrix),
                     phases_s={"end_task": t_end_task, "evaluate": t_evaluate})
                 self.progress("task_end", {"task": task, "accuracy": row})
+                save(task + 1, 0)
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -401,8 +615,15 @@ class Coordinator:
         return float(np.average(row, weights=counts))
 
     def _shutdown(self, reason: str) -> None:
-        for record in self.registry.online():
-            self._send(record.client_id, "shutdown", Shutdown(reason=reason))
+        """Tell every client that is reachable, away ones included (their node ends with the run)."""
+        for record in list(self.registry.records.values()):
+            if record.status is Status.DEAD:
+                continue
+            try:  # a node closes all its clients at the first shutdown: later sends may find them gone
+                self.endpoint.send(record.client_id, "shutdown", Shutdown(reason=reason))
+            except zmq.ZMQError as exc:
+                if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                    raise
 
     def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path) -> dict:
         counts = self.registry.counts
@@ -444,6 +665,8 @@ class Coordinator:
             "missed_deadline": sum(r.late for r in rounds),
             "late_updates": self.late_updates,
             "rejected_messages": dict(self.rejected),
+            "resumes": self._resumes,
+            "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
         }
 
     def close(self) -> None:

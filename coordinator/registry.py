@@ -9,7 +9,7 @@ join again under the same identity.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 
@@ -17,6 +17,7 @@ class Status(str, Enum):
     ONLINE = "online"
     LEFT = "left"
     DEAD = "dead"
+    RESUMED = "resumed"  # online at the checkpoint a resumed coordinator started from; not joined it yet
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ClientRegistry:
         self.counts = RegistryCounts()
         # kept up to date on every change, so a metrics scrape (another thread) reads it without iterating
         self.online_count = 0
+        self.awaiting_rejoin = 0  # records in Status.RESUMED
 
     def join(self, client_id: str, index: int, node: str, join_task: int) -> ClientRecord:
         record = self.records.get(client_id)
@@ -55,7 +57,10 @@ class ClientRegistry:
             self.counts.joined += 1
             self.online_count += 1
         else:
-            if record.status is not Status.ONLINE:
+            if record.status is Status.RESUMED:  # back after a coordinator restart: not a rejoin of its own
+                self.awaiting_rejoin -= 1
+                self.online_count += 1
+            elif record.status is not Status.ONLINE:
                 self.counts.rejoined += 1
                 self.online_count += 1
             record.status = Status.ONLINE
@@ -99,6 +104,36 @@ class ClientRegistry:
         for client_id in dead:
             self.drop(client_id)
         return dead
+
+    # --------------------------------------------------------------- checkpoints
+    _FIELDS = ("client_id", "index", "node", "join_task", "status", "rounds_trained")
+
+    def snapshot(self) -> dict:
+        """JSON-able state for a checkpoint: the counts and every record (liveness times are not kept)."""
+        return {"counts": asdict(self.counts), "fields": list(self._FIELDS),
+                "records": [[getattr(r, f).value if f == "status" else getattr(r, f) for f in self._FIELDS]
+                            for r in self.records.values()]}
+
+    def restore(self, snapshot: dict) -> None:
+        """Load :meth:`snapshot` into an empty registry: clients that were online are RESUMED until they
+        join again (the next join re-sends the task's assets, as for any join)."""
+        self.counts = RegistryCounts(**snapshot["counts"])
+        fields = snapshot["fields"]
+        for row in snapshot["records"]:
+            values = dict(zip(fields, row))
+            status = Status(values.pop("status"))
+            record = ClientRecord(**values, status=Status.RESUMED if status is Status.ONLINE else status)
+            self.records[record.client_id] = record
+            self.awaiting_rejoin += record.status is Status.RESUMED
+
+    def drop_resumed(self) -> list[str]:
+        """Declare dead the clients that did not join the resumed coordinator."""
+        gone = [r for r in self.records.values() if r.status is Status.RESUMED]
+        for record in gone:
+            record.status = Status.DEAD
+            self.counts.dropped += 1
+        self.awaiting_rejoin = 0
+        return [r.client_id for r in gone]
 
     def online(self) -> list[ClientRecord]:
         return [r for r in self.records.values() if r.status is Status.ONLINE]

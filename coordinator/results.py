@@ -61,6 +61,24 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def _cut_partial_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline."""
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        pos = size
+        while pos > 0:
+            step = min(4096, pos)
+            f.seek(pos - step)
+            chunk = f.read(step)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+        if pos != size:
+            f.truncate(pos)
+
+
 @dataclass
 class RoundRecord:
     task: int
@@ -81,17 +99,26 @@ class RoundRecord:
     bytes_received: int
     bytes_by_type: dict[str, dict[str, int]]  # {message type: {"sent"/"received": bytes}} in this round
     online: int
+    dropped: int = 0  # selected clients that left, died or restarted before answering
+    overcommitted: int = 0  # clients selected beyond clients_per_round (rounds.overcommit)
+    stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
 
 
 class RunRecorder:
     """Owns the run directory: config.yaml, events.jsonl, summary.json."""
 
-    def __init__(self, run_dir: Path, config_yaml: str):
+    def __init__(self, run_dir: Path, config_yaml: str | None, elapsed_s: float = 0.0):
+        """``config_yaml`` None continues a run (``--resume``): config.yaml stays as it is, a last line of
+        events.jsonl cut short by a crash is removed, and event times go on from ``elapsed_s``."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(config_yaml)
-        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
-        self.started = time.time()
+        events = self.run_dir / "events.jsonl"
+        if config_yaml is not None:
+            (self.run_dir / "config.yaml").write_text(config_yaml)
+        elif events.exists():
+            _cut_partial_line(events)
+        self._events = open(events, "a", buffering=1)
+        self.started = time.time() - elapsed_s
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "time": round(time.time() - self.started, 4), **fields}

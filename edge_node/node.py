@@ -6,11 +6,31 @@ trainer thread (clients of one node train one after another, as on one
 device); it hands finished uploads back through an in-process queue and a
 wake-up socket. An idle client holds its socket, a few counters and the
 references to its task assets; no model copy.
+
+Edge realism (docs/edge.md), driven by what each client's ``welcome`` says:
+
+- availability: the client leaves (a ``leave``) when its availability model
+  turns it off and joins again when it turns on, keeping its local state and
+  telling the coordinator which task's assets it still holds;
+- crashes: a client selected for a round dies during it with probability
+  ``crash_rate``: its socket is closed without a goodbye, its in-memory state
+  is lost (its on-disk store survives, as a device's storage would), and it
+  restarts with a new socket ``crash_downtime_s`` later;
+- device profiles: training results are held back by ``compute_factor - 1``
+  times the measured training time, and train requests, task assets and
+  updates go through the client's emulated link (edge_node/links.py), so
+  their delays follow the bytes actually sent.
+
+Timed actions (delayed sends and deliveries) wait in a heap that the main
+loop runs; nothing sleeps, so one slow client never holds up the others.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import os
 import queue
 import tempfile
@@ -19,13 +39,15 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
+from edge_node.availability import transitions
+from edge_node.links import DeviceProfile, Link
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from methods import registry as methods
 from methods.base import ClientContext, ClientPart, TrainingSettings
@@ -36,11 +58,18 @@ from scenario.datasets import load_dataset
 from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
-from wire.framing import Limits, Message, WireError
-from wire.messages import Error, Heartbeat, Join, Leave, Update
+from wire.framing import Limits, Message, WireError, frames_nbytes
+from wire.messages import EdgeSettings, Error, Heartbeat, Join, Leave, Update
 from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
+
+DATA_DOWN = frozenset({"task_start", "train_request"})  # what the emulated downlink delays
+
+
+def _uniform(seed: int, what: str, index: int, round: int) -> float:
+    """A reproducible draw in [0, 1) for one client and round."""
+    return zlib.crc32(f"{seed}/{what}/{index}/{round}".encode()) / 2**32
 
 
 def client_id(index: int) -> str:
@@ -61,10 +90,35 @@ class EmulatedClient:
     assets: dict[str, np.ndarray] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     last_sent: float = 0.0
+    # edge realism
+    generation: int = 0  # bumped when the client leaves or crashes: its work in flight is dropped
+    available: bool = True  # what its availability model says now
+    transitions: Iterator[tuple[float, bool]] | None = None
+    next_transition: tuple[float, bool] | None = None
+    link: Link | None = None
+    crash_at: float | None = None  # monotonic time of a crash decided for this round
+    down_until: float | None = None  # crashed: restarts at this monotonic time
+    round_s: float = 1.0  # last time from train request to sent update (where a crash may fall)
 
     @property
     def id(self) -> str:
         return self.endpoint.identity
+
+    @property
+    def active(self) -> bool:
+        """Welcomed, online, not shut down: it heartbeats and trains."""
+        return self.status == "active"
+
+    @property
+    def status(self) -> str:
+        """closed, down (crashed), away (off by its availability model), joining or active."""
+        if self.closed:
+            return "closed"
+        if self.down_until is not None:
+            return "down"
+        if not self.available:
+            return "away"
+        return "active" if self.welcomed else "joining"
 
 
 @dataclass
@@ -86,6 +140,8 @@ class _Job:
     round: int
     task: int
     model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
+    generation: int
+    received_at: float
 
 
 @dataclass
@@ -97,6 +153,9 @@ class _Result:
     num_samples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    generation: int = 0
+    received_at: float = 0.0
+    train_s: float = 0.0
 
 
 class EdgeNode:
@@ -123,14 +182,34 @@ class EdgeNode:
         self._wake_rx = self.context.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
         self._threads = threads
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._by_socket: dict[zmq.Socket, EmulatedClient] = {}
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._clock_origin: float | None = None  # local monotonic time of the coordinator's run clock 0
+        self.edge = EdgeSettings()
         self.clients = [self._new_client(i) for i in client_indices]
         self.heartbeat_interval_s = 1.0
         self.metrics.watch(self.clients, self._jobs.qsize)
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
-        endpoint = ClientEndpoint(self.context, self.connect, cid, count=self._count)
-        return EmulatedClient(index, endpoint, ArrayStore(self._state_dir / cid))
+        client = EmulatedClient(index, self._open_endpoint(cid), ArrayStore(self._state_dir / cid))
+        self._by_socket[client.endpoint.sock] = client
+        self._poller.register(client.endpoint.sock, zmq.POLLIN)
+        return client
+
+    def _open_endpoint(self, cid: str) -> ClientEndpoint:
+        return ClientEndpoint(self.context, self.connect, cid, count=self._count)
+
+    def _join(self, client: EmulatedClient) -> None:
+        self._send(client, "join", Join(node=self.name, pid=os.getpid(), client_index=client.index,
+                                        assets_task=client.task if client.assets else -1))
+
+    def _at(self, due: float, action: Callable[[], None]) -> None:
+        """Run ``action`` on the main thread at monotonic time ``due``."""
+        heapq.heappush(self._timers, (due, next(self._timer_seq), action))
 
     # ----------------------------------------------------------------- setup
     def _configure(self, body) -> None:
@@ -156,6 +235,7 @@ class EdgeNode:
             device=torch.device(device),
         )
         self.heartbeat_interval_s = body.heartbeat_interval_s
+        self.edge = body.edge
         log.info("%s configured for run %s: %s on %s", self.name, body.run_id, body.method, spec.dataset)
 
     def build_model(self, num_classes: int):
@@ -170,10 +250,16 @@ class EdgeNode:
         model_cache: dict[int, Any] = {}
         try:
             while (job := self._jobs.get()) is not None:
+                if job.generation != job.client.generation:  # it left or crashed while the job waited
+                    self.payloads.release(job.round, job.model)
+                    self.metrics.trained(0.0, "cancelled")
+                    continue
                 started = time.perf_counter()
                 result = self._train(job, model_cache)
+                result.train_s = time.perf_counter() - started
+                result.generation, result.received_at = job.generation, job.received_at
                 outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
-                self.metrics.trained(time.perf_counter() - started, outcome, result.num_samples)
+                self.metrics.trained(result.train_s, outcome, result.num_samples)
                 self._results.put(result)
                 wake.send(b"")
         finally:
@@ -217,6 +303,7 @@ class EdgeNode:
         if msg.type == "welcome":
             self._configure(msg.body)
             client.welcomed = True
+            self._start_edge(client, msg.body.edge)
         elif msg.type == "task_start":
             client.task = msg.task
             client.classes = list(msg.body.classes)
@@ -228,10 +315,22 @@ class EdgeNode:
                 self._send(client, "error", Error(code="not_ready", detail="train request before task start"),
                            round=msg.round, task=msg.task)
                 return
-            self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors)))
-        elif msg.type == "shutdown":
-            client.closed = True
+            now = time.monotonic()
+            self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
+                                client.generation, now))
+            if self.edge.crash_rate > 0 and _uniform(self.setup.seed, "crash", client.index, msg.round) < \
+                    self.edge.crash_rate:
+                # dies somewhere between now and when its update would go out (judged by its last round)
+                client.crash_at = now + _uniform(self.setup.seed, "crash-at", client.index, msg.round) * client.round_s
+        elif msg.type == "shutdown":  # the run is over for every client of this node
+            for c in self.clients:
+                c.closed = True
         elif msg.type == "error":
+            if msg.body.code == "not_joined":  # a restarted (resumed) coordinator does not know this client
+                if client.active:
+                    log.info("%s: the coordinator does not know this client; joining again", client.id)
+                    self._join(client)
+                return
             log.warning("%s: coordinator says %s: %s", client.id, msg.body.code, msg.body.detail)
         else:
             log.warning("%s: ignoring unexpected %s", client.id, msg.type)
@@ -240,40 +339,146 @@ class EdgeNode:
         client.endpoint.send(msg_type, body, **kw)
         client.last_sent = time.monotonic()
 
+    def _receive(self, client: EmulatedClient, msg: Message, now: float) -> None:
+        """Hand a received message to the client, after its emulated downlink delay for data messages."""
+        if msg.type in DATA_DOWN and not client.available:
+            return  # sent before the coordinator saw its leave: an away device never gets it
+        if client.link is None or msg.type not in DATA_DOWN:
+            self._on_message(client, msg)
+            return
+        due = client.link.arrival("down", msg.nbytes, now)
+        self.metrics.link_delay("down", client.link.profile.name, due - now)
+        generation = client.generation
+
+        def arrive() -> None:
+            if client.generation == generation:  # lost if the client left or crashed meanwhile
+                self._on_message(client, msg)
+        self._at(due, arrive)
+
     def _deliver(self, result: _Result) -> None:
+        """Send a finished job's update: after the emulated compute slowdown and uplink delay."""
         client = result.client
-        if client.closed:
+        if client.closed or result.generation != client.generation:
             return
         if result.error is not None:
             self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
                        round=result.round, task=result.task)
             return
-        self._send(client, "update", Update(num_samples=result.num_samples,
-                                            train_time_s=result.metrics.get("train_time_s", 0.0),
-                                            loss=result.metrics.get("loss", float("nan")),
-                                            metrics=result.metrics),
-                   round=result.round, task=result.task, tensors=result.uploads)
+        frames = client.endpoint.encode("update", Update(num_samples=result.num_samples,
+                                                         train_time_s=result.metrics.get("train_time_s", 0.0),
+                                                         loss=result.metrics.get("loss", float("nan")),
+                                                         metrics=result.metrics),
+                                        round=result.round, task=result.task, tensors=result.uploads)
+        now = time.monotonic()
+        due = now
+        if client.link is not None:
+            ready = now + (client.link.profile.compute_factor - 1.0) * result.train_s
+            due = client.link.arrival("up", frames_nbytes(frames), max(now, ready))
+            self.metrics.link_delay("up", client.link.profile.name, due - max(now, ready))
+
+        def send() -> None:
+            if client.generation == result.generation and client.active:
+                client.endpoint.send_frames("update", frames)
+                client.last_sent = time.monotonic()
+                client.round_s = client.last_sent - result.received_at
+        if due <= now:
+            send()
+        else:
+            self._at(due, send)
 
     def _heartbeats(self, now: float) -> None:
         for client in self.clients:
-            if client.welcomed and not client.closed and now - client.last_sent >= self.heartbeat_interval_s:
+            if client.active and now - client.last_sent >= self.heartbeat_interval_s:
                 self._send(client, "heartbeat", Heartbeat())
+
+    # ---------------------------------------------------------- edge realism
+    def _start_edge(self, client: EmulatedClient, edge: EdgeSettings) -> None:
+        """On a welcome: start the run clock, the client's availability model and its link (first time only)."""
+        now = time.monotonic()
+        if self._clock_origin is None:
+            self._clock_origin = now - edge.clock_s
+        if client.transitions is None:
+            try:
+                client.transitions = transitions(edge.availability)
+                client.link = None if edge.profile is None else Link(DeviceProfile.from_wire(edge.profile))
+            except ValueError as exc:
+                log.error("%s: %s; it stays always available on an ideal link", client.id, exc)
+                client.transitions = iter(())
+            client.next_transition = next(client.transitions, None)
+        self._follow_availability(client, now - self._clock_origin)
+
+    def _edge_tick(self, now: float) -> None:
+        """Run due timers; follow availability; crash and restart clients."""
+        while self._timers and self._timers[0][0] <= now:
+            heapq.heappop(self._timers)[2]()
+        if self._clock_origin is None:
+            return
+        t = now - self._clock_origin
+        for client in self.clients:
+            if client.closed:
+                continue
+            if client.next_transition is not None and client.next_transition[0] <= t:
+                self._follow_availability(client, t)
+            if client.crash_at is not None and now >= client.crash_at:
+                self._crash(client, now)
+            elif client.down_until is not None and now >= client.down_until:
+                self._restart(client)
+
+    def _follow_availability(self, client: EmulatedClient, t: float) -> None:
+        state = client.available
+        while client.next_transition is not None and client.next_transition[0] <= t:
+            state = client.next_transition[1]
+            client.next_transition = next(client.transitions, None)
+        if state == client.available:
+            return
+        client.available = state
+        if client.down_until is not None:  # crashed: the restart joins if it is available then
+            return
+        if state:
+            self._join(client)
+            self.metrics.client_event("rejoin")
+        elif client.welcomed:
+            self._send(client, "leave", Leave(reason="unavailable"))
+            client.generation += 1  # work in flight is abandoned; local state is kept
+            client.crash_at = None
+            self.metrics.client_event("leave")
+
+    def _crash(self, client: EmulatedClient, now: float) -> None:
+        """Die without a goodbye: the socket goes, in-memory state goes, the on-disk store stays."""
+        client.crash_at = None
+        self._poller.unregister(client.endpoint.sock)
+        del self._by_socket[client.endpoint.sock]
+        client.endpoint.close(linger_ms=0)
+        client.generation += 1
+        client.welcomed = False
+        client.task = client.trained_task = -1
+        client.classes, client.seen_classes, client.assets, client.state = [], [], {}, {}
+        self.assets.retain([c.assets for c in self.clients])
+        client.down_until = now + self.edge.crash_downtime_s
+        self.metrics.client_event("crash")
+        log.info("%s crashed; restarting in %.1f s", client.id, self.edge.crash_downtime_s)
+
+    def _restart(self, client: EmulatedClient) -> None:
+        client.endpoint = self._open_endpoint(client.id)
+        self._by_socket[client.endpoint.sock] = client
+        self._poller.register(client.endpoint.sock, zmq.POLLIN)
+        client.down_until = None
+        self.metrics.client_event("restart")
+        if client.available:
+            self._join(client)
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until every client was shut down (or ``stop`` is set)."""
         stop = stop or threading.Event()
         trainer = threading.Thread(target=self._trainer, name="trainer", daemon=True)
         trainer.start()
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        by_socket = {}
         for client in self.clients:
-            poller.register(client.endpoint.sock, zmq.POLLIN)
-            by_socket[client.endpoint.sock] = client
-            self._send(client, "join", Join(node=self.name, pid=os.getpid(), client_index=client.index))
+            self._join(client)
+        tick_s = min(0.25, self.heartbeat_interval_s / 2)
         try:
             while not stop.is_set() and not all(c.closed for c in self.clients):
-                events = dict(poller.poll(timeout=int(1000 * min(0.25, self.heartbeat_interval_s / 2))))
+                wait_s = tick_s if not self._timers else min(tick_s, max(0.0, self._timers[0][0] - time.monotonic()))
+                events = dict(self._poller.poll(timeout=math.ceil(1000 * wait_s)))
                 for sock in events:
                     if sock is self._wake_rx:
                         while self._wake_rx.poll(0):
@@ -281,13 +486,15 @@ class EdgeNode:
                         while not self._results.empty():
                             self._deliver(self._results.get())
                         continue
-                    client = by_socket[sock]
-                    while sock.poll(0):
+                    client = self._by_socket.get(sock)
+                    while client is not None and sock in self._by_socket and sock.poll(0):
                         try:
-                            self._on_message(client, client.endpoint.recv())
+                            self._receive(client, client.endpoint.recv(), time.monotonic())
                         except WireError as exc:
                             self._rejected(client, exc)
-                self._heartbeats(time.monotonic())
+                now = time.monotonic()
+                self._edge_tick(now)
+                self._heartbeats(now)
         finally:
             self._jobs.put(None)
             trainer.join(timeout=30)

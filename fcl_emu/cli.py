@@ -41,6 +41,11 @@ FLAG_OF = {
     ("training", "local_epochs"): "--local-epochs",
     ("training", "lr"): "--lr",
     ("network", "bind"): "--bind",
+    ("rounds", "overcommit"): "--overcommit",
+    ("rounds", "late_updates"): "--late-updates",
+    ("edge", "availability"): "--availability",
+    ("edge", "crash_rate"): "--crash-rate",
+    ("edge", "device_profiles"): "--device-profiles",
     ("metrics", "port"): "--metrics-port",
     ("metrics", "host"): "--metrics-host",
     ("metrics", "prometheus_port"): "--prometheus-port",
@@ -98,6 +103,11 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     _set(overrides, ("training", "local_epochs"), flags.get("local_epochs"))
     _set(overrides, ("training", "lr"), flags.get("lr"))
     _set(overrides, ("network", "bind"), flags.get("bind"))
+    _set(overrides, ("rounds", "overcommit"), flags.get("overcommit"))
+    _set(overrides, ("rounds", "late_updates"), flags.get("late_updates"))
+    _set(overrides, ("edge", "availability"), flags.get("availability"))
+    _set(overrides, ("edge", "crash_rate"), flags.get("crash_rate"))
+    _set(overrides, ("edge", "device_profiles"), flags.get("device_profiles"))
     _set(overrides, ("metrics", "port"), flags.get("metrics_port"))
     _set(overrides, ("metrics", "host"), flags.get("metrics_host"))
     _set(overrides, ("metrics", "prometheus_port"), flags.get("prometheus_port"))
@@ -126,18 +136,54 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
 
 def _finish(runner, cfg: RunConfig) -> None:
     """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed."""
+    from coordinator.checkpoint import CheckpointError
+    from coordinator.engine import BindError
     from monitoring.stack import PortInUseError
     from scenario.datasets import DatasetNotFoundError
 
     try:
         summary = runner(cfg, console)
-    except DatasetNotFoundError as exc:
+    except (DatasetNotFoundError, BindError, CheckpointError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     except PortInUseError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
     raise typer.Exit(0 if summary.get("status") == "completed" else 1)
+
+
+# What may be given with --resume: where the data and the metrics live, not what the run does.
+RESUME_KEEPS = frozenset({"data_root", "metrics_port", "metrics_host", "prometheus", "prometheus_port",
+                          "keep_prometheus", "verbose", "resume"})
+
+
+def _resume(runner_name: str, run_dir: Path, params: dict[str, Any]) -> None:
+    """``up --resume`` / ``coordinator --resume``: refuse flags that would change the run, load and check
+    RUN_DIR's config and checkpoint (exit 1 with one line if unusable), then continue the run."""
+    import functools
+
+    from fcl_emu import run
+
+    refused = ["--" + k.replace("_", "-") for k, v in params.items()
+               if k not in RESUME_KEEPS and v is not None and v is not False and v != []]
+    if refused:
+        raise typer.BadParameter(f"{', '.join(refused)} cannot be combined with --resume: a resumed run keeps "
+                                 f"the configuration in RUN_DIR/config.yaml", param_hint="--resume")
+    overrides: dict = {}
+    _set(overrides, ("metrics", "port"), params.get("metrics_port"))
+    _set(overrides, ("metrics", "host"), params.get("metrics_host"))
+    _set(overrides, ("metrics", "prometheus_port"), params.get("prometheus_port"))
+    for flag in ("prometheus", "keep_prometheus"):
+        if params.get(flag):
+            _set(overrides, ("metrics", flag), True)
+    if params.get("data_root"):
+        overrides["data_root"] = [str(p) for p in params["data_root"]]
+    try:
+        cfg, ckpt = run.open_resume(run_dir, overrides)
+    except run.ResumeError as exc:
+        console.print(f"error: cannot resume {run_dir}: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    _finish(functools.partial(getattr(run, runner_name), resume=ckpt), cfg)
 
 
 def _logging(verbose: bool) -> None:
@@ -173,6 +219,23 @@ PrometheusPortOpt = Annotated[Optional[int], typer.Option(
     "--prometheus-port", help="Port of the local Prometheus (default 9090, on 127.0.0.1).")]
 KeepPrometheusOpt = Annotated[bool, typer.Option(
     "--keep-prometheus", help="Leave the local Prometheus running after the run ends.")]
+ResumeOpt = Annotated[Optional[Path], typer.Option(
+    "--resume", metavar="RUN_DIR", help="Continue the interrupted run in RUN_DIR from its last checkpoint, "
+    "same address and run id (docs/resume.md). Only --data-root, --metrics-*, --prometheus* and --verbose "
+    "may go with it.")]
+DeadlineOpt = Annotated[Optional[float], typer.Option("--round-deadline", help="Seconds before a round closes.")]
+MinParticipantsOpt = Annotated[Optional[int], typer.Option("--min-participants",
+                                                           help="Fewer updates: round skipped.")]
+OvercommitOpt = Annotated[Optional[float], typer.Option(
+    "--overcommit", help="Select ceil(K x FACTOR) clients, close the round at the first K updates.")]
+LateUpdatesOpt = Annotated[Optional[str], typer.Option(
+    "--late-updates", help="drop (count them) or next_round (aggregate stale deltas of the same task).")]
+AvailabilityOpt = Annotated[Optional[str], typer.Option(
+    "--availability", help="always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH (docs/edge.md).")]
+CrashRateOpt = Annotated[Optional[float], typer.Option(
+    "--crash-rate", help="Probability that a client selected for a round crashes during it.")]
+ProfilesOpt = Annotated[Optional[Path], typer.Option(
+    "--device-profiles", help="Device profiles file: compute factor, bandwidth, latency (docs/edge.md).")]
 
 
 @app.command()
@@ -195,17 +258,26 @@ def up(
     beta: Annotated[Optional[float], typer.Option(help="Dirichlet concentration for --partition dirichlet.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Backbone: auto, cnn, resnet18, resnet32.")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Local learning rate.")] = None,
-    round_deadline: Annotated[Optional[float], typer.Option("--round-deadline", help="Seconds before a round closes.")] = None,
-    min_participants: Annotated[Optional[int], typer.Option("--min-participants", help="Fewer updates: round skipped.")] = None,
+    round_deadline: DeadlineOpt = None,
+    min_participants: MinParticipantsOpt = None,
+    overcommit: OvercommitOpt = None,
+    late_updates: LateUpdatesOpt = None,
+    availability: AvailabilityOpt = None,
+    crash_rate: CrashRateOpt = None,
+    device_profiles: ProfilesOpt = None,
     download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = None,
     prometheus: PrometheusOpt = False,
     prometheus_port: PrometheusPortOpt = None,
     keep_prometheus: KeepPrometheusOpt = False,
+    resume: ResumeOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
+    if resume is not None:
+        _logging(verbose)
+        return _resume("run_local", resume, locals())
     cfg = build_config(config, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
     _logging(verbose)
     from fcl_emu.run import run_local
@@ -217,6 +289,13 @@ def up(
 def coordinator(
     config: ConfigOpt = None,
     bind: Annotated[Optional[str], typer.Option(help="ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555.")] = None,
+    round_deadline: DeadlineOpt = None,
+    min_participants: MinParticipantsOpt = None,
+    overcommit: OvercommitOpt = None,
+    late_updates: LateUpdatesOpt = None,
+    availability: AvailabilityOpt = None,
+    crash_rate: CrashRateOpt = None,
+    device_profiles: ProfilesOpt = None,
     clients: ClientsOpt = None,
     clients_per_round: PerRoundOpt = None,
     method: MethodOpt = None,
@@ -234,9 +313,13 @@ def coordinator(
     prometheus: PrometheusOpt = False,
     prometheus_port: PrometheusPortOpt = None,
     keep_prometheus: KeepPrometheusOpt = False,
+    resume: ResumeOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run only the coordinator; edge nodes connect with `fcl-emu node --connect`."""
+    if resume is not None:
+        _logging(verbose)
+        return _resume("run_coordinator", resume, locals())
     cfg = build_config(config, nodes=1, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
     _logging(verbose)
     from fcl_emu.run import run_coordinator
@@ -256,12 +339,16 @@ def node(
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
     metrics_linger: Annotated[float, typer.Option(
         "--metrics-linger", min=0, help="Seconds to keep /metrics up after the clients shut down.")] = 0.0,
+    parent_pid: Annotated[Optional[int], typer.Option(
+        "--parent-pid", help="Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
     from fcl_emu.config import default_data_roots
-    from fcl_emu.launcher import parse_client_set
+    from fcl_emu.launcher import exit_with_parent, parse_client_set
 
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     try:
         indices = parse_client_set(clients)
     except ValueError as exc:
@@ -373,6 +460,40 @@ def bench_metrics(
     from fcl_emu.bench.metrics import run
 
     run(clients, list(url or []), json_path, console)
+
+
+@bench_app.command("churn")
+def bench_churn(
+    methods: Annotated[str, typer.Option(help="Comma-separated learning methods.")] = "fedavg,fedlwf2t",
+    rates: Annotated[str, typer.Option(
+        help="Comma-separated churn rates c in [0, 1): P(client unavailable in a slot); runs bernoulli:(1-c).")]
+        = "0,0.1,0.2,0.3,0.4,0.5",
+    crash_rate: Annotated[float, typer.Option(
+        "--crash-rate", min=0, max=1, help="edge.crash_rate of every run.")] = 0.0,
+    clients: ClientsOpt = None,
+    tasks: TasksOpt = None,
+    rounds_per_task: RoundsOpt = None,
+    clients_per_round: PerRoundOpt = None,
+    min_participants: Annotated[Optional[int], typer.Option(
+        "--min-participants", help="Fewer updates: round skipped (default: half of --clients-per-round).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes churn.csv, churn.png and runs/ here.")] = Path("runs/churn"),
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="Base YAML config (over the bench's defaults; the flags above override it).")] = None,
+) -> None:
+    """Churn sweep: accuracy, forgetting, completed rounds and bytes against the churn rate (real `up` runs)."""
+    from fcl_emu.bench import churn
+
+    try:
+        base = churn.base_config(config, clients=clients, tasks=tasks, rounds_per_task=rounds_per_task,
+                                 clients_per_round=clients_per_round, min_participants=min_participants,
+                                 data_root=data_root)
+        sweep = churn.run(churn.parse_list(methods, "--methods"), churn.parse_rates(rates), crash_rate, seed, out,
+                          base, console)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(0 if all(r["status"] == "completed" for r in sweep.rows) else 1)
 
 
 if __name__ == "__main__":

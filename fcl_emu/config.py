@@ -43,6 +43,12 @@ class RoundConfig(pydantic.BaseModel):
     deadline_s: float = pydantic.Field(120.0, gt=0, description="a round closes after this long")
     min_participants: int = pydantic.Field(1, ge=1, description="fewer updates than this: the round is skipped")
     eval_every: int = pydantic.Field(5, ge=1, description="evaluate every N rounds (and always at task end)")
+    overcommit: float = pydantic.Field(
+        1.0, ge=1.0, le=10.0, description="select ceil(clients_per_round * overcommit) clients and close the "
+                                          "round as soon as clients_per_round updates arrived")
+    late_updates: Literal["drop", "next_round"] = pydantic.Field(
+        "drop", description="an update that arrives after its round closed: dropped and counted, or (for methods "
+                            "that accept stale deltas) aggregated in the next round of the same task")
 
 
 class NetworkConfig(pydantic.BaseModel):
@@ -59,6 +65,41 @@ class NetworkConfig(pydantic.BaseModel):
         if self.liveness_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ValueError("liveness_timeout_s must exceed twice heartbeat_interval_s")
         return self
+
+
+class EdgeConfig(pydantic.BaseModel):
+    """Edge realism: client availability (churn), crashes, device and link profiles (docs/edge.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    availability: str = pydantic.Field(
+        "always", description="always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH")
+    availability_slot_s: float = pydantic.Field(
+        10.0, gt=0, description="bernoulli: length of a slot in which a client is on or off")
+    trace_time_scale: float = pydantic.Field(
+        1.0, gt=0, description="trace: seconds of the run per second of the trace")
+    crash_rate: float = pydantic.Field(
+        0.0, ge=0, le=1, description="probability that a client selected for a round crashes during it")
+    crash_downtime_s: float = pydantic.Field(5.0, ge=0, description="a crashed client restarts after this long")
+    device_profiles: Path | None = pydantic.Field(
+        None, description="YAML/JSON file of device profiles: compute speed factor, link bandwidth, latency")
+
+    @pydantic.field_validator("availability")
+    @classmethod
+    def _availability(cls, value: str) -> str:
+        from edge_node.availability import parse_availability
+
+        parse_availability(value)  # raises ValueError naming what is wrong
+        return value
+
+    @pydantic.field_validator("device_profiles")
+    @classmethod
+    def _profiles(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from edge_node.links import load_profiles
+
+            load_profiles(value)
+        return value
 
 
 class MetricsConfig(pydantic.BaseModel):
@@ -97,6 +138,7 @@ class RunConfig(pydantic.BaseModel):
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
     network: NetworkConfig = NetworkConfig()
+    edge: EdgeConfig = EdgeConfig()
     metrics: MetricsConfig = MetricsConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"

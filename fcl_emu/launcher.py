@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,9 +58,12 @@ def node_metrics_port(config: RunConfig, n: int) -> int | None:
     return None if config.metrics.port is None else config.metrics.port + 1 + n
 
 
-def node_command(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0) -> list[str]:
+def node_command(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
+                 parent_pid: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "fcl_emu", "node", "--connect", address,
            "--clients", format_client_set(indices), "--name", name]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
     for root in config.data_root:
         cmd += ["--data-root", str(root)]
     port = node_metrics_port(config, n)
@@ -78,8 +83,39 @@ def node_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as ``parent_pid`` is no longer its parent, even if the parent was SIGKILLed.
+
+    So the edge nodes of a killed ``fcl-emu up`` do not live on beside the nodes that ``up --resume`` starts
+    under the same client identities. On Linux the kernel sends SIGKILL when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, set here in the child, not in a ``preexec_fn``, which is unsafe in a parent
+    with threads). SIGKILL, not SIGTERM: with its coordinator gone a node can be blocked in a send that a
+    signal handler cannot end, and it has nothing to save (client stores are written atomically). Elsewhere
+    a daemon thread polls ``os.getppid()`` twice a second. A parent already gone is caught at once.
+    """
+    watched = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            watched = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            watched = False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if not watched:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 class NodeProcesses:
-    """The edge-node child processes of ``fcl-emu up``; stopped for sure on exit."""
+    """The edge-node child processes of ``fcl-emu up``; stopped for sure on exit, and ending with it even
+    if it is killed (``--parent-pid``, :func:`exit_with_parent`)."""
 
     def __init__(self, address: str, config: RunConfig, log_dir: Path):
         self.procs: list[subprocess.Popen] = []
@@ -87,8 +123,8 @@ class NodeProcesses:
         env = node_env()
         for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes)):
             name = f"node-{n}"
-            log = open(log_dir / f"{name}.log", "wb")
-            self.procs.append(subprocess.Popen(node_command(address, indices, config, name, n),
+            log = open(log_dir / f"{name}.log", "ab")  # appended to by `up --resume`
+            self.procs.append(subprocess.Popen(node_command(address, indices, config, name, n, os.getpid()),
                                                stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
 

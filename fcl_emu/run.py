@@ -9,8 +9,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.engine import Coordinator, RunAborted
-from fcl_emu.config import RunConfig
+import pydantic
+
+from coordinator import checkpoint
+from coordinator.checkpoint import Checkpoint, CheckpointError
+from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
+from fcl_emu.config import RunConfig, load_config
 from fcl_emu.launcher import NodeProcesses, default_run_dir
 from monitoring import stack
 
@@ -32,6 +36,9 @@ class ProgressView:
         if kind == "join":
             self.online += 1
             self.progress.update(self.bar, description=f"waiting for clients: {self.online} joined")
+        elif kind == "resume":
+            self.progress.update(self.bar, completed=info["rounds"], description=(
+                f"resumed at task {info['task'] + 1} round {info['task_round'] + 1}"))
         elif kind == "task_start":
             self.task = info["task"]
         elif kind == "round":
@@ -124,12 +131,13 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def _run(config: RunConfig, console: Console, start_nodes: bool) -> dict:
+def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
     config = resolve_metrics(config, start_nodes)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     view = ProgressView(config, console)
-    coordinator = Coordinator(config, progress=view)
-    console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}")
+    coordinator = Coordinator(config, progress=view, resume=resume)
+    resumed = "" if resume is None else f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
+    console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}{resumed}")
     nodes = prometheus = None
     finished = False
     try:
@@ -159,11 +167,52 @@ def _read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def run_local(config: RunConfig, console: Console) -> dict:
+def run_local(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> dict:
     """``fcl-emu up``: coordinator in this process, edge nodes as child processes."""
-    return _run(config, console, start_nodes=True)
+    return _run(config, console, start_nodes=True, resume=resume)
 
 
-def run_coordinator(config: RunConfig, console: Console) -> dict:
+def run_coordinator(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> dict:
     """``fcl-emu coordinator``: nodes are started elsewhere by the user."""
-    return _run(config, console, start_nodes=False)
+    return _run(config, console, start_nodes=False, resume=resume)
+
+
+class ResumeError(Exception):
+    """A run directory that cannot be resumed (the message says why, in one line)."""
+
+
+def open_resume(run_dir: Path, overrides: dict) -> tuple[RunConfig, Checkpoint]:
+    """The config (RUN_DIR/config.yaml with ``overrides``, settings that do not change the run) and the
+    checkpoint of an interrupted run, checked before anything starts."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise ResumeError("no such directory")
+    if not config_path.is_file():
+        raise ResumeError("not a run directory (it has no config.yaml)")
+    try:
+        config = load_config(config_path, {**overrides, "run_dir": str(run_dir)})
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        raise ResumeError(f"{config_path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    except ValueError as exc:
+        raise ResumeError(str(exc).splitlines()[0]) from None
+    if not checkpoint.exists(run_dir / CHECKPOINT_DIR):
+        raise ResumeError("it has no checkpoint (the coordinator died before its clients had joined, "
+                          "or the run predates checkpoints): start the run again")
+    try:
+        ckpt = checkpoint.load(run_dir / CHECKPOINT_DIR)
+    except CheckpointError as exc:
+        raise ResumeError(str(exc)) from None
+    if ckpt.state.get("fingerprint") != run_fingerprint(config):
+        raise ResumeError("its checkpoint was written under another configuration than its config.yaml")
+    if ckpt.state.get("complete") and _summary_status(run_dir) == "completed":
+        raise ResumeError("the run has completed; there is nothing to resume")
+    return config, ckpt
+
+
+def _summary_status(run_dir: Path) -> str | None:
+    try:
+        return _read_summary(run_dir).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -160,9 +160,35 @@ class ServerPart:
         """The model whose logits are evaluated (default: the global classifier)."""
         return self.model
 
+    @property
+    def accepts_stale_updates(self) -> bool:
+        """Whether an update trained from an older global model of the same task may be aggregated in a later
+        round (``rounds.late_updates: next_round``, FedBuff-style): true when the only upload is the delta."""
+        return self.summable == (DELTA,) and self.individual_payload is None
+
     # --- persistence (checkpoints) -------------------------------------------
+    # A server part built afresh from the same context and given back what these
+    # returned (load_state_arrays, then load_state_meta) behaves exactly like the
+    # one that returned them. Subclasses that hold more extend all four.
     def state_arrays(self) -> Arrays:
+        """The arrays to checkpoint: the global model under its state-dict keys (never with a '/');
+        subclasses add their own under ``<method>/...``."""
         return dict(self.global_state)
+
+    def state_meta(self) -> dict[str, Any]:
+        """The non-array state to checkpoint, JSON-serialisable (default: the head size)."""
+        return {"num_classes": int(self.model.num_classes)}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_arrays`; the head grows to the saved size (torch's RNG is not touched)."""
+        load_arrays(self.model, {k: v for k, v in arrays.items() if "/" not in k})
+        self.global_state = _frozen_copy(state_to_arrays(self.model))
+
+    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_meta` (after :meth:`load_state_arrays`)."""
+        if int(meta["num_classes"]) != self.model.num_classes:
+            raise ValueError(f"checkpoint: the model head has {self.model.num_classes} classes, "
+                             f"the state says {meta['num_classes']}")
 
 
 def _frozen_copy(arrays: Mapping[str, np.ndarray], copy: bool = True) -> Arrays:

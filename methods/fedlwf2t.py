@@ -70,7 +70,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart
+from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy
 from methods.models.state import state_to_arrays
 from methods.registry import MethodSpec, register
 
@@ -79,6 +79,7 @@ OLD_ASSET = f"{NAME}/old/"  # prefix of the previous task's global model in the 
 LAST = f"{NAME}.last"  # store: the client's model after its latest training job
 OLD = f"{NAME}.old"  # store: the old teacher of the client's current task
 TASK_KEY = "__task__"  # the task a stored model was trained in (int64 scalar)
+OLD_STATE = f"{NAME}/old_global/"  # checkpoint: the previous task's final global model
 
 
 class FedLwF2TOptions(Options):
@@ -143,6 +144,19 @@ class FedLwF2TServer(ServerPart):
         if task not in self._assets:  # called once per round while clients still lack the assets
             self._assets = {task: {OLD_ASSET + k: v for k, v in self._old_global.items()}}
         return self._assets[task]
+
+    def state_arrays(self) -> Arrays:
+        """The global model, and the previous task's final one where it is sent (``old_teacher = "global"``)."""
+        arrays = super().state_arrays()
+        if self._old_global is not None and self.options.old_teacher == "global":
+            arrays.update({OLD_STATE + k: v for k, v in self._old_global.items()})
+        return arrays
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        super().load_state_arrays(arrays)
+        old = _strip(arrays, OLD_STATE)
+        self._old_global = _frozen_copy(old) if old else None
+        self._assets = {}  # rebuilt from _old_global on first use
 
 
 class FedLwF2TClient(ClientPart):

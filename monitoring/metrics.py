@@ -53,8 +53,10 @@ CLIENT_ROUND_OUTCOMES = ("selected", "participated", "missed_deadline", "failed"
 DROP_REASONS = ("heartbeat_timeout", "unreachable")
 JOIN_KINDS = ("first", "rejoin")
 ROUND_OUTCOMES = ("aggregated", "skipped")
-TRAIN_OUTCOMES = ("ok", "no_data", "failed")
-NODE_CLIENT_STATES = ("joining", "active", "closed")
+TRAIN_OUTCOMES = ("ok", "no_data", "failed", "cancelled")
+CLIENT_EVENTS = ("leave", "rejoin", "crash", "restart")
+LINK_DIRECTIONS = ("up", "down")
+NODE_CLIENT_STATES = ("joining", "active", "away", "down", "closed")
 
 # Buckets in seconds. Phases span a millisecond (dispatching to 30 clients) to
 # minutes (collecting from stragglers); rounds and local training seconds to minutes.
@@ -285,21 +287,36 @@ class EdgeNodeMetrics(ProcessMetrics):
         self.train_samples = Counter("fcl_client_train_samples", "Samples in the local datasets of finished "
                                      "training jobs.", registry=r)
         self.node_clients = Gauge("fcl_node_clients", "Emulated clients hosted here by state: joining (no "
-                                  "welcome yet), active, closed (shut down or left).", ["state"], registry=r)
+                                  "welcome yet), active, away (off by its availability model), down (crashed, "
+                                  "not restarted yet), closed (shut down).", ["state"], registry=r)
         self.train_queue = Gauge("fcl_node_train_queue_jobs", "Training jobs waiting for this node's trainer.",
                                  registry=r)
+        self.client_events = Counter("fcl_node_client_events", "Edge events of this node's clients: leave and "
+                                     "rejoin (availability model), crash and restart.", ["event"], registry=r)
+        self.link_delay_seconds = Histogram(
+            "fcl_link_delay_seconds", "Emulated link delay of a data message (queueing behind earlier "
+            "messages, bytes / bandwidth, latency), by direction and device profile.", ["direction", "profile"],
+            buckets=PHASE_BUCKETS, registry=r)
         self._train_outcome = {o: self.train_jobs.labels(o).inc for o in TRAIN_OUTCOMES}
+        self._client_event = {e: self.client_events.labels(e).inc for e in CLIENT_EVENTS}
 
     def watch(self, clients: Iterable[Any], queue_size: Callable[[], int]) -> None:
-        """Read client states (``welcomed``/``closed`` attributes) and the queue length at scrape time."""
+        """Read client states (their ``status``) and the queue length at scrape time."""
         clients = list(clients)
-        self.node_clients.labels("joining").set_function(lambda: sum(not c.welcomed and not c.closed
-                                                                     for c in clients))
-        self.node_clients.labels("active").set_function(lambda: sum(c.welcomed and not c.closed for c in clients))
-        self.node_clients.labels("closed").set_function(lambda: sum(c.closed for c in clients))
+        for state in NODE_CLIENT_STATES:
+            self.node_clients.labels(state).set_function(lambda state=state: sum(c.status == state for c in clients))
         self.train_queue.set_function(queue_size)
 
+    def client_event(self, event: str) -> None:
+        self._client_event[event]()
+
+    def link_delay(self, direction: str, profile: str, seconds: float) -> None:
+        self.link_delay_seconds.labels(direction, profile).observe(seconds)
+
     def trained(self, seconds: float, outcome: str, samples: int = 0) -> None:
+        if outcome == "cancelled":
+            self._train_outcome[outcome]()
+            return
         self.train_duration.observe(seconds)
         self._train_outcome[outcome]()
         if samples:

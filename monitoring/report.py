@@ -196,6 +196,9 @@ def _load_events(run_dir: Path, path: Path) -> tuple[list[dict], list[dict], Opt
                 start = record
         except ValidationError as exc:
             raise bad(f"malformed {kind!r} event: {_errors(exc)}") from exc
+    # a resumed run (docs/resume.md) may have logged the round in flight, or a task end, twice: keep the last
+    rounds = list({r["round"]: r for r in rounds}.values())
+    task_ends = list({t["task"]: t for t in task_ends}.values())
     return rounds, task_ends, start
 
 

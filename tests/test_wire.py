@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
 from tests.conftest import raw_header
+from wire import messages
 from wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from wire.sockets import ClientEndpoint, Counters, ServerEndpoint
 
@@ -116,6 +117,9 @@ def _types(schema):
 
 def _example(annotation):
     text = str(annotation)
+    nested = getattr(messages, text, None)
+    if isinstance(nested, type) and issubclass(nested, msgspec.Struct):
+        return nested()  # a nested struct: its defaults
     if "dict" in text:
         return {}
     if "list" in text:

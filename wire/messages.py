@@ -47,6 +47,17 @@ class Join(Body):
     node: str
     pid: int
     client_index: int
+    assets_task: int = -1  # task whose per-task assets the client still holds (a rejoin after leaving)
+
+
+class EdgeSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One client's emulated edge behaviour (edge_node/availability.py, edge_node/links.py)."""
+
+    availability: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "always"})
+    profile: dict[str, Any] | None = None
+    crash_rate: float = 0.0
+    crash_downtime_s: float = 5.0
+    clock_s: float = 0.0  # the coordinator's run clock when it sent the welcome
 
 
 class Welcome(Body):
@@ -58,6 +69,7 @@ class Welcome(Body):
     training: dict[str, Any]
     heartbeat_interval_s: float
     join_task: int
+    edge: EdgeSettings = msgspec.field(default_factory=EdgeSettings)
 
 
 class Heartbeat(Body):

@@ -132,9 +132,16 @@ class ClientEndpoint:
 
     def send(self, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
              tensors: Mapping[str, Any] | None = None) -> int:
+        return self.send_frames(msg_type, self.encode(msg_type, body, round=round, task=task, tensors=tensors))
+
+    def encode(self, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
+               tensors: Mapping[str, Any] | None = None) -> list:
+        """The frames of a message, to send now or later (an emulated slow link sends them later)."""
         self._seq += 1
-        frames = encode(msg_type, body, sender=self.identity, seq=self._seq, round=round, task=task,
-                        tensors=tensors)
+        return encode(msg_type, body, sender=self.identity, seq=self._seq, round=round, task=task, tensors=tensors)
+
+    def send_frames(self, msg_type: str, frames: list) -> int:
+        """Send frames from :meth:`encode`; returns bytes sent."""
         self.sock.send_multipart(frames, copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)

@@ -19,14 +19,16 @@ from pathlib import Path
 from rich.console import Console
 
 from fcl_emu.bench.report import emit
-from monitoring.metrics import (DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES, CoordinatorMetrics,
+from monitoring.metrics import (CLIENT_EVENTS, DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES, CoordinatorMetrics,
                                 EdgeNodeMetrics)
 
 
 @dataclass
 class _FakeClient:
-    welcomed: bool = True
-    closed: bool = False
+    status: str = "active"
+
+
+PROFILES = ("flagship", "midrange", "budget")
 
 
 def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task: int = 10,
@@ -67,6 +69,9 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
                     coordinator.count_message(msg_type, "sent", nbytes)
                     node.count_message(msg_type, "received", nbytes)
                 node.trained(1.5, "ok", 40)
+                profile = PROFILES[k % len(PROFILES)]  # a run with three device profiles
+                node.link_delay("down", profile, 0.2)
+                node.link_delay("up", profile, 0.4)
                 node.count_message("update", "sent", 1_100_000)
                 coordinator.count_message("update", "received", 1_100_000)
                 coordinator.handled("update", 3e-3)
@@ -86,6 +91,9 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
     for node in edge:
         node.trained(0.01, "no_data")
         node.trained(0.01, "failed")
+        node.trained(0.0, "cancelled")
+        for event in CLIENT_EVENTS:
+            node.client_event(event)
     coordinator.handled("rejected", 1e-5)
     coordinator.client_left()
     for reason in DROP_REASONS:

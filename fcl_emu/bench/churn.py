@@ -1,0 +1,405 @@
+"""``fcl-emu bench churn``: accuracy, forgetting, completed rounds and bytes against the churn rate.
+
+The churn rate ``c`` is the probability that a client is unavailable in an
+availability slot: a point runs with ``edge.availability = bernoulli:(1 - c)``
+(``always`` for ``c = 0``) and, optionally, ``edge.crash_rate``. Every point
+(method x churn rate) is a real ``fcl-emu up`` run in a subprocess
+(``python -m fcl_emu up --config <generated yaml> --run-dir ...``), so the
+numbers are those of real coordinator and edge-node processes; they are read
+back from each run's ``summary.json``.
+
+Outputs, under ``--out DIR``:
+
+- ``DIR/runs/<method>-churn<c>-crash<x>-s<seed>/``: each run's directory, with
+  the generated config (``bench-config.yaml``) and the ``up`` output (``up.log``)
+  beside the run's own files;
+- ``DIR/churn.csv``: one row per point (:data:`CSV_COLUMNS`);
+- ``DIR/churn.png``: four panels (average accuracy, average forgetting,
+  completed rounds, MB on the wire) against the churn rate, one line per method.
+
+The default scale (MNIST, 60 clients, 3 tasks x 4 rounds, 10 clients per
+round, 1 local epoch, 2 edge nodes) runs a point in 40-120 s on 2 cores, the
+default sweep of 12 points in about 15 minutes (docs/experiments.md). The availability slot (1.5 s) is about one round long, so a client
+selected for a round leaves during it with probability about ``c``. A round
+needs ``min_participants`` updates (default: half of ``clients_per_round``)
+or the coordinator skips it, which is what "completed rounds" counts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+CSV_NAME = "churn.csv"
+PNG_NAME = "churn.png"
+RUNS_DIR = "runs"
+CONFIG_NAME = "bench-config.yaml"
+LOG_NAME = "up.log"
+
+CSV_COLUMNS = ["method", "churn_rate", "crash_rate", "seed", "status", "average_accuracy", "average_forgetting",
+               "rounds_completed", "rounds_total", "bytes_total", "wall_clock_s", "left", "rejoined", "dropped",
+               "missed_deadline", "run_dir"]
+
+DEFAULT_METHODS = ("fedavg", "fedlwf2t")
+DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+
+# The bench's own scale; a --config YAML overrides it, and the bench's flags override both.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "scenario": {"dataset": "mnist", "num_tasks": 3, "num_clients": 60},
+    "rounds": {"clients_per_round": 10, "rounds_per_task": 4, "deadline_s": 20.0},
+    "training": {"local_epochs": 1},
+    "network": {"heartbeat_interval_s": 0.5, "liveness_timeout_s": 3.0, "join_timeout_s": 60.0},
+    "edge": {"availability_slot_s": 1.5},
+    "model": "cnn",
+    "nodes": 2,
+    "device": "cpu",
+}
+
+
+# ------------------------------------------------------------------ configs
+def availability_for(churn_rate: float) -> str:
+    """``always`` for no churn, else ``bernoulli:(1 - churn_rate)``."""
+    if not 0 <= churn_rate < 1:
+        raise ValueError(f"churn rate {churn_rate:g} must be in [0, 1)")
+    return "always" if churn_rate == 0 else f"bernoulli:{1 - churn_rate:.6g}"
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{what}: give a comma-separated list")
+    return items
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for item in parse_list(text, "--rates"):
+        try:
+            rate = float(item.rstrip("%")) / (100 if item.endswith("%") else 1)
+        except ValueError:
+            raise ValueError(f"--rates: {item!r} is not a number") from None
+        if not 0 <= rate < 1:
+            raise ValueError(f"--rates: {item} is outside [0, 1)")
+        rates.append(rate)
+    return sorted(set(rates))
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, tasks: Optional[int] = None,
+                rounds_per_task: Optional[int] = None, clients_per_round: Optional[int] = None,
+                min_participants: Optional[int] = None, data_root: Optional[Sequence[Path]] = None) -> dict:
+    """The config shared by every point: bench defaults < ``config_file`` < flags (as a plain dict)."""
+    from fcl_emu.config import default_data_roots
+
+    loaded: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"--config: cannot read {config_file}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config: {config_file} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config: {config_file} must hold a mapping at the top level")
+    config = _merge(DEFAULT_CONFIG, loaded)
+    flags: dict[str, Any] = {"scenario": {}, "rounds": {}}
+    for section, key, value in (("scenario", "num_clients", clients), ("scenario", "num_tasks", tasks),
+                                ("rounds", "rounds_per_task", rounds_per_task),
+                                ("rounds", "clients_per_round", clients_per_round),
+                                ("rounds", "min_participants", min_participants)):
+        if value is not None:
+            flags[section][key] = value
+    config = _merge(config, flags)
+    rounds = config.setdefault("rounds", {})
+    if "min_participants" not in rounds:  # a quorum: half the round's clients
+        rounds["min_participants"] = max(1, math.ceil(int(rounds.get("clients_per_round", 30)) / 2))
+    roots = list(data_root) if data_root else [Path(p) for p in config.get("data_root", [])] or default_data_roots()
+    config["data_root"] = [str(Path(p).resolve()) for p in roots]
+    for key in ("run_dir", "metrics"):  # every point has its own run dir and no fixed ports
+        config.pop(key, None)
+    return config
+
+
+def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, seed: int) -> dict:
+    """One point's config, validated (raises ValueError naming the problem)."""
+    import pydantic
+
+    from fcl_emu.config import RunConfig
+
+    config = _merge(base, {"method": method, "seed": seed, "scenario": {"seed": seed},
+                           "edge": {"availability": availability_for(churn_rate), "crash_rate": crash_rate}})
+    try:
+        RunConfig.model_validate(config)
+    except pydantic.ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{method} at churn {churn_rate:g}: {errors}") from None
+    except KeyError as exc:  # an unknown method
+        raise ValueError(str(exc).strip("'\"")) from None
+    return config
+
+
+def point_name(method: str, churn_rate: float, crash_rate: float, seed: int) -> str:
+    return f"{method}-churn{churn_rate:.2f}-crash{crash_rate:.2f}-s{seed}"
+
+
+def run_timeout_s(config: dict) -> float:
+    """A generous bound on one run: joining, every round at its deadline, evaluation and start-up."""
+    from fcl_emu.config import RunConfig
+
+    cfg = RunConfig.model_validate(config)
+    total = cfg.scenario.num_tasks * cfg.rounds.rounds_per_task
+    return cfg.network.join_timeout_s + total * (cfg.rounds.deadline_s + 15.0) + 180.0
+
+
+# ------------------------------------------------------------------ one point
+def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: int, rounds_total: int,
+                     run_dir: Path, summary: Optional[dict], status: Optional[str] = None) -> dict[str, Any]:
+    """One CSV row; ``summary`` None (no summary.json) leaves the measurements empty."""
+    s = summary or {}
+    clients = s.get("clients", {})
+    rounds = s.get("rounds")
+
+    def num(key: str) -> Optional[float]:
+        v = s.get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    return {
+        "method": method, "churn_rate": churn_rate, "crash_rate": crash_rate, "seed": seed,
+        "status": status or s.get("status", "failed"),
+        "average_accuracy": num("average_accuracy"), "average_forgetting": num("average_forgetting"),
+        "rounds_completed": None if rounds is None else rounds - s.get("rounds_skipped", 0),
+        "rounds_total": rounds_total,
+        "bytes_total": s.get("bytes_total"), "wall_clock_s": num("wall_clock_s"),
+        "left": clients.get("left"), "rejoined": clients.get("rejoined"), "dropped": clients.get("dropped"),
+        "missed_deadline": s.get("missed_deadline"), "run_dir": str(run_dir),
+    }
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the run's process group (the ``up`` process and the edge nodes it started)."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_point(config: dict, run_dir: Path, timeout_s: float) -> tuple[Optional[dict], str]:
+    """Run ``fcl-emu up`` on ``config`` into ``run_dir``; (summary or None, status)."""
+    if run_dir.exists():  # events.jsonl is appended to: a stale run must not mix in
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    config_path = run_dir / CONFIG_NAME
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [sys.executable, "-m", "fcl_emu", "up", "--config", str(config_path), "--run-dir", str(run_dir)]
+    with open(run_dir / LOG_NAME, "wb") as log:
+        log.write((" ".join(command) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "120"})
+        status: Optional[str] = None
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc, status = None, f"timeout ({timeout_s:.0f} s)"
+        except BaseException:  # Ctrl-C: do not leave the run's processes behind
+            _stop(proc)
+            raise
+    summary_path = run_dir / "summary.json"
+    summary = None
+    if summary_path.exists():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            status = status or "failed (unreadable summary.json)"
+    if status is None:
+        if summary is None:
+            status = f"failed (exit {rc}, no summary.json)"
+        else:
+            status = summary.get("status", "unknown")
+            if rc != 0 and status == "completed":
+                status = f"completed (exit {rc})"
+    return summary, status
+
+
+def log_tail(run_dir: Path, lines: int = 8) -> str:
+    try:
+        text = (run_dir / LOG_NAME).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------ outputs
+def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k)) for k in CSV_COLUMNS})
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+PANELS = [  # (title, value of a row)
+    ("average accuracy (%)", lambda r: r["average_accuracy"]),
+    ("average forgetting (%)", lambda r: r["average_forgetting"]),
+    ("completed rounds", lambda r: r["rounds_completed"]),
+    ("bytes on the wire (MB)", lambda r: None if r["bytes_total"] is None else r["bytes_total"] / 1e6),
+]
+
+
+def _completed(row: dict[str, Any]) -> bool:
+    return row["status"] == "completed"
+
+
+def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] = None) -> Path:
+    """Four panels against the churn rate (%), one line per method; points of runs not completed are hollow."""
+    from matplotlib import colormaps
+
+    from monitoring.report import new_figure, save_figure
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    palette = colormaps["tab10"]
+    fig = new_figure(13, 3.6)
+    axes = fig.subplots(1, len(PANELS))
+    rates = sorted({r["churn_rate"] for r in rows})
+    for ax, (label, value) in zip(axes, PANELS):
+        for k, method in enumerate(methods):
+            points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["churn_rate"])
+            xs = [100 * r["churn_rate"] for r in points if value(r) is not None]
+            ys = [value(r) for r in points if value(r) is not None]
+            color = palette(k % palette.N)
+            ax.plot(xs, ys, "-", color=color, label=method, alpha=0.85)
+            for r in points:
+                if value(r) is None:
+                    continue
+                ax.plot(100 * r["churn_rate"], value(r), "o", color=color, markersize=5,
+                        markerfacecolor=color if _completed(r) else "white")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("churn rate (%)", fontsize=9)
+        ax.set_xticks([100 * c for c in rates])
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        if label == "completed rounds":
+            totals = {r["rounds_total"] for r in rows}
+            if len(totals) == 1:
+                total = totals.pop()
+                ax.axhline(total, color="0.5", linestyle=":", linewidth=1)
+                ax.set_ylim(0, total * 1.08)
+        elif "%" in label:
+            low = min([value(r) for r in rows if value(r) is not None] + [0.0])
+            ax.set_ylim(low - 5 if low < 0 else 0, 100)
+        else:
+            ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    if not all(_completed(r) for r in rows):
+        fig.supxlabel("hollow markers: runs not completed (metrics over the tasks they finished)", fontsize=8)
+    fig.suptitle(title or "fcl-emu: churn sweep", fontsize=11)
+    return save_figure(fig, Path(path))
+
+
+def format_table(rows: Sequence[dict[str, Any]], title: str = "bench churn") -> Table:
+    table = Table(title=title)
+    for name in ("method", "churn %", "crash %", "status", "acc. %", "forget. %", "rounds", "MB", "wall s",
+                 "left", "rejoined", "dropped", "missed"):
+        table.add_column(name, justify="left" if name in ("method", "status") else "right")
+
+    def f(v: Any, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    for r in rows:
+        rounds = "-" if r["rounds_completed"] is None else f"{r['rounds_completed']}/{r['rounds_total']}"
+        table.add_row(r["method"], f"{100 * r['churn_rate']:.0f}", f"{100 * r['crash_rate']:.0f}", r["status"],
+                      f(r["average_accuracy"]), f(r["average_forgetting"]), rounds,
+                      f(None if r["bytes_total"] is None else r["bytes_total"] / 1e6, "{:.1f}"),
+                      f(r["wall_clock_s"], "{:.1f}"), f(r["left"], "{}"), f(r["rejoined"], "{}"),
+                      f(r["dropped"], "{}"), f(r["missed_deadline"], "{}"))
+    table.caption = ("churn: P(client unavailable in a slot), bernoulli:(1-churn); acc./forget.: average accuracy "
+                     "and forgetting (docs/metrics.md); rounds: completed (not skipped) / total")
+    return table
+
+
+# ------------------------------------------------------------------ the sweep
+@dataclass
+class Sweep:
+    rows: list[dict[str, Any]]
+    csv: Path
+    png: Path
+
+
+def run(methods: Sequence[str], rates: Sequence[float], crash_rate: float, seed: int, out: Path,
+        base: dict, console: Console) -> Sweep:
+    """Run every (method, churn rate) point in turn; a failed run is recorded and the sweep goes on."""
+    out = Path(out)
+    configs = [(m, c, point_config(base, m, c, crash_rate, seed)) for m in methods for c in rates]
+    first = configs[0][2]
+    rounds_total = first["scenario"]["num_tasks"] * first["rounds"]["rounds_per_task"]
+    rows: list[dict[str, Any]] = []
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for n, (method, rate, config) in enumerate(configs, 1):
+        run_dir = (out / RUNS_DIR / point_name(method, rate, crash_rate, seed)).resolve()
+        console.print(f"[{n}/{len(configs)}] {method} churn {rate:.0%} "
+                      f"({config['edge']['availability']}, crash {crash_rate:g}) -> {run_dir}",
+                      markup=False, highlight=False)
+        t0 = time.perf_counter()
+        summary, status = run_point(config, run_dir, run_timeout_s(config))
+        row = row_from_summary(method, rate, crash_rate, seed, rounds_total, run_dir, summary, status)
+        rows.append(row)
+        acc = "-" if row["average_accuracy"] is None else f"{row['average_accuracy']:.1f}%"
+        console.print(f"    {status} in {time.perf_counter() - t0:.0f} s: accuracy {acc}, rounds "
+                      f"{row['rounds_completed']}/{rounds_total}", markup=False, highlight=False)
+        if status != "completed":
+            console.print(log_tail(run_dir), style="yellow", markup=False, highlight=False)
+        write_csv(rows, out / CSV_NAME)  # after every point: an interrupted sweep keeps what it measured
+    csv_path = write_csv(rows, out / CSV_NAME)
+    scale = (f"{first['scenario']['dataset']}, {first['scenario']['num_clients']} clients, "
+             f"{first['scenario']['num_tasks']} tasks x {first['rounds']['rounds_per_task']} rounds, "
+             f"K={first['rounds']['clients_per_round']}, min {first['rounds']['min_participants']}, "
+             f"crash {crash_rate:g}, seed {seed}")
+    png = plot_churn(rows, out / PNG_NAME, title=f"fcl-emu churn sweep ({scale})")
+    console.print(format_table(rows))
+    console.print(f"{len(rows)} runs in {time.perf_counter() - started:.0f} s; wrote {csv_path} and {png}",
+                  markup=False, highlight=False)
+    return Sweep(rows, csv_path, png)

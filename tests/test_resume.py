@@ -1,0 +1,278 @@
+"""Checkpoints and ``--resume``: the format, server-state restore, and a coordinator killed mid-round."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from coordinator import checkpoint
+from coordinator.checkpoint import CheckpointError
+from coordinator.registry import ClientRegistry, Status
+from fcl_emu.cli import app
+from fcl_emu.config import RunConfig
+from methods import registry as methods
+from methods.base import DELTA, ClientUpdate, ServerContext
+from methods.models.classifier import build_model
+from tests.conftest import events, fcl_emu, free_port, small_config, wait_for
+
+SHAPE = (1, 28, 28)
+SCENARIO = SimpleNamespace(task_classes=lambda t: list(range(2 * t, 2 * t + 2)),
+                           seen_classes=lambda t: list(range(2 * t + 2)))
+
+
+# ------------------------------------------------------------------ format
+def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"server/conv.weight": rng.normal(size=(4, 3)).astype(np.float32),
+            "server/bn.num_batches_tracked": np.asarray(7, dtype=np.int64),
+            "rng/torch": rng.integers(0, 256, 50, dtype=np.uint8),
+            "odd name|with/slashes": np.zeros((0, 2), np.float32)}
+
+
+def _same_arrays(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_round_trip_keeps_only_the_latest(tmp_path):
+    state = {"next": {"task": 1, "task_round": 2}, "rng": {"numpy": np.random.default_rng(3).bit_generator.state},
+             "matrix": [[99.5, None], [float("nan"), 12.25]]}
+    checkpoint.save(tmp_path, state, _arrays(0))
+    checkpoint.save(tmp_path, {**state, "next": {"task": 2, "task_round": 0}}, _arrays(1))
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.state["next"] == {"task": 2, "task_round": 0}
+    assert loaded.state["rng"] == state["rng"]  # 128-bit integers survive JSON
+    assert loaded.state["matrix"][0] == [99.5, None] and np.isnan(loaded.state["matrix"][1][0])
+    assert _same_arrays(loaded.arrays, _arrays(1))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz") == [loaded.state["arrays"]["file"]]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fail_at", ["arrays", "commit"])
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, fail_at):
+    checkpoint.save(tmp_path, {"n": 1}, _arrays(0))
+    if fail_at == "arrays":  # dies while writing the arrays: a partial file, no commit
+        def savez(f, **arrays):
+            f.write(b"PK\x03\x04 partial")
+            raise OSError("disk full")
+        monkeypatch.setattr(checkpoint.np, "savez", savez)
+    else:  # dies after writing everything but before the rename
+        def replace(src, dst):
+            raise OSError("killed")
+        monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"n": 2}, _arrays(1))
+    monkeypatch.undo()
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.state["n"] == 1 and _same_arrays(loaded.arrays, _arrays(0))
+    checkpoint.save(tmp_path, {"n": 3}, _arrays(2))  # the next save clears the leftovers
+    assert len(list(tmp_path.glob("arrays-*.npz"))) == 1
+    assert checkpoint.load(tmp_path).state["n"] == 3
+
+
+def test_missing_and_corrupt_checkpoints_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        checkpoint.load(tmp_path)
+    checkpoint.save(tmp_path, {"n": 1}, _arrays(0))
+    npz = tmp_path / checkpoint.load(tmp_path).state["arrays"]["file"]
+    data = npz.read_bytes()
+    npz.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load(tmp_path)
+    npz.unlink()
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load(tmp_path)
+    (tmp_path / checkpoint.STATE).write_text('{"format": 1, "arr')
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load(tmp_path)
+
+
+# ------------------------------------------------------------- server state
+def _update(server, seed: int) -> ClientUpdate:
+    rng = np.random.default_rng(seed)
+    tensors = {DELTA + k: (rng.normal(scale=0.01, size=v.shape).astype(np.float32) if v.dtype.kind == "f"
+                           else np.asarray(v) + 1)
+               for k, v in server.global_state.items()}
+    return ClientUpdate(f"client-{seed:04d}", 10 + seed, tensors, 0.5)
+
+
+def _assert_same_server(a, b, task: int) -> None:
+    assert _same_arrays(dict(a.global_state), dict(b.global_state))
+    assert _same_arrays(dict(a.round_tensors(task, 0)), dict(b.round_tensors(task, 0)))
+    assert _same_arrays(dict(a.task_assets(task)), dict(b.task_assets(task)))
+    x = torch.randn(3, *SHAPE)
+    with torch.no_grad():
+        assert torch.equal(a.eval_model().eval()(x), b.eval_model().eval()(x))
+
+
+@pytest.mark.parametrize("method,options", [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedewc", {}),
+                                            ("fedlwf2t", {}), ("fedlwf2t", {"old_teacher": "global"})])
+def test_restored_server_parts_behave_like_the_original(method, options):
+    spec = methods.get(method)
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        ctx = ServerContext(spec.options(**options), SCENARIO, lambda n: build_model("cnn", SHAPE, n), seed=0)
+        return spec.server(ctx)
+
+    original = make(0)
+    original.start_task(0)
+    original.aggregate(0, 1, [_update(original, 1), _update(original, 2)])
+    original.end_task(0)
+    original.start_task(1)  # the head grows to 4 classes
+    original.aggregate(1, 2, [_update(original, 3)])
+    arrays = {k: np.array(v) for k, v in original.state_arrays().items()}
+    meta = json.loads(json.dumps(original.state_meta()))
+    restored = make(1)  # other initial weights and a 2-class head: everything must come from the state
+    restored.load_state_arrays(arrays)
+    restored.load_state_meta(meta)
+    _assert_same_server(original, restored, 1)
+    if options.get("old_teacher") == "global":
+        assert restored.task_assets(1)  # the previous task's model is sent again after a restore
+    for server in (original, restored):  # the same future gives the same result
+        server.aggregate(1, 3, [_update(server, 4)])
+        server.end_task(1)
+        torch.manual_seed(5)
+        server.start_task(2)
+    _assert_same_server(original, restored, 2)
+    assert original.global_state["head.weight"].shape[0] == 6
+
+
+def test_registry_snapshot_and_restore():
+    reg = ClientRegistry(10.0)
+    for i in range(3):
+        reg.join(f"client-{i:04d}", i, "node-a", 0)
+    reg.leave("client-0002")
+    reg.records["client-0000"].rounds_trained = 4
+    again = ClientRegistry(10.0)
+    again.restore(json.loads(json.dumps(reg.snapshot())))
+    assert again.awaiting_rejoin == 2 and again.online_count == 0 and not again.online()
+    assert again.records["client-0002"].status is Status.LEFT
+    assert again.records["client-0000"].rounds_trained == 4
+    again.join("client-0000", 0, "node-b", 0)  # back after the restart: not a rejoin of its own
+    assert again.counts.rejoined == 0 and again.counts.joined == 3 and again.online_count == 1
+    assert again.drop_resumed() == ["client-0001"] and again.counts.dropped == 1
+
+
+# ---------------------------------------------------------------- bad input
+runner = CliRunner()
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, " ".join(result.output.replace("│", " ").split())
+
+
+def test_bad_resume_inputs_give_one_line_errors(tmp_path):
+    code, out = _invoke("coordinator", "--resume", str(tmp_path / "nope"))
+    assert code == 1 and "no such directory" in out and "Traceback" not in out
+    assert _invoke("coordinator", "--resume", str(tmp_path))[1].count("not a run directory") == 1
+    config = RunConfig(data_root=[tmp_path])
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    code, out = _invoke("up", "--resume", str(tmp_path))
+    assert code == 1 and "no checkpoint" in out
+    checkpoint.save(tmp_path / "checkpoint", {"fingerprint": "another"}, {})
+    code, out = _invoke("coordinator", "--resume", str(tmp_path), "--verbose")
+    assert code == 1 and "another configuration" in out
+    (tmp_path / "checkpoint" / checkpoint.STATE).write_text("{not json")
+    code, out = _invoke("coordinator", "--resume", str(tmp_path))
+    assert code == 1 and "corrupt checkpoint" in out
+    code, out = _invoke("up", "--resume", str(tmp_path), "--clients", "5", "--seed", "2")
+    assert code == 2 and "--clients, --seed cannot be combined with --resume" in out
+    code, out = _invoke("coordinator", "--resume", str(tmp_path), "--bind", "tcp://127.0.0.1:5")
+    assert code == 2 and "--bind" in out
+
+
+# ------------------------------------------------------------ real processes
+def _final_model(run_dir) -> dict[str, np.ndarray]:
+    ckpt = checkpoint.load(run_dir / "checkpoint")
+    assert ckpt.state["complete"]
+    return {k: v for k, v in ckpt.arrays.items() if k.startswith("server/")}
+
+
+@pytest.mark.slow
+def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_root):
+    clients = 40  # ~300 samples each per task: rounds of a second or two
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": clients},
+                          rounds={"clients_per_round": 4, "rounds_per_task": 3, "eval_every": 3},
+                          training={"local_epochs": 1}, nodes=1, method="fedavg", seed=5)
+    reference = tmp_path / "reference"
+    up = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(reference))
+    assert up.wait(timeout=180) == 0
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    common = ["--data-root", str(mnist_root)]
+    first = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--run-dir", str(run_dir), *common)
+    node = fcl_emu("node", "--connect", address, "--clients", f"0-{clients - 1}", *common)
+    resumed = None
+    try:
+        # kill during the 5th round (task 1): its clients are training, the 4th round is checkpointed
+        wait_for(lambda: sum(e["event"] == "round" for e in events(run_dir)) >= 4, 120, "four rounds")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        assert not (run_dir / "summary.json").exists()
+        resumed = fcl_emu("coordinator", "--resume", str(run_dir), *common)  # the node reconnects on its own
+        assert resumed.wait(timeout=120) == 0
+        assert node.wait(timeout=30) == 0  # shut down by the resumed coordinator
+    finally:
+        for p in (first, node, resumed):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumes"] == 1 and summary["rounds"] == 6
+    assert summary["clients"]["joined"] == clients and summary["clients"]["rejoined"] == 0
+    log = events(run_dir)
+    resume = [e for e in log if e["event"] == "resume"]
+    assert len(resume) == 1 and resume[0]["missing"] == 0 and resume[0]["address"] == address
+    assert all(e["online"] == clients for e in log if e["event"] == "round")  # all back, none lost after
+    numbers = [e["round"] for e in log if e["event"] == "round"]
+    assert sorted(set(numbers)) == list(range(1, 7))
+    assert len(numbers) - len(set(numbers)) <= 1  # at most the round in flight is repeated
+    assert [e["task"] for e in log if e["event"] == "task_end"] == [0, 1]
+    assert json.loads((reference / "summary.json").read_text())["accuracy_matrix"] == summary["accuracy_matrix"]
+    ours, theirs = _final_model(run_dir), _final_model(reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert np.array_equal(ours[name], theirs[name]), name
+
+    code, out = _invoke("coordinator", "--resume", str(run_dir), "--data-root", str(mnist_root))
+    assert code == 1 and "completed" in out
+
+
+@pytest.mark.slow
+def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_path, mnist_root):
+    import psutil
+
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40},
+                          rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
+                          training={"local_epochs": 1}, nodes=2)
+    run_dir = tmp_path / "run"
+    common = ["--data-root", str(mnist_root)]
+    up = fcl_emu("up", "--config", str(config), "--run-dir", str(run_dir), *common)
+    resumed = None
+    try:
+        wait_for(lambda: any(e["event"] == "round" for e in events(run_dir)), 120, "the first round")
+        nodes = psutil.Process(up.pid).children()
+        assert len(nodes) == 2
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait(timeout=10)
+        gone, alive = psutil.wait_procs(nodes, timeout=10)
+        assert not alive, "edge nodes outlived their killed `fcl-emu up`"
+        resumed = fcl_emu("up", "--resume", str(run_dir), *common)
+        assert resumed.wait(timeout=120) == 0
+    finally:
+        for p in (up, resumed):
+            if p is not None and p.poll() is None:
+                p.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumes"] == 1 and summary["rounds"] == 4
+    assert summary["clients"]["joined"] == 40 and summary["clients"]["rejoined"] == 0
