@@ -184,7 +184,9 @@ def test_trace_replay_follows_the_trace(tmp_path, mnist_root):
     trace.update({i: {"active": [1], "inactive": [2], "finish_time": 2} for i in (6, 7)})
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
-    summary, rounds = run_up(tmp_path, mnist_root, scenario={"num_clients": 8, "num_tasks": 1},
+    scenario = {"num_clients": 8, "num_tasks": 1, "partition": "task_pool",
+                "samples_per_client_task": 200}
+    summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
                              rounds={"clients_per_round": 8, "rounds_per_task": 6},
                              training={"local_epochs": 1}, edge={"availability": f"trace:{path}"})
     assert summary["status"] == "completed"
@@ -199,11 +201,13 @@ def test_trace_replay_follows_the_trace(tmp_path, mnist_root):
 
 @pytest.mark.slow
 def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_path, mnist_root):
-    profiles = tmp_path / "p.yaml"  # the CNN's update is ~1.7 MB: 7 s on a 2 Mbit/s uplink
+    profiles = tmp_path / "p.yaml"  # the CNN's update is ~1.1 MB: 4.4 s on a 2 Mbit/s uplink
     profiles.write_text(yaml.safe_dump({"profiles": [
         {"name": "ok"}, {"name": "slow", "uplink_mbps": 2, "compute_factor": 4}]}))
-    summary, rounds = run_up(tmp_path, mnist_root, scenario={"num_clients": 12, "num_tasks": 1},
-                             rounds={"clients_per_round": 6, "rounds_per_task": 4, "deadline_s": 5,
+    scenario = {"num_clients": 12, "num_tasks": 1, "partition": "task_pool",
+                "samples_per_client_task": 200}
+    summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
+                             rounds={"clients_per_round": 6, "rounds_per_task": 4, "deadline_s": 3,
                                      "late_updates": "next_round"},
                              training={"local_epochs": 1}, edge={"device_profiles": str(profiles)})
     assert summary["status"] == "completed"
@@ -213,7 +217,9 @@ def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_p
 
 @pytest.mark.slow
 def test_crashes_and_churn_with_overcommit(tmp_path, mnist_root):
-    summary, rounds = run_up(tmp_path, mnist_root, scenario={"num_clients": 16, "num_tasks": 1},
+    scenario = {"num_clients": 16, "num_tasks": 1, "partition": "task_pool",
+                "samples_per_client_task": 200}
+    summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
                              rounds={"clients_per_round": 4, "rounds_per_task": 4, "overcommit": 1.5},
                              training={"local_epochs": 1},
                              edge={"availability": "onoff:4:2", "crash_rate": 0.4, "crash_downtime_s": 1.0})

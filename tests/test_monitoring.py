@@ -250,9 +250,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
     if stack.prometheus_binary() is None:
         pytest.skip("the `prometheus` binary is not installed (`apt-get install prometheus`; .ci/run installs it)")
     scrape_s = 1.0
+    profiles = tmp_path / "profiles.yaml"  # a fast link, so the link-delay panels have data
+    profiles.write_text(yaml.safe_dump({"profiles": [{"name": "lan", "uplink_mbps": 1000, "latency_ms": 1}]}))
     config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 20},
                           rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
                           training={"local_epochs": 1, "batch_size": 64},
+                          edge={"device_profiles": str(profiles)},
                           metrics={"scrape_interval_s": scrape_s, "linger_s": 2 * scrape_s})
     run_dir = tmp_path / "run"
     metrics_port = stack.find_port_block("127.0.0.1", 3, start=20000 + free_port() % 20000, stop=65000)
