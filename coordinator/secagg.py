@@ -1,0 +1,514 @@
+"""Secure aggregation, SecAgg+ (Bell et al., CCS 2020): the server side.
+
+One :class:`SecAggServer` runs one round. For every phase it hands out one plain
+dict per client (``setup``, then the dict returned by each ``close_*``) and takes
+the clients' replies one at a time (``receive_*``: validates, raises
+:class:`SecAggError` on a malformed reply so that the wire layer can count and
+drop it). ``close_*`` ends a phase: whoever has not replied has dropped out.
+A phase that leaves fewer than t participants, or a secret that cannot be
+recovered, raises :class:`SecAggAbort`; the server is then finished and the
+run goes on with the next round.
+
+    server = SecAggServer(roster, dim=D, config=SecAggConfig(neighbors=k), round_id=r, seed=s)
+    out = server.setup()                       # {client: setup message}
+    for c, reply in replies: server.receive_keys(c, reply)
+    out = server.close_keys()                  # {client: neighbours' public keys}
+    for c, reply in replies: server.receive_shares(c, reply)
+    out = server.close_shares()                # {client: the shares addressed to it}
+    for c, reply in replies: server.receive_masked(c, reply)
+    out = server.close_masked()                # {client: which neighbours survived / dropped}
+    for c, reply in replies: server.receive_unmask(c, reply)
+    result = server.close_unmask()             # SecAggResult: the exact ring sum and who is in it
+
+The server never holds an unmasked individual input: masked inputs are added
+into one running sum as they arrive and the masks come off the sum only.
+Primitives, parameters and guarantees: :mod:`edge_node.secagg`, docs/secagg.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from edge_node.secagg import (CIPHERTEXT_BYTES, COMMIT_BYTES, PHASES, RING_DTYPE, SHARE_BYTES, Quantizer, RoundParams,
+                              SecAggAbort, SecAggClient, SecAggError, X25519PrivateKey, agree, check_commitment,
+                              default_threshold, harary_neighbors, pair_mask_key, prg, prg_into, public_key,
+                              self_mask_key, shamir_combine)
+
+__all__ = ["SecAggConfig", "SecAggServer", "SecAggResult", "SecAggAbort", "SecAggError", "simulate_round",
+           "measure_masking", "wire_size"]
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """User-facing settings (``--secagg-neighbors``, ``--secagg-threshold``, ...).
+
+    ``neighbors``: degree k of the graph, ``None`` for a size logarithmic in n (see :func:`log_neighbors`);
+    a value >= n - 1 gives the complete graph (SecAgg). ``threshold``: t, ``None`` for floor(k/2) + 1.
+    """
+
+    neighbors: int | None = None
+    threshold: int | None = None
+    ring_bits: int = 32
+    clip: float = 1.0
+    max_weight: int = 1 << 16
+
+    def resolve(self, n: int, dim: int, round_id: int) -> RoundParams:
+        if n < 3:
+            raise SecAggAbort(f"{n} clients sampled: secure aggregation needs at least 3", PHASES[0])
+        k = log_neighbors(n) if self.neighbors is None else min(int(self.neighbors), n - 1)
+        t = default_threshold(k) if self.threshold is None else int(self.threshold)
+        if t > k >= 2:
+            raise SecAggAbort(f"threshold t={t} exceeds the degree k={k} possible with {n} sampled clients",
+                              PHASES[0])
+        return RoundParams(round_id=round_id, n=n, dim=dim, neighbors=k, threshold=t, ring_bits=self.ring_bits,
+                           clip=self.clip, max_weight=self.max_weight)
+
+
+def log_neighbors(n: int) -> int:
+    """A logarithmic degree: 2 * ceil(log2 n), at least 4 (even), at most n - 1."""
+    return min(n - 1, max(4, 2 * math.ceil(math.log2(max(n, 2)))))
+
+
+@dataclass
+class SecAggResult:
+    """The outcome of a round: the exact ring sum of the ``clients`` inputs (length dim + 1, last element
+    the summed weight) and why each other sampled client is not in it."""
+
+    params: RoundParams
+    ring_sum: np.ndarray
+    clients: tuple[str, ...]
+    dropped: dict[str, str]
+    silent: tuple[str, ...] = ()  # in the sum, but did not answer the unmasking request
+
+    def decode(self) -> tuple[np.ndarray, int]:
+        """(sum_i w_i x_i as float64, sum_i w_i)."""
+        return Quantizer(self.params).decode(self.ring_sum, len(self.clients))
+
+    def mean(self) -> np.ndarray:
+        """The sample-weighted mean of the summed clients' inputs (float64)."""
+        return Quantizer(self.params).mean(self.ring_sum, len(self.clients))
+
+
+class SecAggServer:
+    """The server of one SecAgg+ round over ``roster`` (the sampled clients; roster index = position + 1)."""
+
+    def __init__(self, roster: Sequence[str], dim: int, config: SecAggConfig | None = None, round_id: int = 0,
+                 seed: int = 0):
+        roster = list(roster)
+        if len(set(roster)) != len(roster):
+            raise SecAggError("the roster repeats a client id")
+        for c in roster:
+            if not isinstance(c, str) or not c:
+                raise SecAggError(f"client ids are non-empty strings, got {c!r}")
+        self.config = config or SecAggConfig()
+        self.params = self.config.resolve(len(roster), dim, round_id)
+        self.roster = tuple(roster)
+        self.index = {c: i + 1 for i, c in enumerate(roster)}
+        graph = harary_neighbors(len(roster), self.params.neighbors, np.random.default_rng(seed))
+        self.graph: dict[str, frozenset[str]] = {c: frozenset(roster[j] for j in graph[i])
+                                                 for i, c in enumerate(roster)}
+        self.phase = 0
+        self.active: set[str] = set(roster)      # still in the round
+        self.dropped: dict[str, str] = {}        # client -> why it is not in the sum
+        self.aborted: str | None = None
+        self.timings: dict[str, float] = {}      # server seconds per phase (close_* and receive_* together)
+        # phase state
+        self._keys: dict[str, tuple[bytes, bytes]] = {}
+        self._holders: dict[str, tuple[str, ...]] = {}    # dealer -> its share holders, rank r holds x = r+1
+        self._shares: dict[str, Mapping[str, bytes]] = {}  # dealer -> {holder: ciphertext}
+        self._commits: dict[str, bytes] = {}
+        self._in_masking: frozenset[str] = frozenset()    # U2: the clients everyone masks with
+        self._masked: set[str] = set()
+        self._sum: np.ndarray | None = None       # running sum of masked inputs
+        self._survivors: frozenset[str] = frozenset()
+        self._requests: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        self._b_shares: dict[str, dict[str, bytes]] = {}   # survivor -> {holder: b-share}
+        self._s_shares: dict[str, dict[str, bytes]] = {}   # dropped -> {holder: s_sk-share}
+        self._responded: set[str] = set()
+        self.result: SecAggResult | None = None
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _time(self, phase: str, start: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def _check_reply(self, phase: int, client: Any, reply: Any, received: Iterable[str]) -> str:
+        if self.aborted is not None:
+            raise SecAggError(f"the round was aborted ({self.aborted})")
+        if self.phase != phase:
+            raise SecAggError(f"a {PHASES[phase]!r} reply arrived while the round is in phase {PHASES[self.phase]!r}")
+        if not isinstance(client, str) or client not in self.index:
+            raise SecAggError(f"{PHASES[phase]}: unknown client {client!r} (not in this round's roster)")
+        if client not in self.active:
+            raise SecAggError(f"{PHASES[phase]}: client {client!r} is no longer in the round ({self.dropped[client]})")
+        if client in received:
+            raise SecAggError(f"{PHASES[phase]}: duplicate reply from {client!r}")
+        if not isinstance(reply, Mapping):
+            raise SecAggError(f"{PHASES[phase]}: the reply of {client!r} must be a dict")
+        return client
+
+    def _drop(self, clients: Iterable[str], why: str) -> None:
+        for c in clients:
+            if c in self.active:
+                self.active.discard(c)
+                self.dropped[c] = why
+
+    def _abort(self, reason: str, phase: int) -> SecAggAbort:
+        self.aborted = f"{PHASES[phase]}: {reason}"
+        self.phase = len(PHASES)
+        self._sum = None
+        return SecAggAbort(reason, PHASES[phase])
+
+    def _prune(self, phase: int) -> None:
+        """Drop, until none is left, clients with fewer than t neighbours in the round: their secrets could
+        never be reconstructed."""
+        t = self.params.threshold
+        changed = True
+        while changed:
+            changed = False
+            for c in sorted(self.active):
+                live = len(self.graph[c] & self.active)
+                if live < t:
+                    self._drop([c], f"excluded after {PHASES[phase]}: {live} live neighbours, threshold t={t}")
+                    changed = True
+
+    def _require(self, count: int, what: str, phase: int) -> None:
+        if count < self.params.threshold:
+            raise self._abort(f"only {count} {what}, threshold t={self.params.threshold}", phase)
+
+    # --- phase 0: setup ----------------------------------------------------------------------
+    def setup(self) -> dict[str, dict[str, Any]]:
+        """The setup message of every client: round parameters, its roster index, its neighbours."""
+        if self.phase != 0:
+            raise SecAggError("setup() was already called")
+        params = self.params.to_dict()
+        out = {c: {"params": params, "index": self.index[c],
+                   "neighbors": {v: self.index[v] for v in sorted(self.graph[c], key=self.index.__getitem__)}}
+               for c in self.roster}
+        self.phase = 1
+        return out
+
+    # --- phase 1: advertise keys -------------------------------------------------------------
+    def receive_keys(self, client: str, reply: Mapping[str, Any]) -> None:
+        start = time.perf_counter()
+        client = self._check_reply(1, client, reply, self._keys)
+        raw = []
+        for name in ("c_pk", "s_pk"):
+            v = reply.get(name)
+            public_key(v, f"{PHASES[1]}: {name} of {client!r}")
+            raw.append(bytes(v))
+        if raw[0] == raw[1] or any(r in pair for pair in self._keys.values() for r in raw):
+            raise SecAggError(f"{PHASES[1]}: a public key of {client!r} repeats a key already advertised")
+        self._keys[client] = (raw[0], raw[1])
+        self._time(PHASES[1], start)
+
+    def close_keys(self) -> dict[str, dict[str, Any]]:
+        """End of key advertisement -> every remaining client's message ``{"keys": {peer: {c_pk, s_pk}}}``."""
+        start = time.perf_counter()
+        self._check_close(1)
+        self._drop(self.active - set(self._keys), f"no reply in {PHASES[1]}")
+        self._require(len(self.active), "clients advertised keys", 1)
+        self._prune(1)
+        self._require(len(self.active), "clients with at least t live neighbours remain", 1)
+        out = {}
+        for c in sorted(self.active):
+            holders = tuple(sorted(self.graph[c] & self.active, key=self.index.__getitem__))
+            self._holders[c] = holders
+            out[c] = {"keys": {v: {"c_pk": self._keys[v][0], "s_pk": self._keys[v][1]} for v in holders}}
+        self.phase = 2
+        self._time(PHASES[1], start)
+        return out
+
+    # --- phase 2: share keys -----------------------------------------------------------------
+    def receive_shares(self, client: str, reply: Mapping[str, Any]) -> None:
+        start = time.perf_counter()
+        client = self._check_reply(2, client, reply, self._shares)
+        shares = reply.get("shares")
+        if not isinstance(shares, Mapping):
+            raise SecAggError(f"{PHASES[2]}: 'shares' of {client!r} must be a dict")
+        expected = set(self._holders[client])
+        got = set(shares)
+        if got != expected:
+            raise SecAggError(f"{PHASES[2]}: {client!r} sent shares for unexpected recipients "
+                              f"{sorted(map(repr, got - expected))} and none for {sorted(expected - got)}")
+        for v, ct in shares.items():
+            if not isinstance(ct, (bytes, bytearray)) or len(ct) != CIPHERTEXT_BYTES:
+                raise SecAggError(f"{PHASES[2]}: the share {client!r} -> {v!r} must be {CIPHERTEXT_BYTES} bytes")
+        commit = reply.get("b_commit")
+        if not isinstance(commit, (bytes, bytearray)) or len(commit) != COMMIT_BYTES:
+            raise SecAggError(f"{PHASES[2]}: 'b_commit' of {client!r} must be {COMMIT_BYTES} bytes")
+        self._shares[client] = {v: bytes(ct) for v, ct in shares.items()}
+        self._commits[client] = bytes(commit)
+        self._time(PHASES[2], start)
+
+    def close_shares(self) -> dict[str, dict[str, Any]]:
+        """End of share exchange -> every remaining client's message ``{"shares": {sender: ciphertext}}``
+        (the ciphertexts addressed to it, which the server cannot read)."""
+        start = time.perf_counter()
+        self._check_close(2)
+        self._drop(self.active - set(self._shares), f"no reply in {PHASES[2]}")
+        self._require(len(self.active), "clients shared their keys", 2)
+        self._prune(2)
+        self._require(len(self.active), "clients with at least t live neighbours remain", 2)
+        out = {c: {"shares": {u: self._shares[u][c] for u in sorted(self.graph[c] & self.active,
+                                                                     key=self.index.__getitem__)}}
+               for c in sorted(self.active)}
+        self._in_masking = frozenset(self.active)
+        self.phase = 3
+        self._time(PHASES[2], start)
+        return out
+
+    # --- phase 3: masked input ---------------------------------------------------------------
+    def receive_masked(self, client: str, reply: Mapping[str, Any]) -> None:
+        """Checks the masked input ``{"y": uint32 array (dim + 1)}`` and adds it into the running sum."""
+        start = time.perf_counter()
+        client = self._check_reply(3, client, reply, self._masked)
+        y = reply.get("y")
+        p = self.params
+        if not isinstance(y, np.ndarray) or y.dtype != RING_DTYPE or y.shape != (p.length,):
+            got = f"array {y.dtype} {y.shape}" if isinstance(y, np.ndarray) else type(y).__name__
+            raise SecAggError(f"{PHASES[3]}: 'y' of {client!r} must be a uint32 array of shape ({p.length},), "
+                              f"got {got}")
+        if p.ring_bits < 32 and (y >> np.uint32(p.ring_bits)).any():
+            raise SecAggError(f"{PHASES[3]}: 'y' of {client!r} has values outside the {p.ring_bits}-bit ring")
+        if self._sum is None:
+            self._sum = np.zeros(p.length, RING_DTYPE)
+        np.add(self._sum, y, out=self._sum)
+        self._masked.add(client)
+        self._time(PHASES[3], start)
+
+    def close_masked(self) -> dict[str, dict[str, Any]]:
+        """End of masked input -> every survivor's message ``{"survivors": [...], "dropped": [...],
+        "n_survivors": int}`` (its neighbours that sent / did not send a masked input)."""
+        start = time.perf_counter()
+        self._check_close(3)
+        self._drop(self.active - self._masked, f"no masked input in {PHASES[3]}")
+        survivors = frozenset(self.active)
+        self._require(len(survivors), "clients sent masked inputs", 3)
+        t = self.params.threshold
+        u2 = self._in_masking
+        # Check recoverability before any client reveals a share.
+        for c in sorted(u2, key=self.index.__getitem__):
+            live = len(self.graph[c] & u2 & survivors)
+            if live < t:
+                what = "self-mask seed" if c in survivors else "pairwise mask key"
+                raise self._abort(f"the {what} of client {c!r} cannot be recovered: {live} of its share "
+                                  f"holders remain, threshold t={t}", 3)
+        self._survivors = survivors
+        out = {}
+        for c in sorted(survivors):
+            peers = self.graph[c] & u2
+            surv, drop = peers & survivors, peers - survivors
+            self._requests[c] = (frozenset(surv), frozenset(drop))
+            out[c] = {"survivors": sorted(surv, key=self.index.__getitem__),
+                      "dropped": sorted(drop, key=self.index.__getitem__), "n_survivors": len(survivors)}
+        self.phase = 4
+        self._time(PHASES[3], start)
+        return out
+
+    # --- phase 4: unmasking ------------------------------------------------------------------
+    def receive_unmask(self, client: str, reply: Mapping[str, Any]) -> None:
+        """Checks ``{"b_shares": {survivor: bytes}, "s_shares": {dropped: bytes}}`` against what was asked."""
+        start = time.perf_counter()
+        client = self._check_reply(4, client, reply, self._responded)
+        surv, drop = self._requests[client]
+        for name, want in (("b_shares", surv), ("s_shares", drop)):
+            got = reply.get(name)
+            if not isinstance(got, Mapping):
+                raise SecAggError(f"{PHASES[4]}: {name!r} of {client!r} must be a dict")
+            if set(got) != want:
+                raise SecAggError(f"{PHASES[4]}: {name!r} of {client!r} covers {sorted(map(repr, got))}, "
+                                  f"asked for {sorted(want)}")
+            for v, s in got.items():
+                if not isinstance(s, (bytes, bytearray)) or len(s) != SHARE_BYTES:
+                    raise SecAggError(f"{PHASES[4]}: the {name[0]}-share of {v!r} from {client!r} must be "
+                                      f"{SHARE_BYTES} bytes")
+        for v, s in reply["b_shares"].items():
+            self._b_shares.setdefault(v, {})[client] = bytes(s)
+        for v, s in reply["s_shares"].items():
+            self._s_shares.setdefault(v, {})[client] = bytes(s)
+        self._responded.add(client)
+        self._time(PHASES[4], start)
+
+    def close_unmask(self) -> SecAggResult:
+        """Reconstructs the survivors' self-mask seeds and the dropped clients' mask keys, removes all masks
+        from the running sum and returns the exact ring sum of the survivors' quantised inputs."""
+        start = time.perf_counter()
+        self._check_close(4)
+        p = self.params
+        t = p.threshold
+        self._require(len(self._responded), "survivors answered the unmasking request", 4)
+        survivors, u2 = self._survivors, self._in_masking
+        total = self._sum
+        scratch = np.empty(p.length, RING_DTYPE)
+        for c in sorted(survivors, key=self.index.__getitem__):
+            seed = shamir_combine(self._points(c, self._b_shares, 4), t)
+            if not check_commitment(seed, p.round_id, c, self._commits[c]):
+                raise self._abort(f"the self-mask seed of {c!r} reconstructed from its shares does not match "
+                                  f"its commitment (a share was corrupted)", 4)
+            np.subtract(total, prg_into(self_mask_key(seed, p.round_id, self.index[c]), scratch), out=total)
+        for d in sorted(u2 - survivors, key=self.index.__getitem__):
+            raw = shamir_combine(self._points(d, self._s_shares, 4), t)
+            sk = X25519PrivateKey.from_private_bytes(raw)
+            if sk.public_key().public_bytes_raw() != self._keys[d][1]:
+                raise self._abort(f"the mask key of {d!r} reconstructed from its shares does not match its "
+                                  f"public key (a share was corrupted)", 4)
+            for w in sorted(self.graph[d] & survivors, key=self.index.__getitem__):
+                shared = agree(sk, public_key(self._keys[w][1], f"s_pk of {w!r}"), repr(w))
+                prg_into(pair_mask_key(shared, p.round_id, self.index[w], self.index[d]), scratch)
+                # w added +m if its index is smaller than d's, else -m: take it back out.
+                (np.subtract if self.index[w] < self.index[d] else np.add)(total, scratch, out=total)
+        if p.ring_bits < 32:
+            np.bitwise_and(total, np.uint32(p.ring_mask), out=total)
+        self.result = SecAggResult(params=p, ring_sum=total, dropped=dict(self.dropped),
+                                   clients=tuple(sorted(survivors, key=self.index.__getitem__)),
+                                   silent=tuple(sorted(survivors - self._responded, key=self.index.__getitem__)))
+        self._sum = None
+        self.phase = len(PHASES)
+        self._time(PHASES[4], start)
+        return self.result
+
+    def _points(self, target: str, store: Mapping[str, Mapping[str, bytes]], phase: int) -> list[tuple[int, bytes]]:
+        """The (x, share) points of ``target``'s secret that responders returned."""
+        got = store.get(target, {})
+        holders = self._holders[target]
+        if len(got) < self.params.threshold:
+            what = "self-mask seed" if store is self._b_shares else "pairwise mask key"
+            raise self._abort(f"the {what} of client {target!r} cannot be recovered: {len(got)} shares returned, "
+                              f"threshold t={self.params.threshold}", phase)
+        return [(holders.index(h) + 1, s) for h, s in got.items()]
+
+    def _check_close(self, phase: int) -> None:
+        if self.aborted is not None:
+            raise SecAggError(f"the round was aborted ({self.aborted})")
+        if self.phase != phase:
+            raise SecAggError(f"cannot close {PHASES[phase]!r}: the round is in phase "
+                              f"{PHASES[self.phase] if self.phase < len(PHASES) else 'done'!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process driver, sizes, and the masking benchmark
+# ---------------------------------------------------------------------------------------------
+
+def wire_size(obj: Any) -> int:
+    """Approximate bytes of a phase message on the wire: arrays as raw bytes (tensor frames), the rest as
+    msgpack (the header); the framing's fixed overhead is not counted."""
+    arrays: list[int] = []
+
+    def strip(o: Any) -> Any:
+        if isinstance(o, np.ndarray):
+            arrays.append(o.nbytes)
+            return None
+        if isinstance(o, Mapping):
+            return {k: strip(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [strip(v) for v in o]
+        return o
+
+    return len(msgspec.msgpack.encode(strip(obj))) + sum(arrays)
+
+
+EXCHANGES = PHASES[1:]
+
+
+@dataclass
+class PhaseStats:
+    """Per exchange (the server's message opening phase p, the clients' replies in phase p; named after p):
+    seconds of each client that replied, seconds of the server, bytes down (all messages sent) and up."""
+
+    client_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in EXCHANGES})
+    server_s: dict[str, float] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=lambda: {p: 0 for p in EXCHANGES})
+    bytes_up: dict[str, int] = field(default_factory=lambda: {p: 0 for p in EXCHANGES})
+
+
+def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tuple[Any, int, np.random.Generator]],
+                   config: SecAggConfig | None = None, round_id: int = 0, seed: int = 0,
+                   dropout: Mapping[str, int] | None = None, stats: PhaseStats | None = None,
+                   server: SecAggServer | None = None) -> SecAggResult:
+    """Runs one round in this process (tests, benchmarks): ``inputs(client)`` gives (vector, weight, rng)
+    when the client masks; ``dropout[client] = p`` makes it go silent from phase p on (1: no keys,
+    2: no shares, 3: no masked input, 4: no unmasking answer). Raises :class:`SecAggAbort` as the server does.
+    """
+    dropout = dict(dropout or {})
+    server = server or SecAggServer(roster, dim, config, round_id, seed)
+    clients = {c: SecAggClient(c) for c in roster}
+    st = stats
+
+    def exchange(phase: int, msgs: Mapping[str, Any], step: Callable[[SecAggClient, Any], Any],
+                 receive: Callable[[str, Any], None]) -> None:
+        for c, msg in msgs.items():
+            if st is not None:
+                st.bytes_down[PHASES[phase]] += wire_size(msg)
+            if dropout.get(c, 99) <= phase:
+                continue
+            reply = step(clients[c], msg)
+            if st is not None:
+                st.client_s[PHASES[phase]].append(clients[c].timings[PHASES[phase]])
+                st.bytes_up[PHASES[phase]] += wire_size(reply)
+            receive(c, reply)
+
+    def masked(cl: SecAggClient, msg: Any) -> Any:
+        vector, weight, rng = inputs(cl.client)
+        return cl.on_shares(msg, vector, weight, rng)
+
+    try:
+        exchange(1, server.setup(), SecAggClient.on_setup, server.receive_keys)
+        exchange(2, server.close_keys(), SecAggClient.on_keys, server.receive_shares)
+        exchange(3, server.close_shares(), masked, server.receive_masked)
+        exchange(4, server.close_masked(), SecAggClient.on_unmask, server.receive_unmask)
+        return server.close_unmask()
+    finally:
+        if st is not None:
+            st.server_s.update(server.timings)
+
+
+def measure_masking(dim: int = 1_000_000, neighbors: int = 10, clients: int | None = None, repeats: int = 3,
+                    seed: int = 0, clip: float = 1.0) -> dict[str, Any]:
+    """Client phase-3 time (quantise + decrypt shares + k + 1 mask expansions and additions) against its lower
+    bound, k + 1 plain ChaCha20 expansions of dim + 1 values into a preallocated array (best of ``repeats``).
+
+    Builds a round of ``clients`` (default k + 1) clients, runs the first phases for all of them and phase 3
+    for ``repeats`` of them; nothing is aggregated. Returns seconds (best of the repeats) and the ratios.
+    """
+    n = clients or neighbors + 1
+    roster = [f"c{i:04d}" for i in range(n)]
+    server = SecAggServer(roster, dim, SecAggConfig(neighbors=neighbors, clip=clip), round_id=1, seed=seed)
+    cls = {c: SecAggClient(c) for c in roster}
+    for c, m in server.setup().items():
+        server.receive_keys(c, cls[c].on_setup(m))
+    for c, m in server.close_keys().items():
+        server.receive_shares(c, cls[c].on_keys(m))
+    msgs = server.close_shares()
+    k = server.params.neighbors
+    rng = np.random.default_rng(seed)
+    vector = rng.standard_normal(dim) * (clip / 4)
+    phase3, quant, mask = [], [], []
+    for c in roster[:repeats]:
+        cls[c].on_shares(msgs[c], vector, 1, np.random.default_rng(seed))
+        tm = cls[c].timings
+        phase3.append(tm["masked_input"])
+        quant.append(tm["quantize"])
+        mask.append(tm["mask"])
+    out = np.empty(dim + 1, RING_DTYPE)
+    bound = []
+    keys = [rng.bytes(32) for _ in range(k + 1)]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for key in keys:
+            prg_into(key, out)
+        bound.append(time.perf_counter() - start)
+    lb = min(bound)
+    return {"dim": dim, "neighbors": k, "clients": n, "repeats": repeats,
+            "lower_bound_s": lb, "expansion_s": lb / (k + 1),
+            "client_masked_input_s": min(phase3), "client_quantize_s": min(quant), "client_mask_s": min(mask),
+            "ratio_masked_input": min(phase3) / lb, "ratio_mask": min(mask) / lb}
+
+
+__all__ += ["EXCHANGES", "PhaseStats", "log_neighbors", "prg"]
