@@ -449,6 +449,27 @@ def bench_round(
     run(clients, rounds, json_path, data_root, console)
 
 
+@bench_app.command("secagg")
+def bench_secagg(
+    clients: Annotated[int, typer.Option(min=3, help="Clients in the round (N).")] = 100,
+    dim: Annotated[int, typer.Option(min=1, help="Values per client (D).")] = 1_000_000,
+    neighbors: Annotated[Optional[int], typer.Option(
+        help="Neighbours per client (K; default 2*ceil(log2 N); N-1: SecAgg).")] = None,
+    threshold: Annotated[Optional[int], typer.Option(help="Shamir threshold t (default floor(K/2)+1).")] = None,
+    dropout: Annotated[float, typer.Option(help="Probability that a client drops, at a random phase.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the inputs, graph and dropouts.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound."""
+    from fcl_emu.bench.secagg import run
+
+    try:
+        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console)
+    except ValueError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
 @bench_app.command("metrics")
 def bench_metrics(
     clients: Annotated[int, typer.Option(help="Clients of the simulated run that fills the registries.")] = 300,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 
 import numpy as np
@@ -532,3 +533,21 @@ def test_measure_masking_reports_the_lower_bound_and_the_client_time():
     for key in ("lower_bound_s", "client_masked_input_s", "client_mask_s", "client_quantize_s"):
         assert out[key] > 0
     assert out["ratio_mask"] == out["client_mask_s"] / out["lower_bound_s"]
+
+
+def test_bench_secagg_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from fcl_emu.cli import app
+
+    out = tmp_path / "sa.json"
+    result = CliRunner().invoke(app, ["bench", "secagg", "--clients", "8", "--dim", "1000", "--dropout", "0.2",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["phase"] for r in data["rows"]] == ["advertise_keys", "share_keys", "masked_input", "unmasking"]
+    assert data["status"] == "ok" or data["status"].startswith("aborted:")
+    assert data["rows"][2]["bytes_up"] > 1000 * 4 * data["rows"][2]["clients"] - 1
+    assert data["ratio_mask_to_lower_bound"] > 0
+    bad = CliRunner().invoke(app, ["bench", "secagg", "--dropout", "1.5"])
+    assert bad.exit_code == 2 and "dropout" in bad.output
