@@ -176,17 +176,23 @@ class Coordinator:
         if exc.peer and self.registry.is_online(exc.peer):
             self._send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 
-    def _send(self, client_id: str, msg_type: str, body, **kw) -> bool:
-        """Send; a vanished peer (EHOSTUNREACH under ROUTER_MANDATORY) is declared dead."""
+    def _try_send(self, client_id: str, msg_type: str, body, **kw) -> bool:
+        """Send; False if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its queue is full."""
         try:
             self.endpoint.send(client_id, msg_type, body, **kw)
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            if self.registry.drop(client_id):
-                self.metrics.client_dropped("unreachable")
             return False
+
+    def _send(self, client_id: str, msg_type: str, body, **kw) -> bool:
+        """Send; a vanished peer is declared dead."""
+        if self._try_send(client_id, msg_type, body, **kw):
+            return True
+        if self.registry.drop(client_id):
+            self.metrics.client_dropped("unreachable")
+        return False
 
     def _handle(self, peer: str, msg: Message) -> None:
         try:
@@ -241,9 +247,7 @@ class Coordinator:
         r = self._round
         if r is not None and peer in r.selected and peer not in {u.client for u in r.updates}:
             r.lost.add(peer)  # left or crashed and came back: its work for this round is gone
-        record = self.registry.join(peer, index, msg.body.node, join_task)
-        if msg.body.assets_task >= 0:
-            record.assets_task = msg.body.assets_task  # kept its local state while away: no resend
+        record = self.registry.join(peer, index, msg.body.node, join_task, msg.body.assets_task)
         if not known:
             self.metrics.client_joined()
         elif not was_online:
@@ -617,13 +621,9 @@ class Coordinator:
     def _shutdown(self, reason: str) -> None:
         """Tell every client that is reachable, away ones included (their node ends with the run)."""
         for record in list(self.registry.records.values()):
-            if record.status is Status.DEAD:
-                continue
-            try:  # a node closes all its clients at the first shutdown: later sends may find them gone
-                self.endpoint.send(record.client_id, "shutdown", Shutdown(reason=reason))
-            except zmq.ZMQError as exc:
-                if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                    raise
+            if record.status is not Status.DEAD:
+                # a node closes all its clients at the first shutdown: later sends may find them gone
+                self._try_send(record.client_id, "shutdown", Shutdown(reason=reason))
 
     def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path) -> dict:
         counts = self.registry.counts

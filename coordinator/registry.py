@@ -49,10 +49,11 @@ class ClientRegistry:
         self.online_count = 0
         self.awaiting_rejoin = 0  # records in Status.RESUMED
 
-    def join(self, client_id: str, index: int, node: str, join_task: int) -> ClientRecord:
+    def join(self, client_id: str, index: int, node: str, join_task: int, assets_task: int = -1) -> ClientRecord:
+        """``assets_task``: the task whose assets the client says it still holds (-1: none; they are resent)."""
         record = self.records.get(client_id)
         if record is None:
-            record = ClientRecord(client_id, index, node, join_task)
+            record = ClientRecord(client_id, index, node, join_task, assets_task=assets_task)
             self.records[client_id] = record
             self.counts.joined += 1
             self.online_count += 1
@@ -64,7 +65,7 @@ class ClientRegistry:
                 self.counts.rejoined += 1
                 self.online_count += 1
             record.status = Status.ONLINE
-            record.assets_task = -1  # it may have lost its state: send the task's assets again
+            record.assets_task = assets_task
             record.node = node
             record.last_seen = time.monotonic()
         return record

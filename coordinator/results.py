@@ -62,21 +62,12 @@ def _json_default(value: Any) -> Any:
 
 
 def _cut_partial_line(path: Path) -> None:
-    """Truncate ``path`` after its last newline."""
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        pos = size
-        while pos > 0:
-            step = min(4096, pos)
-            f.seek(pos - step)
-            chunk = f.read(step)
-            nl = chunk.rfind(b"\n")
-            if nl >= 0:
-                pos = pos - step + nl + 1
-                break
-            pos -= step
-        if pos != size:
-            f.truncate(pos)
+    """Truncate ``path`` after its last newline (events.jsonl holds one short line per round)."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with open(path, "rb+") as f:
+            f.truncate(end)
 
 
 @dataclass

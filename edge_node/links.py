@@ -201,8 +201,3 @@ class Link:
         done = max(now, self._free_at[direction]) + nbytes / rate
         self._free_at[direction] = done
         return done + self.profile.latency_s
-
-    @property
-    def trivial(self) -> bool:
-        p = self.profile
-        return p.latency_s == 0 and math.isinf(p.uplink_bytes_s) and math.isinf(p.downlink_bytes_s)

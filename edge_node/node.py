@@ -196,12 +196,16 @@ class EdgeNode:
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
         client = EmulatedClient(index, self._open_endpoint(cid), ArrayStore(self._state_dir / cid))
-        self._by_socket[client.endpoint.sock] = client
-        self._poller.register(client.endpoint.sock, zmq.POLLIN)
+        self._attach(client)
         return client
 
     def _open_endpoint(self, cid: str) -> ClientEndpoint:
         return ClientEndpoint(self.context, self.connect, cid, count=self._count)
+
+    def _attach(self, client: EmulatedClient) -> None:
+        """Poll the client's socket."""
+        self._by_socket[client.endpoint.sock] = client
+        self._poller.register(client.endpoint.sock, zmq.POLLIN)
 
     def _join(self, client: EmulatedClient) -> None:
         self._send(client, "join", Join(node=self.name, pid=os.getpid(), client_index=client.index,
@@ -448,7 +452,7 @@ class EdgeNode:
         client.crash_at = None
         self._poller.unregister(client.endpoint.sock)
         del self._by_socket[client.endpoint.sock]
-        client.endpoint.close(linger_ms=0)
+        client.endpoint.close(linger_ms=0)  # the new socket of the restart is attached again
         client.generation += 1
         client.welcomed = False
         client.task = client.trained_task = -1
@@ -460,8 +464,7 @@ class EdgeNode:
 
     def _restart(self, client: EmulatedClient) -> None:
         client.endpoint = self._open_endpoint(client.id)
-        self._by_socket[client.endpoint.sock] = client
-        self._poller.register(client.endpoint.sock, zmq.POLLIN)
+        self._attach(client)
         client.down_until = None
         self.metrics.client_event("restart")
         if client.available:
@@ -474,10 +477,11 @@ class EdgeNode:
         trainer.start()
         for client in self.clients:
             self._join(client)
-        tick_s = min(0.25, self.heartbeat_interval_s / 2)
         try:
             while not stop.is_set() and not all(c.closed for c in self.clients):
-                wait_s = tick_s if not self._timers else min(tick_s, max(0.0, self._timers[0][0] - time.monotonic()))
+                wait_s = min(0.25, self.heartbeat_interval_s / 2)  # the welcome may change the interval
+                if self._timers:
+                    wait_s = min(wait_s, max(0.0, self._timers[0][0] - time.monotonic()))
                 events = dict(self._poller.poll(timeout=math.ceil(1000 * wait_s)))
                 for sock in events:
                     if sock is self._wake_rx:

@@ -283,7 +283,8 @@ class EdgeNodeMetrics(ProcessMetrics):
                                         "local training job (data preparation, training, building the "
                                         "upload).", buckets=TRAIN_BUCKETS, registry=r)
         self.train_jobs = Counter("fcl_client_train_jobs", "Local training jobs by outcome: ok, no_data (the "
-                                  "client holds no samples of the task), failed.", ["outcome"], registry=r)
+                                  "client holds no samples of the task), failed, cancelled (the client left or "
+                                  "crashed before its turn).", ["outcome"], registry=r)
         self.train_samples = Counter("fcl_client_train_samples", "Samples in the local datasets of finished "
                                      "training jobs.", registry=r)
         self.node_clients = Gauge("fcl_node_clients", "Emulated clients hosted here by state: joining (no "
