@@ -35,24 +35,27 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint
 from coordinator.evaluation import Evaluator
 from coordinator.registry import ClientRegistry, Status
+from coordinator.secagg import SecAggConfig
+from coordinator.secure_round import SecureOutcome, SecureRound
+from edge_node.secagg import SecAggAbort, SecAggError
 from edge_node.availability import client_availability, parse_availability
 from edge_node.links import assign_profile, load_profiles
 from coordinator.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
                                  average_incremental_accuracy)
 from fcl_emu.config import RunConfig
 from methods import registry as methods
-from methods.base import DELTA, ClientUpdate, ServerContext
+from methods.base import DELTA, ClientUpdate, DeltaLayout, ServerContext
 from methods.models.classifier import build_model
 from monitoring.metrics import CoordinatorMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import build_scenario
 from wire.framing import Limits, Message, WireError
-from wire.messages import EdgeSettings, Error, Shutdown, TaskStart, TrainRequest, Welcome
+from wire.messages import SECAGG_REPLIES, EdgeSettings, Error, Shutdown, TaskStart, TrainRequest, Welcome
 from wire.sockets import Counters, ServerEndpoint, tee
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error"})
+CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES})
 CHECKPOINT_DIR = "checkpoint"  # in the run directory (docs/resume.md)
 SERVER, TORCH_RNG, CUDA_RNG = "server/", "rng/torch", "rng/cuda/"  # checkpoint array names
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
@@ -89,9 +92,13 @@ class _Round:
     updates: list[ClientUpdate] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # reported an error
     lost: set[str] = field(default_factory=set)  # left or crashed and joined again during the round
+    masked: set[str] = field(default_factory=set)  # secure aggregation: sent a masked input in time
+
+    def answered(self) -> set[str]:
+        return {u.client for u in self.updates} | self.masked | self.failed
 
     def pending(self, online: Callable[[str], bool]) -> set[str]:
-        done = {u.client for u in self.updates} | self.failed | self.lost
+        done = self.answered() | self.lost
         return {c for c in self.selected - done if online(c)}
 
     def done(self, online: Callable[[str], bool]) -> bool:
@@ -140,6 +147,7 @@ class Coordinator:
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
         self._stale_task = -1
         self._round: _Round | None = None
+        self._secure: SecureRound | None = None  # the open secure-aggregation round (config.secagg)
         self._clock0 = time.monotonic()  # the run clock that availability models follow
         self._availability = parse_availability(config.edge.availability)
         self._profiles = load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None
@@ -218,6 +226,8 @@ class Coordinator:
             self.progress("leave", {"client": peer})
         elif msg.type == "update":
             self._on_update(peer, msg)
+        elif msg.type in SECAGG_REPLIES:
+            self._on_secagg(peer, msg)
         elif msg.type == "error":
             r = self._round
             if r is not None and peer in r.selected and msg.round == r.number:
@@ -267,6 +277,8 @@ class Coordinator:
             clock_s=time.monotonic() - self._clock0)
 
     def _on_update(self, peer: str, msg: Message) -> None:
+        if self.config.secagg.enabled:
+            raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
         r = self._round
         if r is None or msg.round != r.number or peer not in r.selected or peer in r.lost:
             self.late_updates += 1
@@ -283,6 +295,20 @@ class Coordinator:
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss))
         self.registry.records[peer].rounds_trained += 1
+
+    def _on_secagg(self, peer: str, msg: Message) -> None:
+        """A client's reply in a secure-aggregation phase; a masked input that comes too late counts as late."""
+        sr, r = self._secure, self._round
+        current = sr is not None and r is not None and msg.round == sr.number and peer in r.selected \
+            and peer not in r.lost
+        if not current or not sr.on_message(peer, msg):
+            if msg.type == "secagg_masked":
+                self.late_updates += 1
+                self.metrics.late_update()
+            return
+        if msg.type == "secagg_masked":
+            r.masked.add(peer)
+            self.registry.records[peer].rounds_trained += 1
 
     def _check_delta(self, msg: Message) -> None:
         """A delta must name exactly the global model's tensors with their shapes."""
@@ -370,32 +396,50 @@ class Coordinator:
         payload = self.server.round_tensors(task, r.number)
         seen = [int(c) for c in self.scenario.seen_classes(task)]
         classes = [int(c) for c in self.scenario.task_classes(task)]
-        request = TrainRequest(local_epochs=self.config.training.local_epochs, lr=self.config.training.lr)
-        for client_id in chosen:
+        secure = self._open_secure_round(chosen, task, r.number) if self.config.secagg.enabled else None
+        setups = secure.setup_messages() if isinstance(secure, SecureRound) else {}
+        if isinstance(secure, SecureOutcome):
+            r.selected = set()  # aborted before it started: no client is asked to train
+        request = TrainRequest(local_epochs=self.config.training.local_epochs, lr=self.config.training.lr,
+                               secure=secure is not None)
+        for client_id in chosen if r.selected else ():
             record = self.registry.records[client_id]
             if record.assets_task != task:
                 if not self._send(client_id, "task_start", TaskStart(classes=classes, seen_classes=seen),
                                   task=task, round=r.number, tensors=assets):
                     continue
                 record.assets_task = task
+            if setups and not self._send(client_id, "secagg_setup", setups[client_id], task=task, round=r.number):
+                continue
             self._send(client_id, "train_request", request, task=task, round=r.number, tensors=payload)
         t_dispatch = time.perf_counter() - t0
 
-        t0, handled_before = time.perf_counter(), self.handling_s["update"]
-        self.serve(lambda: r.done(self.registry.is_online), time.monotonic() + cfg.deadline_s)
+        t0, handled_before = time.perf_counter(), self.handling_s["update"] + self.handling_s["secagg_masked"]
+        deadline = time.monotonic() + cfg.deadline_s
+        if isinstance(secure, SecureRound):
+            self._secure = secure
+            try:
+                secure = self._collect_secure(r, secure, deadline)
+            finally:
+                self._secure = None
+        elif secure is None:
+            self.serve(lambda: r.done(self.registry.is_online), deadline)
         t_wait = time.perf_counter() - t0
-        t_updates = self.handling_s["update"] - handled_before
+        t_updates = self.handling_s["update"] + self.handling_s["secagg_masked"] - handled_before
         self._round = None
         late = len(r.pending(self.registry.is_online))
-        answered = {u.client for u in r.updates} | r.failed
-        dropped = len(r.selected - answered - r.pending(self.registry.is_online))
+        dropped = len(r.selected - r.answered() - r.pending(self.registry.is_online))
 
         t0 = time.perf_counter()
-        useful = [u for u in r.updates if u.num_samples > 0]
         stale = [u for u in self._stale if u.num_samples > 0] if self._stale_task == task else []
         self._stale = []
-        useful = sorted(useful + stale, key=lambda u: u.client)
-        skipped = len(useful) < cfg.min_participants
+        if secure is None:
+            useful = sorted([u for u in r.updates if u.num_samples > 0] + stale, key=lambda u: u.client)
+            losses = [u.loss for u in useful]
+        else:  # one update: the unmasked weighted mean of the clients in the masked sum
+            useful = [] if secure.delta is None else [ClientUpdate("secagg", secure.weight, secure.delta)]
+            losses = list(secure.losses)
+        skipped = not useful or (secure is None and len(useful) < cfg.min_participants)
         if not skipped:
             self.server.aggregate(task, r.number, useful)
         t_aggregate = time.perf_counter() - t0
@@ -409,12 +453,13 @@ class Coordinator:
         t_eval = time.perf_counter() - t0
 
         bytes_by_type = self._bytes_since(bytes_before)
-        losses = [u.loss for u in useful if np.isfinite(u.loss)]
+        losses = [x for x in losses if np.isfinite(x)]
         record = RoundRecord(
             task=task, round=r.number, task_round=task_round, selected=len(chosen),
-            participants=len(r.updates), late=late, failed=len(r.failed), skipped=skipped,
+            participants=len(r.updates) + len(r.masked), late=late, failed=len(r.failed), skipped=skipped,
             dropped=dropped, overcommitted=len(chosen) - min(cfg.clients_per_round, len(chosen)),
-            stale_used=0 if skipped else len(stale),
+            stale_used=0 if skipped or secure is not None else len(stale),
+            secagg=None if secure is None else secure.record,
             samples=sum(u.num_samples for u in useful),
             mean_loss=float(np.mean(losses)) if losses else None,
             accuracy_seen=accuracy,
@@ -433,6 +478,39 @@ class Coordinator:
                                   failed=record.failed, skipped=record.skipped, mean_loss=record.mean_loss,
                                   accuracy_seen_percent=record.accuracy_seen)
         return record
+
+    # ------------------------------------------------------- secure aggregation
+    def _open_secure_round(self, chosen: list[str], task: int, number: int) -> SecureRound | SecureOutcome:
+        """The SecAgg+ round over ``chosen``; an aborted outcome if it cannot even start (too few clients)."""
+        sa = self.config.secagg
+        max_weight = sa.max_weight or max([1] + [len(self.scenario.client_indices(self.registry.records[c].index,
+                                                                                  task)) for c in chosen])
+        config = SecAggConfig(neighbors=sa.neighbors, threshold=sa.threshold, ring_bits=sa.ring_bits,
+                              clip=sa.clip, max_weight=max_weight)
+        try:
+            return SecureRound(chosen, DeltaLayout.of(self.server.global_state), config, run_id=self.run_id,
+                               number=number, seed=self.config.seed * 1_000_003 + number,
+                               send=lambda c, t, body: self._send(c, t, body, task=task, round=number),
+                               metrics=self.metrics, phase_timeout_s=sa.phase_timeout_s)
+        except (SecAggAbort, SecAggError) as exc:
+            log.warning("round %d: secure aggregation cannot start: %s", number, exc)
+            self.metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
+            return SecureOutcome(None, 0, (), {"outcome": "aborted", "reason": str(exc)})
+
+    def _collect_secure(self, r: _Round, secure: SecureRound, deadline: float) -> SecureOutcome:
+        """Run the protocol's phases while the clients train; the round's outcome (aborted: no delta)."""
+        def alive(c: str) -> bool:
+            return self.registry.is_online(c) and c not in r.failed and c not in r.lost
+
+        try:
+            masked = secure.until_masked(self.serve, alive, r.wanted, deadline)
+            if masked < self.config.rounds.min_participants:
+                raise SecAggAbort(f"only {masked} masked inputs, rounds.min_participants is "
+                                  f"{self.config.rounds.min_participants}", "masked_input")
+            return secure.unmask(self.serve, alive)
+        except SecAggAbort as exc:
+            log.warning("round %d: secure aggregation aborted: %s", r.number, exc)
+            return secure.abort(str(exc), [c for c in secure.server.roster if self.registry.is_online(c)])
 
     def _bytes_since(self, before: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
         """Bytes on the wire since ``before`` (a copy of the counters), as ``{type: {direction: bytes}}``."""
@@ -665,6 +743,7 @@ class Coordinator:
             "missed_deadline": sum(r.late for r in rounds),
             "late_updates": self.late_updates,
             "rejected_messages": dict(self.rejected),
+            "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
             "resumes": self._resumes,
             "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
         }
@@ -672,3 +751,15 @@ class Coordinator:
     def close(self) -> None:
         self.endpoint.close()
         self.metrics.close()
+
+
+def _secagg_summary(rounds: list[RoundRecord]) -> dict:
+    """Secure aggregation over the run: rounds by outcome, seconds and dropouts per phase (summed)."""
+    records = [r.secagg for r in rounds if r.secagg is not None]
+    phase_s, dropouts = Counter(), Counter()
+    for rec in records:
+        phase_s.update(rec.get("phase_s", {}))
+        dropouts.update(rec.get("dropouts", {}))
+    return {"completed": sum(rec["outcome"] == "completed" for rec in records),
+            "aborted": sum(rec["outcome"] == "aborted" for rec in records),
+            "phase_s": dict(phase_s), "dropouts": dict(dropouts)}

@@ -93,6 +93,7 @@ class RoundRecord:
     dropped: int = 0  # selected clients that left, died or restarted before answering
     overcommitted: int = 0  # clients selected beyond clients_per_round (rounds.overcommit)
     stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
+    secagg: dict[str, Any] | None = None  # secure aggregation: outcome, parameters, phase times, dropouts
 
 
 class RunRecorder:

@@ -42,15 +42,17 @@ from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
 
 from edge_node.availability import transitions
 from edge_node.links import DeviceProfile, Link
+from edge_node.secagg import SecAggAbort, SecAggClient, SecAggError
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from methods import registry as methods
-from methods.base import ClientContext, ClientPart, TrainingSettings
+from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
 from monitoring.metrics import EdgeNodeMetrics
@@ -59,12 +61,15 @@ from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
 from wire.framing import Limits, Message, WireError, frames_nbytes
-from wire.messages import EdgeSettings, Error, Heartbeat, Join, Leave, Update
+from wire.messages import (EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked, SecAggShares,
+                           SecAggUnmask, Update)
 from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 
 DATA_DOWN = frozenset({"task_start", "train_request"})  # what the emulated downlink delays
+SECAGG_DOWN = frozenset({"secagg_setup", "secagg_peer_keys", "secagg_relay", "secagg_unmask_request",
+                         "secagg_abort"})
 
 
 def _uniform(seed: int, what: str, index: int, round: int) -> float:
@@ -74,6 +79,17 @@ def _uniform(seed: int, what: str, index: int, round: int) -> float:
 
 def client_id(index: int) -> str:
     return f"client-{index:04d}"
+
+
+@dataclass
+class _SecAggSession:
+    """A client's side of one round's secure aggregation: the protocol state, and the two things its masked
+    input waits for (the relayed shares, its training result), in whichever order they come."""
+
+    round: int
+    protocol: SecAggClient
+    relay: dict[str, Any] | None = None
+    result: _Result | None = None
 
 
 @dataclass
@@ -99,6 +115,7 @@ class EmulatedClient:
     crash_at: float | None = None  # monotonic time of a crash decided for this round
     down_until: float | None = None  # crashed: restarts at this monotonic time
     round_s: float = 1.0  # last time from train request to sent update (where a crash may fall)
+    secagg: _SecAggSession | None = None  # this round's secure aggregation, if any
 
     @property
     def id(self) -> str:
@@ -142,6 +159,7 @@ class _Job:
     model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
     generation: int
     received_at: float
+    secure: bool = False
 
 
 @dataclass
@@ -156,6 +174,9 @@ class _Result:
     generation: int = 0
     received_at: float = 0.0
     train_s: float = 0.0
+    finished_at: float = 0.0  # monotonic time the main thread got it
+    secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
+    vector: np.ndarray | None = None
 
 
 class EdgeNode:
@@ -261,7 +282,7 @@ class EdgeNode:
                 started = time.perf_counter()
                 result = self._train(job, model_cache)
                 result.train_s = time.perf_counter() - started
-                result.generation, result.received_at = job.generation, job.received_at
+                result.generation, result.received_at, result.secure = job.generation, job.received_at, job.secure
                 outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
                 self.metrics.trained(result.train_s, outcome, result.num_samples)
                 self._results.put(result)
@@ -274,8 +295,9 @@ class EdgeNode:
         s = self.setup
         try:
             indices = s.scenario.client_indices(client.index, client.task)
-            if len(indices) == 0:
-                return _Result(client, job.round, job.task, {}, 0)
+            if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
+                vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.secure else None
+                return _Result(client, job.round, job.task, {}, 0, vector=vector)
             head = int(job.model["head.weight"].shape[0])
             model = model_cache.get(head)
             if model is None:
@@ -295,7 +317,10 @@ class EdgeNode:
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
-            return _Result(client, job.round, job.task, uploads, len(indices), metrics)
+            result = _Result(client, job.round, job.task, uploads, len(indices), metrics)
+            if job.secure:  # the masked sum carries the float deltas as one vector
+                result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
+            return result
         except Exception as exc:  # reported to the coordinator, never kills the node
             log.exception("%s: training failed", client.id)
             return _Result(client, job.round, job.task, None, error=f"{type(exc).__name__}: {exc}")
@@ -321,11 +346,13 @@ class EdgeNode:
                 return
             now = time.monotonic()
             self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
-                                client.generation, now))
+                                client.generation, now, msg.body.secure))
             if self.edge.crash_rate > 0 and _uniform(self.setup.seed, "crash", client.index, msg.round) < \
                     self.edge.crash_rate:
                 # dies somewhere between now and when its update would go out (judged by its last round)
                 client.crash_at = now + _uniform(self.setup.seed, "crash-at", client.index, msg.round) * client.round_s
+        elif msg.type in SECAGG_DOWN:
+            self._on_secagg(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node
             for c in self.clients:
                 c.closed = True
@@ -360,35 +387,111 @@ class EdgeNode:
         self._at(due, arrive)
 
     def _deliver(self, result: _Result) -> None:
-        """Send a finished job's update: after the emulated compute slowdown and uplink delay."""
+        """Send a finished job's update (under secure aggregation: its masked input, once the shares are
+        there): after the emulated compute slowdown and uplink delay."""
         client = result.client
+        result.finished_at = time.monotonic()
         if client.closed or result.generation != client.generation:
             return
+        if result.secure:
+            session = client.secagg
+            if session is not None and session.round == result.round:
+                session.result = result
+                self._send_masked(client)
+            return  # no session: it was aborted or refused, and the coordinator knows
         if result.error is not None:
             self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
                        round=result.round, task=result.task)
             return
-        frames = client.endpoint.encode("update", Update(num_samples=result.num_samples,
-                                                         train_time_s=result.metrics.get("train_time_s", 0.0),
-                                                         loss=result.metrics.get("loss", float("nan")),
-                                                         metrics=result.metrics),
-                                        round=result.round, task=result.task, tensors=result.uploads)
+        self._upload(client, result, "update", Update(num_samples=result.num_samples, **self._report(result)),
+                     result.uploads)
+
+    @staticmethod
+    def _report(result: _Result) -> dict[str, Any]:
+        return {"train_time_s": result.metrics.get("train_time_s", 0.0),
+                "loss": result.metrics.get("loss", float("nan")), "metrics": result.metrics}
+
+    def _upload(self, client: EmulatedClient, result: _Result, msg_type: str, body, tensors) -> None:
+        """Send a training result through the client's emulated device: its compute slowdown, then its uplink."""
+        frames = client.endpoint.encode(msg_type, body, round=result.round, task=result.task, tensors=tensors)
         now = time.monotonic()
         due = now
         if client.link is not None:
-            ready = now + (client.link.profile.compute_factor - 1.0) * result.train_s
-            due = client.link.arrival("up", frames_nbytes(frames), max(now, ready))
-            self.metrics.link_delay("up", client.link.profile.name, due - max(now, ready))
+            ready = max(now, result.finished_at + (client.link.profile.compute_factor - 1.0) * result.train_s)
+            due = client.link.arrival("up", frames_nbytes(frames), ready)
+            self.metrics.link_delay("up", client.link.profile.name, due - ready)
 
         def send() -> None:
             if client.generation == result.generation and client.active:
-                client.endpoint.send_frames("update", frames)
+                client.endpoint.send_frames(msg_type, frames)
                 client.last_sent = time.monotonic()
                 client.round_s = client.last_sent - result.received_at
         if due <= now:
             send()
         else:
             self._at(due, send)
+
+    # ---------------------------------------------------- secure aggregation
+    def _on_secagg(self, client: EmulatedClient, msg: Message) -> None:
+        """One SecAgg+ message of the coordinator (docs/secagg.md). A refused message or an aborted protocol
+        ends the client's session and is reported as an ``error`` (code ``secagg``)."""
+        session = client.secagg
+        if msg.type == "secagg_setup":
+            session = client.secagg = _SecAggSession(msg.round, SecAggClient(client.id))
+        elif session is None or session.round != msg.round:
+            if msg.type != "secagg_abort":
+                self._secagg_failed(client, msg.round, msg.task, f"{msg.type} for round {msg.round}, but this "
+                                                                 f"client has no secure-aggregation session for it")
+            return
+        body = msgspec.to_builtins(msg.body, builtin_types=(bytes,))
+        protocol = session.protocol
+        try:
+            if msg.type == "secagg_setup":
+                self._secagg_reply(client, msg, "advertise_keys", "secagg_keys", SecAggKeys,
+                                   protocol.on_setup(body))
+            elif msg.type == "secagg_peer_keys":
+                self._secagg_reply(client, msg, "share_keys", "secagg_shares", SecAggShares, protocol.on_keys(body))
+            elif msg.type == "secagg_relay":
+                session.relay = body
+                self._send_masked(client)
+            elif msg.type == "secagg_unmask_request":
+                self._secagg_reply(client, msg, "unmasking", "secagg_unmask", SecAggUnmask,
+                                   protocol.on_unmask(body))
+            else:  # secagg_abort
+                client.secagg = None
+        except (SecAggError, SecAggAbort) as exc:
+            self._secagg_failed(client, msg.round, msg.task, str(exc))
+
+    def _secagg_reply(self, client: EmulatedClient, msg: Message, phase: str, msg_type: str, body_type,
+                      reply: dict[str, Any]) -> None:
+        self.metrics.secagg_phase(phase, client.secagg.protocol.timings[phase])
+        self._send(client, msg_type, body_type(**reply), round=msg.round, task=msg.task)
+
+    def _send_masked(self, client: EmulatedClient) -> None:
+        """Mask and send the training result once both it and the relayed shares are there."""
+        session = client.secagg
+        result = session.result
+        if session.relay is None or result is None:
+            return
+        if result.error is not None:
+            client.secagg = None
+            self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
+                       round=result.round, task=result.task)
+            return
+        rng = np.random.default_rng(zlib.crc32(f"{self.setup.seed}/secagg/{client.index}/{result.round}".encode()))
+        try:
+            y = session.protocol.on_shares(session.relay, result.vector, result.num_samples, rng)["y"]
+        except (SecAggError, SecAggAbort) as exc:
+            self._secagg_failed(client, result.round, result.task, str(exc))
+            return
+        session.relay = session.result = None  # the shares stay in the protocol state; the inputs can go
+        self.metrics.secagg_phase("masked_input", session.protocol.timings["masked_input"])
+        self._upload(client, result, "secagg_masked", SecAggMasked(**self._report(result)), {"y": y})
+
+    def _secagg_failed(self, client: EmulatedClient, round: int, task: int, detail: str) -> None:
+        client.secagg = None
+        log.warning("%s: secure aggregation: %s", client.id, detail)
+        self._send(client, "error", Error(code="secagg", detail=detail[:500]), round=round, task=task)
 
     def _heartbeats(self, now: float) -> None:
         for client in self.clients:
@@ -444,7 +547,7 @@ class EdgeNode:
         elif client.welcomed:
             self._send(client, "leave", Leave(reason="unavailable"))
             client.generation += 1  # work in flight is abandoned; local state is kept
-            client.crash_at = None
+            client.crash_at, client.secagg = None, None
             self.metrics.client_event("leave")
 
     def _crash(self, client: EmulatedClient, now: float) -> None:
@@ -457,6 +560,7 @@ class EdgeNode:
         client.welcomed = False
         client.task = client.trained_task = -1
         client.classes, client.seen_classes, client.assets, client.state = [], [], {}, {}
+        client.secagg = None
         self.assets.retain([c.assets for c in self.clients])
         client.down_until = now + self.edge.crash_downtime_s
         self.metrics.client_event("crash")

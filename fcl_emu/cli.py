@@ -46,6 +46,9 @@ FLAG_OF = {
     ("edge", "availability"): "--availability",
     ("edge", "crash_rate"): "--crash-rate",
     ("edge", "device_profiles"): "--device-profiles",
+    ("secagg", "enabled"): "--secagg",
+    ("secagg", "neighbors"): "--secagg-neighbors",
+    ("secagg", "threshold"): "--secagg-threshold",
     ("metrics", "port"): "--metrics-port",
     ("metrics", "host"): "--metrics-host",
     ("metrics", "prometheus_port"): "--prometheus-port",
@@ -108,6 +111,10 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     _set(overrides, ("edge", "availability"), flags.get("availability"))
     _set(overrides, ("edge", "crash_rate"), flags.get("crash_rate"))
     _set(overrides, ("edge", "device_profiles"), flags.get("device_profiles"))
+    if flags.get("secagg"):
+        _set(overrides, ("secagg", "enabled"), True)
+    _set(overrides, ("secagg", "neighbors"), flags.get("secagg_neighbors"))
+    _set(overrides, ("secagg", "threshold"), flags.get("secagg_threshold"))
     _set(overrides, ("metrics", "port"), flags.get("metrics_port"))
     _set(overrides, ("metrics", "host"), flags.get("metrics_host"))
     _set(overrides, ("metrics", "prometheus_port"), flags.get("prometheus_port"))
@@ -236,6 +243,12 @@ CrashRateOpt = Annotated[Optional[float], typer.Option(
     "--crash-rate", help="Probability that a client selected for a round crashes during it.")]
 ProfilesOpt = Annotated[Optional[Path], typer.Option(
     "--device-profiles", help="Device profiles file: compute factor, bandwidth, latency (docs/edge.md).")]
+SecAggOpt = Annotated[bool, typer.Option(
+    "--secagg", help="Sum the model deltas under SecAgg+ masks: the coordinator sees only the sum (docs/secagg.md).")]
+SecAggNeighborsOpt = Annotated[Optional[int], typer.Option(
+    "--secagg-neighbors", help="Neighbours per client k (default 2*ceil(log2 n); n-1 or more: SecAgg).")]
+SecAggThresholdOpt = Annotated[Optional[int], typer.Option(
+    "--secagg-threshold", help="Shamir threshold t: shares to rebuild a secret (default floor(k/2)+1).")]
 
 
 @app.command()
@@ -265,6 +278,9 @@ def up(
     availability: AvailabilityOpt = None,
     crash_rate: CrashRateOpt = None,
     device_profiles: ProfilesOpt = None,
+    secagg: SecAggOpt = False,
+    secagg_neighbors: SecAggNeighborsOpt = None,
+    secagg_threshold: SecAggThresholdOpt = None,
     download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = None,
@@ -296,6 +312,9 @@ def coordinator(
     availability: AvailabilityOpt = None,
     crash_rate: CrashRateOpt = None,
     device_profiles: ProfilesOpt = None,
+    secagg: SecAggOpt = False,
+    secagg_neighbors: SecAggNeighborsOpt = None,
+    secagg_threshold: SecAggThresholdOpt = None,
     clients: ClientsOpt = None,
     clients_per_round: PerRoundOpt = None,
     method: MethodOpt = None,
@@ -459,12 +478,14 @@ def bench_secagg(
     dropout: Annotated[float, typer.Option(help="Probability that a client drops, at a random phase.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of the inputs, graph and dropouts.")] = 0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    flower: Annotated[bool, typer.Option(
+        "--flower/--no-flower", help="Also time Flower's SecAgg+ client on the same N, K, D (needs flwr).")] = True,
 ) -> None:
-    """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound."""
+    """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound and Flower."""
     from fcl_emu.bench.secagg import run
 
     try:
-        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console)
+        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower)
     except ValueError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None

@@ -102,6 +102,34 @@ class EdgeConfig(pydantic.BaseModel):
         return value
 
 
+class SecAggSettings(pydantic.BaseModel):
+    """Secure aggregation of the model deltas, SecAgg+ (docs/secagg.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = pydantic.Field(False, description="sum the clients' deltas under SecAgg+ masks")
+    neighbors: int | None = pydantic.Field(
+        None, ge=2, description="degree k of the neighbour graph (default 2*ceil(log2 n); n-1 or more: SecAgg)")
+    threshold: int | None = pydantic.Field(
+        None, ge=2, description="Shamir threshold t, also the fewest clients any phase may keep "
+                                "(default floor(k/2)+1)")
+    clip: float = pydantic.Field(1.0, gt=0, description="delta values are clipped to [-clip, clip] before "
+                                                        "quantisation")
+    ring_bits: int = pydantic.Field(32, ge=8, le=32, description="the masked sum lives in the ring Z_2^bits")
+    max_weight: int | None = pydantic.Field(
+        None, ge=1, description="sample weights are clipped to this (default: the largest client dataset of "
+                                "the task, which the emulated server knows from the scenario)")
+    phase_timeout_s: float = pydantic.Field(
+        30.0, gt=0, description="how long the key, share and unmasking phases wait for replies (the masked "
+                                "input waits until the round deadline)")
+
+    @pydantic.model_validator(mode="after")
+    def _threshold(self) -> "SecAggSettings":
+        if self.neighbors is not None and self.threshold is not None and self.threshold > self.neighbors:
+            raise ValueError(f"secagg.threshold ({self.threshold}) exceeds secagg.neighbors ({self.neighbors})")
+        return self
+
+
 class MetricsConfig(pydantic.BaseModel):
     """Prometheus metrics endpoints and the optional local Prometheus server (docs/monitoring.md)."""
 
@@ -139,6 +167,7 @@ class RunConfig(pydantic.BaseModel):
     rounds: RoundConfig = RoundConfig()
     network: NetworkConfig = NetworkConfig()
     edge: EdgeConfig = EdgeConfig()
+    secagg: SecAggSettings = SecAggSettings()
     metrics: MetricsConfig = MetricsConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -167,7 +196,10 @@ class RunConfig(pydantic.BaseModel):
     def _cross_checks(self) -> "RunConfig":
         from methods import registry
 
-        registry.get(self.method).options(**self.method_options)
+        spec = registry.get(self.method)
+        spec.options(**self.method_options)
+        if self.secagg.enabled:
+            self._check_secagg(spec)
         if self.nodes > self.scenario.num_clients:
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.min_participants > self.rounds.clients_per_round:
@@ -176,6 +208,20 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node "
                              f"ports after it (port + nodes must be at most 65535)")
         return self
+
+    def _check_secagg(self, spec) -> None:
+        from methods.base import DELTA
+
+        server = spec.server
+        if server.individual_payload is not None or tuple(server.summable) != (DELTA,):
+            what = server.individual_payload or ", ".join(p for p in server.summable if p != DELTA)
+            raise ValueError(f"--secagg: method {spec.name!r} uploads {what} per client, which a masked sum "
+                             f"cannot carry; secure aggregation sums model deltas only")
+        if self.rounds.late_updates == "next_round":
+            raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
+                             "cannot join another round's sum")
+        if self.rounds.clients_per_round < 3:
+            raise ValueError("--secagg needs at least 3 clients per round")
 
     def method_options_model(self):
         from methods import registry

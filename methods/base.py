@@ -20,6 +20,7 @@ if any, so that combining it with secure aggregation can fail clearly.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,54 @@ def fedavg(updates: list[ClientUpdate]) -> Arrays:
         else:
             out[name] = np.max(np.stack([d[name] for d in deltas]), axis=0)
     return out
+
+
+@dataclass(frozen=True)
+class DeltaLayout:
+    """The model delta as one flat float vector: what secure aggregation sums.
+
+    The float tensors of the model, in name order, each flattened. Integer
+    buffers (BatchNorm's step counter) are not summable and stay out: under
+    secure aggregation the server keeps its own value of them.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, model: Mapping[str, np.ndarray]) -> DeltaLayout:
+        names = tuple(sorted(k for k, v in model.items() if v.dtype.kind == "f"))
+        return cls(names, tuple(tuple(model[k].shape) for k in names))
+
+    @property
+    def dim(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def flatten(self, uploads: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The ``delta/<name>`` tensors of an upload as one float32 vector (ValueError if they do not fit)."""
+        got = {k[len(DELTA):] for k in uploads if k.startswith(DELTA)} & set(self.names)
+        if got != set(self.names):
+            raise ValueError(f"the upload lacks the deltas of {sorted(set(self.names) - got)[:3]}")
+        out = np.empty(self.dim, np.float32)
+        at = 0
+        for name, shape in zip(self.names, self.shapes):
+            value = uploads[DELTA + name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"delta {name!r} has shape {list(value.shape)}, the model has {list(shape)}")
+            out[at:at + value.size] = value.reshape(-1)
+            at += value.size
+        return out
+
+    def unflatten(self, vector: np.ndarray) -> Arrays:
+        """The inverse of :meth:`flatten`: ``{delta/<name>: float32 array}``."""
+        if vector.shape != (self.dim,):
+            raise ValueError(f"a vector of shape {vector.shape} does not fit a delta of {self.dim} values")
+        out, at = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            out[DELTA + name] = vector[at:at + size].astype(np.float32).reshape(shape)
+            at += size
+        return out
 
 
 @dataclass

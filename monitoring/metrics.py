@@ -57,6 +57,8 @@ TRAIN_OUTCOMES = ("ok", "no_data", "failed", "cancelled")
 CLIENT_EVENTS = ("leave", "rejoin", "crash", "restart")
 LINK_DIRECTIONS = ("up", "down")
 NODE_CLIENT_STATES = ("joining", "active", "away", "down", "closed")
+SECAGG_PHASES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
+SECAGG_OUTCOMES = ("completed", "aborted")
 
 # Buckets in seconds. Phases span a millisecond (dispatching to 30 clients) to
 # minutes (collecting from stragglers); rounds and local training seconds to minutes.
@@ -84,6 +86,10 @@ class ProcessMetrics:
             "(docs/wire.md).", ["role", "reason"], registry=r)
         for reason in REJECT_REASONS:  # every reason exists from the start, at 0
             self.rejected_messages.labels(role, reason)
+        self.secagg_phase_duration = Histogram(
+            "fcl_secagg_phase_duration_seconds", "Time of one SecAgg+ phase: on the coordinator the phase's "
+            "wall-clock time (waiting for replies included), on an edge node one client's computation for it.",
+            ["role", "phase"], buckets=PHASE_BUCKETS, registry=r)
         # fcl_process_cpu_seconds_total, fcl_process_resident_memory_bytes, ... (Linux /proc)
         ProcessCollector(namespace="fcl", registry=r)
         self._wire: dict[tuple[str, str], tuple[Callable[[float], None], Callable[[float], None]]] = {}
@@ -108,6 +114,9 @@ class ProcessMetrics:
 
     def rejected(self, reason: str) -> None:
         self.rejected_messages.labels(self.role, reason).inc()
+
+    def secagg_phase(self, phase: str, seconds: float) -> None:
+        self.secagg_phase_duration.labels(self.role, phase).observe(seconds)
 
     # ---------------------------------------------------------------- serving
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -190,6 +199,19 @@ class CoordinatorMetrics(ProcessMetrics):
             "task.", registry=r)
         self.average_forgetting = Gauge("fcl_average_forgetting_ratio", "Average forgetting after the last "
                                         "finished task.", registry=r)
+        self.secagg_rounds = Counter("fcl_secagg_rounds", "Rounds run under secure aggregation by outcome: "
+                                     "completed (the masked sum was unmasked) or aborted (a phase kept fewer "
+                                     "than t clients, or too few masked inputs for min_participants).",
+                                     ["outcome"], registry=r)
+        self.secagg_dropouts = Counter("fcl_secagg_dropouts", "Clients lost by secure aggregation in each "
+                                       "phase (no reply in time, a bad reply, or too few live neighbours).",
+                                       ["phase"], registry=r)
+        self.secagg_recovered_masks = Counter("fcl_secagg_recovered_masks", "Dropped clients whose pairwise "
+                                              "masks were reconstructed from Shamir shares.", registry=r)
+        for outcome in SECAGG_OUTCOMES:
+            self.secagg_rounds.labels(outcome)
+        for phase in SECAGG_PHASES:
+            self.secagg_dropouts.labels(phase)
         for kind in JOIN_KINDS:
             self.client_joins.labels(kind)
         for reason in DROP_REASONS:
@@ -256,6 +278,14 @@ class CoordinatorMetrics(ProcessMetrics):
             self.round_train_loss.set(mean_loss)
         if accuracy_seen_percent is not None:
             self.accuracy_seen.set(accuracy_seen_percent / 100.0)
+
+    def secagg_round(self, *, outcome: str, dropouts: Mapping[str, int], recovered: int) -> None:
+        self.secagg_rounds.labels(outcome).inc()
+        for phase, n in dropouts.items():
+            if n:
+                self.secagg_dropouts.labels(phase).inc(n)
+        if recovered:
+            self.secagg_recovered_masks.inc(recovered)
 
     def task_ended(self, *, task: int, matrix: Sequence[Sequence[float | None]], accuracy_seen_percent: float,
                    average_accuracy: float, average_incremental_accuracy: float, average_forgetting: float,

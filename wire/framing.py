@@ -26,7 +26,7 @@ from wire.messages import BODY_SCHEMAS, FINITE_CHECKED, PROTOCOL_VERSION, Body, 
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
-    for name in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+    for name in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "uint32", "bool")
 }
 
 REASONS = (
@@ -44,6 +44,7 @@ REASONS = (
     "unknown_sender",
     "sender_mismatch",
     "unexpected",
+    "secagg",
 )
 
 

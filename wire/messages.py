@@ -92,6 +92,7 @@ class TrainRequest(Body):
 
     local_epochs: int
     lr: float
+    secure: bool = False  # the update goes through secure aggregation (a secagg_setup came first)
 
 
 class Update(Body):
@@ -112,6 +113,77 @@ class Shutdown(Body):
     reason: str
 
 
+# --- secure aggregation (SecAgg+, docs/secagg.md): one message type per phase and direction -------------
+# The bodies carry what coordinator/secagg.py and edge_node/secagg.py exchange; the masked input rides in a
+# uint32 tensor frame named "y". Every secagg message names its round in the header.
+
+class SecAggSetup(Body):
+    """Coordinator -> client: opens the protocol for this round (round parameters, roster index, neighbours)."""
+
+    params: dict[str, int | float]
+    index: int
+    neighbors: dict[str, int]
+
+
+class SecAggPublicKeys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    c_pk: bytes  # X25519 key for share encryption
+    s_pk: bytes  # X25519 key for pairwise masks
+
+
+class SecAggKeys(SecAggPublicKeys, Body):
+    """Client -> coordinator (advertise_keys): its two fresh public keys."""
+
+
+class SecAggPeerKeys(Body):
+    """Coordinator -> client: its live neighbours' public keys."""
+
+    keys: dict[str, SecAggPublicKeys]
+
+
+class SecAggShares(Body):
+    """Client -> coordinator (share_keys): its encrypted shares, one per neighbour, and a commitment."""
+
+    shares: dict[str, bytes]
+    b_commit: bytes
+
+
+class SecAggRelay(Body):
+    """Coordinator -> client: the encrypted shares addressed to it (relayed unread)."""
+
+    shares: dict[str, bytes]
+
+
+class SecAggMasked(Body):
+    """Client -> coordinator (masked_input): replaces ``update``. The masked vector (weight included) is the
+    tensor "y"; the sample count travels only under the mask. Loss and training time are monitoring
+    metadata, sent in the clear."""
+
+    train_time_s: float
+    loss: float
+    metrics: dict[str, float] = {}
+
+
+class SecAggUnmaskRequest(Body):
+    """Coordinator -> survivor: which of its neighbours sent a masked input and which dropped."""
+
+    survivors: list[str]
+    dropped: list[str]
+    n_survivors: int
+
+
+class SecAggUnmask(Body):
+    """Client -> coordinator (unmasking): self-mask shares of survivors, mask-key shares of the dropped."""
+
+    b_shares: dict[str, bytes]
+    s_shares: dict[str, bytes]
+
+
+class SecAggAbort(Body):
+    """Coordinator -> clients: the round's secure aggregation ended early; forget its secrets."""
+
+    reason: str
+
+
 BODY_SCHEMAS: dict[str, type[Body]] = {
     "join": Join,
     "welcome": Welcome,
@@ -122,7 +194,20 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "update": Update,
     "error": Error,
     "shutdown": Shutdown,
+    "secagg_setup": SecAggSetup,
+    "secagg_keys": SecAggKeys,
+    "secagg_peer_keys": SecAggPeerKeys,
+    "secagg_shares": SecAggShares,
+    "secagg_relay": SecAggRelay,
+    "secagg_masked": SecAggMasked,
+    "secagg_unmask_request": SecAggUnmaskRequest,
+    "secagg_unmask": SecAggUnmask,
+    "secagg_abort": SecAggAbort,
 }
+
+# Secure-aggregation messages a client sends, by the protocol phase (edge_node.secagg.PHASES) they answer.
+SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys",
+                  "secagg_masked": "masked_input", "secagg_unmask": "unmasking"}
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.

@@ -19,7 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from fcl_emu.bench.report import emit
-from monitoring.metrics import (CLIENT_EVENTS, DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES, CoordinatorMetrics,
+from monitoring.metrics import (CLIENT_EVENTS, DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES,
+                                SECAGG_OUTCOMES, SECAGG_PHASES, CoordinatorMetrics,
                                 EdgeNodeMetrics)
 
 
@@ -85,6 +86,8 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
     for process in [coordinator, *edge]:  # every reason, every remaining message type
         for reason in REJECT_REASONS:
             process.rejected(reason)
+        for phase in SECAGG_PHASES:  # a run with --secagg
+            process.secagg_phase(phase, 0.01)
         for msg_type in MESSAGE_TYPES:
             for direction in ("sent", "received"):
                 process.count_message(msg_type, direction, 10)
@@ -95,6 +98,8 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
         for event in CLIENT_EVENTS:
             node.client_event(event)
     coordinator.handled("rejected", 1e-5)
+    for outcome in SECAGG_OUTCOMES:
+        coordinator.secagg_round(outcome=outcome, dropouts={p: 1 for p in SECAGG_PHASES}, recovered=1)
     coordinator.client_left()
     for reason in DROP_REASONS:
         coordinator.client_dropped(reason)

@@ -1,0 +1,178 @@
+"""One round's secure aggregation on the wire: the engine's side of SecAgg+ (docs/secagg.md).
+
+The engine sends every selected client a ``secagg_setup`` (before its train
+request, so the client's session exists before its training ends), then
+hands control to :meth:`SecureRound.until_masked` and :meth:`SecureRound.unmask`.
+Each phase of :class:`coordinator.secagg.SecAggServer` becomes one exchange
+over the ROUTER socket: the coordinator serves the socket (joins, heartbeats
+and leaves go on being handled) until every client still in the round has
+answered or went offline, or the phase's time is up; then it closes the phase
+and sends the next messages.
+
+- ``advertise_keys`` and ``share_keys`` wait at most ``phase_timeout_s`` each;
+- ``masked_input`` (the training happens meanwhile) waits until the round's
+  deadline, or until ``wanted`` masked inputs arrived (overcommit);
+- ``unmasking`` waits at most ``phase_timeout_s``.
+
+The coordinator only ever sees masked vectors, added into one running sum as
+they arrive (``SecAggServer.receive_masked``), and the unmasked sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from coordinator.secagg import SecAggConfig, SecAggServer
+from edge_node.secagg import PHASES, SecAggError
+from methods.base import Arrays, DeltaLayout
+from wire.framing import Message, WireError
+from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
+                           SecAggSetup, SecAggUnmaskRequest)
+
+__all__ = ["SecureRound", "SecureOutcome", "round_id"]
+
+Send = Callable[[str, str, Any], bool]  # (client, message type, body) -> delivered to the socket
+
+
+def round_id(run_id: str, number: int) -> int:
+    """The protocol's 64-bit round id: unique per run and round, so keys and shares never serve two rounds."""
+    return int.from_bytes(hashlib.blake2b(f"{run_id}/{number}".encode(), digest_size=8).digest(), "little")
+
+
+def plain(body: msgspec.Struct) -> dict[str, Any]:
+    """A received body as the plain dicts the protocol code takes (bytes kept as bytes)."""
+    return msgspec.to_builtins(body, builtin_types=(bytes,))
+
+
+@dataclass
+class SecureOutcome:
+    """What a secure round gives the engine: the sample-weighted mean delta of the clients in the sum
+    (None if the round aborted), and the record of the round (``RoundRecord.secagg``)."""
+
+    delta: Arrays | None
+    weight: int
+    clients: tuple[str, ...]
+    record: dict[str, Any] = field(default_factory=dict)
+    losses: tuple[float, ...] = ()  # the training losses the summed clients reported
+
+
+class SecureRound:
+    def __init__(self, roster: list[str], layout: DeltaLayout, config: SecAggConfig, *, run_id: str, number: int,
+                 seed: int, send: Send, metrics: Any, phase_timeout_s: float):
+        """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k)."""
+        self.number = number
+        self.layout = layout
+        self.send = send
+        self.metrics = metrics
+        self.phase_timeout_s = phase_timeout_s
+        self.server = SecAggServer(roster, layout.dim, config, round_id(run_id, number), seed)
+        self.replied: dict[int, set[str]] = {p: set() for p in range(1, len(PHASES))}
+        self.reported: dict[str, tuple[float, float]] = {}  # client -> (train_time_s, loss) of its masked input
+        self.phase_s: dict[str, float] = {}
+        self.dropouts: dict[str, int] = {p: 0 for p in PHASES[1:]}
+        self._requests: dict[str, SecAggUnmaskRequest] = {}
+        self._started = time.monotonic()
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.server.params.to_dict()
+
+    def setup_messages(self) -> dict[str, SecAggSetup]:
+        return {c: SecAggSetup(**m) for c, m in self.server.setup().items()}
+
+    # ----------------------------------------------------------------- receiving
+    def on_message(self, peer: str, msg: Message) -> bool:
+        """Take one client reply of this round. False if it came too late for its phase (not an error);
+        :class:`WireError` (reason ``secagg``) if the protocol refuses it."""
+        phase = PHASES.index(SECAGG_REPLIES[msg.type])
+        if self.server.phase != phase or self.server.aborted is not None:
+            return False
+        body = plain(msg.body)
+        try:
+            if phase == 1:
+                self.server.receive_keys(peer, body)
+            elif phase == 2:
+                self.server.receive_shares(peer, body)
+            elif phase == 3:
+                self.server.receive_masked(peer, {"y": msg.tensors.get("y")})
+                self.reported[peer] = (body["train_time_s"], body["loss"])
+            else:
+                self.server.receive_unmask(peer, body)
+        except SecAggError as exc:
+            raise WireError("secagg", str(exc)) from None
+        self.replied[phase].add(peer)
+        return True
+
+    def waiting(self, phase: int, alive: Callable[[str], bool]) -> set[str]:
+        """Clients still in the round that owe a reply in ``phase`` and may still send it."""
+        return {c for c in self.server.active - self.replied[phase] if alive(c)}
+
+    # ------------------------------------------------------------------- phases
+    def _exchange(self, phase: int, serve: Callable[[Callable[[], bool], float], None], done: Callable[[], bool],
+                  deadline: float, close: Callable[[], Any]) -> Any:
+        """Serve until ``done()`` or ``deadline``, then close the phase; time it and count who dropped."""
+        serve(done, deadline)
+        before = len(self.server.dropped)
+        try:
+            return close()
+        finally:
+            name = PHASES[phase]
+            self.dropouts[name] += len(self.server.dropped) - before
+            now = time.monotonic()
+            self.phase_s[name] = now - self._started
+            self.metrics.secagg_phase(name, now - self._started)
+            self._started = now
+
+    def _send_all(self, msg_type: str, messages: Mapping[str, Any]) -> None:
+        for client, body in messages.items():
+            self.send(client, msg_type, body)
+
+    def until_masked(self, serve, alive: Callable[[str], bool], wanted: int, deadline: float) -> int:
+        """Run key advertisement, share exchange and masked input; returns how many masked inputs are in the
+        sum. Raises :class:`SecAggAbort` if a phase keeps fewer than t clients."""
+        short = min(deadline, time.monotonic() + self.phase_timeout_s)
+        peer_keys = self._exchange(1, serve, lambda: not self.waiting(1, alive), short, self.server.close_keys)
+        self._send_all("secagg_peer_keys", {
+            c: SecAggPeerKeys(keys={v: SecAggPublicKeys(**k) for v, k in m["keys"].items()})
+            for c, m in peer_keys.items()})
+        short = min(deadline, time.monotonic() + self.phase_timeout_s)
+        relays = self._exchange(2, serve, lambda: not self.waiting(2, alive), short, self.server.close_shares)
+        self._send_all("secagg_relay", {c: SecAggRelay(**m) for c, m in relays.items()})
+        requests = self._exchange(
+            3, serve, lambda: len(self.replied[3]) >= wanted or not self.waiting(3, alive), deadline,
+            self.server.close_masked)
+        self._requests = {c: SecAggUnmaskRequest(**m) for c, m in requests.items()}
+        return len(requests)
+
+    def unmask(self, serve, alive: Callable[[str], bool]) -> SecureOutcome:
+        """Ask the survivors for their shares, remove the masks, decode the mean delta."""
+        self._send_all("secagg_unmask_request", self._requests)
+        result = self._exchange(4, serve, lambda: not self.waiting(4, alive),
+                                time.monotonic() + self.phase_timeout_s, self.server.close_unmask)
+        total, weight = result.decode()
+        recovered = self.dropouts["masked_input"]
+        self.metrics.secagg_round(outcome="completed", dropouts=self.dropouts, recovered=recovered)
+        record = self.record(outcome="completed", clients=len(result.clients), recovered=recovered)
+        losses = tuple(self.reported[c][1] for c in result.clients)
+        delta = None if weight == 0 else self.layout.unflatten((total / weight).astype(np.float32))
+        return SecureOutcome(delta, weight, result.clients, record, losses)
+
+    def abort(self, reason: str, clients: list[str]) -> SecureOutcome:
+        """End the round without a sum: tell ``clients`` to forget their secrets; count and record it."""
+        self._send_all("secagg_abort", {c: AbortBody(reason=reason[:500]) for c in clients})
+        self.metrics.secagg_round(outcome="aborted", dropouts=self.dropouts, recovered=0)
+        return SecureOutcome(None, 0, (), self.record(outcome="aborted", reason=reason))
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        p = self.server.params
+        return {"neighbors": p.neighbors, "threshold": p.threshold, "dim": p.dim, "clip": p.clip,
+                "max_weight": p.max_weight, "phase_s": dict(self.phase_s), "dropouts": dict(self.dropouts),
+                **extra}
+
