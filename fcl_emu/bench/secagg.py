@@ -8,11 +8,13 @@ per phase: the median and maximum client time, the server time, and the
 bytes down (server to all clients) and up (all clients to the server) as
 msgpack would carry them. In the same run it measures the lower bound of a
 client's masking: ``neighbors + 1`` plain ChaCha20 expansions of ``dim``
-values, against the client's masked-input phase.
+values, against the client's masked-input phase; and, if ``flwr`` is
+installed (``--flower``, the default), Flower's SecAgg+ client on the same
+N, K and D (:mod:`fcl_emu.bench.flower_secagg`).
 
 This measures the cryptography and the quantisation only: the wire (framing,
 ZeroMQ, the coordinator's event loop) comes with the protocol's integration
-into rounds, and so does the comparison with Flower's SecAgg+.
+into rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rich.console import Console
 
 from coordinator.secagg import EXCHANGES, PhaseStats, SecAggConfig, log_neighbors, measure_masking, simulate_round
 from edge_node.secagg import SecAggAbort
+from fcl_emu.bench.flower_secagg import measure_flower_masking
 from fcl_emu.bench.report import emit
 
 
@@ -33,21 +36,26 @@ def dropout_pattern(roster: list[str], dropout: float, rng: np.random.Generator)
 
 
 def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dropout: float, seed: int,
-        json_path: Path | None, console: Console) -> dict:
+        json_path: Path | None, console: Console, flower: bool = True) -> dict:
     if clients < 3:
         raise ValueError("--clients must be at least 3")
     if not 0 <= dropout < 1:
         raise ValueError("--dropout must be in [0, 1)")
     rng = np.random.default_rng(seed)
     roster = [f"client-{i:04d}" for i in range(clients)]
-    vectors = {c: rng.standard_normal(dim).astype(np.float32) * 0.1 for c in roster}
     config = SecAggConfig(neighbors=neighbors, threshold=threshold)
     stats = PhaseStats()
     pattern = dropout_pattern(roster, dropout, rng)
     status = "ok"
+
+    def client_input(client: str) -> tuple[np.ndarray, int, np.random.Generator]:
+        # drawn when the client masks, so that N x D inputs never sit in memory together
+        gen = np.random.default_rng([seed, roster.index(client)])
+        return (gen.standard_normal(dim, np.float32) * 0.1, 1, gen)
+
     try:
-        result = simulate_round(roster, dim, lambda c: (vectors[c], 1, np.random.default_rng(seed)), config,
-                                round_id=1, seed=seed, dropout=pattern, stats=stats)
+        result = simulate_round(roster, dim, client_input, config, round_id=1, seed=seed, dropout=pattern,
+                                stats=stats)
         survivors = len(result.clients)
     except SecAggAbort as exc:
         status, survivors = f"aborted: {exc}", 0
@@ -68,4 +76,18 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
              "client_mask_ms": 1e3 * masking["client_mask_s"],
              "ratio_masked_input_to_lower_bound": masking["ratio_masked_input"],
              "ratio_mask_to_lower_bound": masking["ratio_mask"]}
+    if flower:
+        extra.update(flower_fields(measure_flower_masking(dim=dim, neighbors=k, repeats=3, seed=seed,
+                                                          clients=clients), masking["client_masked_input_s"]))
     return emit("secagg", rows, extra, json_path, console)
+
+
+def flower_fields(measured: dict | None, ours_masked_input_s: float) -> dict:
+    """The report's Flower fields: its client times and our speed-up, or why there are none."""
+    if measured is None:
+        return {"flower": "not installed"}
+    if "error" in measured:
+        return {"flower_version": measured["version"], "flower": measured["error"]}
+    return {"flower_version": measured["version"], "flower_masked_input_ms": 1e3 * measured["masked_input_s"],
+            "flower_share_keys_ms": 1e3 * measured["share_keys_s"],
+            "speedup_vs_flower": measured["masked_input_s"] / ours_masked_input_s}
