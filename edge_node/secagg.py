@@ -244,16 +244,13 @@ class Quantizer:
         end = min(stop, self.dim)
         if end > start:
             z, u = buffers[0][:end - start], buffers[1][:end - start]
-            z[...] = x[start:end]
-            np.clip(z, -c, c, out=z)
-            z *= w / self.max_weight
-            z += c
-            z *= m / (2.0 * c)
+            np.clip(x[start:end], -c, c, out=z)
+            z *= (w / self.max_weight) * m / (2.0 * c)  # (x w/W + c) M / 2c, as x * scale + M/2
+            z += m / 2.0
             rng.random(out=u)
             z += u
-            np.floor(z, out=z)
-            np.clip(z, 0, m, out=z)  # guards the float rounding at the ends of the range
-            out[:end - start] = z
+            np.minimum(z, m, out=z)  # float rounding at the top end of the range
+            out[:end - start] = z  # truncation: floor, as z >= 0 (a rounding error below 0 gives 0 too)
         if stop == self.dim + 1:
             out[-1] = w
 
