@@ -34,6 +34,7 @@ import zmq
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint
 from coordinator.evaluation import Evaluator
+from coordinator.gpu_pool import Job, WorkerPool
 from coordinator.registry import ClientRegistry, Status
 from coordinator.secagg import SecAggConfig
 from coordinator.secure_round import SecureOutcome, SecureRound
@@ -65,13 +66,18 @@ class RunAborted(RuntimeError):
     """The run cannot go on (for example: not enough clients joined)."""
 
 
+class JobFailed(RunAborted):
+    """A server-side job failed after its retries: the run ends cleanly with the job's errors."""
+
+
 class BindError(RuntimeError):
     """The coordinator cannot bind its address (in use, or not an address of this host)."""
 
 
 def run_fingerprint(config: RunConfig) -> str:
-    """A hash of what decides a run's results: the config less data location, metrics and run directory."""
-    data = config.model_dump(mode="json", exclude={"metrics", "data_root", "run_dir", "download"})
+    """A hash of what decides a run's results: the config less data location, metrics, run directory and
+    the GPU pool's size and device."""
+    data = config.model_dump(mode="json", exclude={"metrics", "data_root", "run_dir", "download", "gpu"})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -122,7 +128,8 @@ class Coordinator:
         options = config.method_options_model()
         torch.manual_seed(config.seed)
         self.server = self.spec.server(ServerContext(
-            options=options, scenario=self.scenario, build_model=self._build_model, seed=config.seed))
+            options=options, scenario=self.scenario, build_model=self._build_model, seed=config.seed,
+            run_job=self.run_job))
         self.evaluator = Evaluator(self.scenario, self.device)
         self.registry = ClientRegistry(config.network.liveness_timeout_s)
         self.counters = Counters.empty()
@@ -138,6 +145,11 @@ class Coordinator:
         except zmq.ZMQError as exc:
             raise BindError(f"cannot bind {bind}: {exc}") from None
         self.address = self.endpoint.address
+        self.pool = WorkerPool(config.gpu, self.context, count=tee(self.counters, self.metrics.count_message),
+                               max_message_bytes=config.network.max_message_bytes, metrics=self.metrics)
+        self.metrics.watch_gpu_pool(lambda: self.pool.queued, self.pool.worker_states)
+        self._jobs: list[Job] = []  # finished server-side jobs, for the summary
+        self._recorder: RunRecorder | None = None
         self.rng = np.random.default_rng(config.seed)
         self.run_id = uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"]
         self.rejected: Counter[str] = Counter()
@@ -339,16 +351,24 @@ class Coordinator:
             self.progress("dead", {"client": client_id})
 
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
-        """Handle messages until ``until()`` holds or the monotonic ``deadline`` passes."""
+        """Handle messages (clients', and the GPU pool's) until ``until()`` holds or the monotonic ``deadline``
+        passes."""
         sock = self.endpoint.sock
+        poller = zmq.Poller()
+        for s in (sock, *self.pool.sockets()):
+            poller.register(s, zmq.POLLIN)
         tick_ms = max(10, int(1000 * min(0.2, self.config.network.heartbeat_interval_s)))
         while not until():
             now = time.monotonic()
             if now >= deadline:
                 return
-            if sock.poll(min(tick_ms, int(1000 * (deadline - now)) + 1)):
-                while sock.poll(0):
-                    self._receive_one()
+            for ready in dict(poller.poll(min(tick_ms, int(1000 * (deadline - now)) + 1))):
+                if ready is sock:
+                    while sock.poll(0):
+                        self._receive_one()
+                else:
+                    self.pool.on_readable(ready)
+            self.pool.tick()
             self._expire()
 
     def _receive_one(self) -> None:
@@ -364,6 +384,27 @@ class Coordinator:
         elapsed = time.perf_counter() - started
         self.handling_s[msg_type] += elapsed
         self.metrics.handled(msg_type, elapsed)
+
+    # ------------------------------------------------------------ server-side jobs
+    def run_job(self, kind: str, inputs: dict[str, np.ndarray], options: dict | None = None) -> Job:
+        """Run a job on the GPU worker pool (methods call it through ``ServerContext.run_job``) and wait for
+        it while serving the clients. Raises :class:`JobFailed` if it failed after its retries."""
+        return self.run_jobs([(kind, inputs, options)])[0]
+
+    def run_jobs(self, specs: list[tuple[str, dict[str, np.ndarray], dict | None]]) -> list[Job]:
+        """Run several jobs side by side (as many at once as there are workers); see :meth:`run_job`."""
+        submitted = [self.pool.submit(kind, inputs, options) for kind, inputs, options in specs]
+        self.serve(lambda: all(j.done for j in submitted), time.monotonic() + 10**9)  # the pool's timeouts end them
+        for job in submitted:
+            self._jobs.append(job)
+            if self._recorder is not None:
+                self._recorder.event("job", id=job.id, job_kind=job.kind, ok=job.ok, worker=job.worker,
+                                     attempts=job.attempts, queue_s=job.queue_s, run_s=job.run_s,
+                                     error=job.error or None, metrics=job.metrics)
+        failed = [j for j in submitted if not j.ok]
+        if failed:
+            raise JobFailed("; ".join(f"server-side job {j.kind!r} failed: {j.error}" for j in failed))
+        return submitted
 
     # ------------------------------------------------------------------- rounds
     def _wait_for_clients(self) -> None:
@@ -635,7 +676,11 @@ class Coordinator:
             self._save_checkpoint(run_dir, task, task_round, matrix, rounds, time.perf_counter() - started)
 
         status = "completed"
+        self._recorder = recorder
         try:
+            self.pool.start(run_dir / "logs")
+            if self.config.gpu.workers:  # check every worker's device before the run depends on it
+                self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
             self.metrics.run_started(
                 run_id=self.run_id, method=self.config.method, dataset=self.config.scenario.dataset,
                 model=self.config.model, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
@@ -744,13 +789,28 @@ class Coordinator:
             "late_updates": self.late_updates,
             "rejected_messages": dict(self.rejected),
             "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
+            "gpu_jobs": _jobs_summary(self._jobs, self.config.gpu.workers, self.pool.device),
             "resumes": self._resumes,
             "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
         }
 
     def close(self) -> None:
+        self.pool.close()
         self.endpoint.close()
         self.metrics.close()
+
+
+def _jobs_summary(jobs: list[Job], workers: int, device: str) -> dict:
+    """Server-side jobs over the run, by kind: how many, how many failed, attempts, seconds queued and run."""
+    by_kind: dict[str, dict] = {}
+    for job in jobs:
+        k = by_kind.setdefault(job.kind, {"jobs": 0, "failed": 0, "attempts": 0, "queue_s": 0.0, "run_s": 0.0})
+        k["jobs"] += 1
+        k["failed"] += not job.ok
+        k["attempts"] += job.attempts
+        k["queue_s"] += job.queue_s
+        k["run_s"] += job.run_s
+    return {"workers": workers, "device": device, "by_kind": by_kind}
 
 
 def _secagg_summary(rounds: list[RoundRecord]) -> dict:

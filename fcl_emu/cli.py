@@ -49,6 +49,8 @@ FLAG_OF = {
     ("secagg", "enabled"): "--secagg",
     ("secagg", "neighbors"): "--secagg-neighbors",
     ("secagg", "threshold"): "--secagg-threshold",
+    ("gpu", "workers"): "--gpu-workers",
+    ("gpu", "device"): "--gpu-device",
     ("metrics", "port"): "--metrics-port",
     ("metrics", "host"): "--metrics-host",
     ("metrics", "prometheus_port"): "--prometheus-port",
@@ -115,6 +117,8 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
         _set(overrides, ("secagg", "enabled"), True)
     _set(overrides, ("secagg", "neighbors"), flags.get("secagg_neighbors"))
     _set(overrides, ("secagg", "threshold"), flags.get("secagg_threshold"))
+    _set(overrides, ("gpu", "workers"), flags.get("gpu_workers"))
+    _set(overrides, ("gpu", "device"), flags.get("gpu_device"))
     _set(overrides, ("metrics", "port"), flags.get("metrics_port"))
     _set(overrides, ("metrics", "host"), flags.get("metrics_host"))
     _set(overrides, ("metrics", "prometheus_port"), flags.get("prometheus_port"))
@@ -249,6 +253,11 @@ SecAggNeighborsOpt = Annotated[Optional[int], typer.Option(
     "--secagg-neighbors", help="Neighbours per client k (default 2*ceil(log2 n); n-1 or more: SecAgg).")]
 SecAggThresholdOpt = Annotated[Optional[int], typer.Option(
     "--secagg-threshold", help="Shamir threshold t: shares to rebuild a secret (default floor(k/2)+1).")]
+GpuWorkersOpt = Annotated[Optional[int], typer.Option(
+    "--gpu-workers", help="Worker processes for server-side jobs, one device each (default 0: a thread of the "
+                          "coordinator; docs/gpu.md).")]
+GpuDeviceOpt = Annotated[Optional[str], typer.Option(
+    "--gpu-device", help="Device of the GPU workers: auto (CUDA if present), cuda or cpu.")]
 
 
 @app.command()
@@ -281,6 +290,8 @@ def up(
     secagg: SecAggOpt = False,
     secagg_neighbors: SecAggNeighborsOpt = None,
     secagg_threshold: SecAggThresholdOpt = None,
+    gpu_workers: GpuWorkersOpt = None,
+    gpu_device: GpuDeviceOpt = None,
     download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = None,
@@ -315,6 +326,8 @@ def coordinator(
     secagg: SecAggOpt = False,
     secagg_neighbors: SecAggNeighborsOpt = None,
     secagg_threshold: SecAggThresholdOpt = None,
+    gpu_workers: GpuWorkersOpt = None,
+    gpu_device: GpuDeviceOpt = None,
     clients: ClientsOpt = None,
     clients_per_round: PerRoundOpt = None,
     method: MethodOpt = None,
@@ -344,6 +357,25 @@ def coordinator(
     from fcl_emu.run import run_coordinator
 
     _finish(run_coordinator, cfg)
+
+
+@app.command("gpu-worker", hidden=True)
+def gpu_worker(
+    connect: Annotated[str, typer.Option(help="The GPU pool's endpoint.")],
+    index: Annotated[int, typer.Option(min=0, help="Worker index (its identity and CUDA device).")],
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
+    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process is gone.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
+    from fcl_emu.launcher import exit_with_parent
+
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
+    _logging(verbose)
+    from coordinator.gpu_worker import serve
+
+    serve(connect, index, device)
 
 
 @app.command()

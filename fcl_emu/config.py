@@ -130,6 +130,22 @@ class SecAggSettings(pydantic.BaseModel):
         return self
 
 
+class GpuSettings(pydantic.BaseModel):
+    """The coordinator's GPU worker pool for server-side jobs (docs/gpu.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    workers: int = pydantic.Field(
+        0, ge=0, le=64, description="worker processes, one device each; 0: jobs run in a thread of the coordinator")
+    device: Literal["auto", "cpu", "cuda"] = pydantic.Field(
+        "auto", description="cuda: worker j takes CUDA device j modulo the count; auto: that if CUDA is there")
+    retries: int = pydantic.Field(0, ge=0, le=10, description="attempts after a job's first failure")
+    job_timeout_s: float = pydantic.Field(
+        3600.0, gt=0, description="a job running longer is killed with its worker (which is started again) "
+                                  "and counts as failed (not enforced without workers)")
+    threads: int = pydantic.Field(1, ge=1, le=256, description="torch CPU threads of each worker process")
+
+
 class MetricsConfig(pydantic.BaseModel):
     """Prometheus metrics endpoints and the optional local Prometheus server (docs/monitoring.md)."""
 
@@ -168,6 +184,7 @@ class RunConfig(pydantic.BaseModel):
     network: NetworkConfig = NetworkConfig()
     edge: EdgeConfig = EdgeConfig()
     secagg: SecAggSettings = SecAggSettings()
+    gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"

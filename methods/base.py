@@ -152,12 +152,15 @@ class DeltaLayout:
 
 @dataclass
 class ServerContext:
-    """What a server part may use: its options, the scenario and a model builder."""
+    """What a server part may use: its options, the scenario, a model builder, and the GPU worker pool."""
 
     options: Options
     scenario: Any  # scenario.scenario.Scenario
     build_model: Any  # Callable[[int], IncrementalClassifier]: model with that many classes
     seed: int = 0
+    # run_job(kind, inputs, options) -> coordinator.gpu_pool.Job (.outputs, .metrics): a server-side job
+    # (methods/jobs.py) on the coordinator's GPU workers; raises if it failed after its retries
+    run_job: Any = None
 
 
 class ServerPart:

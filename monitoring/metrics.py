@@ -59,6 +59,9 @@ LINK_DIRECTIONS = ("up", "down")
 NODE_CLIENT_STATES = ("joining", "active", "away", "down", "closed")
 SECAGG_PHASES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 SECAGG_OUTCOMES = ("completed", "aborted")
+GPU_JOB_OUTCOMES = ("ok", "failed")
+GPU_WORKER_STATES = ("starting", "idle", "busy", "dead")
+JOB_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 # Buckets in seconds. Phases span a millisecond (dispatching to 30 clients) to
 # minutes (collecting from stragglers); rounds and local training seconds to minutes.
@@ -208,6 +211,20 @@ class CoordinatorMetrics(ProcessMetrics):
                                        ["phase"], registry=r)
         self.secagg_recovered_masks = Counter("fcl_secagg_recovered_masks", "Dropped clients whose pairwise "
                                               "masks were reconstructed from Shamir shares.", registry=r)
+        self.gpu_jobs = Counter("fcl_gpu_jobs", "Server-side jobs of the GPU worker pool by kind and outcome "
+                                "(ok, or failed after its retries).", ["kind", "outcome"], registry=r)
+        self.gpu_job_duration = Histogram("fcl_gpu_job_duration_seconds", "Time of a job on its worker's "
+                                          "device (the successful attempt, or the last one).", ["kind"],
+                                          buckets=JOB_BUCKETS, registry=r)
+        self.gpu_job_queue_wait = Histogram("fcl_gpu_job_queue_wait_seconds", "Time a job waited for a free "
+                                            "worker, summed over its attempts.", ["kind"], buckets=JOB_BUCKETS,
+                                            registry=r)
+        self.gpu_queue = Gauge("fcl_gpu_queue_jobs", "Jobs waiting for a worker.", registry=r)
+        self.gpu_workers = Gauge("fcl_gpu_workers", "GPU worker processes by state: starting, idle, busy, dead "
+                                 "(without workers, the coordinator's job thread: idle or busy).", ["state"],
+                                 registry=r)
+        self.gpu_job_peak_memory = Gauge("fcl_gpu_job_peak_memory_bytes", "CUDA memory peak of the last job of "
+                                         "each kind (CUDA workers only).", ["kind"], registry=r)
         for outcome in SECAGG_OUTCOMES:
             self.secagg_rounds.labels(outcome)
         for phase in SECAGG_PHASES:
@@ -286,6 +303,19 @@ class CoordinatorMetrics(ProcessMetrics):
                 self.secagg_dropouts.labels(phase).inc(n)
         if recovered:
             self.secagg_recovered_masks.inc(recovered)
+
+    def watch_gpu_pool(self, queued: Callable[[], int], states: Callable[[], Mapping[str, int]]) -> None:
+        """Read the pool's queue length and worker states at scrape time."""
+        self.gpu_queue.set_function(queued)
+        for state in GPU_WORKER_STATES:
+            self.gpu_workers.labels(state).set_function(lambda state=state: states().get(state, 0))
+
+    def gpu_job(self, kind: str, *, ok: bool, run_s: float, queue_s: float, peak_memory_bytes: float | None) -> None:
+        self.gpu_jobs.labels(kind, "ok" if ok else "failed").inc()
+        self.gpu_job_duration.labels(kind).observe(run_s)
+        self.gpu_job_queue_wait.labels(kind).observe(queue_s)
+        if peak_memory_bytes is not None:
+            self.gpu_job_peak_memory.labels(kind).set(peak_memory_bytes)
 
     def task_ended(self, *, task: int, matrix: Sequence[Sequence[float | None]], accuracy_seen_percent: float,
                    average_accuracy: float, average_incremental_accuracy: float, average_forgetting: float,

@@ -262,6 +262,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
     metrics_port = stack.find_port_block("127.0.0.1", 3, start=20000 + free_port() % 20000, stop=65000)
     started = time.time()
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
+                   "--gpu-workers", "1", "--gpu-device", "cpu",  # the device check gives the GPU panels data
                    "--metrics-port", str(metrics_port), "--prometheus", "--prometheus-port", str(free_port()),
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=240)

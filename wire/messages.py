@@ -184,6 +184,34 @@ class SecAggAbort(Body):
     reason: str
 
 
+# --- the coordinator's GPU worker pool (docs/gpu.md) --------------------------------------------------
+
+class WorkerHello(Body):
+    """Worker -> coordinator, once after it connected: which device it owns."""
+
+    index: int
+    device: str
+    pid: int
+
+
+class JobRequest(Body):
+    """Coordinator -> worker: run one job. Its input arrays ride in the tensor frames."""
+
+    job_id: int
+    kind: str
+    options: dict[str, Any] = {}
+
+
+class JobResult(Body):
+    """Worker -> coordinator: a job's outcome. Output arrays ride in the tensor frames (none on failure)."""
+
+    job_id: int
+    ok: bool
+    error: str = ""
+    run_s: float = 0.0
+    metrics: dict[str, float] = {}
+
+
 BODY_SCHEMAS: dict[str, type[Body]] = {
     "join": Join,
     "welcome": Welcome,
@@ -203,6 +231,9 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "secagg_unmask_request": SecAggUnmaskRequest,
     "secagg_unmask": SecAggUnmask,
     "secagg_abort": SecAggAbort,
+    "worker_hello": WorkerHello,
+    "job": JobRequest,
+    "job_result": JobResult,
 }
 
 # Secure-aggregation messages a client sends, by the protocol phase (edge_node.secagg.PHASES) they answer.
@@ -211,4 +242,4 @@ SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys"
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.
-FINITE_CHECKED = frozenset({"update", "train_request", "task_start"})
+FINITE_CHECKED = frozenset({"update", "train_request", "task_start", "job", "job_result"})

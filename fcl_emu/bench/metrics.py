@@ -100,6 +100,9 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
     coordinator.handled("rejected", 1e-5)
     for outcome in SECAGG_OUTCOMES:
         coordinator.secagg_round(outcome=outcome, dropouts={p: 1 for p in SECAGG_PHASES}, recovered=1)
+    coordinator.watch_gpu_pool(lambda: 0, lambda: {"idle": 1})
+    for ok in (True, False):  # the pool's device check (each method's job kinds add as many series)
+        coordinator.gpu_job("device.matmul", ok=ok, run_s=0.2, queue_s=0.01, peak_memory_bytes=1e6)
     coordinator.client_left()
     for reason in DROP_REASONS:
         coordinator.client_dropped(reason)

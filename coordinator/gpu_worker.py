@@ -1,0 +1,83 @@
+"""A GPU worker: one process that runs server-side jobs on one device for the coordinator (docs/gpu.md).
+
+It connects a DEALER (identity ``gpu-worker-<index>``) to the pool's ROUTER,
+says which device it owns (``worker_hello``), then runs ``job`` messages one
+at a time and answers each with a ``job_result``: the output arrays, or the
+error. Everything travels in the project's wire framing; nothing received is
+unpickled. A ``shutdown`` ends it; so does its parent's death (the pool starts
+it with ``--parent-pid``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import zmq
+
+from methods import jobs
+from wire.framing import Limits, WireError
+from wire.messages import Error, JobResult, WorkerHello
+from wire.sockets import ClientEndpoint
+
+log = logging.getLogger("fcl_emu.gpu_worker")
+
+
+def worker_identity(index: int) -> str:
+    return f"gpu-worker-{index}"
+
+
+def worker_device(choice: str, index: int) -> torch.device:
+    """``cuda``: device ``index`` modulo the visible CUDA devices; ``auto``: that, or the CPU without CUDA."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--gpu-device cuda was asked for, but torch sees no CUDA device")
+    return torch.device("cuda", index % torch.cuda.device_count())
+
+
+def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int = 1 << 30,
+          context: zmq.Context | None = None) -> None:
+    """Run jobs until a ``shutdown`` arrives."""
+    dev = worker_device(device, index)
+    endpoint = ClientEndpoint(context or zmq.Context.instance(), connect, worker_identity(index),
+                              limits=Limits(max_total_bytes=max_message_bytes))
+    endpoint.send("worker_hello", WorkerHello(index=index, device=str(dev), pid=os.getpid()))
+    log.info("gpu worker %d on %s connected to %s", index, dev, connect)
+    try:
+        while True:
+            try:
+                msg = endpoint.recv()
+            except WireError as exc:  # a worker runs one job at a time: the pool charges it to that job
+                log.warning("gpu worker %d: rejected a message (%s)", index, exc)
+                endpoint.send("error", Error(code=exc.reason, detail=f"the worker rejected the job: {exc}"[:2000]))
+                continue
+            if msg.type == "shutdown":
+                return
+            if msg.type != "job":
+                log.warning("gpu worker %d: ignoring unexpected %s", index, msg.type)
+                continue
+            result, arrays = _run(msg.body, msg.tensors, dev)
+            endpoint.send("job_result", result, tensors=arrays)
+    finally:
+        endpoint.close(linger_ms=1000)
+
+
+def _run(request, inputs, device: torch.device) -> tuple[JobResult, dict]:
+    """The result message of one job (body, output tensors); never raises for a failing job."""
+    start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        out = jobs.run(request.kind, inputs, request.options, device)
+    except Exception as exc:  # reported to the coordinator with its type and message
+        log.exception("job %d (%s) failed", request.job_id, request.kind)
+        return JobResult(job_id=request.job_id, ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
+                         run_s=time.perf_counter() - start), {}
+    metrics = {k: float(v) for k, v in out.metrics.items()}
+    if device.type == "cuda":
+        metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(device))
+    return JobResult(job_id=request.job_id, ok=True, run_s=time.perf_counter() - start, metrics=metrics), \
+        out.arrays

@@ -1,0 +1,94 @@
+"""Server-side jobs: heavy work a method hands to the coordinator's GPU worker pool (docs/gpu.md).
+
+A job is a plain function registered under a kind::
+
+    @job("mfcl.generator")
+    def train_generator(inputs: Arrays, options: dict, device: torch.device) -> JobOutput: ...
+
+It takes numpy arrays (what travels in the wire's tensor frames) and JSON-like
+options, runs on the worker's device, and returns arrays plus scalar metrics.
+It must not keep state between calls: a job may be retried on another worker.
+Bad inputs raise an exception; its type and message go back to the
+coordinator as the job's error.
+
+A server part runs a job with ``ctx.run_job(kind, inputs, options)``
+(:class:`methods.base.ServerContext`); the coordinator keeps serving its
+clients meanwhile. The job modules are imported by kind prefix, so a worker
+process knows every kind the method modules define.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass
+class JobOutput:
+    arrays: Arrays = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.device], JobOutput]
+
+_JOBS: dict[str, JobFunction] = {}
+
+# kind prefix -> module that registers its jobs (imported on first use, by workers too)
+JOB_MODULES = {"device": "methods.jobs"}
+
+
+def job(kind: str) -> Callable[[JobFunction], JobFunction]:
+    def register(fn: JobFunction) -> JobFunction:
+        if kind in _JOBS and _JOBS[kind] is not fn:
+            raise ValueError(f"job kind {kind!r} registered twice")
+        _JOBS[kind] = fn
+        return fn
+    return register
+
+
+def get(kind: str) -> JobFunction:
+    module = JOB_MODULES.get(kind.split(".", 1)[0])
+    if module is not None:
+        importlib.import_module(module)
+    try:
+        return _JOBS[kind]
+    except KeyError:
+        raise KeyError(f"unknown job kind {kind!r}; known: {', '.join(sorted(_JOBS)) or 'none'}") from None
+
+
+def run(kind: str, inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> JobOutput:
+    """Run one job here (a worker's loop, or the coordinator itself without workers)."""
+    out = get(kind)(inputs, options, device)
+    if not isinstance(out, JobOutput):
+        raise TypeError(f"job {kind!r} returned {type(out).__name__}, not a JobOutput")
+    return out
+
+
+@job("device.matmul")
+def matmul_burn(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> JobOutput:
+    """Square float32 matrix products on the device for ``seconds`` (default 1): the worker's health check
+    and throughput probe (``size``, default 1024). Returns the achieved GFLOP/s and the product count."""
+    seconds, size = float(options.get("seconds", 1.0)), int(options.get("size", 1024))
+    if not 0 < seconds <= 3600 or not 1 <= size <= 16384:
+        raise ValueError(f"device.matmul: seconds must be in (0, 3600] and size in [1, 16384], got "
+                         f"seconds={seconds}, size={size}")
+    gen = torch.Generator(device="cpu").manual_seed(int(options.get("seed", 0)))
+    a = torch.randn(size, size, generator=gen).to(device)
+    b = a.clone()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        b = torch.tanh(a @ b)  # tanh keeps the values bounded over many products
+        count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return JobOutput({"checksum": np.asarray([float(b.float().mean())], np.float32)},
+                     {"products": float(count), "gflops": 2.0 * size**3 * count / elapsed / 1e9})
