@@ -44,6 +44,7 @@ from edge_node.links import assign_profile, load_profiles
 from coordinator.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
                                  average_incremental_accuracy)
 from fcl_emu.config import RunConfig
+from fcl_emu.launcher import gpu_worker_metrics_port
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, DeltaLayout, ServerContext
 from methods.models.classifier import build_model
@@ -145,8 +146,11 @@ class Coordinator:
         except zmq.ZMQError as exc:
             raise BindError(f"cannot bind {bind}: {exc}") from None
         self.address = self.endpoint.address
+        first_port = gpu_worker_metrics_port(config, 0)
         self.pool = WorkerPool(config.gpu, self.context, count=tee(self.counters, self.metrics.count_message),
-                               max_message_bytes=config.network.max_message_bytes, metrics=self.metrics)
+                               max_message_bytes=config.network.max_message_bytes, metrics=self.metrics,
+                               worker_metrics=None if first_port is None else (config.metrics.host, first_port,
+                                                                               config.metrics.linger))
         self.metrics.watch_gpu_pool(lambda: self.pool.queued, self.pool.worker_states)
         self._jobs: list[Job] = []  # finished server-side jobs, for the summary
         self._recorder: RunRecorder | None = None
@@ -678,7 +682,10 @@ class Coordinator:
         status = "completed"
         self._recorder = recorder
         try:
-            self.pool.start(run_dir / "logs")
+            try:
+                self.pool.start(run_dir / "logs")
+            except RuntimeError as exc:  # --gpu-device cuda without CUDA here
+                raise RunAborted(f"the GPU worker pool cannot start: {exc}") from None
             if self.config.gpu.workers:  # check every worker's device before the run depends on it
                 self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
             self.metrics.run_started(

@@ -91,9 +91,11 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, settings: Any, context: zmq.Context, *, count: ByteCounter, max_message_bytes: int,
-                 metrics: Any = None):
-        """``settings``: the run config's ``gpu`` section; ``count``: the wire byte counter."""
+                 metrics: Any = None, worker_metrics: tuple[str, int, float] | None = None):
+        """``settings``: the run config's ``gpu`` section; ``count``: the wire byte counter; ``worker_metrics``:
+        (host, port of worker 0, linger seconds) when the workers serve /metrics (worker j on port + j)."""
         self.settings = settings
+        self.worker_metrics = worker_metrics
         self.metrics = metrics
         self._ids = itertools.count(1)
         self._queue: collections.deque[Job] = collections.deque()
@@ -126,6 +128,10 @@ class WorkerPool:
     def _spawn(self, worker: _Worker) -> None:
         cmd = [sys.executable, "-m", "fcl_emu", "gpu-worker", "--connect", self._endpoint.address,
                "--index", str(worker.index), "--device", self.settings.device, "--parent-pid", str(os.getpid())]
+        if self.worker_metrics is not None:
+            host, port, linger = self.worker_metrics
+            cmd += ["--metrics-host", host, "--metrics-port", str(port + worker.index),
+                    "--metrics-linger", f"{linger:g}"]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.settings.threads)}
         with open(self._log_dir / f"{worker.identity}.log", "ab") as out:
             worker.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -229,7 +235,8 @@ class WorkerPool:
                 continue
             code = worker.proc.poll()
             if code is not None:
-                self._worker_died(worker, f"its worker process exited with code {code}")
+                self._worker_died(worker, f"its worker process exited with code {code} (its log: "
+                                          f"{self._log_dir / (worker.identity + '.log')})")
             elif worker.job is not None and now - worker.job.started > self.settings.job_timeout_s:
                 worker.proc.send_signal(signal.SIGKILL)
                 worker.proc.wait()

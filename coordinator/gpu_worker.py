@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from methods import jobs
+from monitoring.metrics import GpuWorkerMetrics
 from wire.framing import Limits, WireError
 from wire.messages import Error, JobResult, WorkerHello
 from wire.sockets import ClientEndpoint
@@ -39,11 +40,13 @@ def worker_device(choice: str, index: int) -> torch.device:
 
 
 def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int = 1 << 30,
-          context: zmq.Context | None = None) -> None:
-    """Run jobs until a ``shutdown`` arrives."""
+          metrics: GpuWorkerMetrics | None = None, context: zmq.Context | None = None) -> None:
+    """Run jobs until a ``shutdown`` arrives. ``metrics``: counts the wire and marks the busy time (the
+    caller serves it, see ``fcl-emu gpu-worker --metrics-port``)."""
     dev = worker_device(device, index)
+    metrics = metrics or GpuWorkerMetrics(dev)
     endpoint = ClientEndpoint(context or zmq.Context.instance(), connect, worker_identity(index),
-                              limits=Limits(max_total_bytes=max_message_bytes))
+                              limits=Limits(max_total_bytes=max_message_bytes), count=metrics.count_message)
     endpoint.send("worker_hello", WorkerHello(index=index, device=str(dev), pid=os.getpid()))
     log.info("gpu worker %d on %s connected to %s", index, dev, connect)
     try:
@@ -59,7 +62,9 @@ def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int
             if msg.type != "job":
                 log.warning("gpu worker %d: ignoring unexpected %s", index, msg.type)
                 continue
+            metrics.busy.set(1)
             result, arrays = _run(msg.body, msg.tensors, dev)
+            metrics.busy.set(0)
             endpoint.send("job_result", result, tensors=arrays)
     finally:
         endpoint.close(linger_ms=1000)

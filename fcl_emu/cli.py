@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -365,6 +366,11 @@ def gpu_worker(
     index: Annotated[int, typer.Option(min=0, help="Worker index (its identity and CUDA device).")],
     device: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process is gone.")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        "--metrics-port", min=1, max=65535, help="Serve this worker's Prometheus /metrics on this port.")] = None,
+    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
+    metrics_linger: Annotated[float, typer.Option(
+        "--metrics-linger", min=0, help="Seconds to keep /metrics up after the shutdown.")] = 0.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
@@ -373,9 +379,21 @@ def gpu_worker(
     if parent_pid is not None:
         exit_with_parent(parent_pid)
     _logging(verbose)
-    from coordinator.gpu_worker import serve
+    from coordinator.gpu_worker import serve, worker_device
+    from monitoring.metrics import GpuWorkerMetrics
 
-    serve(connect, index, device)
+    metrics = GpuWorkerMetrics(worker_device(device, index))
+    if metrics_port is not None:
+        try:
+            metrics.serve(metrics_port, metrics_host)
+        except OSError as exc:  # metrics are an aid: the worker still runs
+            logging.getLogger("fcl_emu.gpu_worker").error(
+                "cannot serve /metrics on %s:%d (%s); running without it", metrics_host, metrics_port, exc)
+            metrics_port = None
+    serve(connect, index, device, metrics=metrics)
+    if metrics_port is not None:
+        time.sleep(metrics_linger)  # a last scrape sees the end
+        metrics.close()
 
 
 @app.command()

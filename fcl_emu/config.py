@@ -221,9 +221,10 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
-        if self.metrics.port is not None and self.metrics.port + self.nodes > 65535:
-            raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node "
-                             f"ports after it (port + nodes must be at most 65535)")
+        if self.metrics.port is not None and self.metrics.port + self.nodes + self.gpu.workers > 65535:
+            raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node and "
+                             f"{self.gpu.workers} GPU-worker ports after it (port + nodes + gpu.workers must be "
+                             f"at most 65535)")
         return self
 
     def _check_secagg(self, spec) -> None:

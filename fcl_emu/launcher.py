@@ -58,6 +58,18 @@ def node_metrics_port(config: RunConfig, n: int) -> int | None:
     return None if config.metrics.port is None else config.metrics.port + 1 + n
 
 
+def gpu_worker_metrics_port(config: RunConfig, j: int) -> int | None:
+    """GPU worker ``j`` serves /metrics on the coordinator's port + 1 + nodes + j."""
+    return None if config.metrics.port is None else config.metrics.port + 1 + config.nodes + j
+
+
+def metrics_ports(config: RunConfig, start_nodes: bool) -> list[int]:
+    """Every /metrics port of a run: the coordinator's, its edge nodes' (when it starts them), its workers'."""
+    port = config.metrics.port
+    nodes = [node_metrics_port(config, n) for n in range(config.nodes)] if start_nodes else []
+    return [port, *nodes, *(gpu_worker_metrics_port(config, j) for j in range(config.gpu.workers))]
+
+
 def node_command(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
                  parent_pid: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "fcl_emu", "node", "--connect", address,

@@ -15,7 +15,7 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
 from fcl_emu.config import RunConfig, load_config
-from fcl_emu.launcher import NodeProcesses, default_run_dir
+from fcl_emu.launcher import NodeProcesses, default_run_dir, gpu_worker_metrics_port, metrics_ports
 from monitoring import stack
 
 
@@ -83,13 +83,13 @@ def resolve_metrics(config: RunConfig, start_nodes: bool) -> RunConfig:
     Raises :class:`monitoring.stack.PortInUseError`.
     """
     m = config.metrics
-    count = 1 + (config.nodes if start_nodes else 0)
     if m.port is None:
         if not m.prometheus:
             return config
+        count = 1 + (config.nodes if start_nodes or config.gpu.workers else 0) + config.gpu.workers
         port = stack.find_port_block(m.host, count)
         config = config.model_copy(update={"metrics": m.model_copy(update={"port": port})})
-    stack.check_ports(config.metrics.host, [config.metrics.port + i for i in range(count)])
+    stack.check_ports(config.metrics.host, metrics_ports(config, start_nodes))
     return config
 
 
@@ -100,9 +100,14 @@ def _start_metrics(config: RunConfig, coordinator: Coordinator, run_dir: Path, s
     if not m.enabled:
         return None
     coordinator.metrics.serve(m.port, m.host)
-    targets = stack.run_targets(m.host, m.port, config.nodes if start_nodes else 0)
+    targets = stack.run_targets(m.host, m.port, config.nodes if start_nodes else 0, config.gpu.workers,
+                                gpu_offset=config.nodes)
     path = stack.write_targets(run_dir, targets, coordinator.run_id)
     nodes = f"; edge nodes {m.port + 1}-{m.port + config.nodes}" if start_nodes else ""
+    workers = config.gpu.workers
+    if workers:
+        first = gpu_worker_metrics_port(config, 0)
+        nodes += f"; gpu workers {first}-{first + workers - 1}"
     console.print(f"metrics: http://{targets[0].address}/metrics (coordinator){nodes}; targets {path}",
                   markup=False, highlight=False)
     if not m.prometheus:

@@ -43,6 +43,7 @@ prometheus_client.disable_created_metrics()
 
 ROLE_COORDINATOR = "coordinator"
 ROLE_EDGE_NODE = "edge_node"
+ROLE_GPU_WORKER = "gpu_worker"
 
 MESSAGE_TYPES = tuple(BODY_SCHEMAS)
 DIRECTIONS = ("sent", "received")
@@ -331,6 +332,22 @@ class CoordinatorMetrics(ProcessMetrics):
         for phase, seconds in phases_s.items():
             self.task_end_duration.labels(phase).observe(seconds)
         self.tasks_completed.inc()
+
+
+class GpuWorkerMetrics(ProcessMetrics):
+    """A GPU worker's metrics: whether it is running a job, its device memory, plus the wire (job traffic)
+    and the process. The jobs themselves (kind, outcome, time) are counted by the coordinator."""
+
+    def __init__(self, device: Any, registry: CollectorRegistry | None = None):
+        super().__init__(ROLE_GPU_WORKER, registry)
+        r = self.registry
+        self.busy = Gauge("fcl_gpu_worker_busy", "1 while this worker runs a job, else 0.", registry=r)
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            memory = Gauge("fcl_gpu_memory_allocated_bytes", "Device memory torch has allocated on this "
+                           "worker's CUDA device.", ["device"], registry=r)
+            memory.labels(str(device)).set_function(lambda: torch.cuda.memory_allocated(device))
 
 
 class EdgeNodeMetrics(ProcessMetrics):

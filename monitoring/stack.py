@@ -57,10 +57,13 @@ class Target:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
 
-def run_targets(host: str, port: int, nodes: int) -> list[Target]:
-    """The coordinator on ``port``, edge node ``i`` on ``port + 1 + i``."""
+def run_targets(host: str, port: int, nodes: int, gpu_workers: int = 0, gpu_offset: int | None = None) -> list[Target]:
+    """The coordinator on ``port``, edge node ``i`` on ``port + 1 + i``, GPU worker ``j`` on
+    ``port + 1 + gpu_offset + j`` (``gpu_offset`` defaults to ``nodes``)."""
+    offset = nodes if gpu_offset is None else gpu_offset
     return [Target("coordinator", "coordinator", host, port)] + [
-        Target(f"node-{i}", "edge_node", host, port + 1 + i) for i in range(nodes)]
+        Target(f"node-{i}", "edge_node", host, port + 1 + i) for i in range(nodes)] + [
+        Target(f"gpu-worker-{j}", "gpu_worker", host, port + 1 + offset + j) for j in range(gpu_workers)]
 
 
 def targets_document(targets: list[Target], run_id: str) -> list[dict]:

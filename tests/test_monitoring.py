@@ -13,15 +13,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
 from fcl_emu.bench.metrics import series_count, simulate
 from fcl_emu.cli import app
 from fcl_emu.config import load_config
-from fcl_emu.launcher import node_command
+from fcl_emu.launcher import gpu_worker_metrics_port, metrics_ports, node_command
 from monitoring import stack
-from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics
+from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
 from tests.conftest import fcl_emu, free_port, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_series_do_not_grow_with_clients_and_stay_under_2000_at_300():
 def test_names_follow_the_conventions_and_are_documented():
     coordinator, edge = simulate(clients=10)
     doc = DOC.read_text()
-    for process in (coordinator, edge[0]):
+    for process in (coordinator, edge[0], GpuWorkerMetrics(torch.device("cpu"))):
         for family in process.registry.collect():
             assert family.name.startswith("fcl_"), family.name
             for sample in family.samples:
@@ -139,6 +140,14 @@ def test_nodes_get_the_following_ports(tmp_path):
         assert cmd[cmd.index("--metrics-port") + 1] == str(9301 + n)
     plain = load_config(None, {"data_root": [str(tmp_path)]})
     assert "--metrics-port" not in node_command("tcp://127.0.0.1:1", [0], plain, "node-0", 0)
+    workers = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "gpu": {"workers": 2},
+                                 "data_root": [str(tmp_path)]})
+    assert [gpu_worker_metrics_port(workers, j) for j in (0, 1)] == [9304, 9305]
+    assert metrics_ports(workers, start_nodes=True) == [9300, 9301, 9302, 9303, 9304, 9305]
+    assert metrics_ports(workers, start_nodes=False) == [9300, 9304, 9305]  # `fcl-emu coordinator`
+    targets = stack.run_targets("127.0.0.1", 9300, 0, 2, gpu_offset=3)
+    assert [(t.process, t.role, t.port) for t in targets] == [
+        ("coordinator", "coordinator", 9300), ("gpu-worker-0", "gpu_worker", 9304), ("gpu-worker-1", "gpu_worker", 9305)]
 
 
 def test_busy_metrics_port_and_bad_port_fail_before_the_run(tmp_path):
@@ -204,7 +213,8 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 def test_dashboards_are_well_formed():
     assert {p.stem for p in DASHBOARDS} >= {"overview", "communication", "clients", "timing"}
     uids = set()
-    known = sample_names(simulate(clients=4)[0]) | sample_names(simulate(clients=4)[1][0])
+    known = sample_names(simulate(clients=4)[0]) | sample_names(simulate(clients=4)[1][0]) | \
+        sample_names(GpuWorkerMetrics(torch.device("cpu")))
     for path in DASHBOARDS:
         board = json.loads(path.read_text())
         assert board["uid"] not in uids
@@ -259,7 +269,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
                           secagg={"enabled": True},  # so that the secure-aggregation panels have data
                           metrics={"scrape_interval_s": scrape_s, "linger_s": 2 * scrape_s})
     run_dir = tmp_path / "run"
-    metrics_port = stack.find_port_block("127.0.0.1", 3, start=20000 + free_port() % 20000, stop=65000)
+    metrics_port = stack.find_port_block("127.0.0.1", 4, start=20000 + free_port() % 20000, stop=65000)
     started = time.time()
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
                    "--gpu-workers", "1", "--gpu-device", "cpu",  # the device check gives the GPU panels data
@@ -275,7 +285,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
     prometheus.start()
     try:
         up = query_range(prometheus.url, f'up{{run_id="{run_id}"}}', started, ended)
-        assert {s["metric"]["process"] for s in up if has_data(up)} == {"coordinator", "node-0", "node-1"}
+        assert {s["metric"]["process"] for s in up if has_data(up)} == {"coordinator", "node-0", "node-1",
+                                                                         "gpu-worker-0"}
         rate_interval = f"{int(4 * scrape_s)}s"  # Grafana's $__rate_interval: max(step + scrape, 4 scrapes)
         empty = []
         queries = dashboard_queries()

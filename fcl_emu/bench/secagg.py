@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 
 from coordinator.secagg import EXCHANGES, PhaseStats, SecAggConfig, log_neighbors, measure_masking, simulate_round
-from edge_node.secagg import SecAggAbort
+from edge_node.secagg import SecAggAbort, default_threshold
 from fcl_emu.bench.flower_secagg import measure_flower_masking
 from fcl_emu.bench.report import emit
 
@@ -71,6 +71,7 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
     masking = measure_masking(dim=dim, neighbors=k, repeats=3, seed=seed)
     extra = {"clients": clients, "dim": dim, "dropout": dropout, "dropped": len(pattern), "status": status,
              "survivors": survivors, "neighbors": masking["neighbors"],
+             "threshold": threshold if threshold is not None else default_threshold(masking["neighbors"]),
              "lower_bound_ms": 1e3 * masking["lower_bound_s"],
              "client_masked_input_ms": 1e3 * masking["client_masked_input_s"],
              "client_mask_ms": 1e3 * masking["client_mask_s"],
