@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from coordinator.secagg import SecAggConfig, SecAggServer
@@ -34,7 +33,7 @@ from edge_node.secagg import PHASES, SecAggError
 from methods.base import Arrays, DeltaLayout
 from wire.framing import Message, WireError
 from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
-                           SecAggSetup, SecAggUnmaskRequest)
+                           SecAggSetup, SecAggUnmaskRequest, plain_body)
 
 __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 
@@ -44,11 +43,6 @@ Send = Callable[[str, str, Any], bool]  # (client, message type, body) -> delive
 def round_id(run_id: str, number: int) -> int:
     """The protocol's 64-bit round id: unique per run and round, so keys and shares never serve two rounds."""
     return int.from_bytes(hashlib.blake2b(f"{run_id}/{number}".encode(), digest_size=8).digest(), "little")
-
-
-def plain(body: msgspec.Struct) -> dict[str, Any]:
-    """A received body as the plain dicts the protocol code takes (bytes kept as bytes)."""
-    return msgspec.to_builtins(body, builtin_types=(bytes,))
 
 
 @dataclass
@@ -80,10 +74,6 @@ class SecureRound:
         self._requests: dict[str, SecAggUnmaskRequest] = {}
         self._started = time.monotonic()
 
-    @property
-    def params(self) -> dict[str, Any]:
-        return self.server.params.to_dict()
-
     def setup_messages(self) -> dict[str, SecAggSetup]:
         return {c: SecAggSetup(**m) for c, m in self.server.setup().items()}
 
@@ -94,7 +84,7 @@ class SecureRound:
         phase = PHASES.index(SECAGG_REPLIES[msg.type])
         if self.server.phase != phase or self.server.aborted is not None:
             return False
-        body = plain(msg.body)
+        body = plain_body(msg.body)
         try:
             if phase == 1:
                 self.server.receive_keys(peer, body)

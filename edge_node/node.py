@@ -42,7 +42,6 @@ from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 import zmq
@@ -60,9 +59,9 @@ from scenario.datasets import load_dataset
 from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
-from wire.framing import Limits, Message, WireError, frames_nbytes
+from wire.framing import Message, WireError, frames_nbytes
 from wire.messages import (EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked, SecAggShares,
-                           SecAggUnmask, Update)
+                           SecAggUnmask, Update, plain_body)
 from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
@@ -443,7 +442,7 @@ class EdgeNode:
                 self._secagg_failed(client, msg.round, msg.task, f"{msg.type} for round {msg.round}, but this "
                                                                  f"client has no secure-aggregation session for it")
             return
-        body = msgspec.to_builtins(msg.body, builtin_types=(bytes,))
+        body = plain_body(msg.body)
         protocol = session.protocol
         try:
             if msg.type == "secagg_setup":

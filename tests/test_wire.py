@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
 from tests.conftest import raw_header
-from wire import messages
 from wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from wire.sockets import ClientEndpoint, Counters, ServerEndpoint
 

@@ -236,6 +236,12 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "job_result": JobResult,
 }
 
+def plain_body(body: msgspec.Struct) -> dict[str, Any]:
+    """A decoded body as plain dicts and lists (bytes kept as bytes): what the secure-aggregation protocol
+    code on both sides takes."""
+    return msgspec.to_builtins(body, builtin_types=(bytes,))
+
+
 # Secure-aggregation messages a client sends, by the protocol phase (edge_node.secagg.PHASES) they answer.
 SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys",
                   "secagg_masked": "masked_input", "secagg_unmask": "unmasking"}
