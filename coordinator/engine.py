@@ -47,12 +47,13 @@ from fcl_emu.config import RunConfig
 from fcl_emu.launcher import gpu_worker_metrics_port
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, DeltaLayout, ServerContext
-from methods.models.classifier import build_model
+from methods.models.classifier import build_model, resolve_model
 from monitoring.metrics import CoordinatorMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import build_scenario
 from wire.framing import Limits, Message, WireError
-from wire.messages import SECAGG_REPLIES, EdgeSettings, Error, Shutdown, TaskStart, TrainRequest, Welcome
+from wire.messages import (ASSET_TYPES, SECAGG_REPLIES, EdgeSettings, Error, Shutdown, TaskAsset, TaskStart,
+                           TrainRequest, Welcome)
 from wire.sockets import Counters, ServerEndpoint, tee
 
 log = logging.getLogger("fcl_emu.coordinator")
@@ -127,10 +128,12 @@ class Coordinator:
         self.scenario = build_scenario(config.scenario, self.dataset)
         self.spec = methods.get(config.method)
         options = config.method_options_model()
+        self.model_name = resolve_model(config.model, self.dataset.input_shape, self.spec.server.needs_batchnorm)
         torch.manual_seed(config.seed)
         self.server = self.spec.server(ServerContext(
             options=options, scenario=self.scenario, build_model=self._build_model, seed=config.seed,
-            run_job=self.run_job))
+            run_job=self.run_job, model_name=self.model_name, input_shape=tuple(self.dataset.input_shape),
+            rounds_per_task=config.rounds.rounds_per_task))
         self.evaluator = Evaluator(self.scenario, self.device)
         self.registry = ClientRegistry(config.network.liveness_timeout_s)
         self.counters = Counters.empty()
@@ -174,7 +177,7 @@ class Coordinator:
             scenario=config.scenario.model_dump(mode="json"),
             method=config.method,
             method_options=options.model_dump(mode="json"),
-            model=config.model,
+            model=self.model_name,
             training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
             heartbeat_interval_s=config.network.heartbeat_interval_s,
         )
@@ -187,7 +190,7 @@ class Coordinator:
             self._restore(resume)
 
     def _build_model(self, num_classes: int):
-        return build_model(self.config.model, self.dataset.input_shape, num_classes)
+        return build_model(self.model_name, self.dataset.input_shape, num_classes)
 
     # ------------------------------------------------------------------ serving
     def _reject(self, exc: WireError) -> None:
@@ -438,6 +441,10 @@ class Coordinator:
         t0 = time.perf_counter()
         assets = self.server.task_assets(task) if any(
             self.registry.records[c].assets_task != task for c in chosen) else {}
+        unknown = set(assets) - set(ASSET_TYPES)
+        if unknown:
+            raise ValueError(f"method {self.spec.name!r} returned task assets of unknown kinds {sorted(unknown)}; "
+                             f"the wire knows {', '.join(ASSET_TYPES)}")
         payload = self.server.round_tensors(task, r.number)
         seen = [int(c) for c in self.scenario.seen_classes(task)]
         classes = [int(c) for c in self.scenario.task_classes(task)]
@@ -445,13 +452,12 @@ class Coordinator:
         setups = secure.setup_messages() if isinstance(secure, SecureRound) else {}
         if isinstance(secure, SecureOutcome):
             r.selected = set()  # aborted before it started: no client is asked to train
-        request = TrainRequest(local_epochs=self.config.training.local_epochs, lr=self.config.training.lr,
-                               secure=secure is not None)
+        lr = self.server.learning_rate(task, task_round, self.config.training.lr)
+        request = TrainRequest(local_epochs=self.config.training.local_epochs, lr=lr, secure=secure is not None)
         for client_id in chosen if r.selected else ():
             record = self.registry.records[client_id]
             if record.assets_task != task:
-                if not self._send(client_id, "task_start", TaskStart(classes=classes, seen_classes=seen),
-                                  task=task, round=r.number, tensors=assets):
+                if not self._send_task_start(client_id, task, r.number, classes, seen, assets):
                     continue
                 record.assets_task = task
             if setups and not self._send(client_id, "secagg_setup", setups[client_id], task=task, round=r.number):
@@ -556,6 +562,17 @@ class Coordinator:
         except SecAggAbort as exc:
             log.warning("round %d: secure aggregation aborted: %s", r.number, exc)
             return secure.abort(str(exc), [c for c in secure.server.roster if self.registry.is_online(c)])
+
+    def _send_task_start(self, client_id: str, task: int, number: int, classes: list[int], seen: list[int],
+                         assets: dict[str, dict[str, np.ndarray]]) -> bool:
+        """``task_start``, then one message per kind of the method's per-task assets (wire.ASSET_TYPES)."""
+        if not self._send(client_id, "task_start", TaskStart(classes=classes, seen_classes=seen),
+                          task=task, round=number):
+            return False
+        for kind, tensors in assets.items():
+            if not self._send(client_id, kind, TaskAsset(), task=task, round=number, tensors=tensors):
+                return False
+        return True
 
     def _bytes_since(self, before: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
         """Bytes on the wire since ``before`` (a copy of the counters), as ``{type: {direction: bytes}}``."""
@@ -690,7 +707,7 @@ class Coordinator:
                 self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
             self.metrics.run_started(
                 run_id=self.run_id, method=self.config.method, dataset=self.config.scenario.dataset,
-                model=self.config.model, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
+                model=self.model_name, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
                 num_tasks=self.scenario.num_tasks, rounds_per_task=self.config.rounds.rounds_per_task,
                 clients_per_round=self.config.rounds.clients_per_round)
             if resumed is None:

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -51,7 +51,7 @@ from edge_node.links import DeviceProfile, Link
 from edge_node.secagg import SecAggAbort, SecAggClient, SecAggError
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from methods import registry as methods
-from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings
+from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
 from monitoring.metrics import EdgeNodeMetrics
@@ -60,13 +60,13 @@ from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
 from wire.framing import Message, WireError, frames_nbytes
-from wire.messages import (EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked, SecAggShares,
-                           SecAggUnmask, Update, plain_body)
+from wire.messages import (ASSET_TYPES, EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked,
+                           SecAggShares, SecAggUnmask, TrainRequest, Update, plain_body)
 from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 
-DATA_DOWN = frozenset({"task_start", "train_request"})  # what the emulated downlink delays
+DATA_DOWN = frozenset({"task_start", *ASSET_TYPES, "train_request"})  # what the emulated downlink delays
 SECAGG_DOWN = frozenset({"secagg_setup", "secagg_peer_keys", "secagg_relay", "secagg_unmask_request",
                          "secagg_abort"})
 
@@ -158,7 +158,7 @@ class _Job:
     model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
     generation: int
     received_at: float
-    secure: bool = False
+    request: TrainRequest  # local epochs and learning rate of this round
 
 
 @dataclass
@@ -281,7 +281,8 @@ class EdgeNode:
                 started = time.perf_counter()
                 result = self._train(job, model_cache)
                 result.train_s = time.perf_counter() - started
-                result.generation, result.received_at, result.secure = job.generation, job.received_at, job.secure
+                result.generation, result.received_at = job.generation, job.received_at
+                result.secure = job.request.secure
                 outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
                 self.metrics.trained(result.train_s, outcome, result.num_samples)
                 self._results.put(result)
@@ -295,29 +296,31 @@ class EdgeNode:
         try:
             indices = s.scenario.client_indices(client.index, client.task)
             if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
-                vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.secure else None
+                vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.request.secure else None
                 return _Result(client, job.round, job.task, {}, 0, vector=vector)
             head = int(job.model["head.weight"].shape[0])
             model = model_cache.get(head)
             if model is None:
                 model_cache.clear()
                 model = model_cache[head] = self.build_model(head)
-            load_arrays(model, job.model)
+            load_arrays(model, model_arrays(job.model))
             ds = s.scenario.dataset
             ctx = ClientContext(
                 client=client.id, task=client.task,
                 task_classes=np.asarray(client.classes), seen_classes=np.asarray(client.seen_classes),
                 x=to_tensor(ds.train_x[indices], ds.mean, ds.std),
                 y=torch.from_numpy(np.asarray(s.scenario.train_labels[indices], dtype=np.int64)),
-                settings=s.settings, global_state=job.model, assets=client.assets,
+                settings=replace(s.settings, lr=job.request.lr, local_epochs=job.request.local_epochs),
+                global_state=job.model, assets=client.assets,
                 state=client.state, store=client.store, build_model=self.build_model, device=s.device,
+                mean=tuple(ds.mean), std=tuple(ds.std),
                 seed=zlib.crc32(f"{s.seed}/{client.index}/{job.round}".encode()),
                 new_task=client.trained_task != client.task,
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
             result = _Result(client, job.round, job.task, uploads, len(indices), metrics)
-            if job.secure:  # the masked sum carries the float deltas as one vector
+            if job.request.secure:  # the masked sum carries the float deltas as one vector
                 result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
             return result
         except Exception as exc:  # reported to the coordinator, never kills the node
@@ -336,8 +339,13 @@ class EdgeNode:
             client.task = msg.task
             client.classes = list(msg.body.classes)
             client.seen_classes = list(msg.body.seen_classes)
-            client.assets = self.assets.intern_all(msg.tensors)
+            client.assets = {}
             self.assets.retain([c.assets for c in self.clients])
+        elif msg.type in ASSET_TYPES:
+            if client.task != msg.task:
+                log.warning("%s: ignoring %s of task %d (in task %d)", client.id, msg.type, msg.task, client.task)
+                return
+            client.assets = {**client.assets, **self.assets.intern_all(msg.tensors)}
         elif msg.type == "train_request":
             if self.setup is None or client.task != msg.task:
                 self._send(client, "error", Error(code="not_ready", detail="train request before task start"),
@@ -345,7 +353,7 @@ class EdgeNode:
                 return
             now = time.monotonic()
             self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
-                                client.generation, now, msg.body.secure))
+                                client.generation, now, msg.body))
             if self.edge.crash_rate > 0 and _uniform(self.setup.seed, "crash", client.index, msg.round) < \
                     self.edge.crash_rate:
                 # dies somewhere between now and when its update would go out (judged by its last round)
@@ -407,8 +415,9 @@ class EdgeNode:
 
     @staticmethod
     def _report(result: _Result) -> dict[str, Any]:
-        return {"train_time_s": result.metrics.get("train_time_s", 0.0),
-                "loss": result.metrics.get("loss", float("nan")), "metrics": result.metrics}
+        metrics = {str(k): float(v) for k, v in result.metrics.items()}  # numpy scalars from a method included
+        return {"train_time_s": metrics.get("train_time_s", 0.0), "loss": metrics.get("loss", float("nan")),
+                "metrics": metrics}
 
     def _upload(self, client: EmulatedClient, result: _Result, msg_type: str, body, tensors) -> None:
         """Send a training result through the client's emulated device: its compute slowdown, then its uplink."""

@@ -215,6 +215,11 @@ class RunConfig(pydantic.BaseModel):
 
         spec = registry.get(self.method)
         spec.options(**self.method_options)
+        from methods.models.classifier import NO_BATCHNORM
+
+        if spec.server.needs_batchnorm and self.model in NO_BATCHNORM:
+            raise ValueError(f"method {spec.name!r} trains its generator on the model's BatchNorm statistics; "
+                             f"model {self.model!r} has none: use cnn_bn, resnet32, resnet18 or auto")
         if self.secagg.enabled:
             self._check_secagg(spec)
         if self.nodes > self.scenario.num_clients:

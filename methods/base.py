@@ -98,7 +98,7 @@ def fedavg(updates: list[ClientUpdate]) -> Arrays:
                 acc += d[name] * (u.num_samples / total)
             out[name] = acc.astype(np.float32)
         else:
-            out[name] = np.max(np.stack([d[name] for d in deltas]), axis=0)
+            out[name] = np.asarray(np.max(np.stack([d[name] for d in deltas]), axis=0))  # 0-d stays an array
     return out
 
 
@@ -161,6 +161,9 @@ class ServerContext:
     # run_job(kind, inputs, options) -> coordinator.gpu_pool.Job (.outputs, .metrics): a server-side job
     # (methods/jobs.py) on the coordinator's GPU workers; raises if it failed after its retries
     run_job: Any = None
+    model_name: str = "cnn"  # the concrete model (methods.models.classifier.BACKBONES): jobs rebuild it by name
+    input_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the scenario's images
+    rounds_per_task: int = 1
 
 
 class ServerPart:
@@ -168,6 +171,7 @@ class ServerPart:
 
     summable: ClassVar[tuple[str, ...]] = (DELTA,)
     individual_payload: ClassVar[str | None] = None
+    needs_batchnorm: ClassVar[bool] = False  # the model must have BatchNorm layers (data-free synthesis)
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
@@ -181,14 +185,22 @@ class ServerPart:
         self.model.expand(len(self.ctx.scenario.seen_classes(task)))
         self.global_state = _frozen_copy(state_to_arrays(self.model))
 
-    def task_assets(self, task: int) -> Arrays:
-        """Tensors every participant receives once per task (default: none)."""
+    def task_assets(self, task: int) -> dict[str, Arrays]:
+        """Tensors every participant receives once per task, by asset kind (a message type of
+        ``wire.messages.ASSET_TYPES``: ``old_model``, ``generator``, ``synthetic_data``, ``label_text``).
+        Tensor names are ``<method>/<...>``; a client sees all kinds merged in ``ClientContext.assets``.
+        Called each round while a selected client lacks them: return the same arrays (default: none)."""
         return {}
 
     def end_task(self, task: int) -> None:
         """Hook after a task's last round (default: nothing)."""
 
     # --- rounds ------------------------------------------------------------
+    def learning_rate(self, task: int, task_round: int, base: float) -> float:
+        """The clients' learning rate in round ``task_round`` (0-based) of ``task``; ``base`` is the run's
+        ``training.lr`` (default: constant)."""
+        return base
+
     def round_tensors(self, task: int, round: int) -> Arrays:
         """Tensors sent with each train request (default: the global model)."""
         return self.global_state
@@ -275,19 +287,33 @@ class ClientContext:
     store: Any  # edge_node.store.ArrayStore
     build_model: Any  # Callable[[int], IncrementalClassifier]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mean: tuple[float, ...] = (0.0,)  # the data set's per-channel normalisation (x is already normalised)
+    std: tuple[float, ...] = (1.0,)
     seed: int = 0
     new_task: bool = False  # first job of this client in this task
     job: dict[str, Any] = field(default_factory=dict)  # scratch state of this job (teachers, anchors, sums)
     metrics: dict[str, float] = field(default_factory=dict)  # method metrics of this job, reported upstream
 
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
-        """A model in eval mode with these weights and no gradients (teachers)."""
+        """A model in eval mode with these weights (method tensors ``<method>/...`` ignored) and no
+        gradients (teachers)."""
         model = self.build_model(_head_size(arrays))
-        load_arrays(model, arrays)
+        load_arrays(model, model_arrays(arrays))
         model.to(self.device).eval()
         for p in model.parameters():
             p.requires_grad_(False)
         return model
+
+
+def strip_prefix(arrays: Mapping[str, np.ndarray], prefix: str) -> Arrays:
+    """The tensors whose names start with ``prefix``, under the rest of their names."""
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def model_arrays(arrays: Mapping[str, np.ndarray]) -> Arrays:
+    """The classifier's own tensors of a received state: state-dict keys never hold a '/', method tensors
+    that ride along (``<method>/...``, such as LANDER's projector) always do."""
+    return {k: v for k, v in arrays.items() if "/" not in k}
 
 
 def _head_size(arrays: Mapping[str, np.ndarray]) -> int:
@@ -305,6 +331,12 @@ class ClientPart:
 
     def begin_job(self, ctx: ClientContext, model: IncrementalClassifier) -> None:
         """Called before the first batch of every job: put per-job state (teachers, anchors) in ``ctx.job``."""
+
+    def step_loss(self, ctx: ClientContext, model: IncrementalClassifier, x: torch.Tensor,
+                  y: torch.Tensor) -> torch.Tensor:
+        """Loss of one local step on the real batch ``(x, y)`` (default: :meth:`loss` of ``model(x)``).
+        Methods that add other data to the step (synthetic replay) override this."""
+        return self.loss(ctx, model, x, y, model(x))
 
     def loss(self, ctx: ClientContext, model: IncrementalClassifier, x: torch.Tensor, y: torch.Tensor,
              logits: torch.Tensor) -> torch.Tensor:
@@ -335,8 +367,7 @@ class ClientPart:
             for i in range(0, n, ctx.settings.batch_size):
                 idx = order[i:i + ctx.settings.batch_size]
                 x, y = ctx.x[idx].to(ctx.device), ctx.y[idx].to(ctx.device)
-                logits = model(x)
-                loss = self.loss(ctx, model, x, y, logits)
+                loss = self.step_loss(ctx, model, x, y)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"client {ctx.client}: loss became {loss.item()}")
                 opt.zero_grad(set_to_none=True)
@@ -347,7 +378,7 @@ class ClientPart:
         model.eval()
         extras = self.after_training(ctx, model)
         new = state_to_arrays(model.cpu())
-        uploads = {DELTA + k: v for k, v in delta_arrays(new, ctx.global_state).items()}
+        uploads = {DELTA + k: v for k, v in delta_arrays(new, model_arrays(ctx.global_state)).items()}
         uploads.update(extras)
         metrics = {**ctx.metrics, "loss": total / max(batches, 1), "train_time_s": time.perf_counter() - start}
         return uploads, metrics

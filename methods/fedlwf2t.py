@@ -70,7 +70,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy
+from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.models.state import state_to_arrays
 from methods.registry import MethodSpec, register
 
@@ -108,9 +108,6 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) ->
     return kl * (t * t)
 
 
-def _strip(arrays: Mapping[str, np.ndarray], prefix: str) -> Arrays:
-    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-
 
 def _stored_task(arrays: Mapping[str, np.ndarray] | None) -> int | None:
     if arrays is None or TASK_KEY not in arrays:
@@ -138,12 +135,12 @@ class FedLwF2TServer(ServerPart):
         self._old_global = self.global_state
         self._assets.clear()
 
-    def task_assets(self, task: int) -> Arrays:
+    def task_assets(self, task: int) -> dict[str, Arrays]:
         if self.options.old_teacher != "global" or task == 0 or self._old_global is None:
             return {}
         if task not in self._assets:  # called once per round while clients still lack the assets
             self._assets = {task: {OLD_ASSET + k: v for k, v in self._old_global.items()}}
-        return self._assets[task]
+        return {"old_model": self._assets[task]}
 
     def state_arrays(self) -> Arrays:
         """The global model, and the previous task's final one where it is sent (``old_teacher = "global"``)."""
@@ -154,7 +151,7 @@ class FedLwF2TServer(ServerPart):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
-        old = _strip(arrays, OLD_STATE)
+        old = strip_prefix(arrays, OLD_STATE)
         self._old_global = _frozen_copy(old) if old else None
         self._assets = {}  # rebuilt from _old_global on first use
 
@@ -174,7 +171,7 @@ class FedLwF2TClient(ClientPart):
 
     def _old_teacher_arrays(self, ctx: ClientContext) -> Arrays | None:
         if self.options.old_teacher == "global":
-            arrays = _strip(ctx.assets, OLD_ASSET)
+            arrays = strip_prefix(ctx.assets, OLD_ASSET)
             return arrays or None
         stored = ctx.store.load(OLD)
         task = _stored_task(stored)

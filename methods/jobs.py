@@ -42,7 +42,8 @@ JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.devic
 _JOBS: dict[str, JobFunction] = {}
 
 # kind prefix -> module that registers its jobs (imported on first use, by workers too)
-JOB_MODULES = {"device": "methods.jobs"}
+JOB_MODULES = {"device": "methods.jobs", "mfcl": "methods.mfcl", "target": "methods.target",
+               "lander": "methods.lander"}
 
 
 def job(kind: str) -> Callable[[JobFunction], JobFunction]:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from methods.base import ClientPart, Options, ServerPart
 
-BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc")
+BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc", "methods.mfcl",
+                   "methods.target", "methods.lander")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ def to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...
     return x.sub_(m).div_(s)
 
 
-def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
-    """The standard CIFAR augmentation: pad-and-crop plus horizontal flip, per sample."""
+def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4, flip: bool = True) -> torch.Tensor:
+    """The standard CIFAR augmentation: pad-and-crop plus (``flip``) horizontal flip, per sample.
+    Differentiable: data-free synthesis augments generated images with it."""
     n, _, h, w = x.shape
     padded = torch.nn.functional.pad(x, (padding,) * 4, mode="reflect")
     dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
@@ -24,6 +25,7 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int =
     cols = (dx.view(n, 1) + torch.arange(w).view(1, w))  # (n, w)
     batch = torch.arange(n).view(n, 1, 1)
     out = padded.permute(0, 2, 3, 1)[batch, rows.view(n, h, 1), cols.view(n, 1, w)].permute(0, 3, 1, 2)
-    flip = torch.rand(n, generator=generator) < 0.5
-    out[flip] = out[flip].flip(-1)
+    if flip:
+        flipped = torch.rand(n, generator=generator) < 0.5
+        out[flipped] = out[flipped].flip(-1)
     return out.contiguous()

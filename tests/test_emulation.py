@@ -139,7 +139,10 @@ def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
     assert summary["status"] == "completed" and summary["method"] == "fedlwf2t"
     model_bytes = summary["bytes"]["train_request"]["sent"] / summary["messages"]["train_request/sent"]
     task_starts = summary["messages"]["task_start/sent"]
-    # task 0 has no assets; in task 1 each first-time participant gets the old model once
-    assert summary["bytes"]["task_start"]["sent"] > 0.9 * model_bytes * (task_starts - 12)
+    # task 0 has no assets; in task 1 each first-time participant gets the old model once, as its own type
+    old_models = summary["messages"]["old_model/sent"]
+    assert 0 < old_models <= task_starts - 6
+    assert summary["bytes"]["old_model"]["sent"] > 0.9 * model_bytes * old_models
+    assert summary["bytes"]["task_start"]["sent"] < 1000 * task_starts
     assert task_starts <= 4 * 6  # at most once per participant and task, never per round
     assert summary["clients"]["joined"] == 100

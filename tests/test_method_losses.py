@@ -228,7 +228,8 @@ def test_fedlwf2t_global_teacher_from_server_assets():
     assert server.task_assets(0) == {}
     server.end_task(0)
     server.start_task(1)
-    assets = server.task_assets(1)
+    assert set(server.task_assets(1)) == {"old_model"}
+    assets = server.task_assets(1)["old_model"]
     assert assets and all(k.startswith(OLD_ASSET) for k in assets)
     assert assets[OLD_ASSET + "head.weight"].shape[0] == 2
     assert server.global_state["head.weight"].shape[0] == 4

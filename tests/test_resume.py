@@ -105,7 +105,9 @@ def _update(server, seed: int) -> ClientUpdate:
 def _assert_same_server(a, b, task: int) -> None:
     assert _same_arrays(dict(a.global_state), dict(b.global_state))
     assert _same_arrays(dict(a.round_tensors(task, 0)), dict(b.round_tensors(task, 0)))
-    assert _same_arrays(dict(a.task_assets(task)), dict(b.task_assets(task)))
+    assert a.task_assets(task).keys() == b.task_assets(task).keys()
+    for kind, arrays in a.task_assets(task).items():
+        assert _same_arrays(dict(arrays), dict(b.task_assets(task)[kind]))
     x = torch.randn(3, *SHAPE)
     with torch.no_grad():
         assert torch.equal(a.eval_model().eval()(x), b.eval_model().eval()(x))

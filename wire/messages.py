@@ -81,10 +81,21 @@ class Leave(Body):
 
 
 class TaskStart(Body):
-    """Per-task assets (old models, generators...) ride in the tensor frames."""
+    """Opens a task for a client; the method's per-task assets follow as their own messages."""
 
     classes: list[int]
     seen_classes: list[int]
+
+
+class TaskAsset(Body):
+    """One kind of per-task asset (its tensors ride in the frames), sent after ``task_start`` and before the
+    first ``train_request`` of the task. Each kind is its own message type (:data:`ASSET_TYPES`), so its
+    bytes are counted under its own name."""
+
+
+# Per-task asset kinds, each a message type with a TaskAsset body (methods.base.ServerPart.task_assets):
+# a frozen earlier model, a generator's weights, a synthetic data set, label-text embeddings.
+ASSET_TYPES = ("old_model", "generator", "synthetic_data", "label_text")
 
 
 class TrainRequest(Body):
@@ -218,6 +229,7 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "heartbeat": Heartbeat,
     "leave": Leave,
     "task_start": TaskStart,
+    **{asset: TaskAsset for asset in ASSET_TYPES},
     "train_request": TrainRequest,
     "update": Update,
     "error": Error,
@@ -248,4 +260,4 @@ SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys"
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.
-FINITE_CHECKED = frozenset({"update", "train_request", "task_start", "job", "job_result"})
+FINITE_CHECKED = frozenset({"update", "train_request", "task_start", *ASSET_TYPES, "job", "job_result"})

