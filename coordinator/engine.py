@@ -68,6 +68,17 @@ class RunAborted(RuntimeError):
     """The run cannot go on (for example: not enough clients joined)."""
 
 
+def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
+    """The mean of each method metric (loss terms...) the round's clients reported (loss and training time
+    have their own fields)."""
+    sums: dict[str, list[float]] = {}
+    for u in updates:
+        for name, value in u.metrics.items():
+            if name not in ("loss", "train_time_s") and math.isfinite(value):
+                sums.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(sums.items())} or None
+
+
 class JobFailed(RunAborted):
     """A server-side job failed after its retries: the run ends cleanly with the job's errors."""
 
@@ -305,14 +316,15 @@ class Coordinator:
             if (self.config.rounds.late_updates == "next_round" and self.server.accepts_stale_updates
                     and msg.task == self._task and (r is None or msg.round < r.number)):
                 self._check_delta(msg)
-                self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss))
+                self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss,
+                                                msg.body.metrics))
                 self._stale_task = msg.task
             return
         if peer in {u.client for u in r.updates} | r.failed:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
         self._check_delta(msg)
         body = msg.body
-        r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss))
+        r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         self.registry.records[peer].rounds_trained += 1
 
     def _on_secagg(self, peer: str, msg: Message) -> None:
@@ -511,6 +523,7 @@ class Coordinator:
             dropped=dropped, overcommitted=len(chosen) - min(cfg.clients_per_round, len(chosen)),
             stale_used=0 if skipped or secure is not None else len(stale),
             secagg=None if secure is None else secure.record,
+            client_metrics=_mean_metrics(useful),
             samples=sum(u.num_samples for u in useful),
             mean_loss=float(np.mean(losses)) if losses else None,
             accuracy_seen=accuracy,

@@ -94,6 +94,7 @@ class RoundRecord:
     overcommitted: int = 0  # clients selected beyond clients_per_round (rounds.overcommit)
     stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
     secagg: dict[str, Any] | None = None  # secure aggregation: outcome, parameters, phase times, dropouts
+    client_metrics: dict[str, float] | None = None  # mean of the method metrics the participants reported
 
 
 class RunRecorder:

@@ -69,6 +69,7 @@ class ClientUpdate:
     num_samples: int
     tensors: Mapping[str, np.ndarray]
     loss: float = float("nan")
+    metrics: Mapping[str, float] = field(default_factory=dict)  # the method's own terms, as reported
 
     def delta(self) -> Arrays:
         return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}

@@ -281,7 +281,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
                 loss.backward()
                 opt.step()
             bn.end_round()
-            metrics.update({f"final_{k}": float(v) for k, v in terms.items()})
+            metrics.update({f"final_{k}": v.item() for k, v in terms.items()})
             if r >= s.warmup or s.keep_warmup:
                 kept.append(best.cpu())
             if r >= s.warmup and s.student_steps:

@@ -176,7 +176,8 @@ def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
         p.requires_grad_(False)
     s_proj = _projector(student.backbone.out_dim).to(device)
     shape = tuple(options["input_shape"])
-    generator = TextConditionedGenerator(TEXT_DIM, shape, o.synthesis_batch, o.noise_dim, o.noise_chunk).to(device)
+    generator = TextConditionedGenerator(TEXT_DIM, shape, o.synthesis_batch, o.noise_dim, o.noise_chunk,
+                                         o.generator_width).to(device)
     seed = int(options.get("seed", 0))
     problem = _LanderProblem(generator, text, t_proj, s_proj, o, device, seed)
     images, metrics = synthesize(teacher, student, problem, o.settings(lr_inputs=o.lr_stats, keep_warmup=False,

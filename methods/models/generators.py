@@ -100,11 +100,11 @@ class TextConditionedGenerator(nn.Module):
     (sigmoid output). No random ``z``: the noise is in the noisy layer's weights."""
 
     def __init__(self, text_dim: int, image_shape: tuple[int, int, int], batch: int, noise_dim: int = 256,
-                 chunk: int = 10):
+                 chunk: int = 10, width: int = 128):
         super().__init__()
         self.text_bn = nn.BatchNorm1d(text_dim)
         self.noisy = NoisyLayer(text_dim, noise_dim, batch, chunk)
-        self.body = Generator(noise_dim, image_shape, output="sigmoid")
+        self.body = Generator(noise_dim, image_shape, width=width, output="sigmoid")
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:
         return self.body(self.noisy(self.text_bn(text)))
