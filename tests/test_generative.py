@@ -94,6 +94,13 @@ def test_information_entropy_soft_target_adversarial_and_bounding_by_hand():
 
 def test_smoothness_prior():
     assert smoothness_prior(torch.full((2, 3, 8, 8), 0.7)).item() == pytest.approx(0.0, abs=1e-10)
+    # a ramp x[i, j] = j on 5 x 5: a symmetric blur keeps it inside; at the edges reflect padding folds it
+    # (j = 0 sees [2, 1, 0, 1, 2], j = 1 sees [1, 0, 1, 2, 3]) under weights [e^-2, e^-.5, 1, e^-.5, e^-2] / S
+    a, b = math.exp(-2), math.exp(-0.5)
+    s = 1 + 2 * a + 2 * b
+    edge, next_to_edge = (4 * a + 2 * b) / s, 1 - (4 * a + 1 + 2 * b) / s  # |x - blur| at j = 0 and j = 1
+    ramp = torch.arange(5.0).expand(1, 1, 5, 5).contiguous()
+    assert smoothness_prior(ramp).item() == pytest.approx(2 * (edge ** 2 + next_to_edge ** 2) / 5, rel=1e-5)
     gen = torch.Generator().manual_seed(0)
     noise = torch.randn(1, 1, 16, 16, generator=gen)
     smooth = torch.linspace(0, 1, 16).view(1, 1, 1, 16).expand(1, 1, 16, 16).contiguous()
