@@ -83,6 +83,9 @@ def markdown(rows: list[dict]) -> str:
             "synthetic MB | label text MB | total MB | server jobs s | wall s |")
     lines = [head, "| --- |" + " ---: |" * 10]
     for r in rows:
+        if r["status"] != "completed":
+            lines.append(f"| {r['method']} | {r['status']} |" + " |" * 9)
+            continue
         lines.append(f"| {r['method']} | {r['avg_accuracy']:.2f} | {r['avg_forgetting']:.2f} | {r['mb_models']:.1f} | "
                      f"{r['mb_old_model']:.1f} | {r['mb_generator']:.1f} | {r['mb_synthetic_data']:.1f} | "
                      f"{r['mb_label_text']:.3f} | {r['mb_total']:.1f} | {r['server_job_s']:.0f} | "

@@ -72,8 +72,7 @@ from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_cop
 from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from methods.models.generators import TextConditionedGenerator
 from methods.registry import MethodSpec, register
-from methods.target import (SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, current_task_ce,
-                            prepare_synthesis)
+from methods.target import SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, prepare_synthesis
 
 NAME = "lander"
 PROJECTOR = f"{NAME}/projector/"  # round tensors / uploads (deltas) / checkpoint: the federated projector
@@ -309,7 +308,7 @@ class LanderClient(SyntheticReplayClient):
             return F.cross_entropy(logits, y) + o.ltc * bound
         k_old = old.num_classes
         w_cur, w_pre = task_weights(k_old, model.num_classes, o.cur, o.pre)
-        ce = current_task_ce(logits, y, k_old)
+        ce = self.task_ce(logits, y, k_old)
         x_syn = self.synthetic_batch(ctx)
         with torch.no_grad():
             t_feat = old.backbone(x_syn)

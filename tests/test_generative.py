@@ -130,6 +130,10 @@ def test_current_task_ce_and_lander_weights_by_hand():
     logits = torch.tensor([[5.0, 5.0, 0.0, math.log(3.0)]])
     assert current_task_ce(logits, torch.tensor([3]), 2).item() == pytest.approx(-math.log(0.75), rel=1e-6)
     assert current_task_ce(logits, torch.tensor([0]), 2).item() == 0.0  # no current-task sample
+    spec = methods.get("target")
+    everything = spec.client(spec.options(ce_scope="all")).task_ce(logits, torch.tensor([3]), 2)
+    # over all four logits: softmax of [5, 5, 0, ln 3] at class 3 is 3 / (2 e^5 + 1 + 3)
+    assert everything.item() == pytest.approx(-math.log(3 / (2 * math.exp(5) + 4)), rel=1e-6)
     # K_old = 20 of 40: alpha = log2(21) = 4.392, beta = sqrt(1/2): w_cur 0.3472, w_pre 1.2423
     w_cur, w_pre = task_weights(20, 40, 0.2, 0.4)
     alpha, beta = math.log2(21), math.sqrt(0.5)
