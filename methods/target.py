@@ -62,10 +62,13 @@ Deviations, on purpose:
   training transform to them); the code's synthetic batch is 500
   (8000 / 16 local iterations), here 128 by default.
 - Client SGD comes from the run's ``training`` section (the code: lr 0.01,
-  momentum 0.9, weight decay 5e-4). Keep some weight decay: the L2
-  BatchNorm term is in absolute units, and without decay the scale-free conv
-  weights in front of BatchNorm grow until that term swamps the class term
-  and synthesis fails (docs/experiments.md).
+  momentum 0.9, weight decay 5e-4).
+
+The L2 BatchNorm term is in the units of the teacher's activations: where
+those grow over tasks (docs/experiments.md measures BatchNorm input
+variances in the hundreds on the small CNN after a task of replay) it
+swamps the class term and the synthetic set stops being class-specific.
+MFCL's KL form is scale-free.
 """
 
 from __future__ import annotations
