@@ -208,6 +208,10 @@ class LanderServer(SynthesisServer):
         self._old_projector: Arrays | None = None
         self._text: np.ndarray | None = None  # (num_classes, D) in the scenario's class-index order
 
+    def start_task(self, task: int) -> None:
+        super().start_task(task)
+        self.label_text()  # before the task's first round opens: a job inside a round holds its clients
+
     def label_text(self) -> np.ndarray:
         """The embeddings of every class, in class-index order: computed by a job the first time (also after
         a resume from a checkpoint written before that)."""
