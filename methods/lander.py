@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods import jobs
-from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, strip_prefix
+from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, fedavg, strip_prefix
 from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from methods.models.generators import TextConditionedGenerator
 from methods.registry import MethodSpec, register
@@ -227,13 +227,11 @@ class LanderServer(SynthesisServer):
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
         super().aggregate(task, round, updates)
-        total = float(sum(u.num_samples for u in updates))
-        new = {}
-        for name, value in self._projector.items():
-            delta = sum(np.asarray(u.tensors[PROJECTOR + name], np.float64) * (u.num_samples / total)
-                        for u in updates if u.num_samples)
-            new[name] = (value + delta).astype(np.float32)
-        self._projector = _frozen_copy(new, copy=False)
+        # the projector's deltas ride as lander/projector/*: the model's FedAvg, read under that prefix
+        delta = fedavg([ClientUpdate(u.client, u.num_samples, {DELTA + k: v for k, v in
+                                                              strip_prefix(u.tensors, PROJECTOR).items()})
+                        for u in updates])
+        self._projector = _frozen_copy({k: v + delta[k] for k, v in self._projector.items()}, copy=False)
 
     def synthesis_inputs(self, task: int) -> Arrays:
         seen = len(self.ctx.scenario.seen_classes(task))
