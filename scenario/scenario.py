@@ -15,7 +15,7 @@ from scenario.datasets import ImageDataset
 from scenario.spec import ScenarioSpec
 
 # Independent random streams derived from one seed.
-_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM = 0, 1, 2
+_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM = 0, 1, 2, 3
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -29,6 +29,12 @@ class Scenario:
     numbered by join order: the first ``spec.initial_clients`` are active from
     task 0 and ``spec.new_clients_per_task`` more join at each later task; a
     client stays active once it has joined.
+
+    GLFC's three groups of clients at task ``t`` (:meth:`client_group`):
+    ``"new"``, those joining at ``t`` (all clients at task 0);
+    ``"old_only"``, the :meth:`old_only_clients` that keep their task ``t - 1``
+    data, so hold only old classes (``spec.old_only_fraction``); and
+    ``"old_and_new"``, the other earlier clients, which get task ``t``'s data.
 
     With ``partition='task_pool'`` clients work on different pool tasks at the
     same step; the task stream used for evaluation is then the pool tasks in
@@ -44,6 +50,7 @@ class Scenario:
         class_order: np.ndarray,
         task_bounds: np.ndarray,
         client_data: list[list[np.ndarray]],
+        old_only: list[np.ndarray],
     ):
         self.spec = spec
         self.dataset = dataset
@@ -54,6 +61,7 @@ class Scenario:
         # Per task, all clients' indices back to back and where each client's start.
         self._offsets = [np.concatenate([[0], np.cumsum([len(p) for p in parts])]) for parts in client_data]
         self._indices = [_frozen(np.concatenate(parts)) for parts in client_data]
+        self._old_only = [_frozen(kept) for kept in old_only]
 
     @property
     def num_classes(self) -> int:
@@ -92,6 +100,21 @@ class Scenario:
             return np.empty(0, dtype=np.int64)
         return self._indices[t][self._offsets[t][client] : self._offsets[t][client + 1]]
 
+    def old_only_clients(self, t: int) -> np.ndarray:
+        """Sorted clients that keep their task ``t - 1`` data at task ``t`` instead of getting task ``t``'s."""
+        self._check_task(t)
+        return self._old_only[t]
+
+    def client_group(self, client: int, t: int) -> str:
+        """``client``'s group at task ``t``: ``"new"``, ``"old_only"`` or ``"old_and_new"`` (see the class)."""
+        self._check_task(t)
+        joined = self.join_task(client)
+        if joined > t:
+            raise ValueError(f"client {client} joins at task {joined}, after task {t}")
+        if joined == t:
+            return "new"
+        return "old_only" if client in self._old_only[t] else "old_and_new"
+
     def client_classes(self, client: int, t: int) -> np.ndarray:
         """Incremental labels present in ``client``'s data at task ``t``."""
         return np.unique(self.train_labels[self.client_indices(client, t)])
@@ -127,10 +150,13 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         bounds = tasks.bounds(tasks.task_sizes(dataset.num_classes, spec.num_tasks, spec.classes_first_task))
     labels = tasks.to_incremental(dataset.train_y, order)
 
-    client_data = []
-    for t, n in enumerate(active):
+    client_data, old_only = [], []
+    for t in range(spec.num_tasks):
         rng = _rng(spec.seed, _PARTITION_STREAM, t)
         classes = np.arange(bounds[t], bounds[t + 1])
+        kept = _old_only(spec, active, t)
+        receivers = np.setdiff1d(np.arange(active[t]), kept)  # the task's data goes to these only
+        n = len(receivers)
         if spec.partition == "iid":
             parts = partitions.iid(labels, classes, n, rng)
         elif spec.partition == "dirichlet":
@@ -142,8 +168,20 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         else:
             client_tasks = [rank[p] * per_task + np.arange(per_task) for p in sequences[:n, t]]
             parts = partitions.task_pool(labels, client_tasks, rng, spec.samples_per_client_task)
+        if len(kept):
+            data = dict(zip(receivers.tolist(), parts)) | {c: client_data[t - 1][c] for c in kept.tolist()}
+            parts = [data[c] for c in range(active[t])]
         client_data.append(parts)
-    return Scenario(spec, dataset, order, bounds, client_data)
+        old_only.append(kept)
+    return Scenario(spec, dataset, order, bounds, client_data, old_only)
+
+
+def _old_only(spec: ScenarioSpec, active: list[int], t: int) -> np.ndarray:
+    """The clients of task ``t - 1`` that keep their data at task ``t``, leaving at least one to get task ``t``'s."""
+    if t == 0 or spec.old_only_fraction == 0:
+        return np.empty(0, dtype=np.int64)
+    count = min(round(spec.old_only_fraction * active[t - 1]), active[t] - 1)
+    return np.sort(_rng(spec.seed, _KEEP_STREAM, t).choice(active[t - 1], count, replace=False))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

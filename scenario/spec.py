@@ -42,6 +42,11 @@ class ScenarioSpec(BaseModel):
         every client works through its own random sequence of ``num_tasks``
         distinct pool tasks, with ``samples_per_client_task`` samples per task
         (default: the pool task's samples split among the clients on it).
+    - ``old_only_fraction``: at each later task boundary, this fraction of the
+      clients already there keep their previous data (only old classes) and
+      the task's samples go to the others and the newly joined clients; GLFC's
+      clients with only old classes (0.1 in its code). The default 0 gives
+      every active client the new task's data. Not with ``task_pool``.
     - ``seed`` fixes the class order (shuffled unless ``shuffle_classes`` is
       false) and every partition.
     """
@@ -59,6 +64,7 @@ class ScenarioSpec(BaseModel):
     private_fraction: float = Field(0.5, ge=0, le=1)
     task_pool_size: int | None = Field(None, ge=1)
     samples_per_client_task: int | None = Field(None, ge=1)
+    old_only_fraction: float = Field(0.0, ge=0, lt=1)
     shuffle_classes: bool = True
     seed: int = Field(0, ge=0)
 
@@ -95,6 +101,8 @@ class ScenarioSpec(BaseModel):
             for name in ("task_pool_size", "samples_per_client_task"):
                 if getattr(self, name) is not None:
                     self._fail(name, f"applies only to partition='task_pool', not {self.partition!r}")
+        elif self.old_only_fraction > 0:
+            self._fail("old_only_fraction", "does not apply to partition='task_pool' (clients follow their own tasks)")
         elif not tasks <= self.pool_size <= classes:
             self._fail(
                 "task_pool_size",
