@@ -52,13 +52,13 @@ from monitoring.metrics import CoordinatorMetrics
 from scenario.datasets import load_dataset
 from scenario.scenario import build_scenario
 from wire.framing import Limits, Message, WireError
-from wire.messages import (ASSET_TYPES, SECAGG_REPLIES, EdgeSettings, Error, Shutdown, TaskAsset, TaskStart,
+from wire.messages import (ASSET_TYPES, SECAGG_REPLIES, SIDE_CHANNEL_TYPES, EdgeSettings, Error, Shutdown, TaskAsset, TaskStart,
                            TrainRequest, Welcome)
 from wire.sockets import Counters, ServerEndpoint, tee
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES})
+CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES, *SIDE_CHANNEL_TYPES})
 CHECKPOINT_DIR = "checkpoint"  # in the run directory (docs/resume.md)
 SERVER, TORCH_RNG, CUDA_RNG = "server/", "rng/torch", "rng/cuda/"  # checkpoint array names
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
@@ -174,6 +174,7 @@ class Coordinator:
         self.handling_s: Counter[str] = Counter()  # time spent receiving+handling, by message type
         self._logged: set[str] = set()
         self.late_updates = 0
+        self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
         self._stale_task = -1
         self._round: _Round | None = None
@@ -258,6 +259,8 @@ class Coordinator:
             self._on_update(peer, msg)
         elif msg.type in SECAGG_REPLIES:
             self._on_secagg(peer, msg)
+        elif msg.type in SIDE_CHANNEL_TYPES:
+            self._on_side_channel(peer, msg)
         elif msg.type == "error":
             r = self._round
             if r is not None and peer in r.selected and msg.round == r.number:
@@ -326,6 +329,21 @@ class Coordinator:
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         self.registry.records[peer].rounds_trained += 1
+
+    def _on_side_channel(self, peer: str, msg: Message) -> None:
+        """A method's side-channel message (GLFC's prototype gradients): from a client of the open round, it goes
+        to the server part without the sender's identity; one from outside the round is counted late and
+        dropped."""
+        if msg.type not in self.spec.server.side_channels:
+            raise WireError("unexpected", f"method {self.spec.name!r} takes no {msg.type!r} messages")
+        r = self._round
+        if r is None or msg.round != r.number or msg.task != r.task or peer not in r.selected or peer in r.lost:
+            self.late_side_channel += 1
+            return
+        try:
+            self.server.on_side_channel(r.task, msg.type, msg.tensors)
+        except ValueError as exc:
+            raise WireError("bad_shape", str(exc)) from None
 
     def _on_secagg(self, peer: str, msg: Message) -> None:
         """A client's reply in a secure-aggregation phase; a masked input that comes too late counts as late."""
@@ -621,7 +639,7 @@ class Coordinator:
                 "bytes": [[t, d, n] for (t, d), n in self.counters.bytes.items()],
                 "messages": [[t, d, n] for (t, d), n in self.counters.messages.items()],
                 "rejected": dict(self.rejected), "handling_s": dict(self.handling_s),
-                "late_updates": self.late_updates,
+                "late_updates": self.late_updates, "late_side_channel": self.late_side_channel,
             },
             "resumes": self._resumes,
             "checkpoints": {**self._checkpoints, "saved": self._checkpoints["saved"] + 1},  # this one included
@@ -656,6 +674,7 @@ class Coordinator:
             self.rejected.update(res["rejected"])
             self.handling_s.update(res["handling_s"])
             self.late_updates = res["late_updates"]
+            self.late_side_channel = res["late_side_channel"]
             self._global_round = s["global_round"]
             self._task = min(s["next"]["task"], self.scenario.num_tasks - 1)
             self._clock0 = time.monotonic() - s["run_clock_s"]
@@ -824,6 +843,7 @@ class Coordinator:
             },
             "missed_deadline": sum(r.late for r in rounds),
             "late_updates": self.late_updates,
+            "late_side_channel": self.late_side_channel,
             "rejected_messages": dict(self.rejected),
             "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
             "gpu_jobs": _jobs_summary(self._jobs, self.config.gpu.workers, self.pool.device),

@@ -61,7 +61,7 @@ from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
 from wire.framing import Message, WireError, frames_nbytes
 from wire.messages import (ASSET_TYPES, EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked,
-                           SecAggShares, SecAggUnmask, TrainRequest, Update, plain_body)
+                           SecAggShares, SecAggUnmask, SideChannel, TrainRequest, Update, plain_body)
 from wire.sockets import ClientEndpoint, Counters, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
@@ -175,6 +175,7 @@ class _Result:
     train_s: float = 0.0
     finished_at: float = 0.0  # monotonic time the main thread got it
     secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
+    side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
     vector: np.ndarray | None = None
 
 
@@ -313,13 +314,13 @@ class EdgeNode:
                 settings=replace(s.settings, lr=job.request.lr, local_epochs=job.request.local_epochs),
                 global_state=job.model, assets=client.assets,
                 state=client.state, store=client.store, build_model=self.build_model, device=s.device,
-                mean=tuple(ds.mean), std=tuple(ds.std),
+                mean=tuple(ds.mean), std=tuple(ds.std), dataset_classes=ds.num_classes,
                 seed=zlib.crc32(f"{s.seed}/{client.index}/{job.round}".encode()),
                 new_task=client.trained_task != client.task,
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
-            result = _Result(client, job.round, job.task, uploads, len(indices), metrics)
+            result = _Result(client, job.round, job.task, uploads, len(indices), metrics, side=ctx.outbox)
             if job.request.secure:  # the masked sum carries the float deltas as one vector
                 result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
             return result
@@ -410,6 +411,8 @@ class EdgeNode:
             self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
                        round=result.round, task=result.task)
             return
+        for kind, (items, tensors) in result.side.items():  # ahead of the update, on the same link
+            self._upload(client, result, kind, SideChannel(items=items), tensors)
         self._upload(client, result, "update", Update(num_samples=result.num_samples, **self._report(result)),
                      result.uploads)
 

@@ -236,6 +236,11 @@ class RunConfig(pydantic.BaseModel):
         from methods.base import DELTA
 
         server = spec.server
+        if server.side_channels:
+            raise ValueError(f"--secagg: method {spec.name!r} sends {', '.join(server.side_channels)} on a channel "
+                             f"of its own that bypasses aggregation by design (its server needs each one "
+                             f"unmasked); secure aggregation would hide the model deltas but not that channel, so "
+                             f"the combination is refused")
         if server.individual_payload is not None or tuple(server.summable) != (DELTA,):
             what = server.individual_payload or ", ".join(p for p in server.summable if p != DELTA)
             raise ValueError(f"--secagg: method {spec.name!r} uploads {what} per client, which a masked sum "

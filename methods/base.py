@@ -16,6 +16,12 @@ Upload tensors are named ``delta/<param>`` for the model delta and
 sums over clients (secure aggregation and compression may wrap only those);
 ``ServerPart.individual_payload`` names the payload a server must see per client,
 if any, so that combining it with secure aggregation can fail clearly.
+
+A method may also open a *side channel* (``ServerPart.side_channels``, message
+types of ``wire.messages.SIDE_CHANNEL_TYPES``): tensors a client puts in
+``ClientContext.outbox`` travel as their own message next to the update,
+bypass aggregation, and reach ``ServerPart.on_side_channel`` without the
+sender's identity (GLFC's prototype gradients).
 """
 
 from __future__ import annotations
@@ -172,6 +178,7 @@ class ServerPart:
 
     summable: ClassVar[tuple[str, ...]] = (DELTA,)
     individual_payload: ClassVar[str | None] = None
+    side_channels: ClassVar[tuple[str, ...]] = ()  # side-channel message types this method accepts
     needs_batchnorm: ClassVar[bool] = False  # the model must have BatchNorm layers (data-free synthesis)
 
     def __init__(self, ctx: ServerContext):
@@ -220,6 +227,11 @@ class ServerPart:
                 new[name] = d
         self.global_state = _frozen_copy(new, copy=False)
         load_arrays(self.model, self.global_state)
+
+    def on_side_channel(self, task: int, kind: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """A side-channel message of ``kind`` from a client of the open round of ``task``; the sender is not
+        named. Raise ValueError for tensors that do not fit (the message is then rejected as ``bad_shape``)."""
+        raise ValueError(f"method takes no {kind!r} messages")
 
     def eval_model(self) -> nn.Module:
         """The model whose logits are evaluated (default: the global classifier)."""
@@ -291,9 +303,12 @@ class ClientContext:
     mean: tuple[float, ...] = (0.0,)  # the data set's per-channel normalisation (x is already normalised)
     std: tuple[float, ...] = (1.0,)
     seed: int = 0
+    dataset_classes: int = 0  # classes of the whole data set (a label space fixed before any task)
     new_task: bool = False  # first job of this client in this task
     job: dict[str, Any] = field(default_factory=dict)  # scratch state of this job (teachers, anchors, sums)
     metrics: dict[str, float] = field(default_factory=dict)  # method metrics of this job, reported upstream
+    # side-channel messages of this job, by kind (ServerPart.side_channels): {kind: (items, tensors)}
+    outbox: dict[str, tuple[int, Arrays]] = field(default_factory=dict)
 
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
         """A model in eval mode with these weights (method tensors ``<method>/...`` ignored) and no
@@ -331,7 +346,8 @@ class ClientPart:
         """Called before the first training job of a client in a task."""
 
     def begin_job(self, ctx: ClientContext, model: IncrementalClassifier) -> None:
-        """Called before the first batch of every job: put per-job state (teachers, anchors) in ``ctx.job``."""
+        """Called before the first batch of every job: put per-job state (teachers, anchors) in ``ctx.job``.
+        A method that replays stored samples (exemplars) may extend ``ctx.x`` / ``ctx.y`` here."""
 
     def step_loss(self, ctx: ClientContext, model: IncrementalClassifier, x: torch.Tensor,
                   y: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,18 @@ class Update(Body):
     metrics: dict[str, float] = {}
 
 
+class SideChannel(Body):
+    """Client -> coordinator: a method's own per-client payload that bypasses aggregation by design (GLFC's
+    prototype gradients), ``items`` groups of tensors ``<k>/<name>`` in the frames. Sent just before the
+    round's update; the coordinator hands the tensors to the method without the sender's identity."""
+
+    items: int
+
+
+# Side-channel kinds, each a message type with a SideChannel body (methods.base.ServerPart.side_channels).
+SIDE_CHANNEL_TYPES = ("prototype_gradients",)
+
+
 class Error(Body):
     code: str
     detail: str
@@ -232,6 +244,7 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     **{asset: TaskAsset for asset in ASSET_TYPES},
     "train_request": TrainRequest,
     "update": Update,
+    **{kind: SideChannel for kind in SIDE_CHANNEL_TYPES},
     "error": Error,
     "shutdown": Shutdown,
     "secagg_setup": SecAggSetup,
@@ -260,4 +273,5 @@ SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys"
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.
-FINITE_CHECKED = frozenset({"update", "train_request", "task_start", *ASSET_TYPES, "job", "job_result"})
+FINITE_CHECKED = frozenset({"update", "train_request", "task_start", *ASSET_TYPES, *SIDE_CHANNEL_TYPES, "job",
+                            "job_result"})
