@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from methods.base import ClientPart, Options, ServerPart
 
 BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc", "methods.mfcl",
-                   "methods.target", "methods.lander")
+                   "methods.target", "methods.lander", "methods.glfc")
 
 
 @dataclass(frozen=True)
