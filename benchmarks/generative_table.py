@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
+from runs import run_up
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 10},
@@ -47,19 +45,9 @@ ASSETS = ("old_model", "generator", "synthetic_data", "label_text")
 
 
 def run(method: str, dataset: str, data_root: str, out: Path) -> dict:
-    run_dir = out / method
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        config = out / f"{method}.yaml"
-        base = {**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
-                "method_options": METHOD_OPTIONS.get(method, {})}
-        config.write_text(yaml.safe_dump(base, sort_keys=False))
-        cmd = [sys.executable, "-m", "fcl_emu", "up", "--config", str(config), "--data-root", data_root,
-               "--run-dir", str(run_dir)]
-        print("$", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
-    return json.loads(summary.read_text())
+    config = {**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
+              "method_options": METHOD_OPTIONS.get(method, {})}
+    return run_up(method, config, data_root, out)
 
 
 def row(method: str, s: dict) -> dict:

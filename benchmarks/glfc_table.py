@@ -1,0 +1,175 @@
+"""The GLFC table of docs/experiments.md: fedavg, fedlwf2t and glfc from the same scenario, and the proxy's
+reconstruction quality.
+
+    python benchmarks/glfc_table.py --data-root ../shared/data --out runs/glfc
+
+Every row is one real ``fcl-emu up`` of ``BASE`` (MNIST, 5 tasks of 2 classes, 10 clients at the start
+and 2 more joining at every task boundary, 10 % of the earlier clients keeping only their old classes at
+each boundary (GLFC's three client groups), 5 clients per round, 5 rounds per task, seed 0). GLFC runs
+with a 200-exemplar memory per client and CPU-sized proxy budgets (``GLFC``), once with the emulator's task
+start as its transition signal (``oracle``) and once with the paper's entropy-rise detection.
+
+Reconstruction quality: for every class, the prototype of its first holder is chosen, perturbed and
+encoded exactly as a GLFC client does (with the glfc run's final global model), reconstructed exactly as
+the proxy does, and compared: PSNR (pixels in [0, 1]) of the last kept reconstruction against the
+perturbed prototype (what the channel could leak), of the perturbed prototype against the original (what
+the perturbation hides), and whether the label came back right. The proxy itself never sees a prototype;
+this measurement needs the client's data and runs here, outside the emulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runs import run_up
+
+BASE = {
+    "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
+    "rounds": {"clients_per_round": 5, "rounds_per_task": 5, "deadline_s": 900, "eval_every": 5},
+    "training": {"local_epochs": 1, "batch_size": 32, "lr": 0.05, "weight_decay": 5e-4},
+    "network": {"liveness_timeout_s": 120, "join_timeout_s": 120},
+    "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
+    "model": "cnn",
+    "nodes": 2,
+    "device": "cpu",
+    "seed": 0,
+}
+GLFC = {"memory_size": 200, "proxy_iterations": 40, "proxy_keep": 10}
+ROWS = {
+    "fedavg": ("fedavg", {}),
+    "fedlwf2t": ("fedlwf2t", {}),
+    "glfc-oracle": ("glfc", {**GLFC, "task_detection": "oracle"}),
+    "glfc-entropy": ("glfc", {**GLFC, "entropy_threshold": 0.3}),
+}
+
+
+def row(name: str, s: dict, events: list[dict]) -> dict:
+    rounds = [e for e in events if e["event"] == "round"]
+    tasks = s["scenario"]["num_tasks"]
+    channel = [sum(r["bytes_by_type"].get("prototype_gradients", {}).get("received", 0)
+                   for r in rounds if r["task"] == t) for t in range(tasks)]
+    metrics = [r["client_metrics"] or {} for r in rounds]
+    detected = [m for m in metrics if "task_detected" in m]
+    jobs = s.get("gpu_jobs", {}).get("by_kind", {})
+    return {
+        "row": name, "method": s["method"], "status": s["status"],
+        "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
+        "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
+        "mb_total": s["bytes_total"] / 1e6,
+        "mb_old_model": s["bytes"].get("old_model", {}).get("sent", 0) / 1e6,
+        "kb_prototype_gradients_per_task": [b / 1e3 for b in channel],
+        "prototype_gradient_messages": s["messages"].get("prototype_gradients/received", 0),
+        "detected_rate": float(np.mean([m["task_detected"] for m in detected])) if detected else None,
+        "transition_rate": float(np.mean([m["transition"] for m in detected])) if detected else None,
+        "proxy_s": jobs.get("glfc.proxy", {}).get("run_s", 0.0),
+        "wall_s": s["wall_clock_s"],
+    }
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a - b) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def reconstruction_quality(run_dir: Path, data_root: str) -> dict:
+    """Client-side prototypes of every class against the proxy's reconstructions of their gradients."""
+    import yaml
+
+    from coordinator import checkpoint
+    from methods.glfc import (GLFCOptions, GradientEncoder, _denormalize, label_from_gradients,
+                              perturb_prototype, prototype_index, reconstruct)
+    from methods.models.classifier import build_model
+    from methods.models.state import load_arrays
+    from scenario.datasets import load_dataset
+    from scenario.scenario import build_scenario
+    from scenario.spec import ScenarioSpec
+    from scenario.transforms import to_tensor
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    o = GLFCOptions(**config["method_options"])
+    spec = ScenarioSpec(**config["scenario"])
+    ds = load_dataset(spec.dataset, [Path(data_root)])
+    scenario = build_scenario(spec, ds)
+    arrays = {k[len("server/"):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
+              if k.startswith("server/") and "/" not in k[len("server/"):]}
+    model = build_model(config["model"] if config["model"] != "auto" else "cnn", ds.input_shape,
+                        int(arrays["head.weight"].shape[0]))
+    load_arrays(model, arrays)
+    model.eval()
+    encoder = GradientEncoder(ds.input_shape, ds.num_classes, o.encoder_seed)
+    names = [n for n, _ in encoder.named_parameters()]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for t in range(scenario.num_tasks):
+        for c in scenario.task_classes(t):
+            holder = next(k for k in scenario.active_clients(t) if c in scenario.client_classes(k, t))
+            idx = scenario.client_indices(holder, t)
+            idx = idx[scenario.train_labels[idx] == c]
+            x = to_tensor(ds.train_x[idx], ds.mean, ds.std)
+            with torch.no_grad():
+                features = model.features(x)
+            proto = x[prototype_index(features)][None]
+            label = torch.tensor([int(c)])
+            perturbed = perturb_prototype(model, proto, label, o.perturb_steps,
+                                          config["training"]["lr"] * o.perturb_lr_ratio, o.perturb_noise,
+                                          o.loss_form, gen)
+            target = dict(zip(names, encoder.gradients(perturbed, label)))
+            recovered = label_from_gradients(target)
+            images, loss = reconstruct(encoder, target, recovered, ds.input_shape, o.proxy_iterations,
+                                       o.proxy_lr, o.proxy_keep, gen)
+            pixels = [_denormalize(v, ds.mean, ds.std).clamp(0, 1) for v in (proto, perturbed, images[-1:])]
+            out.append({"class": int(c), "label_ok": recovered == int(c), "match_loss": loss,
+                        "psnr_reconstruction_vs_perturbed": _psnr(pixels[2], pixels[1]),
+                        "psnr_perturbed_vs_prototype": _psnr(pixels[1], pixels[0])})
+    return {"per_class": out,
+            "labels_recovered": sum(r["label_ok"] for r in out) / len(out),
+            "psnr_reconstruction_mean": float(np.mean([r["psnr_reconstruction_vs_perturbed"] for r in out])),
+            "psnr_reconstruction_min": float(np.min([r["psnr_reconstruction_vs_perturbed"] for r in out])),
+            "psnr_perturbation_mean": float(np.mean([r["psnr_perturbed_vs_prototype"] for r in out]))}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| run | avg. accuracy % | avg. forgetting % | total MB | old model MB | prototype-gradient KB per task "
+             "| transitions detected / true | proxy s | wall s |", "| --- |" + " ---: |" * 8]
+    for r in rows:
+        if r["status"] != "completed":
+            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 7)
+            continue
+        kb = ", ".join(f"{v:.0f}" for v in r["kb_prototype_gradients_per_task"])
+        det = "-" if r["detected_rate"] is None else f"{r['detected_rate']:.2f} / {r['transition_rate']:.2f}"
+        lines.append(f"| {r['row']} | {r['avg_accuracy']:.2f} | {r['avg_forgetting']:.2f} | {r['mb_total']:.1f} | "
+                     f"{r['mb_old_model']:.1f} | {kb if r['method'] == 'glfc' else '-'} | {det} | "
+                     f"{r['proxy_s']:.0f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-root", default="../shared/data")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
+    args = ap.parse_args()
+    rows = []
+    for name in args.rows.split(","):
+        method, options = ROWS[name]
+        summary = run_up(name, {**BASE, "method": method, "method_options": options}, args.data_root, args.out)
+        events = [json.loads(line) for line in (args.out / name / "events.jsonl").read_text().splitlines()]
+        rows.append(row(name, summary, events))
+    table = markdown(rows)
+    glfc_runs = [r["row"] for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
+    quality = reconstruction_quality(args.out / glfc_runs[0], args.data_root) if glfc_runs else None
+    (args.out / "table.md").write_text(table + "\n")
+    (args.out / "table.json").write_text(json.dumps({"rows": rows, "reconstruction": quality}, indent=1))
+    print(table)
+    if quality is not None:
+        print(json.dumps({k: v for k, v in quality.items() if k != "per_class"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
