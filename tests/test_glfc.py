@@ -249,6 +249,17 @@ def test_bad_prototype_gradients_are_refused():
         GLFCOptions(proxy_iterations=5, proxy_keep=6)
 
 
+def test_non_finite_prototype_gradients_are_refused_on_the_wire():
+    from wire.framing import WireError, decode, encode
+    from wire.messages import SideChannel
+
+    frames = encode("prototype_gradients", SideChannel(items=1), sender="client-0001", seq=1,
+                    tensors={"0/fc.bias": np.array([0.1, np.nan], np.float32)})
+    with pytest.raises(WireError) as info:
+        decode(frames)
+    assert info.value.reason == "non_finite"
+
+
 def test_restored_server_sends_the_same_old_model(tmp_path, mnist):
     server = _server(TINY, [])
     server.start_task(0)
