@@ -7,13 +7,15 @@ Every row is one real ``fcl-emu up`` of ``BASE`` (MNIST, 5 tasks of 2 classes, 1
 and 2 more joining at every task boundary, 10 % of the earlier clients keeping only their old classes at
 each boundary (GLFC's three client groups), 5 clients per round, 5 rounds per task, seed 0). GLFC runs
 with a 200-exemplar memory per client and CPU-sized proxy budgets (``GLFC``), once with the emulator's task
-start as its transition signal (``oracle``) and once with the paper's entropy-rise detection.
+start as its transition signal (``oracle``), once with the paper's entropy-rise detection, and in two
+ablations (no relation distillation; the official code's sigmoid loss forms).
 
 Reconstruction quality: for every class, the prototype of its first holder is chosen, perturbed and
 encoded exactly as a GLFC client does (with the glfc run's final global model), reconstructed exactly as
 the proxy does, and compared: PSNR (pixels in [0, 1]) of the last kept reconstruction against the
 perturbed prototype (what the channel could leak), of the perturbed prototype against the original (what
-the perturbation hides), and whether the label came back right. The proxy itself never sees a prototype;
+the perturbation hides), and whether the label came back right; again with Gaussian noise of std 0.25
+and 1.0 (normalised units) added to the perturbed prototype (``perturb_noise``). The proxy itself never sees a prototype;
 this measurement needs the client's data and runs here, outside the emulation.
 """
 
@@ -41,11 +43,15 @@ BASE = {
     "seed": 0,
 }
 GLFC = {"memory_size": 200, "proxy_iterations": 40, "proxy_keep": 10}
+NOISE = (None, 0.25, 1.0)  # reconstruction quality with the run's perturbation, then with Gaussian noise added
 ROWS = {
     "fedavg": ("fedavg", {}),
     "fedlwf2t": ("fedlwf2t", {}),
     "glfc-oracle": ("glfc", {**GLFC, "task_detection": "oracle"}),
     "glfc-entropy": ("glfc", {**GLFC, "entropy_threshold": 0.3}),
+    # ablations, with the oracle signal: without the relation distillation; the official code's loss forms
+    "glfc-no-rd": ("glfc", {**GLFC, "task_detection": "oracle", "w_rd": 0.0}),
+    "glfc-code-losses": ("glfc", {**GLFC, "task_detection": "oracle", "loss_form": "code"}),
 }
 
 
@@ -67,6 +73,8 @@ def row(name: str, s: dict, events: list[dict]) -> dict:
         "prototype_gradient_messages": s["messages"].get("prototype_gradients/received", 0),
         "detected_rate": float(np.mean([m["task_detected"] for m in detected])) if detected else None,
         "transition_rate": float(np.mean([m["transition"] for m in detected])) if detected else None,
+        **{f"{k}_rate": float(np.mean([m[f"detection_{k}"] for m in detected]))
+           if detected and f"detection_{k}" in detected[0] else None for k in ("missed", "false_alarm")},
         "proxy_s": jobs.get("glfc.proxy", {}).get("run_s", 0.0),
         "wall_s": s["wall_clock_s"],
     }
@@ -77,8 +85,9 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def reconstruction_quality(run_dir: Path, data_root: str) -> dict:
-    """Client-side prototypes of every class against the proxy's reconstructions of their gradients."""
+def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = None) -> dict:
+    """Client-side prototypes of every class against the proxy's reconstructions of their gradients
+    (``noise``: the clients' ``perturb_noise`` instead of the run's)."""
     import yaml
 
     from coordinator import checkpoint
@@ -93,6 +102,8 @@ def reconstruction_quality(run_dir: Path, data_root: str) -> dict:
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     o = GLFCOptions(**config["method_options"])
+    if noise is not None:
+        o = o.model_copy(update={"perturb_noise": noise})
     spec = ScenarioSpec(**config["scenario"])
     ds = load_dataset(spec.dataset, [Path(data_root)])
     scenario = build_scenario(spec, ds)
@@ -127,7 +138,7 @@ def reconstruction_quality(run_dir: Path, data_root: str) -> dict:
             out.append({"class": int(c), "label_ok": recovered == int(c), "match_loss": loss,
                         "psnr_reconstruction_vs_perturbed": _psnr(pixels[2], pixels[1]),
                         "psnr_perturbed_vs_prototype": _psnr(pixels[1], pixels[0])})
-    return {"per_class": out,
+    return {"perturb_noise": o.perturb_noise, "per_class": out,
             "labels_recovered": sum(r["label_ok"] for r in out) / len(out),
             "psnr_reconstruction_mean": float(np.mean([r["psnr_reconstruction_vs_perturbed"] for r in out])),
             "psnr_reconstruction_min": float(np.min([r["psnr_reconstruction_vs_perturbed"] for r in out])),
@@ -136,13 +147,15 @@ def reconstruction_quality(run_dir: Path, data_root: str) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| run | avg. accuracy % | avg. forgetting % | total MB | old model MB | prototype-gradient KB per task "
-             "| transitions detected / true | proxy s | wall s |", "| --- |" + " ---: |" * 8]
+             "| jobs with a detected / a true transition | proxy s | wall s |", "| --- |" + " ---: |" * 8]
     for r in rows:
         if r["status"] != "completed":
             lines.append(f"| {r['row']} | {r['status']} |" + " |" * 7)
             continue
         kb = ", ".join(f"{v:.0f}" for v in r["kb_prototype_gradients_per_task"])
         det = "-" if r["detected_rate"] is None else f"{r['detected_rate']:.2f} / {r['transition_rate']:.2f}"
+        if r["missed_rate"] is not None:
+            det += f" (missed {r['missed_rate']:.2f}, false {r['false_alarm_rate']:.2f})"
         lines.append(f"| {r['row']} | {r['avg_accuracy']:.2f} | {r['avg_forgetting']:.2f} | {r['mb_total']:.1f} | "
                      f"{r['mb_old_model']:.1f} | {kb if r['method'] == 'glfc' else '-'} | {det} | "
                      f"{r['proxy_s']:.0f} | {r['wall_s']:.0f} |")
@@ -163,12 +176,13 @@ def main() -> None:
         rows.append(row(name, summary, events))
     table = markdown(rows)
     glfc_runs = [r["row"] for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
-    quality = reconstruction_quality(args.out / glfc_runs[0], args.data_root) if glfc_runs else None
+    quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
+               for noise in NOISE] if glfc_runs else []
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "table.json").write_text(json.dumps({"rows": rows, "reconstruction": quality}, indent=1))
     print(table)
-    if quality is not None:
-        print(json.dumps({k: v for k, v in quality.items() if k != "per_class"}, indent=1))
+    for q in quality:
+        print(json.dumps({k: v for k, v in q.items() if k != "per_class"}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ Learning", CVPR 2022. Facts from the paper and its official code
   (normalised) feature is closest to the class mean; it is perturbed by
   ``perturb_steps`` SGD steps (lr = training lr x ``perturb_lr_ratio``,
   weight decay 1e-5) that lower the local model's loss of its label, plus
-  Gaussian noise of std ``perturb_noise`` (0: off; the code has none), and
+  Gaussian noise of std ``perturb_noise`` (in the normalised input's units;
+  0: off, as in the code), and
   the gradient of the cross-entropy of a small gradient-encoding LeNet
   (:class:`GradientEncoder`, identical everywhere from ``encoder_seed``) at
   the perturbed prototype is sent as a ``prototype_gradients`` message: no
@@ -56,9 +57,9 @@ reconstruction by gradient matching (DLG): L-BFGS (lr ``proxy_lr``) on a
 random image so that the encoder's gradient at it matches, for
 ``proxy_iterations`` steps; the last ``proxy_keep`` iterates (code: 20 of
 250) join the task's monitoring set. The proxy scores each new global model
-by its accuracy on that set and keeps the best model of the task; at the
-next task that model is the clients' old model (the ``old_model`` asset,
-once per task).
+by its accuracy on that set and keeps the best model of the task (on a tie,
+the later one); at the next task that model is the clients' old model (the
+``old_model`` asset, once per task).
 
 Deviations, on purpose:
 
@@ -103,6 +104,7 @@ MONITOR = f"{NAME}/monitor/"  # checkpoint: the current task's reconstructions (
 MEMORY, CANDIDATES = f"{NAME}.memory", f"{NAME}.candidates"  # client store: exemplars {x: uint8, y}
 CHANNEL = "prototype_gradients"
 MONITOR_INPUT = "monitor/"  # job input prefix of the monitoring set
+MATCHED = 1e-3  # a reconstruction whose final gradient distance is below this counts as matched
 
 
 class GLFCOptions(Options):
@@ -346,8 +348,9 @@ def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], dev
     recon_x = torch.cat(xs) if xs else torch.empty((0, *shape))
     recon_y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
     metrics = {"gradients": float(len(grads)), "reconstructions": float(len(recon_y))}
-    if losses:
-        metrics["match_loss_mean"] = float(np.mean(losses))
+    if losses:  # a few matchings stall far from 0 (L-BFGS from a bad start): the median and a count show it
+        metrics.update(match_loss_median=float(np.median(losses)), match_loss_max=float(np.max(losses)),
+                       matched=float(np.sum(np.asarray(losses) < MATCHED)))
     x_all = torch.cat([torch.from_numpy(np.asarray(inputs.get("monitor/x", np.empty((0, *shape), np.float32)))),
                        recon_x])
     y_all = torch.cat([torch.from_numpy(np.asarray(inputs.get("monitor/y", np.empty(0, np.int64)))), recon_y])
@@ -506,6 +509,8 @@ class GLFCClient(ClientPart):
                        new_classes=[c for c in fresh if c not in set(old_classes.tolist())], teacher=teacher,
                        sums=np.zeros(2), steps=0)
         ctx.metrics.update(entropy=entropy, task_detected=float(detected), transition=float(transition),
+                           detection_missed=float(transition and not detected),
+                           detection_false_alarm=float(detected and not transition),
                            exemplars=float(0 if memory is None else len(memory["y"])))
 
     def loss(self, ctx: ClientContext, model, x, y, logits) -> torch.Tensor:

@@ -228,7 +228,8 @@ def test_entropy_detection_follows_the_rise(tmp_path, mnist):
     state["glfc"]["last_entropy"] = h - 0.6  # as if the previous job had seen a 0.6 lower entropy
     ctx = _ctx(mnist, ArrayStore(tmp_path / "e"), 0, [0, 1], state_to_arrays(model), state=state)
     part.begin_job(ctx, model)
-    assert ctx.metrics["task_detected"] == 1 and ctx.metrics["transition"] == 0  # a false positive is reported
+    assert ctx.metrics["task_detected"] == 1 and ctx.metrics["transition"] == 0  # a false alarm is reported
+    assert ctx.metrics["detection_false_alarm"] == 1 and ctx.metrics["detection_missed"] == 0
 
 
 def test_bad_prototype_gradients_are_refused():
