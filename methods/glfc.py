@@ -10,7 +10,8 @@ Learning", CVPR 2022. Facts from the paper and its official code
   ``H = mean_i -sum_c p_ic log p_ic`` of the received global model on the
   local data; a rise ``H - H_last > entropy_threshold`` (paper: 1.2) since the
   client's previous job means new classes arrived. ``H_last`` starts at 0, as
-  in the code, so a first job with ``H > threshold`` counts as a transition.
+  in the code, so a first job with ``H > threshold`` counts as a transition;
+  it is kept in the client's store, so it survives a crash.
   ``task_detection = "oracle"`` uses the emulator's task start instead.
 - *Exemplar memory* (iCaRL): after every job the client selects by herding
   (features L2-normalised, the sample that keeps the running mean closest to
@@ -102,6 +103,7 @@ OLD = f"{NAME}/old/"  # asset / checkpoint prefix of the proxy's best model of t
 BEST = f"{NAME}/best/"  # checkpoint: the best model of the current task so far
 MONITOR = f"{NAME}/monitor/"  # checkpoint: the current task's reconstructions (x, y)
 MEMORY, CANDIDATES = f"{NAME}.memory", f"{NAME}.candidates"  # client store: exemplars {x: uint8, y}
+DETECTOR = f"{NAME}.detector"  # client store: the entropy and classes of the client's previous job
 CHANNEL = "prototype_gradients"
 MONITOR_INPUT = "monitor/"  # job input prefix of the monitoring set
 MATCHED = 1e-3  # a reconstruction whose final gradient distance is below this counts as matched
@@ -483,13 +485,14 @@ class GLFCClient(ClientPart):
 
     def begin_job(self, ctx: ClientContext, model) -> None:
         o = self.options
-        state = ctx.state.setdefault(NAME, {"last_entropy": 0.0, "classes": []})
+        # the detector's memory is on the device's storage: it survives a crash or a node restart
+        last = ctx.store.load(DETECTOR) or {"entropy": np.float64(0.0), "classes": np.empty(0, np.int64)}
         entropy = mean_entropy(model, ctx.x)
-        fresh = sorted(np.unique(ctx.y.numpy()).tolist())
-        detected = (entropy - state["last_entropy"] > o.entropy_threshold if o.task_detection == "entropy"
+        fresh = np.unique(ctx.y.numpy())
+        detected = (entropy - float(last["entropy"]) > o.entropy_threshold if o.task_detection == "entropy"
                     else ctx.new_task)
-        transition = fresh != state["classes"]  # the truth the detection is judged by
-        state.update(last_entropy=entropy, classes=fresh)
+        transition = not np.array_equal(fresh, last["classes"])  # the truth the detection is judged by
+        ctx.store.save(DETECTOR, {"entropy": np.float64(entropy), "classes": fresh})
         memory = ctx.store.load(MEMORY)
         if detected:
             memory = merge_memory(memory, ctx.store.load(CANDIDATES), o.memory_size)
@@ -506,7 +509,7 @@ class GLFCClient(ClientPart):
             raise ValueError(f"glfc: the old model has {teacher.num_classes} classes, the student "
                              f"{model.num_classes}")
         ctx.job.update(detected=detected, n_fresh=n_fresh, old_classes=torch.from_numpy(old_classes),
-                       new_classes=[c for c in fresh if c not in set(old_classes.tolist())], teacher=teacher,
+                       new_classes=[int(c) for c in fresh if c not in set(old_classes.tolist())], teacher=teacher,
                        sums=np.zeros(2), steps=0)
         ctx.metrics.update(entropy=entropy, task_detected=float(detected), transition=float(transition),
                            detection_missed=float(transition and not detected),

@@ -134,7 +134,7 @@ def test_gradient_labels_and_reconstruction_match_the_prototype():
 
 
 # ------------------------------------------------------------- client and server
-def _ctx(mnist, store, task: int, classes, global_state, assets=None, new_task=True, state=None):
+def _ctx(mnist, store, task: int, classes, global_state, assets=None, new_task=True):
     ds, labels = mnist
     idx = np.flatnonzero(np.isin(labels, classes))[:120]
     from scenario.transforms import to_tensor
@@ -142,7 +142,7 @@ def _ctx(mnist, store, task: int, classes, global_state, assets=None, new_task=T
         client="client-0003", task=task, task_classes=np.asarray(classes), seen_classes=np.arange(max(classes) + 1),
         x=to_tensor(ds.train_x[idx], ds.mean, ds.std), y=torch.from_numpy(labels[idx].astype(np.int64)),
         settings=TrainingSettings(local_epochs=1, lr=0.05, batch_size=32), global_state=global_state,
-        assets=assets or {}, state=state if state is not None else {}, store=store,
+        assets=assets or {}, state={}, store=store,
         build_model=lambda n: build_model("cnn", SHAPE, n), mean=tuple(ds.mean), std=tuple(ds.std),
         dataset_classes=10, seed=5, new_task=new_task)
 
@@ -180,8 +180,8 @@ def test_client_memory_prototype_channel_and_the_proxy_sees_no_identity(tmp_path
     recorded: list = []
     server = _server(TINY, recorded)
     server.start_task(0)
-    part, store, state = GLFCClient(GLFCOptions(**TINY)), ArrayStore(tmp_path / "c3"), {}
-    ctx = _ctx(mnist, store, 0, [0, 1], server.round_tensors(0, 1), state=state)
+    part, store = GLFCClient(GLFCOptions(**TINY)), ArrayStore(tmp_path / "c3")
+    ctx = _ctx(mnist, store, 0, [0, 1], server.round_tensors(0, 1))
     uploads, metrics = _train(part, ctx)
     assert metrics["task_detected"] == 1 and metrics["prototype_gradients"] == 2
     assert store.load(MEMORY) is None and sorted(set(store.load(CANDIDATES)["y"])) == [0, 1]
@@ -204,15 +204,14 @@ def test_client_memory_prototype_channel_and_the_proxy_sees_no_identity(tmp_path
     assert set(assets) == {"old_model"}
     assert all(np.array_equal(assets["old_model"]["glfc/old/" + k], v) for k, v in best.items())
     # task 1: the transition moves the candidates into the memory; the relation distillation starts
-    ctx = _ctx(mnist, store, 1, [2, 3], server.round_tensors(1, 3), assets=assets["old_model"], state=state)
+    ctx = _ctx(mnist, store, 1, [2, 3], server.round_tensors(1, 3), assets=assets["old_model"])
     _, metrics = _train(part, ctx)
     memory = store.load(MEMORY)
     assert sorted(set(memory["y"])) == [0, 1] and len(memory["y"]) <= TINY["memory_size"]
     assert metrics["exemplars"] == len(memory["y"]) and "relation_distillation" in metrics
     assert metrics["prototype_gradients"] == 2  # classes 2 and 3 are new to it; 0 and 1 are in its memory
     # a later job of the same task: no transition, no channel
-    ctx = _ctx(mnist, store, 1, [2, 3], server.round_tensors(1, 5), assets=assets["old_model"], new_task=False,
-               state=state)
+    ctx = _ctx(mnist, store, 1, [2, 3], server.round_tensors(1, 5), assets=assets["old_model"], new_task=False)
     _, metrics = _train(part, ctx)
     assert metrics["task_detected"] == 0 and not ctx.outbox
 
@@ -220,13 +219,13 @@ def test_client_memory_prototype_channel_and_the_proxy_sees_no_identity(tmp_path
 def test_entropy_detection_follows_the_rise(tmp_path, mnist):
     part = GLFCClient(GLFCOptions(**{**TINY, "task_detection": "entropy", "entropy_threshold": 0.5}))
     model = build_model("cnn", SHAPE, 4)
-    state: dict = {}
-    ctx = _ctx(mnist, ArrayStore(tmp_path / "e"), 0, [0, 1], state_to_arrays(model), state=state)
+    store = ArrayStore(tmp_path / "e")
+    ctx = _ctx(mnist, store, 0, [0, 1], state_to_arrays(model))
     part.begin_job(ctx, model)
     h = ctx.metrics["entropy"]
     assert ctx.metrics["task_detected"] == float(h > 0.5) and ctx.metrics["transition"] == 1
-    state["glfc"]["last_entropy"] = h - 0.6  # as if the previous job had seen a 0.6 lower entropy
-    ctx = _ctx(mnist, ArrayStore(tmp_path / "e"), 0, [0, 1], state_to_arrays(model), state=state)
+    store.save("glfc.detector", {**store.load("glfc.detector"), "entropy": np.float64(h - 0.6)})  # 0.6 lower before
+    ctx = _ctx(mnist, store, 0, [0, 1], state_to_arrays(model))  # a fresh context: as after a crash
     part.begin_job(ctx, model)
     assert ctx.metrics["task_detected"] == 1 and ctx.metrics["transition"] == 0  # a false alarm is reported
     assert ctx.metrics["detection_false_alarm"] == 1 and ctx.metrics["detection_missed"] == 0
