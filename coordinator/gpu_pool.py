@@ -208,7 +208,11 @@ class WorkerPool:
             elif msg.type == "job_result" and worker.job is not None and msg.body.job_id == worker.job.id:
                 job, worker.job = worker.job, None
                 body = msg.body
-                if body.ok:
+                late = time.monotonic() - job.started - self.settings.job_timeout_s
+                if late > 0:  # it finished between two timeout checks: a timeout all the same
+                    self._attempt_failed(job, f"timed out after {self.settings.job_timeout_s:g} s (its result "
+                                              f"came {late:.2f} s too late)", run_s=body.run_s)
+                elif body.ok:
                     self._finish(job, ok=True, run_s=body.run_s, outputs=msg.tensors, metrics=body.metrics)
                 else:
                     self._attempt_failed(job, body.error, run_s=body.run_s)
