@@ -310,7 +310,7 @@ class EdgeNode:
                 client=client.id, task=client.task,
                 task_classes=np.asarray(client.classes), seen_classes=np.asarray(client.seen_classes),
                 x=to_tensor(ds.train_x[indices], ds.mean, ds.std),
-                y=torch.from_numpy(np.asarray(s.scenario.train_labels[indices], dtype=np.int64)),
+                y=torch.from_numpy(np.asarray(s.scenario.client_labels(client.index, client.task), dtype=np.int64)),
                 settings=replace(s.settings, lr=job.request.lr, local_epochs=job.request.local_epochs),
                 global_state=job.model, assets=client.assets,
                 state=client.state, store=client.store, build_model=self.build_model, device=s.device,

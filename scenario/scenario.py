@@ -100,6 +100,11 @@ class Scenario:
             return np.empty(0, dtype=np.int64)
         return self._indices[t][self._offsets[t][client] : self._offsets[t][client + 1]]
 
+    def client_labels(self, client: int, t: int) -> np.ndarray:
+        """Incremental labels of ``client``'s training samples at task ``t`` (aligned with
+        :meth:`client_indices`), as the client sees them: noisy for a noisy client's early tasks."""
+        return self.train_labels[self.client_indices(client, t)]
+
     def old_only_clients(self, t: int) -> np.ndarray:
         """Sorted clients that keep their task ``t - 1`` data at task ``t`` instead of getting task ``t``'s."""
         self._check_task(t)
