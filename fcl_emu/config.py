@@ -241,10 +241,14 @@ class RunConfig(pydantic.BaseModel):
                              f"of its own that bypasses aggregation by design (its server needs each one "
                              f"unmasked); secure aggregation would hide the model deltas but not that channel, so "
                              f"the combination is refused")
-        if server.individual_payload is not None or tuple(server.summable) != (DELTA,):
-            what = server.individual_payload or ", ".join(p for p in server.summable if p != DELTA)
-            raise ValueError(f"--secagg: method {spec.name!r} uploads {what} per client, which a masked sum "
-                             f"cannot carry; secure aggregation sums model deltas only")
+        if server.individual_payload is not None:
+            raise ValueError(f"--secagg: method {spec.name!r} uploads {server.individual_payload} per client, "
+                             f"which a masked sum cannot carry; secure aggregation sums model deltas only")
+        extra = [p for p in server.summable if p != DELTA]
+        if extra:
+            raise ValueError(f"--secagg: method {spec.name!r} also uploads {', '.join(extra)} (summed beside the "
+                             f"model delta), but secure aggregation masks and sums the model's delta/ tensors "
+                             f"only: {', '.join(extra)} would travel unmasked, so the combination is refused")
         if self.rounds.late_updates == "next_round":
             raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
                              "cannot join another round's sum")

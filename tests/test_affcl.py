@@ -1,0 +1,293 @@
+"""AF-FCL: the flow's log-likelihood by hand and its inverse, each loss term (eq. 5-9) against hand-computed
+values, bad input, the server's checkpoint round trip, the secagg refusal, and a short real-process run."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pydantic
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fcl_emu.config import RunConfig
+from methods import registry as methods
+from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_loss,
+                           generated_ce, latent_statistics, mean_density)
+from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from methods.models.classifier import build_model
+from methods.models.flows import AffineCoupling, ConditionalFlow
+from tests.conftest import fcl_emu, small_config
+
+SHAPE = (1, 28, 28)
+LOG_2PI = math.log(2 * math.pi)
+
+
+def _gauss_logpdf(z: torch.Tensor) -> torch.Tensor:
+    return -0.5 * (z.pow(2).sum(dim=1) + z.shape[1] * LOG_2PI)
+
+
+def _one_layer_flow() -> ConditionalFlow:
+    """One coupling over 4 dims, 2 classes, whose conditioner outputs s_raw = 0.5 * x_a[0] + class, t = x_a[1]
+    (for both transformed dims), made of known weights."""
+    flow = ConditionalFlow(4, 2, layers=1, hidden=4)
+    net = flow.couplings[0].net
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        # hidden 1: [x_a0, x_a1, class0, class1] (LeakyReLU passes positives; inputs below are positive)
+        net[0].weight.copy_(torch.eye(4))
+        net[2].weight.copy_(torch.eye(4))
+        # output: (s_raw_0, s_raw_1, t_0, t_1)
+        net[4].weight.copy_(torch.tensor([[0.5, 0, 0, 1], [0.5, 0, 0, 1], [0, 1, 0, 0], [0, 1, 0, 0]],
+                                         dtype=torch.float32))
+    return flow
+
+
+# ------------------------------------------------------------------ the flow
+def test_one_coupling_log_likelihood_by_hand():
+    flow = _one_layer_flow()
+    x = torch.tensor([[1.0, 2.0, 0.4, 0.2], [0.5, 1.0, 1.5, 3.0]])
+    y = torch.tensor([0, 1])
+    log_p, z = flow.log_prob(x, y)
+    # the layer permutes the dims first (its fixed permutation); x'_a = x'[:2] conditions x'_b = x'[2:]
+    perm = flow.perm0.tolist()
+    assert sorted(perm) == [0, 1, 2, 3]
+    expected_z, expected_lp = [], []
+    for xi, yi in zip(x.tolist(), y.tolist()):
+        xp = [xi[j] for j in perm]
+        a, b = xp[:2], xp[2:]
+        s = math.tanh(0.5 * a[0] + yi)
+        zb = [bj * math.exp(s) + a[1] for bj in b]
+        zi = a + zb
+        expected_z.append(zi)
+        expected_lp.append(-0.5 * (sum(v * v for v in zi) + 4 * LOG_2PI) + 2 * s)
+    assert torch.allclose(z, torch.tensor(expected_z), atol=1e-6)
+    assert torch.allclose(log_p, torch.tensor(expected_lp), atol=1e-5)
+
+
+def test_flow_is_invertible_and_its_log_det_matches_autograd():
+    torch.manual_seed(0)
+    flow = ConditionalFlow(6, 3, layers=4, hidden=8)
+    for p in flow.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    z, logdet = flow(x, y)
+    assert torch.allclose(flow.inverse(z, y), x, atol=1e-5)
+    for i in range(len(x)):
+        jac = torch.autograd.functional.jacobian(lambda v: flow(v.unsqueeze(0), y[i:i + 1])[0][0], x[i])
+        assert torch.allclose(torch.linalg.slogdet(jac)[1], logdet[i], atol=1e-4)
+    sample, latent = flow.sample(y, torch.Generator().manual_seed(1))
+    assert torch.allclose(flow(sample, y)[0], latent, atol=1e-5)
+
+
+def test_fresh_flow_only_permutes_and_state_names_are_stable():
+    flow = ConditionalFlow(8, 10, layers=2, hidden=16)
+    x, y = torch.randn(3, 8), torch.tensor([1, 5, 9])
+    log_p, z = flow.log_prob(x, y)
+    assert torch.equal(z.sort(dim=1).values, x.sort(dim=1).values)
+    assert torch.allclose(log_p, _gauss_logpdf(x))
+    assert all(k.startswith("couplings.") for k in flow.state_dict())  # permutations are not state
+
+
+def test_flow_refuses_bad_input():
+    flow = ConditionalFlow(4, 2, layers=1, hidden=4)
+    with pytest.raises(ValueError, match=r"expected \(batch, 4\)"):
+        flow.log_prob(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels of shape"):
+        flow.log_prob(torch.zeros(3, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must lie in 0..1"):
+        flow.log_prob(torch.zeros(1, 4), torch.tensor([2]))
+    with pytest.raises(ValueError, match="NaN"):
+        flow.log_prob(torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="dim >= 2"):
+        ConditionalFlow(1, 2)
+
+
+# ----------------------------------------------------------- loss terms by hand
+def test_flow_loss_eq5_by_hand():
+    flow = ConditionalFlow(2, 2, layers=1, hidden=4)  # fresh: the identity, log p = log N(x; 0, I)
+    h, y = torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 1])
+    h_old, y_old = torch.tensor([[3.0, 4.0]]), torch.tensor([1])
+    total, nll, nll_old = flow_loss(flow, h, y, h_old, y_old, k_flow_last=0.4)
+    real = (0.5 * (1 + LOG_2PI * 2) + 0.5 * (4 + LOG_2PI * 2)) / 2
+    old = 0.5 * (25 + 2 * LOG_2PI)
+    assert nll.item() == pytest.approx(real, rel=1e-6) and nll_old.item() == pytest.approx(old, rel=1e-6)
+    assert total.item() == pytest.approx(real + 0.4 * old, rel=1e-6)
+    assert flow_loss(flow, h, y, None, None, 0.4)[0].item() == pytest.approx(real, rel=1e-6)
+
+
+def test_feature_distillation_eq6_by_hand():
+    h, h_old = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[0.0, 2.0], [1.0, 4.0]])
+    assert feature_distillation(h, h_old).item() == pytest.approx((1 + 0 + 4 + 0) / 4)
+    with pytest.raises(ValueError, match="differ"):
+        feature_distillation(h, h_old[:, :1])
+
+
+def test_latent_statistics_and_credibility_eq7_eq8_by_hand():
+    u = torch.tensor([[0.0, 1.0], [2.0, 3.0], [5.0, 5.0]])
+    y = torch.tensor([0, 0, 2])
+    mean, var, present = latent_statistics(u, y, 3)
+    assert torch.allclose(mean, torch.tensor([[1.0, 2.0], [0, 0], [5.0, 5.0]]))
+    assert torch.allclose(var, torch.tensor([[1.0, 1.0], [0, 0], [0, 0]]))
+    assert present.tolist() == [True, False, True]
+    u_gen, y_gen = torch.tensor([[1.0, 4.0], [9.0, 9.0], [5.0, 5.0]]), torch.tensor([0, 1, 2])
+    w = credibility(u_gen, y_gen, mean, var, present, fallback=0.3)
+    v = 1.0 + 1e-6
+    n = lambda d: math.exp(-0.5 * d * d / v) / math.sqrt(2 * math.pi * v)  # noqa: E731
+    assert w[0].item() == pytest.approx((n(0.0) + n(2.0)) / 2, rel=1e-5)
+    assert w[1].item() == pytest.approx(0.3)  # class 1 absent locally: the fallback
+    assert w[2].item() == pytest.approx(1 / math.sqrt(2 * math.pi * 1e-6), rel=1e-4)  # at the mean, var floor
+
+
+def test_mean_density_and_generated_ce_eq9_by_hand():
+    log_p = torch.tensor([-2.0, -4.0])
+    p_bar = mean_density(log_p, 2)
+    assert p_bar.item() == pytest.approx((math.exp(-1) + math.exp(-2)) / 2)
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    y, w = torch.tensor([0, 0]), torch.tensor([0.5, 2.0])
+    ce0 = -math.log(math.exp(2) / (math.exp(2) + 1))
+    ce1 = -math.log(1 / (1 + math.e))
+    expected = ((1 - 0.2) * 0.25 + 0.2) * (0.5 * ce0 + 2.0 * ce1) / 2
+    assert generated_ce(logits, y, w, 0.25, theta=0.2).item() == pytest.approx(expected, rel=1e-6)
+
+
+# ------------------------------------------------------------------- options
+def test_options_validation():
+    assert AFFCLOptions().k_flow_last == 0.4 and AFFCLOptions().theta == 0.2
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        AFFCLOptions(unknown=1)
+    with pytest.raises(pydantic.ValidationError, match="finite"):
+        AFFCLOptions(k_loss_flow=float("nan"))
+    with pytest.raises(pydantic.ValidationError):
+        AFFCLOptions(theta=1.5)
+    with pytest.raises(pydantic.ValidationError):
+        AFFCLOptions(flow_layers=0)
+
+
+def test_secagg_is_refused_naming_the_flow():
+    with pytest.raises(ValueError, match="affcl/flow/"):
+        RunConfig(method="affcl", secagg={"enabled": True})
+
+
+# ------------------------------------------------------- server and client parts
+def _scenario():
+    return SimpleNamespace(num_tasks=3, num_classes=6, task_classes=lambda t: np.arange(2 * t, 2 * t + 2),
+                           seen_classes=lambda t: np.arange(2 * t + 2))
+
+
+TINY = {"flow_layers": 2, "flow_hidden": 8}
+
+
+def _server(seed: int):
+    torch.manual_seed(seed)
+    spec = methods.get("affcl")
+    ctx = ServerContext(spec.options(**TINY), _scenario(), lambda n: build_model("cnn", SHAPE, n), seed=0)
+    return spec.server(ctx)
+
+
+def _step(server, task: int, rnd: int, value: float) -> None:
+    tensors = server.round_tensors(task, rnd)
+    update = ClientUpdate("client-0001", 10, {
+        **{DELTA + k: np.full_like(v, value) for k, v in tensors.items() if "/" not in k},
+        **{k: np.full_like(v, value) for k, v in tensors.items() if k.startswith(FLOW)}})
+    server.aggregate(task, rnd, [update])
+
+
+def test_server_averages_the_flow_and_sends_the_old_pair_once_per_task():
+    server = _server(0)
+    server.start_task(0)
+    before = dict(server.round_tensors(0, 0))
+    assert any(k.startswith(FLOW) for k in before)
+    _step(server, 0, 0, 0.5)
+    after = server.round_tensors(0, 1)
+    name = next(k for k in before if k.startswith(FLOW))
+    assert np.allclose(after[name], before[name] + 0.5)
+    assert server.task_assets(0) == {}
+    server.end_task(0)
+    server.start_task(1)
+    assets = server.task_assets(1)
+    assert set(assets) == {"old_model"}
+    old = assets["old_model"]
+    assert np.array_equal(old[OLD_FLOW + name[len(FLOW):]], after[name])
+    assert np.array_equal(old[OLD_MODEL + "head.weight"], after["head.weight"])
+
+
+def test_restored_server_behaves_identically():
+    original = _server(0)
+    original.start_task(0)
+    _step(original, 0, 0, 0.01)
+    original.end_task(0)
+    original.start_task(1)
+    _step(original, 1, 1, -0.02)
+    restored = _server(1)
+    restored.load_state_arrays({k: np.array(v) for k, v in original.state_arrays().items()})
+    restored.load_state_meta(json.loads(json.dumps(original.state_meta())))
+    for a, b in ((original.task_assets(1), restored.task_assets(1)),
+                 ({"r": original.round_tensors(1, 2)}, {"r": restored.round_tensors(1, 2)})):
+        assert a.keys() == b.keys()
+        for kind in a:
+            assert a[kind].keys() == b[kind].keys()
+            assert all(np.array_equal(a[kind][k], b[kind][k]) for k in a[kind])
+    _step(original, 1, 2, 0.03)
+    _step(restored, 1, 2, 0.03)
+    assert all(np.array_equal(v, restored.round_tensors(1, 3)[k]) for k, v in original.round_tensors(1, 3).items())
+
+
+def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread):
+    server = _server(0)
+    server.start_task(0)
+    server.end_task(0)
+    server.start_task(1)
+    spec = methods.get("affcl")
+    client = spec.client(spec.options(**TINY))
+    torch.manual_seed(0)
+    x, y = torch.randn(16, *SHAPE), torch.randint(0, 4, (16,))
+    ctx = ClientContext(client="c", task=1, task_classes=np.arange(2, 4), seen_classes=np.arange(4), x=x, y=y,
+                        settings=TrainingSettings(local_epochs=1, lr=0.05, batch_size=8),
+                        global_state=server.round_tensors(1, 0), assets=server.task_assets(1)["old_model"],
+                        state={}, store=None, build_model=lambda n: build_model("cnn", SHAPE, n),
+                        dataset_classes=6, new_task=True)
+    model = ctx.frozen_model(ctx.global_state)
+    model.requires_grad_(True)
+    uploads, metrics = client.train(ctx, model)
+    flow_deltas = {k: v for k, v in uploads.items() if k.startswith(FLOW)}
+    assert flow_deltas.keys() == {FLOW + k for k in ConditionalFlow(256, 6, 2, 8).state_dict()}
+    assert any(np.abs(v).max() > 0 for v in flow_deltas.values())
+    for term in ("flow_nll", "flow_nll_old", "kd_feature", "kd_output", "kd_generated", "credibility", "p_bar"):
+        assert math.isfinite(metrics[term]), term
+    bad = ClientContext(**{**ctx.__dict__, "dataset_classes": 7, "job": {}, "metrics": {}})
+    with pytest.raises(ValueError, match="cannot load state"):  # a flow of another label space
+        client.train(bad, ctx.frozen_model(ctx.global_state))
+
+
+# ------------------------------------------------------------- real processes
+@pytest.mark.slow
+def test_affcl_end_to_end(tmp_path, mnist_root):
+    """Two tasks of MNIST's task pool with real edge-node processes: the flow rides with the model each
+    round, the old pair reaches each participant once in task 1, the client terms are reported."""
+    config = small_config(tmp_path / "c.yaml", method="affcl", method_options=TINY,
+                          scenario={"num_clients": 6, "partition": "task_pool", "samples_per_client_task": 60},
+                          rounds={"clients_per_round": 3, "rounds_per_task": 1, "eval_every": 1},
+                          training={"local_epochs": 1})
+    run_dir = tmp_path / "run"
+    proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
+    assert proc.wait(timeout=240) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["method"] == "affcl"
+    matrix = summary["accuracy_matrix"]
+    assert len(matrix) == 2 and all(len(row) == 2 for row in matrix)
+    flow_bytes = 4 * sum(v.numel() for v in ConditionalFlow(256, 10, 2, 8).state_dict().values())
+    model_bytes = 4 * sum(v.numel() for v in build_model("cnn", SHAPE, 10).state_dict().values())
+    sent = summary["messages"]
+    assert 0 < sent["old_model/sent"] <= 3
+    # each train request carries the model and the flow; each old_model asset the old pair
+    assert summary["bytes"]["train_request"]["sent"] >= 6 * flow_bytes
+    assert summary["bytes"]["old_model"]["sent"] >= sent["old_model/sent"] * (flow_bytes + model_bytes // 2)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert all("flow_nll" in r["client_metrics"] for r in rounds)
+    assert all("kd_feature" in r["client_metrics"] for r in rounds if r["task"] == 1)
