@@ -42,7 +42,7 @@ from edge_node.secagg import SecAggAbort, SecAggError
 from edge_node.availability import client_availability, parse_availability
 from edge_node.links import assign_profile, load_profiles
 from coordinator.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
-                                 average_incremental_accuracy)
+                                 average_incremental_accuracy, spatial_retention, temporal_retention)
 from fcl_emu.config import RunConfig
 from fcl_emu.launcher import gpu_worker_metrics_port
 from methods import registry as methods
@@ -721,6 +721,7 @@ class Coordinator:
                                elapsed_s=0.0 if resumed is None else resumed["wall_clock_s"])
         started = time.perf_counter() - (0.0 if resumed is None else resumed["wall_clock_s"])
         matrix: list[list[float | None]] = [] if resumed is None else resumed["matrix"]
+        class_hits = None  # (correct, samples) per seen class after the latest task: spatial retention
         rounds: list[RoundRecord] = [] if resumed is None else resumed["rounds"]
         first_task, first_round = (0, 0) if resumed is None else (resumed["task"], resumed["task_round"])
         last_round = self.config.rounds.rounds_per_task - 1
@@ -767,7 +768,8 @@ class Coordinator:
                 t0 = time.perf_counter()
                 self.server.end_task(task)
                 t_end_task = time.perf_counter() - t0
-                row = self.evaluator.accuracy_per_task(self.server.eval_model(), task)
+                class_hits = self.evaluator.class_hits(self.server.eval_model(), task)
+                row = self.evaluator.accuracy_per_task(*class_hits, task)
                 t_evaluate = time.perf_counter() - t0 - t_end_task
                 matrix.append(row + [None] * (self.scenario.num_tasks - task - 1))
                 seen = self._seen_accuracy(row, task)
@@ -787,15 +789,28 @@ class Coordinator:
             raise
         finally:
             self._shutdown(status)
-            summary = self._summary(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir)
+            summary = self._summary(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,
+                                    class_hits)
             recorder.summary(summary)
             recorder.event("end", status=status)
             recorder.close()
         return summary
 
-    def _seen_accuracy(self, row: list[float], task: int) -> float:
+    def _seen_accuracy(self, row: list[float | None], task: int) -> float:
         counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]
-        return float(np.average(row, weights=counts))
+        return float(np.average([a for a in row if a is not None], weights=[n for a, n in zip(row, counts)
+                                                                             if a is not None]))
+
+    def _knowledge_retention(self, matrix, class_hits) -> dict[str, float | None]:
+        """KR_t, KR_s and the private classes' accuracy (coordinator.results); the spatial terms need the
+        final model's per-class hits, which a run resumed after its last task no longer has."""
+        out = {"temporal": temporal_retention(matrix) if matrix else None, "spatial": None, "private": None}
+        if class_hits is not None and len(matrix) == self.scenario.num_tasks:
+            clients = range(self.config.scenario.num_clients)
+            trained = [np.unique(np.concatenate([self.scenario.client_classes(k, t) for t in range(len(matrix))]))
+                       for k in clients]
+            out.update(spatial_retention(*class_hits, trained))
+        return out
 
     def _shutdown(self, reason: str) -> None:
         """Tell every client that is reachable, away ones included (their node ends with the run)."""
@@ -804,7 +819,8 @@ class Coordinator:
                 # a node closes all its clients at the first shutdown: later sends may find them gone
                 self._try_send(record.client_id, "shutdown", Shutdown(reason=reason))
 
-    def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path) -> dict:
+    def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
+                 class_hits=None) -> dict:
         counts = self.registry.counts
         complete = bool(matrix)
         phases = Counter()
@@ -825,6 +841,7 @@ class Coordinator:
             "average_accuracy": average_accuracy(matrix) if complete else None,
             "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
             "average_forgetting": average_forgetting(matrix) if complete else None,
+            "knowledge_retention": self._knowledge_retention(matrix, class_hits),
             "bytes": self.counters.nested(),
             "messages": {f"{t}/{d}": n for (t, d), n in sorted(self.counters.messages.items())},
             "bytes_total": sum(self.counters.bytes.values()),

@@ -29,17 +29,28 @@ class Evaluator:
             out.append(model(self.x[idx].to(self.device)).argmax(1).cpu())
         return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
-    def accuracy_per_task(self, model: nn.Module, last_task: int) -> list[float]:
-        """Accuracy (percent) on each task 0..last_task's classes, predicting over all seen classes."""
+    def class_hits(self, model: nn.Module, task: int) -> tuple[np.ndarray, np.ndarray]:
+        """Correct predictions and test samples of each class seen up to ``task`` (index = incremental label),
+        predicting over all seen classes: one pass over the seen classes' test samples."""
+        classes = self.scenario.seen_classes(task)
+        indices = self.scenario.test_indices(classes)
+        labels = self.y[torch.from_numpy(indices)]
+        correct = self.predictions(model, indices) == labels
+        size = len(classes)
+        hits = torch.bincount(labels[correct], minlength=size)[:size].numpy()
+        return hits, torch.bincount(labels, minlength=size)[:size].numpy()
+
+    def accuracy_per_task(self, hits: np.ndarray, totals: np.ndarray, last_task: int) -> list[float | None]:
+        """Accuracy (percent) on each task 0..last_task's classes from :meth:`class_hits`; ``None`` for a task
+        that introduced no class (possible when clients follow their own task sequences)."""
         accs = []
         for t in range(last_task + 1):
-            indices = self.scenario.test_indices(self.scenario.task_classes(t))
-            pred = self.predictions(model, indices)
-            accs.append(100.0 * float((pred == self.y[torch.from_numpy(indices)]).float().mean()) if len(indices) else float("nan"))
+            classes = self.scenario.task_classes(t)
+            total = int(totals[classes].sum())
+            accs.append(100.0 * float(hits[classes].sum()) / total if total else None)
         return accs
 
     def accuracy_seen(self, model: nn.Module, task: int) -> float:
         """Accuracy (percent) on all test samples of the classes seen up to ``task``."""
-        indices = self.scenario.test_indices(self.scenario.seen_classes(task))
-        pred = self.predictions(model, indices)
-        return 100.0 * float((pred == self.y[torch.from_numpy(indices)]).float().mean())
+        hits, totals = self.class_hits(model, task)
+        return 100.0 * float(hits.sum()) / float(totals.sum())

@@ -10,6 +10,21 @@ identity at test time). Entries with ``i > t`` are ``null``.
   over tasks ``0..t`` (Rebuffi et al., iCaRL, 2017).
 - ``average_forgetting``: mean over tasks ``i < T-1`` of
   ``max_{t < T-1} A[t][i] - A[T-1][i]`` (Chaudhry et al., 2018); 0 for one task.
+- ``accuracy_seen[t]`` (FedCBC's global accuracy GA after task ``t``): accuracy
+  on all test samples of the classes seen up to ``t``.
+- ``knowledge_retention.temporal`` (KR_t): mean over tasks ``i < T-1`` of
+  ``A[T-1][i] / max_t A[t][i]`` (percent): how much of the best the global
+  model ever knew of a task is left at the end (100: nothing forgotten).
+- ``knowledge_retention.spatial`` (KR_s): mean over clients ``k`` of the
+  final accuracy on the test samples of the classes ``S_k`` that client
+  ``k`` trained on: how much of every client's knowledge the global model
+  holds; ``knowledge_retention.private`` is the final accuracy on the
+  classes only one client trained on (``None`` if there are none).
+
+Entries of ``A`` for a task that introduced no class (clients on their own
+task sequences) are ``None`` and left out of every mean. FedCBC's paper
+defines GA, KR_t and KR_s (its eq. 8-9); its text was not available here, so
+KR_t and KR_s are the project's definitions of the same ideas (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -40,9 +55,35 @@ def average_forgetting(matrix: list[list[float | None]]) -> float:
     final = matrix[-1]
     drops = []
     for i in range(len(matrix) - 1):
-        best = max(matrix[t][i] for t in range(i, len(matrix) - 1))
-        drops.append(best - final[i])
-    return float(np.mean(drops))
+        if final[i] is not None:
+            drops.append(max(matrix[t][i] for t in range(i, len(matrix) - 1)) - final[i])
+    return float(np.mean(drops)) if drops else 0.0
+
+
+def temporal_retention(matrix: list[list[float | None]]) -> float | None:
+    """KR_t (percent): mean over tasks ``i < T-1`` of ``A[T-1][i] / max_t A[t][i]``, over tasks that introduced
+    classes and were learned at some point; ``None`` with fewer than two tasks."""
+    ratios = []
+    for i in range(len(matrix) - 1):
+        best = max((row[i] for row in matrix[i:] if row[i] is not None), default=0.0)
+        if best > 0:
+            ratios.append(matrix[-1][i] / best)
+    return 100.0 * float(np.mean(ratios)) if ratios else None
+
+
+def spatial_retention(hits: np.ndarray, totals: np.ndarray,
+                      client_classes: list[np.ndarray]) -> dict[str, float | None]:
+    """KR_s and the accuracy on private classes (percent) from the final model's correct predictions and test
+    samples per class (``hits``, ``totals``, index = incremental label) and the classes each client trained on.
+    Clients that trained on nothing are left out."""
+    def accuracy(classes: np.ndarray) -> float:
+        return 100.0 * float(hits[classes].sum()) / float(totals[classes].sum())
+
+    held = [c[totals[c] > 0] for c in client_classes if len(c)]
+    owners = np.bincount(np.concatenate(held + [np.empty(0, np.int64)]), minlength=len(totals))
+    private = np.flatnonzero((owners == 1) & (totals > 0))
+    return {"spatial": float(np.mean([accuracy(c) for c in held if len(c)])) if held else None,
+            "private": accuracy(private) if len(private) else None}
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

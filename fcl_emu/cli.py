@@ -277,7 +277,7 @@ def up(
     device: DeviceOpt = None,
     seed: SeedOpt = None,
     run_dir: RunDirOpt = None,
-    partition: Annotated[Optional[str], typer.Option(help="iid, dirichlet, class_fraction, private_classes, task_pool.")] = None,
+    partition: Annotated[Optional[str], typer.Option(help="iid, dirichlet, class_fraction, private_classes, task_pool, accessible_classes (other scenario options: --config YAML).")] = None,
     beta: Annotated[Optional[float], typer.Option(help="Dirichlet concentration for --partition dirichlet.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Backbone: auto, cnn, resnet18, resnet32.")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Local learning rate.")] = None,

@@ -50,7 +50,7 @@ class ProgressView:
                 f"round {info['task_round'] + 1}/{self.config.rounds.rounds_per_task} | "
                 f"{info['participants']}/{info['selected']} clients | acc(seen) {acc}"))
         elif kind == "task_end":
-            row = " ".join(f"{a:.1f}" for a in info["accuracy"])
+            row = " ".join("-" if a is None else f"{a:.1f}" for a in info["accuracy"])
             self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
             self.accuracy = None
 
@@ -67,6 +67,8 @@ def summary_table(summary: dict) -> Table:
     table.add_row("average accuracy (%)", pct(summary["average_accuracy"]))
     table.add_row("average incremental accuracy (%)", pct(summary["average_incremental_accuracy"]))
     table.add_row("average forgetting (%)", pct(summary["average_forgetting"]))
+    kr = summary.get("knowledge_retention") or {}
+    table.add_row("knowledge retention KR_t / KR_s (%)", f"{pct(kr.get('temporal'))} / {pct(kr.get('spatial'))}")
     table.add_row("rounds (skipped)", f"{summary['rounds']} ({summary['rounds_skipped']})")
     table.add_row("bytes on the wire", f"{summary['bytes_total'] / 1e6:.1f} MB")
     c = summary["clients"]

@@ -15,7 +15,7 @@ from scenario.datasets import ImageDataset
 from scenario.spec import ScenarioSpec
 
 # Independent random streams derived from one seed.
-_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM = 0, 1, 2, 3
+_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM, _NOISE_STREAM = 0, 1, 2, 3, 4
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -51,6 +51,7 @@ class Scenario:
         task_bounds: np.ndarray,
         client_data: list[list[np.ndarray]],
         old_only: list[np.ndarray],
+        noisy_labels: dict[tuple[int, int], np.ndarray] | None = None,
     ):
         self.spec = spec
         self.dataset = dataset
@@ -62,6 +63,7 @@ class Scenario:
         self._offsets = [np.concatenate([[0], np.cumsum([len(p) for p in parts])]) for parts in client_data]
         self._indices = [_frozen(np.concatenate(parts)) for parts in client_data]
         self._old_only = [_frozen(kept) for kept in old_only]
+        self._noisy_labels = {key: _frozen(y) for key, y in (noisy_labels or {}).items()}
 
     @property
     def num_classes(self) -> int:
@@ -103,7 +105,13 @@ class Scenario:
     def client_labels(self, client: int, t: int) -> np.ndarray:
         """Incremental labels of ``client``'s training samples at task ``t`` (aligned with
         :meth:`client_indices`), as the client sees them: noisy for a noisy client's early tasks."""
-        return self.train_labels[self.client_indices(client, t)]
+        noisy = self._noisy_labels.get((client, t))
+        return noisy if noisy is not None else self.train_labels[self.client_indices(client, t)]
+
+    @property
+    def noisy_clients(self) -> np.ndarray:
+        """Sorted clients that train on random labels in their first ``spec.noisy_tasks`` tasks."""
+        return np.unique(np.array([c for c, _ in self._noisy_labels], dtype=np.int64))
 
     def old_only_clients(self, t: int) -> np.ndarray:
         """Sorted clients that keep their task ``t - 1`` data at task ``t`` instead of getting task ``t``'s."""
@@ -151,12 +159,23 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         )
         order, bounds, rank = tasks.pool_stream(order, sequences, join, spec.pool_size)
         per_task = dataset.num_classes // spec.pool_size
+    elif spec.partition == "accessible_classes":
+        join = np.repeat(np.arange(spec.num_tasks), [active[0], *np.diff(active)])
+        rng = _rng(spec.seed, _POOL_STREAM)
+        per_client, private, per_task = spec.accessible
+        accessible, _ = tasks.draw_accessible_classes(spec.num_clients, dataset.num_classes, per_client, private, rng)
+        steps = tasks.draw_class_sequences(accessible, spec.num_tasks, per_task, rng)
+        order, bounds, position = tasks.first_use_stream(order, steps, join)
+        steps = position[steps]  # incremental labels
     else:
         bounds = tasks.bounds(tasks.task_sizes(dataset.num_classes, spec.num_tasks, spec.classes_first_task))
     labels = tasks.to_incremental(dataset.train_y, order)
 
     client_data, old_only = [], []
-    for t in range(spec.num_tasks):
+    if spec.partition == "accessible_classes":
+        client_data = partitions.accessible_classes(labels, steps, active, _rng(spec.seed, _PARTITION_STREAM))
+        old_only = [np.empty(0, dtype=np.int64)] * spec.num_tasks
+    for t in range(len(client_data), spec.num_tasks):
         rng = _rng(spec.seed, _PARTITION_STREAM, t)
         classes = np.arange(bounds[t], bounds[t + 1])
         kept = _old_only(spec, active, t)
@@ -178,7 +197,27 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
             parts = [data[c] for c in range(active[t])]
         client_data.append(parts)
         old_only.append(kept)
-    return Scenario(spec, dataset, order, bounds, client_data, old_only)
+    noisy = _noisy_labels(spec, labels, active, client_data)
+    return Scenario(spec, dataset, order, bounds, client_data, old_only, noisy)
+
+
+def _noisy_labels(spec: ScenarioSpec, labels: np.ndarray, active: list[int],
+                  client_data: list[list[np.ndarray]]) -> dict[tuple[int, int], np.ndarray]:
+    """Random labels of the noisy clients' first ``spec.noisy_tasks`` tasks: uniform over the classes of the
+    client's data at that task, by ``(client, task)``."""
+    count = round(spec.noisy_client_fraction * spec.num_clients)
+    if count == 0:
+        return {}
+    rng = _rng(spec.seed, _NOISE_STREAM)
+    noisy = np.sort(rng.choice(spec.num_clients, count, replace=False))
+    out = {}
+    for t in range(spec.num_tasks):
+        for client in noisy[noisy < active[t]].tolist():
+            joined = next(j for j in range(spec.num_tasks) if client < active[j])
+            true = labels[client_data[t][client]]
+            if t - joined < spec.noisy_tasks and len(true):
+                out[(client, t)] = rng.choice(np.unique(true), len(true))
+    return out
 
 
 def _old_only(spec: ScenarioSpec, active: list[int], t: int) -> np.ndarray:

@@ -15,7 +15,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from scenario.datasets import DATASETS, NUM_CLASSES
 
-Partition = Literal["iid", "dirichlet", "class_fraction", "private_classes", "task_pool"]
+Partition = Literal["iid", "dirichlet", "class_fraction", "private_classes", "task_pool", "accessible_classes"]
+_ACCESSIBLE_FIELDS = ("classes_per_client", "private_per_client", "classes_per_task")
 
 
 class ScenarioSpec(BaseModel):
@@ -41,7 +42,19 @@ class ScenarioSpec(BaseModel):
         ``task_pool_size`` (default ``num_tasks``) pool tasks of equal size and
         every client works through its own random sequence of ``num_tasks``
         distinct pool tasks, with ``samples_per_client_task`` samples per task
-        (default: the pool task's samples split among the clients on it).
+        (default: the pool task's samples split among the clients on it);
+      - ``accessible_classes``: FedCBC's protocol; client ``i`` owns
+        ``private_per_client`` private classes and draws the rest of its
+        ``classes_per_client`` accessible classes from the public ones (those
+        nobody owns); at every task it works on ``classes_per_task`` of its
+        accessible classes drawn afresh, so classes come back, each time with
+        fresh samples (defaults 6, 2 and 3: the paper's MNIST protocol with 3
+        clients). The evaluated task stream is, as for ``task_pool``, the
+        classes in order of first use.
+    - ``noisy_client_fraction``: that fraction of the clients (drawn once)
+      train on random labels in their first ``noisy_tasks`` tasks: every
+      sample's label is drawn uniformly from the classes of the client's data
+      at that task (AF-FCL's noisy clients, its EMNIST-noisy study).
     - ``old_only_fraction``: at each later task boundary, this fraction of the
       clients already there keep their previous data (only old classes) and
       the task's samples go to the others and the newly joined clients; GLFC's
@@ -64,7 +77,12 @@ class ScenarioSpec(BaseModel):
     private_fraction: float = Field(0.5, ge=0, le=1)
     task_pool_size: int | None = Field(None, ge=1)
     samples_per_client_task: int | None = Field(None, ge=1)
+    classes_per_client: int | None = Field(None, ge=1)
+    private_per_client: int | None = Field(None, ge=0)
+    classes_per_task: int | None = Field(None, ge=1)
     old_only_fraction: float = Field(0.0, ge=0, lt=1)
+    noisy_client_fraction: float = Field(0.0, ge=0, le=1)
+    noisy_tasks: int = Field(1, ge=1)
     shuffle_classes: bool = True
     seed: int = Field(0, ge=0)
 
@@ -81,8 +99,9 @@ class ScenarioSpec(BaseModel):
         if tasks > classes:
             self._fail("num_tasks", f"num_tasks={tasks} exceeds the {classes} classes of {self.dataset}")
         if self.classes_first_task is not None:
-            if self.partition == "task_pool":
-                self._fail("classes_first_task", "does not apply to partition='task_pool' (pool tasks are equal)")
+            if self.partition in ("task_pool", "accessible_classes"):
+                self._fail("classes_first_task", f"does not apply to partition={self.partition!r} (clients follow "
+                           "their own tasks)")
             if tasks == 1 and self.classes_first_task != classes:
                 self._fail("classes_first_task", f"must be {classes} (all classes) when num_tasks=1")
             if classes - self.classes_first_task < tasks - 1:
@@ -97,6 +116,12 @@ class ScenarioSpec(BaseModel):
                 f"new_clients_per_task={self.new_clients_per_task} x {tasks - 1} later tasks leaves no "
                 f"initial client out of num_clients={self.num_clients}",
             )
+        if self.partition == "accessible_classes":
+            self._check_accessible(classes)
+        else:
+            for name in _ACCESSIBLE_FIELDS:
+                if getattr(self, name) is not None:
+                    self._fail(name, f"applies only to partition='accessible_classes', not {self.partition!r}")
         if self.partition != "task_pool":
             for name in ("task_pool_size", "samples_per_client_task"):
                 if getattr(self, name) is not None:
@@ -111,6 +136,22 @@ class ScenarioSpec(BaseModel):
             )
         return self
 
+    def _check_accessible(self, classes: int) -> None:
+        per_client, private, per_task = self.accessible
+        if private > per_client:
+            self._fail("private_per_client", f"private_per_client={private} exceeds classes_per_client={per_client}")
+        if per_task > per_client:
+            self._fail("classes_per_task", f"classes_per_task={per_task} exceeds classes_per_client={per_client}")
+        public = classes - self.num_clients * private
+        if public < per_client - private:
+            self._fail(
+                "private_per_client",
+                f"{self.num_clients} clients x private_per_client={private} leave {max(public, 0)} public classes "
+                f"of {self.dataset}'s {classes}, fewer than the {per_client - private} each client draws",
+            )
+        if self.old_only_fraction > 0:
+            self._fail("old_only_fraction", "does not apply to partition='accessible_classes'")
+
     def _fail(self, field: str, message: str) -> None:
         """Raise a ValidationError located at ``field`` (cross-field checks have no location otherwise)."""
         error = InitErrorDetails(
@@ -122,6 +163,13 @@ class ScenarioSpec(BaseModel):
     def initial_clients(self) -> int:
         """Clients present from task 0."""
         return self.num_clients - self.new_clients_per_task * (self.num_tasks - 1)
+
+    @property
+    def accessible(self) -> tuple[int, int, int]:
+        """``(classes_per_client, private_per_client, classes_per_task)`` of ``accessible_classes``, defaults
+        filled in (6, 2, 3: FedCBC's MNIST protocol)."""
+        defaults = (6, 2, 3)
+        return tuple(d if v is None else v for v, d in zip((getattr(self, n) for n in _ACCESSIBLE_FIELDS), defaults))
 
     @property
     def pool_size(self) -> int:

@@ -52,24 +52,76 @@ def pool_stream(
     """The global task stream of a task pool, for evaluation.
 
     Pool task ``p`` holds ``order[p*k:(p+1)*k]`` with ``k = len(order) // pool_size``
-    (the ``len(order) % pool_size`` last classes are left out). The stream's
-    task ``t`` is the pool tasks that some active client starts at step ``t``
-    for the first time, so the returned class order lists pool tasks by first
-    use (ties by pool index; unused ones and left-out classes last).
+    (the ``len(order) % pool_size`` last classes are left out). The stream is
+    :func:`first_use_stream` of the pool tasks' classes, so pool tasks stay
+    whole and are listed by first use (ties by pool index; unused ones and
+    left-out classes last).
 
     Returns ``(class order, task bounds, rank)`` where ``rank[p]`` is pool task
     ``p``'s position in the new order: its incremental labels are
     ``rank[p]*k : (rank[p]+1)*k``.
     """
     k = len(order) // pool_size
-    num_tasks = sequences.shape[1]
-    first_use = np.full(pool_size, num_tasks, dtype=np.int64)
-    step = np.broadcast_to(np.arange(num_tasks), sequences.shape)
-    active = step >= join[:, None]
-    np.minimum.at(first_use, sequences[active], step[active])
-    by_use = np.lexsort((np.arange(pool_size), first_use))
-    rank = np.empty(pool_size, dtype=np.int64)
-    rank[by_use] = np.arange(pool_size)
-    new_order = np.concatenate([order[p * k : (p + 1) * k] for p in by_use] + [order[pool_size * k :]])
-    introduced = np.bincount(first_use, minlength=num_tasks + 1)[:num_tasks] * k
-    return new_order, bounds(introduced), rank
+    steps = sequences[:, :, None] * k + np.arange(k)
+    new_order, task_bounds, position = first_use_stream(order, steps, join)
+    return new_order, task_bounds, position[np.arange(pool_size) * k] // k
+
+
+def first_use_stream(
+    order: np.ndarray, steps: np.ndarray, join: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A global class-incremental stream for clients that follow their own class sequences.
+
+    ``steps[i, t]`` lists the classes (as positions in ``order``) client ``i``
+    works on at step ``t``; a client counts from its ``join`` step on. Task
+    ``t`` of the stream is the classes some active client meets for the first
+    time at step ``t`` (possibly none); within a task, and for classes never
+    met (listed last), classes keep their order.
+
+    Returns ``(class order, task bounds, position)`` with ``position[j]`` the
+    new incremental label of the class at position ``j`` of ``order``.
+    """
+    num_tasks = steps.shape[1]
+    first_use = np.full(len(order), num_tasks, dtype=np.int64)
+    step = np.broadcast_to(np.arange(num_tasks)[None, :, None], steps.shape)
+    active = step >= join[:, None, None]
+    np.minimum.at(first_use, steps[active], step[active])
+    by_use = np.lexsort((np.arange(len(order)), first_use))
+    position = np.empty(len(order), dtype=np.int64)
+    position[by_use] = np.arange(len(order))
+    introduced = np.bincount(first_use, minlength=num_tasks + 1)[:num_tasks]
+    return order[by_use], bounds(introduced), position
+
+
+# ---------------------------------------------------------------- FedCBC accessible classes
+
+
+def draw_accessible_classes(
+    num_clients: int, num_classes: int, per_client: int, private_per_client: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each client's accessible classes (positions in the class order) and which positions are private.
+
+    Client ``i`` owns the private classes ``i*p .. (i+1)*p - 1`` (``p =
+    private_per_client``; the class order is already shuffled) and draws its
+    other ``per_client - p`` classes at random from the public ones, the
+    classes no client owns. Returns ``(accessible per client, is_private)``.
+    """
+    private = num_clients * private_per_client
+    public = np.arange(private, num_classes)
+    accessible = [
+        np.sort(np.concatenate([np.arange(i * private_per_client, (i + 1) * private_per_client),
+                                rng.choice(public, per_client - private_per_client, replace=False)]))
+        for i in range(num_clients)
+    ]
+    return accessible, np.arange(num_classes) < private
+
+
+def draw_class_sequences(
+    accessible: list[np.ndarray], num_tasks: int, per_task: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Each client's own tasks: ``per_task`` distinct classes drawn afresh from its accessible classes at
+    every step (a class may come back in a later task). Shape (clients, tasks, per_task), sorted per task."""
+    return np.stack([
+        np.sort(np.stack([rng.choice(classes, per_task, replace=False) for _ in range(num_tasks)]), axis=1)
+        for classes in accessible
+    ])

@@ -149,3 +149,45 @@ def test_real_mnist_300_clients_is_fast(real_mnist, partition):
     s = build_scenario(spec, real_mnist)
     assert time.perf_counter() - start < 1.0
     assert min(len(s.client_indices(c, 0)) for c in s.active_clients(0)) > 0
+
+
+def test_accessible_classes_scenario_is_fedcbcs_protocol():
+    spec = ScenarioSpec(num_tasks=5, num_clients=3, partition="accessible_classes")
+    s = build_scenario(spec, fake_dataset(per_class=300))
+    held = [[set(s.client_classes(c, t).tolist()) for t in range(5)] for c in range(3)]
+    accessible = [set().union(*tasks) for tasks in held]
+    assert all(len(t) == 3 for tasks in held for t in tasks)  # 3 classes per task
+    assert all(len(a) <= 6 for a in accessible)  # drawn from 6 accessible classes
+    owners = np.bincount([c for a in accessible for c in a], minlength=10)
+    assert (owners >= 1).all() and (owners == 1).sum() <= 6  # at most 2 private classes per client
+    seen: set[int] = set()
+    for t in range(5):
+        seen |= set().union(*(held[c][t] for c in range(3)))
+        assert seen == set(s.seen_classes(t).tolist())  # the stream: classes in order of first use
+    # a class that comes back brings fresh samples: no index is dealt twice over all tasks and clients
+    dealt = np.concatenate([s.client_indices(c, t) for c in range(3) for t in range(5)])
+    assert len(dealt) == len(np.unique(dealt))
+    assert digest(s) == digest(build_scenario(spec, fake_dataset(per_class=300)))
+
+
+def test_accessible_classes_refuses_too_many_private_classes():
+    with pytest.raises(ValueError, match="private_per_client"):
+        ScenarioSpec(num_clients=4, partition="accessible_classes")
+    with pytest.raises(ValueError, match="classes_per_task"):
+        ScenarioSpec(num_clients=3, partition="accessible_classes", classes_per_task=7)
+    with pytest.raises(ValueError, match="applies only to partition='accessible_classes'"):
+        ScenarioSpec(num_clients=3, classes_per_task=2)
+
+
+def test_noisy_clients_train_on_random_labels_in_their_first_tasks():
+    spec = ScenarioSpec(num_tasks=3, num_clients=10, partition="task_pool", noisy_client_fraction=0.3, noisy_tasks=2)
+    s = build_scenario(spec, fake_dataset(per_class=300))
+    assert len(s.noisy_clients) == 3
+    for c in range(10):
+        for t in range(3):
+            true, seen = s.train_labels[s.client_indices(c, t)], s.client_labels(c, t)
+            assert len(seen) == len(true) and set(seen.tolist()) <= set(true.tolist())
+            if c in s.noisy_clients and t < 2:
+                assert 0.2 < (seen == true).mean() < 0.7  # uniform over the task's classes (2 here: ~1/2)
+            else:
+                assert (seen == true).all()
