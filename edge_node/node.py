@@ -299,12 +299,8 @@ class EdgeNode:
             if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
                 vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.request.secure else None
                 return _Result(client, job.round, job.task, {}, 0, vector=vector)
-            head = int(job.model["head.weight"].shape[0])
-            model = model_cache.get(head)
-            if model is None:
-                model_cache.clear()
-                model = model_cache[head] = self.build_model(head)
-            load_arrays(model, model_arrays(job.model))
+            classifier = model_arrays(job.model)  # none for a method without a global classifier (FedCBC):
+            model = self._classifier(classifier, model_cache) if classifier else None  # its train gets None
             ds = s.scenario.dataset
             ctx = ClientContext(
                 client=client.id, task=client.task,
@@ -329,6 +325,15 @@ class EdgeNode:
             return _Result(client, job.round, job.task, None, error=f"{type(exc).__name__}: {exc}")
         finally:
             self.payloads.release(job.round, job.model)
+
+    def _classifier(self, arrays: Mapping[str, np.ndarray], model_cache: dict[int, Any]):
+        """The received global classifier, in a model reused across jobs while its head size stays."""
+        head = int(arrays["head.weight"].shape[0])
+        model = model_cache.get(head)
+        if model is None:
+            model_cache.clear()
+            model = model_cache[head] = self.build_model(head)
+        return load_arrays(model, arrays)
 
     # ------------------------------------------------------------------ I/O
     def _on_message(self, client: EmulatedClient, msg: Message) -> None:

@@ -94,8 +94,9 @@ class TaskAsset(Body):
 
 
 # Per-task asset kinds, each a message type with a TaskAsset body (methods.base.ServerPart.task_assets):
-# a frozen earlier model, a generator's weights, a synthetic data set, label-text embeddings.
-ASSET_TYPES = ("old_model", "generator", "synthetic_data", "label_text")
+# a frozen earlier model, a generator's weights, a synthetic data set, label-text embeddings, a frozen
+# pretrained feature extractor (FedCBC).
+ASSET_TYPES = ("old_model", "generator", "synthetic_data", "label_text", "feature_extractor")
 
 
 class TrainRequest(Body):

@@ -1,0 +1,495 @@
+"""FedCBC: Federated Class-specific Binary Classifier.
+
+FedCBC (ACM MM 2024 submission, OpenReview ``QJ7LbzviHm``): each class is
+recognised by its own VAE over the features of a frozen extractor;
+*continual personalization* distils the global VAE of a class into the
+clients' local VAEs of that class, and *selective knowledge fusion* merges the
+local VAEs of one class from different clients (a class several clients
+hold, or one only a single client holds) into its global VAE. Metrics GA,
+KR_t, KR_s (coordinator/results.py).
+
+Sources. The paper's text (its equations and the value of every default) was
+not available here: only its abstract. Every formula and default below comes
+from the authors' official code (SkyOfBeginning/FedCBC: ``client.py``,
+``Server.py``, ``utils.py``, ``option.py``, ``models/VAE_PRETRAINED.py``),
+numbered as the issue numbers the paper's equations.
+
+**Feature extractor.** The code loads a ResNet-18 pretrained beforehand on a
+server-side subset; the paper (per the issue) uses 5% of each class. Here the
+server pretrains the run's backbone (``ctx.model_name``) with a linear head
+over all the data set's classes as a GPU-worker job (``fedcbc.pretrain``,
+before the first round): ``pretrain_fraction`` (0.05) of the training samples
+of *every* class, future tasks' classes included, drawn from the run's seed;
+``pretrain_epochs`` of SGD (``pretrain_lr``, momentum 0.9, weight decay 5e-4,
+batch ``pretrain_batch``; our choices: the code does not include this step).
+This small labelled server set is the paper's protocol: FedCBC is not
+data-free, and the extractor has seen a little of every class. The frozen
+extractor's weights travel to each client once per task as the
+``feature_extractor`` asset (``fedcbc/extractor/<backbone param>``).
+
+**VAE** (:class:`methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
+MLP, tanh (code: encoder [512, 256], latent 128, decoder [256, 512] over
+ResNet-18's 512 features; here ``vae_hidden``, ``vae_latent``, d the
+backbone's width). Eq. 5, per sample ``||f - f^||^2 + beta KL(q(z|f) || N(0, I))``
+with ``beta = 0.5`` (code), averaged over the batch. Adam, ``vae_lr = 1e-3``,
+weight decay ``1e-3`` (code).
+
+**Client** (continual personalization), every job, for each class ``c`` in its
+data: its local VAE of ``c`` is the one kept in its store from its earlier
+jobs, else a copy of the global VAE of ``c``, else a fresh one; the *replay
+source* is the global VAE of ``c`` if there is one, else the client's own
+local VAE; ``pseudo_samples`` (100) latents ``z ~ U(-1, 1)^k`` (code; or
+``N(0, I)``, ``pseudo_noise``) decoded by it join the class's real features.
+With a global VAE of ``c`` (the *teacher*) the loss is::
+
+    L = eq. 5 + alpha * mean_b KL(q_local(z|f) || q_global(z|f))
+
+(``alpha = 0.1``, code). The run's ``training.local_epochs`` and
+``batch_size`` apply (code: 300 epochs, batch 32); the round's ``lr`` does
+not (the VAEs use Adam at ``vae_lr``). The client uploads every trained VAE as
+``fedcbc/vae/<class>/<param>`` and keeps it in its on-device store.
+
+**Server** (selective knowledge fusion, eq. 7), after each round, per class
+``c`` with uploads: the *sources* are the uploaded local VAEs of ``c`` and
+its previous global VAE, if any. One source (a class only one client holds,
+seen for the first time): that VAE becomes the global one (the code's rule;
+distilling a VAE into a copy of itself changes nothing). Several (public
+classes, and private classes from their second round on): job
+``fedcbc.fuse`` draws ``pseudo_samples`` latents, decodes each by every
+source, and trains a student (started from the previous global VAE, else
+from the first uploader's local VAE in client order; code: a random one) for
+``fusion_epochs`` (300, code) over these pseudo-features, batch
+``fusion_batch`` (32, code), with::
+
+    L = eq. 5 + alpha * mean_b KL(q_student(z|f) || N(mean_s mu_s(f), exp(mean_s log var_s(f))))
+
+the sources' posterior means and log-variances averaged (the code averages
+the sources' *sampled* latents instead of their means, a noisy stand-in for
+the same target). Uploads are not weighted by sample counts (code).
+
+**Prediction** (eq. 6, :class:`methods.models.vae.VAEClassifier`): the class
+whose global VAE has the lowest eq.-5 loss on the features; the logits are
+minus that loss (``-inf`` for a seen class without a VAE yet), so the
+evaluator's argmax is eq. 6. The latent is the posterior mean (the code
+samples it, which makes its evaluation random).
+
+**Wire.** ``summable = ()``: nothing is summed, no model delta is uploaded
+(the global classifier state is empty), and ``--secagg`` is refused at config
+time naming the per-class VAEs. Each train request carries the global VAEs of
+the classes that the task's clients hold (the scenario knows them; a
+deployment would have clients name their classes), so a VAE travels with
+every request of a task that holds its class. Each VAE of the defaults with a
+256-wide backbone is 230 K float32 values (0.9 MB).
+
+**Validation.** :meth:`FedCBCServer.check_upload` refuses an upload with
+tensors outside ``fedcbc/vae/``, a class that was not seen yet, missing or
+extra VAE parameters, a wrong shape or dtype, or non-finite values (the wire
+already drops NaN in updates). The engine has no per-method hook at receipt
+for updates, so :meth:`aggregate` drops such an update, logs it and counts it
+(``rejected_updates``, kept in checkpoints) instead of failing the round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+import pydantic
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from methods import jobs
+from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from methods.models.classifier import build_model
+from methods.models.state import load_arrays, state_to_arrays
+from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
+from methods.registry import MethodSpec, register
+from scenario.transforms import to_tensor
+
+log = logging.getLogger("fcl_emu.methods.fedcbc")
+
+NAME = "fedcbc"
+VAES = f"{NAME}/vae/"  # uploads, round tensors, checkpoint: fedcbc/vae/<class>/<param>
+EXTRACTOR = f"{NAME}/extractor/"  # asset / checkpoint: the frozen backbone's state-dict keys
+ASSET = "feature_extractor"  # the asset kind (wire.messages.ASSET_TYPES)
+STORE = f"{NAME}.vae."  # client store: fedcbc.vae.<class>, the client's local VAE of that class
+
+
+class FedCBCOptions(Options):
+    pretrain_fraction: float = pydantic.Field(
+        0.05, gt=0, le=1, description="fraction of each class's training samples the server pretrains on (paper)")
+    pretrain_epochs: int = pydantic.Field(10, ge=1, description="epochs of the extractor's pretraining")
+    pretrain_lr: float = pydantic.Field(0.05, gt=0, description="SGD learning rate of the pretraining")
+    pretrain_batch: int = pydantic.Field(64, ge=1, description="batch size of the pretraining")
+    vae_hidden: int = pydantic.Field(256, ge=1, description="hidden width of each VAE (code: 256)")
+    vae_latent: int = pydantic.Field(128, ge=1, description="latent size of each VAE (code: 128)")
+    beta: float = pydantic.Field(0.5, ge=0, description="weight of the KL to the prior in eq. 5 (code: 0.5)")
+    alpha: float = pydantic.Field(0.1, ge=0, description="weight of the distillation KL (code: 0.1)")
+    vae_lr: float = pydantic.Field(1e-3, gt=0, description="Adam learning rate of the VAEs (code: 1e-3)")
+    vae_weight_decay: float = pydantic.Field(1e-3, ge=0, description="Adam weight decay of the VAEs (code: 1e-3)")
+    pseudo_samples: int = pydantic.Field(100, ge=1, description="latents drawn per class and source (code: 100)")
+    pseudo_noise: Literal["uniform", "normal"] = pydantic.Field(
+        "uniform", description="latents of pseudo-features: U(-1, 1) (code) or the prior N(0, I)")
+    fusion_epochs: int = pydantic.Field(300, ge=1, description="epochs of the server's fusion per class (code: 300)")
+    fusion_batch: int = pydantic.Field(32, ge=1, description="batch size of the server's fusion (code: 32)")
+
+
+# ------------------------------------------------------------------ VAE tools
+def build_vae(o: FedCBCOptions, input_dim: int, arrays: Mapping[str, np.ndarray] | None = None,
+              seed: int = 0) -> VAE:
+    """A VAE of the options' sizes holding ``arrays``, or freshly initialised from ``seed``; torch's global
+    RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = VAE(input_dim, o.vae_hidden, o.vae_latent)
+    if arrays is not None:
+        load_arrays(vae, arrays)
+    return vae
+
+
+def pseudo_features(vae: VAE, z: torch.Tensor) -> torch.Tensor:
+    """Features the VAE's decoder makes of the latents ``z`` (no gradients)."""
+    with torch.no_grad():
+        return vae.to(z.device).eval().decode(z)
+
+
+def draw_latents(o: FedCBCOptions, n: int, gen: torch.Generator) -> torch.Tensor:
+    if o.pseudo_noise == "uniform":
+        return torch.rand((n, o.vae_latent), generator=gen) * 2 - 1
+    return torch.randn((n, o.vae_latent), generator=gen)
+
+
+def distillation_loss(student: VAE, x: torch.Tensor, teachers: list[VAE], o: FedCBCOptions,
+                      gen: torch.Generator | None = None) -> tuple[torch.Tensor, float, float]:
+    """Eq. 5 on ``x`` plus ``alpha`` times the mean KL from the student's posterior to the teachers' averaged
+    posterior (one teacher: continual personalization; several: eq. 7); returns the loss and both terms."""
+    recon, mean, log_var = student(x, generator=gen)
+    own = vae_loss(recon, x, mean, log_var, o.beta)
+    if not teachers:
+        return own, own.item(), 0.0
+    with torch.no_grad():
+        posteriors = [t.encode(x) for t in teachers]
+        mean_t = torch.stack([m for m, _ in posteriors]).mean(dim=0)
+        log_var_t = torch.stack([v for _, v in posteriors]).mean(dim=0)
+    kd = gaussian_kl(mean, log_var, mean_t, log_var_t).mean()
+    return own + o.alpha * kd, own.item(), kd.item()
+
+
+def fit_vae(student: VAE, data: torch.Tensor, teachers: list[VAE], o: FedCBCOptions, epochs: int, batch: int,
+            gen: torch.Generator, device: torch.device) -> tuple[float, float, int]:
+    """Train ``student`` on the rows of ``data`` (Adam, shuffled batches) with :func:`distillation_loss`;
+    returns the mean eq.-5 and distillation terms of the last epoch, and the steps taken."""
+    student.to(device).train()
+    for t in teachers:
+        t.to(device).eval()
+    opt = torch.optim.Adam(student.parameters(), lr=o.vae_lr, weight_decay=o.vae_weight_decay)
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(data), generator=gen)
+        sums, batches = np.zeros(2), 0
+        for i in range(0, len(data), batch):
+            loss, own, kd = distillation_loss(student, data[order[i:i + batch]].to(device), teachers, o, gen)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"fedcbc: the VAE loss became {loss.item()}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sums += (own, kd)
+            batches += 1
+        steps += batches
+    student.eval()
+    own, kd = sums / max(batches, 1)
+    return float(own), float(kd), steps
+
+
+def split_vaes(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[int, Arrays]:
+    """``<prefix><class>/<param>`` tensors as ``{class: {param: array}}`` (ValueError: a name without a class
+    number)."""
+    out: dict[int, Arrays] = {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix):
+            continue
+        label, sep, param = key[len(prefix):].partition("/")
+        if not sep or not label.isdigit() or not param:
+            raise ValueError(f"tensor {key!r} is not {prefix}<class>/<param>")
+        out.setdefault(int(label), {})[param] = value
+    return out
+
+
+def join_vaes(vaes: Mapping[int, Mapping[str, np.ndarray]], prefix: str) -> Arrays:
+    """The inverse of :func:`split_vaes`."""
+    return {f"{prefix}{c}/{k}": v for c, arrays in sorted(vaes.items()) for k, v in arrays.items()}
+
+
+# --------------------------------------------------------------------- jobs
+@jobs.job("fedcbc.pretrain")
+def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
+                       device: torch.device) -> jobs.JobOutput:
+    """Pretrain the backbone on the server's labelled subset (inputs ``x``: uint8 images ``(N, H, W, C)``,
+    ``y``: labels). Options: ``method_options``, ``model``, ``input_shape``, ``num_classes``, ``mean``,
+    ``std``, ``seed``. Outputs the backbone's state (its own keys, without ``backbone.``)."""
+    o = FedCBCOptions(**options["method_options"])
+    x_raw, y_raw = np.asarray(inputs["x"]), np.asarray(inputs["y"])
+    k = int(options["num_classes"])
+    if x_raw.dtype != np.uint8 or x_raw.ndim != 4 or y_raw.shape != (len(x_raw),):
+        raise ValueError(f"fedcbc.pretrain: x must be uint8 (N, H, W, C) and y (N,), got {x_raw.dtype} "
+                         f"{list(x_raw.shape)} and {list(y_raw.shape)}")
+    if len(y_raw) == 0 or y_raw.min() < 0 or y_raw.max() >= k:
+        raise ValueError(f"fedcbc.pretrain: needs samples with labels in [0, {k})")
+    x, y = to_tensor(x_raw, options["mean"], options["std"]), torch.from_numpy(y_raw.astype(np.int64))
+    seed = int(options.get("seed", 0))
+    torch.manual_seed(seed)
+    model = build_model(options["model"], tuple(options["input_shape"]), k).to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=o.pretrain_lr, momentum=0.9, weight_decay=5e-4)
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    for _ in range(o.pretrain_epochs):
+        order = torch.randperm(len(y), generator=gen)
+        for i in range(0, len(y), o.pretrain_batch):
+            idx = order[i:i + o.pretrain_batch]
+            loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    model.eval()
+    with torch.no_grad():
+        predicted = torch.cat([model(x[i:i + 512].to(device)).argmax(dim=1).cpu() for i in range(0, len(y), 512)])
+    return jobs.JobOutput({k_: np.array(v) for k_, v in state_to_arrays(model.backbone.cpu()).items()},
+                          {"samples": float(len(y)), "final_loss": loss.item(),
+                           "train_accuracy": float((predicted == y).float().mean())})
+
+
+@jobs.job("fedcbc.fuse")
+def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
+    """Selective knowledge fusion (eq. 7) of every class in the inputs: ``source/<class>/<i>/<param>`` (the
+    local VAEs and the previous global VAE of the class) and ``start/<class>/<param>`` (the student's start).
+    Options: ``method_options``, ``feature_dim``, ``seed``. Outputs ``<class>/<param>``."""
+    o = FedCBCOptions(**options["method_options"])
+    d = int(options["feature_dim"])
+    gen = torch.Generator().manual_seed(int(options.get("seed", 0)))
+    starts = split_vaes(inputs, "start/")
+    sources = {c: split_vaes(strip_prefix(inputs, f"source/{c}/"), "") for c in starts}
+    if not starts or any(not s for s in sources.values()):
+        raise ValueError(f"fedcbc.fuse: every class needs a start and at least one source, got starts "
+                         f"{sorted(starts)} and sources of {sorted(c for c, s in sources.items() if s)}")
+    out: Arrays = {}
+    sums = np.zeros(2)
+    for c in sorted(starts):
+        teachers = [build_vae(o, d, arrays).to(device) for _, arrays in sorted(sources[c].items())]
+        z = draw_latents(o, o.pseudo_samples, gen).to(device)
+        data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
+        student = build_vae(o, d, starts[c])
+        own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)
+        sums += (own, kd)
+        out.update({f"{c}/{k}": np.array(v) for k, v in state_to_arrays(student.cpu()).items()})
+    own, kd = sums / len(starts)
+    return jobs.JobOutput(out, {"classes": float(len(starts)), "final_vae_loss": float(own),
+                               "final_distillation": float(kd)})
+
+
+# ------------------------------------------------------------------- server
+class FedCBCServer(ServerPart):
+    """Pretrains the frozen extractor, fuses the clients' per-class VAEs into global ones, evaluates by eq. 6."""
+
+    options: FedCBCOptions
+    summable = ()
+    individual_payload = "per-class VAEs (fedcbc/vae/<class>/*)"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.global_state = {}  # no shared classifier: updates carry no model delta
+        self.feature_dim = self.model.feature_dim  # self.model's backbone hosts the extractor for evaluation
+        self._vae_shapes = {k: v.shape for k, v in state_to_arrays(build_vae(self.options, self.feature_dim)).items()}
+        self._extractor: Arrays | None = None
+        self._vaes: dict[int, Arrays] = {}  # the global VAE of each class that has one
+        self._num_seen = 0
+        self._payload: tuple[int, Arrays] | None = None  # (task, round tensors) until the VAEs change
+        self._eval: nn.Module | None = None
+        self.rejected_updates = 0
+
+    def start_task(self, task: int) -> None:
+        self._num_seen = len(self.ctx.scenario.seen_classes(task))
+        self._payload = self._eval = None
+        if self._extractor is None:
+            self._pretrain()
+
+    def _pretrain(self) -> None:
+        """``pretrain_fraction`` of every class's training samples (at least one each), from the run's seed."""
+        scenario = self.ctx.scenario
+        labels = np.asarray(scenario.train_labels)
+        rng = np.random.default_rng([self.ctx.seed, 0xCBC])
+        picked = []
+        for c in range(scenario.num_classes):
+            idx = np.flatnonzero(labels == c)
+            if len(idx):
+                picked.append(rng.choice(idx, max(1, round(self.options.pretrain_fraction * len(idx))), replace=False))
+        idx = np.sort(np.concatenate(picked))
+        ds = scenario.dataset
+        job = self.ctx.run_job("fedcbc.pretrain", {"x": ds.train_x[idx], "y": labels[idx].astype(np.int64)}, {
+            "method_options": self.options.model_dump(), "model": self.ctx.model_name,
+            "input_shape": list(self.ctx.input_shape), "num_classes": int(scenario.num_classes),
+            "mean": list(ds.mean), "std": list(ds.std), "seed": self.ctx.seed})
+        self._extractor = _frozen_copy(job.outputs)
+
+    def task_assets(self, task: int) -> dict[str, Arrays]:
+        return {ASSET: {EXTRACTOR + k: v for k, v in self._extractor.items()}}
+
+    def round_tensors(self, task: int, round: int) -> Arrays:
+        """The global VAEs of the classes this task's clients hold."""
+        if self._payload is None or self._payload[0] != task:
+            scenario = self.ctx.scenario
+            held = {int(c) for i in scenario.active_clients(task) for c in scenario.client_classes(i, task)}
+            self._payload = task, join_vaes({c: v for c, v in self._vaes.items() if c in held}, VAES)
+        return self._payload[1]
+
+    def check_upload(self, tensors: Mapping[str, np.ndarray], task: int) -> dict[int, Arrays]:
+        """The per-class VAEs of one upload, or ValueError naming what does not fit."""
+        stray = sorted(k for k in tensors if not k.startswith(VAES))
+        if stray:
+            raise ValueError(f"fedcbc uploads only {VAES}<class>/<param> tensors, got {stray[:3]}")
+        vaes = split_vaes(tensors, VAES)
+        seen = len(self.ctx.scenario.seen_classes(task))
+        for c, arrays in sorted(vaes.items()):
+            if c >= seen:
+                raise ValueError(f"VAE of class {c}, which task {task} has not introduced (seen: 0..{seen - 1})")
+            if arrays.keys() != self._vae_shapes.keys():
+                raise ValueError(f"VAE of class {c}: missing {sorted(self._vae_shapes.keys() - arrays.keys())[:3]}, "
+                                 f"unknown {sorted(arrays.keys() - self._vae_shapes.keys())[:3]}")
+            for k, v in arrays.items():
+                if v.shape != self._vae_shapes[k] or v.dtype != np.float32:
+                    raise ValueError(f"VAE of class {c}: {k} is {v.dtype} {list(v.shape)}, expected float32 "
+                                     f"{list(self._vae_shapes[k])}")
+                if not np.isfinite(v).all():
+                    raise ValueError(f"VAE of class {c}: {k} holds NaN or infinity")
+        return vaes
+
+    def aggregate(self, task: int, round: int, updates) -> None:
+        """Selective knowledge fusion of every class with uploads (see the module docstring)."""
+        uploads: dict[int, list[Arrays]] = {}
+        for u in updates:
+            try:
+                vaes = self.check_upload(u.tensors, task)
+            except ValueError as exc:
+                self.rejected_updates += 1
+                log.warning("fedcbc: dropped the update of %s: %s", u.client, exc)
+                continue
+            for c, arrays in vaes.items():
+                uploads.setdefault(c, []).append(arrays)
+        inputs, fused = {}, []
+        for c, local in sorted(uploads.items()):
+            sources = local + ([self._vaes[c]] if c in self._vaes else [])
+            if len(sources) == 1:
+                self._vaes[c] = _frozen_copy(sources[0])
+                continue
+            inputs.update({f"start/{c}/{k}": v for k, v in self._vaes.get(c, local[0]).items()})
+            for i, arrays in enumerate(sources):
+                inputs.update({f"source/{c}/{i}/{k}": v for k, v in arrays.items()})
+            fused.append(c)
+        if fused:
+            job = self.ctx.run_job("fedcbc.fuse", inputs, {
+                "method_options": self.options.model_dump(), "feature_dim": self.feature_dim,
+                "seed": self.ctx.seed * 100_003 + round})
+            self._vaes.update({c: _frozen_copy(strip_prefix(job.outputs, f"{c}/")) for c in fused})
+        self._payload = self._eval = None
+
+    def eval_model(self) -> nn.Module:
+        if self._eval is None:
+            if self._extractor is not None:
+                load_arrays(self.model.backbone, self._extractor)
+            vaes = {c: build_vae(self.options, self.feature_dim, a) for c, a in self._vaes.items()}
+            self._eval = VAEClassifier(self.model.backbone, vaes, self._num_seen, self.options.beta)
+        return self._eval
+
+    # --- checkpoints: no classifier state; the extractor, the global VAEs, the seen-class count
+    def state_arrays(self) -> Arrays:
+        arrays = join_vaes(self._vaes, VAES)
+        if self._extractor is not None:
+            arrays.update({EXTRACTOR + k: v for k, v in self._extractor.items()})
+        return arrays
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"seen_classes": self._num_seen, "rejected_updates": self.rejected_updates}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        extractor = strip_prefix(arrays, EXTRACTOR)
+        self._extractor = _frozen_copy(extractor) if extractor else None
+        self._vaes = {c: _frozen_copy(v) for c, v in split_vaes(arrays, VAES).items()}
+        self._payload = self._eval = None
+
+    def load_state_meta(self, meta: Mapping[str, Any]) -> None:
+        self._num_seen = int(meta["seen_classes"])
+        self.rejected_updates = int(meta["rejected_updates"])
+
+
+# ------------------------------------------------------------------- client
+class FedCBCClient(ClientPart):
+    """Trains one local VAE per class of its data on the frozen extractor's features (no classifier)."""
+
+    options: FedCBCOptions
+
+    def __init__(self, options: FedCBCOptions):
+        super().__init__(options)
+        self._extractor: tuple[np.ndarray, nn.Module] | None = None  # (an asset array, the module built from it)
+
+    def extractor(self, ctx: ClientContext) -> nn.Module:
+        """The frozen backbone of the ``feature_extractor`` asset (built once per asset on this node)."""
+        arrays = strip_prefix(ctx.assets, EXTRACTOR)
+        if not arrays:
+            raise ValueError(f"fedcbc: no {ASSET} asset; the coordinator sends it at the start of each task")
+        first = arrays[min(arrays)]
+        if self._extractor is None or self._extractor[0] is not first:
+            backbone = ctx.build_model(0).backbone
+            load_arrays(backbone, arrays)
+            for p in backbone.parameters():
+                p.requires_grad_(False)
+            self._extractor = first, backbone.eval()
+        return self._extractor[1].to(ctx.device)
+
+    def train(self, ctx: ClientContext, model: None = None) -> tuple[Arrays, dict[str, float]]:
+        start = time.perf_counter()
+        o, s = self.options, ctx.settings
+        extractor = self.extractor(ctx)
+        with torch.no_grad():
+            features = torch.cat([extractor(ctx.x[i:i + 512].to(ctx.device)).cpu() for i in range(0, len(ctx.x), 512)])
+        d = features.shape[1]
+        teachers = {c: build_vae(o, d, a) for c, a in split_vaes(ctx.global_state, VAES).items()}
+        gen = torch.Generator().manual_seed(ctx.seed)
+        uploads: Arrays = {}
+        sums, classes = np.zeros(2), sorted(int(c) for c in torch.unique(ctx.y))
+        for c in classes:
+            stored = ctx.store.load(f"{STORE}{c}")
+            teacher = teachers.get(c)
+            if stored is not None:
+                local = build_vae(o, d, stored)
+            elif teacher is not None:
+                local = build_vae(o, d, state_to_arrays(teacher))
+            else:
+                local = build_vae(o, d, seed=ctx.seed + c)
+            data = features[ctx.y == c]
+            replay = teacher if teacher is not None else local if stored is not None else None
+            if replay is not None:
+                data = torch.cat([data, pseudo_features(replay, draw_latents(o, o.pseudo_samples, gen)).cpu()])
+            own, kd, _ = fit_vae(local, data, [teacher] if teacher is not None else [], o, s.local_epochs,
+                                 s.batch_size, gen, ctx.device)
+            sums += (own, kd)
+            arrays = {k: np.array(v) for k, v in state_to_arrays(local.cpu()).items()}
+            ctx.store.save(f"{STORE}{c}", arrays)
+            uploads.update(join_vaes({c: arrays}, VAES))
+        own, kd = sums / max(len(classes), 1)
+        metrics = {**ctx.metrics, "loss": own + o.alpha * kd, "vae_loss": own, "distillation": kd,
+                   "classes": float(len(classes)), "teachers": float(sum(c in teachers for c in classes)),
+                   "train_time_s": time.perf_counter() - start}
+        return uploads, metrics
+
+
+SPEC = register(MethodSpec(
+    name=NAME,
+    description="FedCBC: one VAE per class over a frozen server-pretrained extractor; clients distil the "
+                "global VAEs into theirs, the server fuses each class's VAEs from pseudo-features; predicts "
+                "the class whose VAE reconstructs best",
+    options=FedCBCOptions, server=FedCBCServer, client=FedCBCClient,
+))
