@@ -43,7 +43,8 @@ _JOBS: dict[str, JobFunction] = {}
 
 # kind prefix -> module that registers its jobs (imported on first use, by workers too)
 JOB_MODULES = {"device": "methods.jobs", "mfcl": "methods.mfcl", "target": "methods.target",
-               "lander": "methods.lander", "glfc": "methods.glfc"}
+               "lander": "methods.lander", "glfc": "methods.glfc",
+               "affcl": "methods.affcl", "fedcbc": "methods.fedcbc"}
 
 
 def job(kind: str) -> Callable[[JobFunction], JobFunction]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from methods.base import ClientPart, Options, ServerPart
 
 BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc", "methods.mfcl",
-                   "methods.target", "methods.lander", "methods.glfc")
+                   "methods.target", "methods.lander", "methods.glfc", "methods.affcl", "methods.fedcbc")
 
 
 @dataclass(frozen=True)
