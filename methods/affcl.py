@@ -219,6 +219,7 @@ class AFFCLServer(ServerPart):
         self._flow = _frozen_copy({k: v + delta[k] for k, v in self._flow.items()}, copy=False)
 
     def end_task(self, task: int) -> None:
+        super().end_task(task)
         self._old = {**_prefixed(OLD_MODEL, self.global_state), **_prefixed(OLD_FLOW, self._flow)}
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
