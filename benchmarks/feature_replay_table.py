@@ -1,0 +1,124 @@
+"""The feature-space replay tables of docs/experiments.md: FedCBC on its paper's protocol, AF-FCL on the
+limitless task pool with and without noisy clients.
+
+    python benchmarks/feature_replay_table.py --data-root ../shared/data --table fedcbc --out runs/fedcbc
+    python benchmarks/feature_replay_table.py --data-root ../shared/data --table fedcbc-cifar10 --out runs/fedcbc-cifar10
+    python benchmarks/feature_replay_table.py --data-root ../shared/data --table affcl --out runs/affcl
+
+Every row is one real ``fcl-emu up`` (coordinator, edge-node process and one GPU-worker process over
+ZeroMQ) of the table's scenario with one method, seed 0.
+
+- ``fedcbc``: FedCBC's MNIST protocol (scenario partition ``accessible_classes``: 3 clients, each with 6
+  accessible classes of which 2 are private, 5 tasks of 3 classes drawn afresh from them, 5 rounds per
+  task, all clients every round), ``fedcbc``, ``fedavg``, ``fedprox`` and ``glfc`` (2,000 exemplars per
+  client, the paper's default; the emulator's task start as its transition signal: in this protocol classes
+  come back, so an entropy rise does not separate new from old). The paper's Table 1 is printed beside:
+  average global accuracy FedCBC 81.08, GLFC 55.58, FedAvg 25.28, FedProx 12.73.
+- ``fedcbc-cifar10``: the same on CIFAR-10 (the paper's Table 2: FedCBC 57.93, GLFC 42.66, FedAvg 21.92).
+- ``affcl``: AF-FCL's limitless task pool on MNIST (8 clients, 5 pool tasks of 2 classes, each client its
+  own random sequence of all 5, 5 rounds per task), ``affcl``, ``fedavg`` and ``fedlwf2t``, clean and with
+  2 of the 8 clients training on random labels in their first 2 tasks (``noisy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runs import run_up
+
+COMMON = {
+    "rounds": {"rounds_per_task": 5, "deadline_s": 1800, "eval_every": 5},
+    "training": {"local_epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.9},
+    "network": {"liveness_timeout_s": 300, "join_timeout_s": 120},
+    "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
+    "nodes": 1,
+    "device": "cpu",
+    "seed": 0,
+}
+FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}
+GLFC = {"memory_size": 2000, "task_detection": "oracle", "proxy_iterations": 40, "proxy_keep": 10}
+FEDCBC_ROWS = {"fedcbc": ("fedcbc", {}), "fedavg": ("fedavg", {}), "fedprox": ("fedprox", {}), "glfc": ("glfc", GLFC)}
+POOL_SCENARIO = {"num_tasks": 5, "num_clients": 8, "partition": "task_pool", "task_pool_size": 5}
+NOISY = {"noisy_client_fraction": 0.25, "noisy_tasks": 2}
+AFFCL_ROWS = {f"{m}{suffix}": (m, {}) for suffix in ("", "-noisy") for m in ("affcl", "fedavg", "fedlwf2t")}
+
+TABLES = {
+    "fedcbc": ({**COMMON, "scenario": {"dataset": "mnist", **FEDCBC_SCENARIO},
+                "rounds": {**COMMON["rounds"], "clients_per_round": 3}}, FEDCBC_ROWS,
+               {"fedcbc": 81.08, "glfc": 55.58, "fedavg": 25.28, "fedprox": 12.73}),
+    "fedcbc-cifar10": ({**COMMON, "scenario": {"dataset": "cifar10", **FEDCBC_SCENARIO},
+                        "rounds": {**COMMON["rounds"], "clients_per_round": 3}}, FEDCBC_ROWS,
+                       {"fedcbc": 57.93, "glfc": 42.66, "fedavg": 21.92}),
+    "affcl": ({**COMMON, "scenario": {"dataset": "mnist", **POOL_SCENARIO},
+               "rounds": {**COMMON["rounds"], "clients_per_round": 8}}, AFFCL_ROWS, {}),
+}
+
+
+def config(base: dict, name: str, method: str, options: dict) -> dict:
+    scenario = {**base["scenario"], **(NOISY if name.endswith("-noisy") else {})}
+    return {**base, "scenario": scenario, "method": method, "method_options": options}
+
+
+def row(name: str, s: dict, paper: dict) -> dict:
+    kr = s.get("knowledge_retention") or {}
+    sent = {kind: b.get("sent", 0) / 1e6 for kind, b in s["bytes"].items()}
+    received = {kind: b.get("received", 0) / 1e6 for kind, b in s["bytes"].items()}
+    jobs = s.get("gpu_jobs", {}).get("by_kind", {})
+    return {
+        "row": name, "method": s["method"], "status": s["status"],
+        "ga_per_task": s["accuracy_seen"], "ga_mean": float(np.mean(s["accuracy_seen"])) if s["accuracy_seen"] else None,
+        "paper_ga_mean": paper.get(s["method"]),
+        "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
+        "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),
+        "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
+        "mb_total": s["bytes_total"] / 1e6, "mb_sent": sent, "mb_received": received,
+        "server_jobs_s": sum(j.get("run_s", 0.0) for kind, j in jobs.items() if not kind.startswith("device.")),
+        "wall_s": s["wall_clock_s"],
+    }
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| run | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % | KR_t % "
+             "| KR_s % | private-class acc. % | MB sent / received | server jobs s | wall s |",
+             "| --- | --- |" + " ---: |" * 10]
+    for r in rows:
+        if r["status"] != "completed":
+            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 10)
+            continue
+        ga = ", ".join(f"{a:.1f}" for a in r["ga_per_task"])
+        mb = f"{sum(r['mb_sent'].values()):.1f} / {sum(r['mb_received'].values()):.1f}"
+        lines.append(f"| {r['row']} | {ga} | {_f(r['ga_mean'])} | {_f(r['paper_ga_mean'])} | "
+                     f"{_f(r['avg_accuracy'])} | {_f(r['avg_forgetting'])} | {_f(r['kr_t'], 1)} | {_f(r['kr_s'], 1)} | "
+                     f"{_f(r['private_accuracy'], 1)} | {mb} | {r['server_jobs_s']:.0f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-root", default="../shared/data")
+    ap.add_argument("--table", choices=sorted(TABLES), default="fedcbc")
+    ap.add_argument("--rows", default=None, help="comma-separated rows of the table (default: all)")
+    ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>")
+    args = ap.parse_args()
+    base, rows_spec, paper = TABLES[args.table]
+    out = args.out or Path("runs") / args.table
+    rows = []
+    for name in (args.rows.split(",") if args.rows else rows_spec):
+        method, options = rows_spec[name]
+        rows.append(row(name, run_up(name, config(base, name, method, options), args.data_root, out), paper))
+    table = markdown(rows)
+    (out / "table.md").write_text(table + "\n")
+    (out / "table.json").write_text(json.dumps({"table": args.table, "rows": rows}, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
