@@ -15,9 +15,10 @@ ZeroMQ) of the table's scenario with one method, seed 0.
   come back, so an entropy rise does not separate new from old). The paper's Table 1 is printed beside:
   average global accuracy FedCBC 81.08, GLFC 55.58, FedAvg 25.28, FedProx 12.73.
 - ``fedcbc-cifar10``: the same on CIFAR-10 (the paper's Table 2: FedCBC 57.93, GLFC 42.66, FedAvg 21.92).
-- ``affcl``: AF-FCL's limitless task pool on MNIST (8 clients, 5 pool tasks of 2 classes, each client its
-  own random sequence of all 5, 5 rounds per task), ``affcl``, ``fedavg`` and ``fedlwf2t``, clean and with
-  2 of the 8 clients training on random labels in their first 2 tasks (``noisy``).
+- ``affcl``: AF-FCL's limitless task pool on MNIST (4 clients, 5 pool tasks of 2 classes, each client its
+  own random sequence of 3 of them, 5 rounds per task; the stream by first use is 6, 2 and 2 classes),
+  ``affcl`` (defaults, and ``affcl-strong``: every old-knowledge weight at 1), ``fedavg`` and ``fedlwf2t``,
+  clean and with 2 of the 4 clients training on random labels in their first task (``-noisy``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ COMMON = {
 FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}
 GLFC = {"memory_size": 2000, "task_detection": "oracle", "proxy_iterations": 40, "proxy_keep": 10}
 FEDCBC_ROWS = {"fedcbc": ("fedcbc", {}), "fedavg": ("fedavg", {}), "fedprox": ("fedprox", {}), "glfc": ("glfc", GLFC)}
-POOL_SCENARIO = {"num_tasks": 5, "num_clients": 8, "partition": "task_pool", "task_pool_size": 5}
-NOISY = {"noisy_client_fraction": 0.25, "noisy_tasks": 2}
-AFFCL_ROWS = {f"{m}{suffix}": (m, {}) for suffix in ("", "-noisy") for m in ("affcl", "fedavg", "fedlwf2t")}
+POOL_SCENARIO = {"num_tasks": 3, "num_clients": 4, "partition": "task_pool", "task_pool_size": 5}
+NOISY = {"noisy_client_fraction": 0.5, "noisy_tasks": 1}
+# affcl-strong: every old-knowledge term at weight 1 and no p_bar scaling of the replay (theta = 1)
+STRONG = {"k_loss_flow": 1.0, "k_kd_last": 1.0, "k_kd_feature": 1.0, "theta": 1.0}
+AFFCL_ROWS = {f"{name}{suffix}": (method, options) for suffix in ("", "-noisy")
+              for name, method, options in (("affcl", "affcl", {}), ("affcl-strong", "affcl", STRONG),
+                                            ("fedavg", "fedavg", {}), ("fedlwf2t", "fedlwf2t", {}))}
 
 TABLES = {
     "fedcbc": ({**COMMON, "scenario": {"dataset": "mnist", **FEDCBC_SCENARIO},
