@@ -318,14 +318,14 @@ class Coordinator:
             self.metrics.late_update()
             if (self.config.rounds.late_updates == "next_round" and self.server.accepts_stale_updates
                     and msg.task == self._task and (r is None or msg.round < r.number)):
-                self._check_delta(msg)
+                self._check_update(msg, msg.task)
                 self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss,
                                                 msg.body.metrics))
                 self._stale_task = msg.task
             return
         if peer in {u.client for u in r.updates} | r.failed:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
-        self._check_delta(msg)
+        self._check_update(msg, r.task)
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         self.registry.records[peer].rounds_trained += 1
@@ -359,8 +359,15 @@ class Coordinator:
             r.masked.add(peer)
             self.registry.records[peer].rounds_trained += 1
 
+    def _check_update(self, msg: Message, task: int) -> None:
+        """A delta must name exactly the global model's tensors with their shapes; the method checks the rest."""
+        self._check_delta(msg)
+        try:
+            self.server.check_update(task, msg.tensors)
+        except ValueError as exc:
+            raise WireError("bad_shape", str(exc)) from None
+
     def _check_delta(self, msg: Message) -> None:
-        """A delta must name exactly the global model's tensors with their shapes."""
         expected = self.server.global_state
         got = {k[len(DELTA):]: v for k, v in msg.tensors.items() if k.startswith(DELTA)}
         if msg.body.num_samples == 0:

@@ -228,6 +228,12 @@ class ServerPart:
         self.global_state = _frozen_copy(new, copy=False)
         load_arrays(self.model, self.global_state)
 
+    def check_update(self, task: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Check a received update's method tensors before it joins the round (the engine has checked the
+        ``delta/`` tensors against the global model): raise ValueError naming what does not fit, and the
+        update is rejected as ``bad_shape`` (counted, logged; the client counts as failed). Default: nothing
+        more to check."""
+
     def on_side_channel(self, task: int, kind: str, tensors: Mapping[str, np.ndarray]) -> None:
         """A side-channel message of ``kind`` from a client of the open round of ``task``; the sender is not
         named. Raise ValueError for tensors that do not fit (the message is then rejected as ``bad_shape``)."""
@@ -368,7 +374,7 @@ class ClientPart:
         s = ctx.settings
         return torch.optim.SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
 
-    def train(self, ctx: ClientContext, model: IncrementalClassifier) -> tuple[Arrays, dict[str, float]]:
+    def train(self, ctx: ClientContext, model: IncrementalClassifier | None) -> tuple[Arrays, dict[str, float]]:
         """One round of local training; returns the upload tensors and metrics."""
         if ctx.new_task:
             self.start_task(ctx)

@@ -81,17 +81,15 @@ deployment would have clients name their classes), so a VAE travels with
 every request of a task that holds its class. Each VAE of the defaults with a
 256-wide backbone is 230 K float32 values (0.9 MB).
 
-**Validation.** :meth:`FedCBCServer.check_upload` refuses an upload with
-tensors outside ``fedcbc/vae/``, a class that was not seen yet, missing or
-extra VAE parameters, a wrong shape or dtype, or non-finite values (the wire
-already drops NaN in updates). The engine has no per-method hook at receipt
-for updates, so :meth:`aggregate` drops such an update, logs it and counts it
-(``rejected_updates``, kept in checkpoints) instead of failing the round.
+**Validation.** :meth:`FedCBCServer.check_update` refuses, when it arrives,
+an upload with tensors outside ``fedcbc/vae/``, a class that was not seen yet,
+missing or extra VAE parameters, a wrong shape or dtype, or non-finite values
+(the wire already drops NaN in updates): the engine rejects it as
+``bad_shape`` and the round goes on without it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -109,8 +107,6 @@ from methods.models.state import load_arrays, state_to_arrays
 from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
 from methods.registry import MethodSpec, register
 from scenario.transforms import to_tensor
-
-log = logging.getLogger("fcl_emu.methods.fedcbc")
 
 NAME = "fedcbc"
 VAES = f"{NAME}/vae/"  # uploads, round tensors, checkpoint: fedcbc/vae/<class>/<param>
@@ -309,7 +305,6 @@ class FedCBCServer(ServerPart):
         self._num_seen = 0
         self._payload: tuple[int, Arrays] | None = None  # (task, round tensors) until the VAEs change
         self._eval: nn.Module | None = None
-        self.rejected_updates = 0
 
     def start_task(self, task: int) -> None:
         self._num_seen = len(self.ctx.scenario.seen_classes(task))
@@ -346,7 +341,10 @@ class FedCBCServer(ServerPart):
             self._payload = task, join_vaes({c: v for c, v in self._vaes.items() if c in held}, VAES)
         return self._payload[1]
 
-    def check_upload(self, tensors: Mapping[str, np.ndarray], task: int) -> dict[int, Arrays]:
+    def check_update(self, task: int, tensors: Mapping[str, np.ndarray]) -> None:
+        self._vaes_of(tensors, task)
+
+    def _vaes_of(self, tensors: Mapping[str, np.ndarray], task: int) -> dict[int, Arrays]:
         """The per-class VAEs of one upload, or ValueError naming what does not fit."""
         stray = sorted(k for k in tensors if not k.startswith(VAES))
         if stray:
@@ -370,14 +368,8 @@ class FedCBCServer(ServerPart):
     def aggregate(self, task: int, round: int, updates) -> None:
         """Selective knowledge fusion of every class with uploads (see the module docstring)."""
         uploads: dict[int, list[Arrays]] = {}
-        for u in updates:
-            try:
-                vaes = self.check_upload(u.tensors, task)
-            except ValueError as exc:
-                self.rejected_updates += 1
-                log.warning("fedcbc: dropped the update of %s: %s", u.client, exc)
-                continue
-            for c, arrays in vaes.items():
+        for u in updates:  # checked at receipt (check_update)
+            for c, arrays in self._vaes_of(u.tensors, task).items():
                 uploads.setdefault(c, []).append(arrays)
         inputs, fused = {}, []
         for c, local in sorted(uploads.items()):
@@ -412,7 +404,7 @@ class FedCBCServer(ServerPart):
         return arrays
 
     def state_meta(self) -> dict[str, Any]:
-        return {"seen_classes": self._num_seen, "rejected_updates": self.rejected_updates}
+        return {"seen_classes": self._num_seen}
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         extractor = strip_prefix(arrays, EXTRACTOR)
@@ -422,7 +414,6 @@ class FedCBCServer(ServerPart):
 
     def load_state_meta(self, meta: Mapping[str, Any]) -> None:
         self._num_seen = int(meta["seen_classes"])
-        self.rejected_updates = int(meta["rejected_updates"])
 
 
 # ------------------------------------------------------------------- client

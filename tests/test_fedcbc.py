@@ -254,12 +254,12 @@ def test_client_trains_one_vae_per_class_and_distils_the_global_ones(tmp_path):
 
 
 # ------------------------------------------------------------------ bad input
-def test_bad_uploads_are_refused_and_dropped(feature_vaes):
+def test_bad_uploads_are_refused(feature_vaes):
     o, _, v = feature_vaes
     server = _server(TINY)
     server.start_task(0)
     good = _upload({0: v["c0-a"]})
-    assert set(server.check_upload(good, 0)) == {0}
+    server.check_update(0, good)
     some = next(iter(good))
     cases = {
         "uploads only": {**good, "delta/head.weight": np.zeros(2, np.float32)},
@@ -272,10 +272,7 @@ def test_bad_uploads_are_refused_and_dropped(feature_vaes):
     }
     for message, tensors in cases.items():
         with pytest.raises(ValueError, match=message):
-            server.check_upload(tensors, 0)
-    # in a round: the bad update is dropped and counted, the good one fused
-    server.aggregate(0, 1, [ClientUpdate("bad", 10, cases["NaN"]), ClientUpdate("good", 10, good)])
-    assert server.rejected_updates == 1 and sorted(server._vaes) == [0]
+            server.check_update(0, tensors)
 
 
 def test_non_finite_vaes_are_refused_on_the_wire():
@@ -305,11 +302,9 @@ def test_restored_server_behaves_identically(feature_vaes):
     server.start_task(0)
     server.aggregate(0, 1, [ClientUpdate("a", 1, _upload({0: v["c0-a"], 1: v["c1"]})),
                             ClientUpdate("b", 1, _upload({0: v["c0-b"]}))])
-    server.rejected_updates = 2
     restored = _server(TINY)
     restored.load_state_arrays({k: np.array(a) for k, a in server.state_arrays().items()})
     restored.load_state_meta(json.loads(json.dumps(server.state_meta())))
-    assert restored.rejected_updates == 2
     for task, rnd in ((0, 2), (1, 3)):
         a, b = server.round_tensors(task, rnd), restored.round_tensors(task, rnd)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
