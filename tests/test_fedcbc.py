@@ -275,6 +275,28 @@ def test_bad_uploads_are_refused(feature_vaes):
             server.check_update(0, tensors)
 
 
+def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
+    """ServerPart.check_update runs when an update arrives: a misfit VAE is a bad_shape rejection."""
+    from coordinator.engine import Coordinator
+    from fcl_emu.config import load_config
+    from wire.framing import WireError, decode, encode
+    from wire.messages import Update
+
+    config = load_config(small_config(tmp_path / "c.yaml", method="fedcbc", method_options=TINY,
+                                      scenario={"num_clients": 3, "partition": "accessible_classes"}),
+                         {"data_root": [str(mnist_root)]})
+    coordinator = Coordinator(config)
+    try:
+        bad = {VAES + "0/mean.bias": np.zeros(3, np.float32)}
+        msg = decode(encode("update", Update(num_samples=5, train_time_s=0.1, loss=0.0), sender="client-0000",
+                            seq=1, tensors=bad))
+        with pytest.raises(WireError, match="VAE of class 0") as info:
+            coordinator._check_update(msg, 0)
+        assert info.value.reason == "bad_shape"
+    finally:
+        coordinator.close()
+
+
 def test_non_finite_vaes_are_refused_on_the_wire():
     from wire.framing import WireError, decode, encode
     from wire.messages import Update
