@@ -47,6 +47,7 @@ POOL_SCENARIO = {"num_tasks": 3, "num_clients": 4, "partition": "task_pool", "ta
 NOISY = {"noisy_client_fraction": 0.5, "noisy_tasks": 1}
 # affcl-strong: every old-knowledge term at weight 1 and no p_bar scaling of the replay (theta = 1)
 STRONG = {"k_loss_flow": 1.0, "k_kd_last": 1.0, "k_kd_feature": 1.0, "theta": 1.0}
+WORKER_TYPES = ("job", "job_result", "worker_hello")  # the GPU worker pool's traffic, not the clients'
 AFFCL_ROWS = {f"{name}{suffix}": (method, options) for suffix in ("", "-noisy")
               for name, method, options in (("affcl", "affcl", {}), ("affcl-strong", "affcl", STRONG),
                                             ("fedavg", "fedavg", {}), ("fedlwf2t", "fedlwf2t", {}))}
@@ -70,8 +71,10 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
 
 def row(name: str, s: dict, paper: dict) -> dict:
     kr = s.get("knowledge_retention") or {}
-    sent = {kind: b.get("sent", 0) / 1e6 for kind, b in s["bytes"].items()}
-    received = {kind: b.get("received", 0) / 1e6 for kind, b in s["bytes"].items()}
+    clients = {kind: b for kind, b in s["bytes"].items() if kind not in WORKER_TYPES}
+    sent = {kind: b.get("sent", 0) / 1e6 for kind, b in clients.items()}
+    received = {kind: b.get("received", 0) / 1e6 for kind, b in clients.items()}
+    to_workers = sum(b.get("sent", 0) + b.get("received", 0) for k, b in s["bytes"].items() if k in WORKER_TYPES)
     jobs = s.get("gpu_jobs", {}).get("by_kind", {})
     return {
         "row": name, "method": s["method"], "status": s["status"],
@@ -80,7 +83,7 @@ def row(name: str, s: dict, paper: dict) -> dict:
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
         "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),
         "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
-        "mb_total": s["bytes_total"] / 1e6, "mb_sent": sent, "mb_received": received,
+        "mb_sent": sent, "mb_received": received, "mb_workers": to_workers / 1e6,
         "server_jobs_s": sum(j.get("run_s", 0.0) for kind, j in jobs.items() if not kind.startswith("device.")),
         "wall_s": s["wall_clock_s"],
     }
@@ -92,17 +95,18 @@ def _f(v: float | None, digits: int = 2) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| run | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % | KR_t % "
-             "| KR_s % | private-class acc. % | MB sent / received | server jobs s | wall s |",
-             "| --- | --- |" + " ---: |" * 10]
+             "| KR_s % | private-class acc. % | client MB sent / received | worker MB | server jobs s | wall s |",
+             "| --- | --- |" + " ---: |" * 11]
     for r in rows:
         if r["status"] != "completed":
-            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 10)
+            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 11)
             continue
         ga = ", ".join(f"{a:.1f}" for a in r["ga_per_task"])
         mb = f"{sum(r['mb_sent'].values()):.1f} / {sum(r['mb_received'].values()):.1f}"
         lines.append(f"| {r['row']} | {ga} | {_f(r['ga_mean'])} | {_f(r['paper_ga_mean'])} | "
                      f"{_f(r['avg_accuracy'])} | {_f(r['avg_forgetting'])} | {_f(r['kr_t'], 1)} | {_f(r['kr_s'], 1)} | "
-                     f"{_f(r['private_accuracy'], 1)} | {mb} | {r['server_jobs_s']:.0f} | {r['wall_s']:.0f} |")
+                     f"{_f(r['private_accuracy'], 1)} | {mb} | {r['mb_workers']:.1f} | {r['server_jobs_s']:.0f} | "
+                     f"{r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
