@@ -115,10 +115,14 @@ def main() -> None:
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--table", choices=sorted(TABLES), default="fedcbc")
     ap.add_argument("--rows", default=None, help="comma-separated rows of the table (default: all)")
-    ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>")
+    ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>, runs/<table>-s<seed> with --seed")
+    ap.add_argument("--seed", type=int, default=None, help="the runs' seed (default 0: class order, partition, "
+                                                           "noisy clients, initial weights)")
     args = ap.parse_args()
     base, rows_spec, paper = TABLES[args.table]
-    out = args.out or Path("runs") / args.table
+    if args.seed is not None:
+        base = {**base, "seed": args.seed, "scenario": {**base["scenario"], "seed": args.seed}}
+    out = args.out or Path("runs") / (args.table + ("" if args.seed is None else f"-s{args.seed}"))
     rows = []
     for name in (args.rows.split(",") if args.rows else rows_spec):
         method, options = rows_spec[name]
