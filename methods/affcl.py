@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 
 from methods.base import (DELTA, Arrays, ClientContext, ClientPart, ClientUpdate, Options, ServerPart,
-                          _frozen_copy, fedavg, strip_prefix)
+                          _frozen_copy, apply_fedavg, strip_prefix)
 from methods.datafree import soft_target_ce
 from methods.models.flows import ConditionalFlow
 from methods.models.state import load_arrays, state_to_arrays
@@ -213,10 +213,7 @@ class AFFCLServer(ServerPart):
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
         super().aggregate(task, round, updates)
-        # the flow's deltas ride as affcl/flow/*: the model's FedAvg, read under that prefix
-        delta = fedavg([ClientUpdate(u.client, u.num_samples, _prefixed(DELTA, strip_prefix(u.tensors, FLOW)))
-                        for u in updates])
-        self._flow = _frozen_copy({k: v + delta[k] for k, v in self._flow.items()}, copy=False)
+        self._flow = apply_fedavg(self._flow, updates, FLOW)
 
     def end_task(self, task: int) -> None:
         super().end_task(task)

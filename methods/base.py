@@ -109,6 +109,15 @@ def fedavg(updates: list[ClientUpdate]) -> Arrays:
     return out
 
 
+def apply_fedavg(arrays: Mapping[str, np.ndarray], updates: list[ClientUpdate], prefix: str) -> Arrays:
+    """``arrays`` plus the FedAvg of the deltas the clients uploaded under ``prefix`` (a module that rides with
+    the model, such as LANDER's projector or AF-FCL's flow), as read-only arrays."""
+    delta = fedavg([ClientUpdate(u.client, u.num_samples,
+                                 {DELTA + k: v for k, v in strip_prefix(u.tensors, prefix).items()})
+                    for u in updates])
+    return _frozen_copy({k: v + delta[k] for k, v in arrays.items()}, copy=False)
+
+
 @dataclass(frozen=True)
 class DeltaLayout:
     """The model delta as one flat float vector: what secure aggregation sums.

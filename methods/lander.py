@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods import jobs
-from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, fedavg, strip_prefix
+from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, apply_fedavg, strip_prefix
 from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from methods.models.generators import TextConditionedGenerator
 from methods.registry import MethodSpec, register
@@ -227,11 +227,7 @@ class LanderServer(SynthesisServer):
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
         super().aggregate(task, round, updates)
-        # the projector's deltas ride as lander/projector/*: the model's FedAvg, read under that prefix
-        delta = fedavg([ClientUpdate(u.client, u.num_samples, {DELTA + k: v for k, v in
-                                                              strip_prefix(u.tensors, PROJECTOR).items()})
-                        for u in updates])
-        self._projector = _frozen_copy({k: v + delta[k] for k, v in self._projector.items()}, copy=False)
+        self._projector = apply_fedavg(self._projector, updates, PROJECTOR)
 
     def synthesis_inputs(self, task: int) -> Arrays:
         seen = len(self.ctx.scenario.seen_classes(task))
