@@ -3,7 +3,7 @@
 The engine sends every selected client a ``secagg_setup`` (before its train
 request, so the client's session exists before its training ends), then
 hands control to :meth:`SecureRound.until_masked` and :meth:`SecureRound.unmask`.
-Each phase of :class:`coordinator.secagg.SecAggServer` becomes one exchange
+Each phase of :class:`secagg.server.SecAggServer` becomes one exchange
 over the ROUTER socket: the coordinator serves the socket (joins, heartbeats
 and leaves go on being handled) until every client still in the round has
 answered or went offline, or the phase's time is up; then it closes the phase
@@ -21,6 +21,7 @@ they arrive (``SecAggServer.receive_masked``), and the unmasked sum.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,16 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.secagg import SecAggConfig, SecAggServer
-from edge_node.secagg import PHASES, SecAggError
 from methods.base import Arrays, DeltaLayout
+from runconfig import SecAggSettings
+from secagg.protocol import PHASES, SecAggAbort, SecAggError
+from secagg.server import SecAggConfig, SecAggServer
 from wire.framing import Message, WireError
 from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
                            SecAggSetup, SecAggUnmaskRequest, plain_body)
 
 __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 
+log = logging.getLogger("fcl_emu.coordinator")
+
 Send = Callable[[str, str, Any], bool]  # (client, message type, body) -> delivered to the socket
+Serve = Callable[[Callable[[], bool], float], None]  # the coordinator's serve(until, deadline)
+Alive = Callable[[str], bool]
 
 
 def round_id(run_id: str, number: int) -> int:
@@ -73,6 +79,35 @@ class SecureRound:
         self.dropouts: dict[str, int] = {p: 0 for p in PHASES[1:]}
         self._requests: dict[str, SecAggUnmaskRequest] = {}
         self._started = time.monotonic()
+
+    @classmethod
+    def open(cls, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, max_weight: int, *, run_id: str,
+             number: int, seed: int, send: Send, metrics: Any) -> SecureRound | SecureOutcome:
+        """The round over ``roster`` under the run's ``secagg`` settings; an aborted outcome if it cannot even
+        start (too few clients, t > k)."""
+        config = SecAggConfig(neighbors=settings.neighbors, threshold=settings.threshold,
+                              ring_bits=settings.ring_bits, clip=settings.clip, max_weight=max_weight)
+        try:
+            return cls(roster, layout, config, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
+                       phase_timeout_s=settings.phase_timeout_s)
+        except (SecAggAbort, SecAggError) as exc:
+            log.warning("round %d: secure aggregation cannot start: %s", number, exc)
+            metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
+            return SecureOutcome(None, 0, (), {"outcome": "aborted", "reason": str(exc)})
+
+    def collect(self, serve: Serve, online: Alive, alive: Alive, wanted: int, deadline: float,
+                min_participants: int) -> SecureOutcome:
+        """Run the protocol's phases while the clients train (``alive``: online and still in the round); the
+        round's outcome (aborted: no delta)."""
+        try:
+            masked = self.until_masked(serve, alive, wanted, deadline)
+            if masked < min_participants:
+                raise SecAggAbort(f"only {masked} masked inputs, rounds.min_participants is {min_participants}",
+                                  "masked_input")
+            return self.unmask(serve, alive)
+        except SecAggAbort as exc:
+            log.warning("round %d: secure aggregation aborted: %s", self.number, exc)
+            return self.abort(str(exc), [c for c in self.server.roster if online(c)])
 
     def setup_messages(self) -> dict[str, SecAggSetup]:
         return {c: SecAggSetup(**m) for c, m in self.server.setup().items()}
@@ -124,7 +159,7 @@ class SecureRound:
         for client, body in messages.items():
             self.send(client, msg_type, body)
 
-    def until_masked(self, serve, alive: Callable[[str], bool], wanted: int, deadline: float) -> int:
+    def until_masked(self, serve: Serve, alive: Alive, wanted: int, deadline: float) -> int:
         """Run key advertisement, share exchange and masked input; returns how many masked inputs are in the
         sum. Raises :class:`SecAggAbort` if a phase keeps fewer than t clients."""
         short = min(deadline, time.monotonic() + self.phase_timeout_s)
@@ -141,7 +176,7 @@ class SecureRound:
         self._requests = {c: SecAggUnmaskRequest(**m) for c, m in requests.items()}
         return len(requests)
 
-    def unmask(self, serve, alive: Callable[[str], bool]) -> SecureOutcome:
+    def unmask(self, serve: Serve, alive: Alive) -> SecureOutcome:
         """Ask the survivors for their shares, remove the masks, decode the mean delta."""
         self._send_all("secagg_unmask_request", self._requests)
         result = self._exchange(4, serve, lambda: not self.waiting(4, alive),

@@ -46,9 +46,11 @@ import numpy as np
 import torch
 import zmq
 
-from edge_node.availability import transitions
-from edge_node.links import DeviceProfile, Link
-from edge_node.secagg import SecAggAbort, SecAggClient, SecAggError
+from scenario.availability import transitions
+from edge_node.links import Link
+from scenario.devices import DeviceProfile
+from secagg.client import SecAggClient
+from secagg.protocol import SecAggAbort, SecAggError
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from methods import registry as methods
 from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays

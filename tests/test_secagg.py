@@ -14,10 +14,11 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from coordinator.secagg import (PhaseStats, SecAggConfig, SecAggResult, SecAggServer, log_neighbors, measure_masking,
-                                simulate_round, wire_size)
-from edge_node.secagg import (CIPHERTEXT_BYTES, PHASES, RING_DTYPE, Quantizer, RoundParams, SecAggAbort,
-                              SecAggClient, SecAggError, harary_neighbors, prg, shamir_combine, shamir_split)
+from secagg.client import SecAggClient
+from secagg.protocol import (CIPHERTEXT_BYTES, PHASES, RING_DTYPE, Quantizer, RoundParams, SecAggAbort, SecAggError,
+                             harary_neighbors, prg, shamir_combine, shamir_split)
+from secagg.server import SecAggConfig, SecAggResult, SecAggServer, log_neighbors
+from secagg.simulation import PhaseStats, measure_masking, simulate_round, wire_size
 
 
 def params(**kw) -> RoundParams:
@@ -290,7 +291,7 @@ def test_unmasked_aggregate_equals_plaintext_quantized_aggregate(data):
 @pytest.mark.parametrize("chunk", [16, 48, None])
 def test_chunked_quantise_and_mask_matches_the_one_shot_unmasking(monkeypatch, chunk):
     """Clients expand their masks chunk by chunk, the server in one go: the keystreams must line up."""
-    import edge_node.secagg as secagg
+    import secagg.protocol as secagg
 
     if chunk is not None:
         monkeypatch.setattr(secagg, "CHUNK", chunk)

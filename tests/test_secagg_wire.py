@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from coordinator.engine import Coordinator
-from coordinator.secagg import SecAggConfig
+from secagg.server import SecAggConfig
 from coordinator.secure_round import SecureRound, round_id
 from edge_node.node import EdgeNode
-from edge_node.secagg import Quantizer, SecAggClient, SecAggError
-from fcl_emu.config import RunConfig, load_config
+from secagg.client import SecAggClient
+from secagg.protocol import Quantizer, SecAggError
+from runconfig import RunConfig, load_config
 from methods import registry
 from methods.base import DELTA, DeltaLayout, ServerPart
 from tests.conftest import events, fcl_emu, small_config

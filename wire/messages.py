@@ -51,7 +51,7 @@ class Join(Body):
 
 
 class EdgeSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One client's emulated edge behaviour (edge_node/availability.py, edge_node/links.py)."""
+    """One client's emulated edge behaviour (scenario/availability.py, scenario/devices.py, edge_node/links.py)."""
 
     availability: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "always"})
     profile: dict[str, Any] | None = None
@@ -138,7 +138,7 @@ class Shutdown(Body):
 
 
 # --- secure aggregation (SecAgg+, docs/secagg.md): one message type per phase and direction -------------
-# The bodies carry what coordinator/secagg.py and edge_node/secagg.py exchange; the masked input rides in a
+# The bodies carry what secagg/server.py and secagg/client.py exchange; the masked input rides in a
 # uint32 tensor frame named "y". Every secagg message names its round in the header.
 
 class SecAggSetup(Body):
@@ -268,7 +268,7 @@ def plain_body(body: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(body, builtin_types=(bytes,))
 
 
-# Secure-aggregation messages a client sends, by the protocol phase (edge_node.secagg.PHASES) they answer.
+# Secure-aggregation messages a client sends, by the protocol phase (secagg.protocol.PHASES) they answer.
 SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys",
                   "secagg_masked": "masked_input", "secagg_unmask": "unmasking"}
 

@@ -1,7 +1,7 @@
 """``fcl-emu bench secagg``: what one SecAgg+ round costs, per phase, in one process.
 
-Runs the protocol's client and server state machines (coordinator/secagg.py,
-edge_node/secagg.py) for one round of ``clients`` clients with ``dim``
+Runs the protocol's client and server state machines (secagg/, driven by
+secagg/simulation.py) for one round of ``clients`` clients with ``dim``
 values each and ``neighbors`` neighbours; each client drops out with
 probability ``dropout`` at a phase drawn uniformly from the four. Reports,
 per phase: the median and maximum client time, the server time, and the
@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from coordinator.secagg import EXCHANGES, PhaseStats, SecAggConfig, log_neighbors, measure_masking, simulate_round
-from edge_node.secagg import SecAggAbort, default_threshold
+from secagg.protocol import SecAggAbort, default_threshold
+from secagg.server import SecAggConfig, log_neighbors
+from secagg.simulation import EXCHANGES, PhaseStats, measure_masking, simulate_round
 from fcl_emu.bench.flower_secagg import measure_flower_masking
 from fcl_emu.bench.report import emit
 

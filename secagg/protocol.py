@@ -1,8 +1,12 @@
-"""Secure aggregation, SecAgg+ (Bell et al., CCS 2020): the shared primitives and the client side.
+"""Secure aggregation, SecAgg+ (Bell et al., CCS 2020): the protocol's shared part.
 
-The coordinator side is :mod:`coordinator.secagg`; it imports the primitives
-from here. Everything is pure, synchronous Python + numpy: one round of the
-protocol is a sequence of phases, and in each phase the server produces one
+Round parameters, phases, errors, sizes, the quantiser and the cryptographic
+primitives that both ends use. The client is :mod:`secagg.client`, the server
+:mod:`secagg.server`; the edge node (:mod:`edge_node.node`) and the coordinator
+(:mod:`coordinator.secure_round`) move their messages over the wire.
+
+Everything is pure, synchronous Python + numpy: one round of the protocol is a
+sequence of phases, and in each phase the server produces one
 plain dict per client (ints, floats, strings, bytes, numpy arrays: msgpack
 material for the wire layer) and each client consumes it and returns its reply
 as a plain dict. The wire integration only moves those dicts.
@@ -43,7 +47,6 @@ import hmac
 import math
 import os
 import struct
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -294,7 +297,7 @@ _ZERO_NONCE = bytes(16)   # ChaCha20 in `cryptography`: 4-byte counter || 12-byt
 _zeros = b""
 
 
-def _zero_bytes(nbytes: int) -> memoryview:
+def zero_bytes(nbytes: int) -> memoryview:
     """A read-only view of ``nbytes`` zero bytes, shared (the plaintext the keystream is XORed onto)."""
     global _zeros
     zeros = _zeros
@@ -312,7 +315,7 @@ def prg_into(key: bytes, out: np.ndarray) -> np.ndarray:
     """
     if out.dtype != RING_DTYPE or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("prg_into needs a writeable C-contiguous little-endian uint32 array")
-    prg_stream(key).update_into(_zero_bytes(out.nbytes), memoryview(out).cast("B"))
+    prg_stream(key).update_into(zero_bytes(out.nbytes), memoryview(out).cast("B"))
     return out
 
 
@@ -354,7 +357,7 @@ def keypair() -> tuple[X25519PrivateKey, bytes]:
 
 def public_key(raw: Any, what: str) -> X25519PublicKey:
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != KEY_BYTES:
-        raise SecAggError(f"{what} must be {KEY_BYTES} bytes, got {_describe(raw)}")
+        raise SecAggError(f"{what} must be {KEY_BYTES} bytes, got {describe(raw)}")
     return X25519PublicKey.from_public_bytes(bytes(raw))
 
 
@@ -405,7 +408,7 @@ def encrypt_share(key: bytes, ad: bytes, plaintext: bytes) -> bytes:
 
 def decrypt_share(key: bytes, ad: bytes, blob: Any, what: str) -> bytes:
     if not isinstance(blob, (bytes, bytearray)) or len(blob) != CIPHERTEXT_BYTES:
-        raise SecAggError(f"{what}: an encrypted share is {CIPHERTEXT_BYTES} bytes, got {_describe(blob)}")
+        raise SecAggError(f"{what}: an encrypted share is {CIPHERTEXT_BYTES} bytes, got {describe(blob)}")
     blob = bytes(blob)
     try:
         plain = ChaCha20Poly1305(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], ad)
@@ -483,242 +486,9 @@ def harary_neighbors(n: int, k: int, rng: np.random.Generator) -> list[frozenset
     return [frozenset(a) for a in adj]
 
 
-def _describe(v: Any) -> str:
+def describe(v: Any) -> str:
     if isinstance(v, (bytes, bytearray)):
         return f"{len(v)} bytes"
     if isinstance(v, np.ndarray):
         return f"array {v.dtype} {v.shape}"
     return type(v).__name__
-
-
-def _id(v: Any, what: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise SecAggError(f"{what}: client ids are non-empty strings, got {_describe(v)}")
-    return v
-
-
-def _mapping(msg: Any, key: str, what: str) -> Mapping:
-    if not isinstance(msg, Mapping):
-        raise SecAggError(f"{what}: the message must be a dict, got {_describe(msg)}")
-    v = msg.get(key)
-    if not isinstance(v, Mapping):
-        raise SecAggError(f"{what}: field {key!r} must be a dict, got {_describe(v)}")
-    return v
-
-
-# --------------------------------------------------------------------------------------------
-# Client
-# --------------------------------------------------------------------------------------------
-
-class SecAggClient:
-    """One client's side of one round (create a fresh one per round; its secrets die with it).
-
-    Call the four ``on_*`` methods in order with the server's messages; each returns the reply.
-    ``timings`` holds the seconds spent on each reply, under the name of the phase it belongs to
-    (``advertise_keys``, ``share_keys``, ``masked_input``, ``unmasking``), and the ``quantize`` /
-    ``mask`` split of ``masked_input``.
-    """
-
-    def __init__(self, client: str):
-        self.client = _id(client, "client")
-        self.params: RoundParams | None = None
-        self.index = 0
-        self.neighbors: dict[str, int] = {}       # peer id -> roster index (1-based)
-        self._phase = 0
-        self._c_sk: X25519PrivateKey | None = None
-        self._s_sk: X25519PrivateKey | None = None
-        self._peer_keys: dict[str, tuple[X25519PublicKey, X25519PublicKey]] = {}
-        self._recv_keys: dict[str, bytes] = {}   # AEAD key for shares peer -> me
-        self._b: bytes | None = None
-        self._held: dict[str, tuple[bytes, bytes]] = {}  # peer -> (b-share, s_sk-share) it gave me
-        self._revealed_b: set[str] = set()
-        self._revealed_s: set[str] = set()
-        self.timings: dict[str, float] = {}
-
-    _MESSAGES = ("setup", "keys", "shares", "unmask")
-
-    def _expect(self, phase: int, name: str) -> None:
-        if self._phase != phase:
-            expected = self._MESSAGES[self._phase] if self._phase < len(self._MESSAGES) else "nothing"
-            raise SecAggError(f"client {self.client}: got the {name!r} message, expected {expected!r}")
-
-    # --- phase 0 -> 1 ----------------------------------------------------------------------
-    def on_setup(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """Setup message -> advertised public keys ``{"c_pk": bytes, "s_pk": bytes}``."""
-        start = time.perf_counter()
-        self._expect(0, "setup")
-        what = f"client {self.client} setup"
-        if not isinstance(msg, Mapping):
-            raise SecAggError(f"{what}: the message must be a dict")
-        params = RoundParams.from_dict(_mapping(msg, "params", what))
-        index = msg.get("index")
-        if isinstance(index, bool) or not isinstance(index, int) or not 1 <= index <= params.n:
-            raise SecAggError(f"{what}: index must be an integer in [1, n={params.n}], got {index!r}")
-        neighbors = {}
-        for peer, idx in _mapping(msg, "neighbors", what).items():
-            peer = _id(peer, what)
-            if isinstance(idx, bool) or not isinstance(idx, int) or not 1 <= idx <= params.n or idx == index:
-                raise SecAggError(f"{what}: neighbour {peer!r} has a bad index {idx!r}")
-            neighbors[peer] = idx
-        if self.client in neighbors:
-            raise SecAggError(f"{what}: the client is listed as its own neighbour")
-        if len(set(neighbors.values())) != len(neighbors):
-            raise SecAggError(f"{what}: two neighbours share an index")
-        if not params.neighbors <= len(neighbors) <= params.neighbors + 1:
-            raise SecAggError(f"{what}: {len(neighbors)} neighbours for a graph of degree k={params.neighbors}")
-        self.params, self.index, self.neighbors = params, index, neighbors
-        self._c_sk, c_pk = keypair()
-        self._s_sk, s_pk = keypair()
-        self._phase = 1
-        self.timings["advertise_keys"] = time.perf_counter() - start
-        return {"c_pk": c_pk, "s_pk": s_pk}
-
-    # --- phase 1 -> 2 ----------------------------------------------------------------------
-    def on_keys(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """Neighbours' public keys ``{"keys": {peer: {"c_pk", "s_pk"}}}`` -> encrypted shares
-        ``{"shares": {peer: ciphertext}, "b_commit": bytes}``."""
-        start = time.perf_counter()
-        self._expect(1, "keys")
-        p = self.params
-        what = f"client {self.client} keys"
-        keys = _mapping(msg, "keys", what)
-        own = {self._c_sk.public_key().public_bytes_raw(), self._s_sk.public_key().public_bytes_raw()}
-        seen = set(own)
-        peer_keys = {}
-        for peer, entry in keys.items():
-            peer = _id(peer, what)
-            if peer not in self.neighbors:
-                raise SecAggError(f"{what}: {peer!r} is not a neighbour of this client")
-            if not isinstance(entry, Mapping):
-                raise SecAggError(f"{what}: keys of {peer!r} must be a dict")
-            raw = (entry.get("c_pk"), entry.get("s_pk"))
-            pks = (public_key(raw[0], f"{what}: c_pk of {peer!r}"), public_key(raw[1], f"{what}: s_pk of {peer!r}"))
-            for r in raw:
-                if bytes(r) in seen:
-                    raise SecAggError(f"{what}: public key of {peer!r} repeats another key (reflected or reused)")
-                seen.add(bytes(r))
-            peer_keys[peer] = pks
-        if len(peer_keys) < p.threshold:
-            raise SecAggAbort(f"only {len(peer_keys)} neighbours advertised keys, threshold t={p.threshold}",
-                              PHASES[1])
-        self._peer_keys = peer_keys
-        # Holders of this client's shares, ranked by roster index: the holder ranked r gets x = r + 1.
-        holders = sorted(peer_keys, key=self.neighbors.__getitem__)
-        self._b = os.urandom(SECRET_BYTES)
-        b_shares = shamir_split(self._b, p.threshold, len(holders))
-        s_shares = shamir_split(self._s_sk.private_bytes_raw(), p.threshold, len(holders))
-        out = {}
-        for peer, bs, ss in zip(holders, b_shares, s_shares):
-            shared = agree(self._c_sk, peer_keys[peer][0], f"{peer!r}")
-            send = share_key(shared, p.round_id, self.index, self.neighbors[peer])
-            self._recv_keys[peer] = share_key(shared, p.round_id, self.neighbors[peer], self.index)
-            out[peer] = encrypt_share(send, share_ad(p.round_id, self.client, peer), bs + ss)
-        self._phase = 2
-        self.timings["share_keys"] = time.perf_counter() - start
-        return {"shares": out, "b_commit": seed_commitment(self._b, p.round_id, self.client)}
-
-    # --- phase 2 -> 3 ----------------------------------------------------------------------
-    def on_shares(self, msg: Mapping[str, Any], vector: Any, weight: Any,
-                  rng: np.random.Generator) -> dict[str, Any]:
-        """Shares addressed to this client ``{"shares": {peer: ciphertext}}``, its input vector (dim floats),
-        its sample weight and the generator for stochastic rounding -> ``{"y": uint32 array (dim + 1)}``.
-
-        The senders are the neighbours that survived the share phase: the client masks with exactly those.
-        Shares are decrypted and authenticated here, before the masked input leaves the client.
-        """
-        start = time.perf_counter()
-        self._expect(2, "shares")
-        p = self.params
-        what = f"client {self.client} shares"
-        cts = _mapping(msg, "shares", what)
-        held = {}
-        for peer, blob in cts.items():
-            peer = _id(peer, what)
-            if peer not in self._peer_keys:
-                raise SecAggError(f"{what}: {peer!r} is not a neighbour that advertised keys")
-            plain = decrypt_share(self._recv_keys[peer], share_ad(p.round_id, peer, self.client), blob,
-                                  f"{what}: share from {peer!r}")
-            held[peer] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])
-        if len(held) < p.threshold:
-            raise SecAggAbort(f"only {len(held)} neighbours sent shares, threshold t={p.threshold}", PHASES[2])
-        quantizer = Quantizer(p)
-        x, w = quantizer.check_input(vector, weight)
-        t_mask = time.perf_counter()  # the masking proper starts here (key agreement and expansion)
-        pair_keys = [(pair_mask_key(agree(self._s_sk, self._peer_keys[peer][1], f"{peer!r}"), p.round_id,
-                                    self.index, self.neighbors[peer]), self.index < self.neighbors[peer])
-                     for peer in held]
-        # One pass over the vector in cache-sized chunks: quantise the chunk, then add the self mask and add or
-        # subtract each pairwise mask, each a ChaCha20 keystream continued chunk by chunk.
-        streams = [(prg_stream(self_mask_key(self._b, p.round_id, self.index)), True)]
-        streams += [(prg_stream(key), plus) for key, plus in pair_keys]
-        y = np.empty(p.length, RING_DTYPE)
-        scratch = np.empty(min(CHUNK, p.length), RING_DTYPE)
-        raw = memoryview(scratch).cast("B")
-        buffers = quantizer.buffers()
-        t_quant = 0.0
-        for lo in range(0, p.length, CHUNK):
-            hi = min(p.length, lo + CHUNK)
-            chunk, mask = y[lo:hi], scratch[:hi - lo]
-            t0 = time.perf_counter()
-            quantizer.encode_into(x, w, rng, chunk, lo, hi, buffers)
-            t_quant += time.perf_counter() - t0
-            zeros, out = _zero_bytes(mask.nbytes), raw[:mask.nbytes]
-            for stream, plus in streams:
-                stream.update_into(zeros, out)
-                (np.add if plus else np.subtract)(chunk, mask, out=chunk)
-        if p.ring_bits < 32:
-            np.bitwise_and(y, np.uint32(p.ring_mask), out=y)
-        end = time.perf_counter()
-        self._held = held
-        self._phase = 3
-        self.timings.update(masked_input=end - start, quantize=t_quant, mask=end - t_mask - t_quant)
-        return {"y": y}
-
-    # --- phase 3 -> 4 ----------------------------------------------------------------------
-    def on_unmask(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"survivors": [peer...], "dropped": [peer...], "n_survivors": int}`` ->
-        ``{"b_shares": {survivor: bytes}, "s_shares": {dropped: bytes}}``.
-
-        The lists must partition the neighbours this client masked with. For any one peer the client
-        reveals either the share of its self-mask seed (peer survived) or the share of its mask key (peer
-        dropped), never both, also across repeated requests; a request that would break this is refused.
-        """
-        start = time.perf_counter()
-        if self._phase not in (3, 4):
-            self._expect(3, "unmask")
-        p = self.params
-        what = f"client {self.client} unmask"
-        if not isinstance(msg, Mapping):
-            raise SecAggError(f"{what}: the message must be a dict")
-        lists = {}
-        for key in ("survivors", "dropped"):
-            v = msg.get(key)
-            if not isinstance(v, (list, tuple)):
-                raise SecAggError(f"{what}: field {key!r} must be a list of client ids")
-            lists[key] = [_id(x, what) for x in v]
-        survivors, dropped = set(lists["survivors"]), set(lists["dropped"])
-        both = survivors & dropped
-        if both:
-            raise SecAggError(f"{what}: refused: {sorted(both)} listed both as survived and dropped "
-                              f"(revealing both shares would unmask them)")
-        flipped = (survivors & self._revealed_s) | (dropped & self._revealed_b)
-        if flipped:
-            raise SecAggError(f"{what}: refused: the other share of {sorted(flipped)} was already revealed")
-        unknown = (survivors | dropped) - set(self._held)
-        if unknown:
-            raise SecAggError(f"{what}: {sorted(unknown)} did not share with this client")
-        missing = set(self._held) - survivors - dropped
-        if missing:
-            raise SecAggError(f"{what}: neighbours {sorted(missing)} are neither survived nor dropped")
-        n_surv = msg.get("n_survivors")
-        if isinstance(n_surv, bool) or not isinstance(n_surv, int) or n_surv < len(survivors) + 1:
-            raise SecAggError(f"{what}: n_survivors must be an integer >= {len(survivors) + 1}, got {n_surv!r}")
-        if n_surv < p.threshold:
-            raise SecAggAbort(f"only {n_surv} clients sent masked inputs, threshold t={p.threshold}", PHASES[4])
-        self._revealed_b |= survivors
-        self._revealed_s |= dropped
-        self._phase = 4
-        reply = {"b_shares": {v: self._held[v][0] for v in sorted(survivors)},
-                 "s_shares": {v: self._held[v][1] for v in sorted(dropped)}}
-        self.timings["unmasking"] = time.perf_counter() - start
-        return reply
