@@ -11,8 +11,9 @@ import subprocess
 import pytest
 import yaml
 
-from edge_node.availability import client_availability, load_trace, parse_availability, transitions
-from edge_node.links import DeviceProfile, Link, assign_profile, load_profiles
+from scenario.availability import client_availability, load_trace, parse_availability, transitions
+from edge_node.links import Link
+from scenario.devices import DeviceProfile, assign_profile, load_profiles
 from tests.conftest import fcl_emu, small_config
 
 

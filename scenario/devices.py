@@ -1,0 +1,186 @@
+"""Device profiles: compute speed, link bandwidth and latency of each emulated client.
+
+A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
+
+.. code-block:: yaml
+
+    profiles:
+      - name: flagship            # a label of the link metrics: keep the set small
+        share: 0.6                # fraction of the clients (shares are normalised)
+        compute_factor: 1.0       # local training takes this many times the measured time
+        uplink_mbps: 20           # megabits per second
+        downlink_mbps: 50
+        latency_ms: 30            # one way
+      - name: budget
+        share: 0.4
+        compute_factor: {lognormal: {median: 3.0, sigma: 0.5}}
+        uplink_mbps: {uniform: [1, 5]}
+        downlink_mbps: 10
+        latency_ms: {uniform: [50, 200]}
+    clients:                      # optional: pin clients to profiles
+      7: budget
+
+Each value is a number or a distribution (``uniform: [low, high]``,
+``lognormal: {median, sigma}``), drawn once per client. A missing bandwidth
+means an unlimited link; a missing latency 0. The coordinator assigns a
+profile to every client, seeded by the run seed (:func:`assign_profile`), and
+sends it in the client's ``welcome``; the edge node applies it to the client's
+real messages (:class:`edge_node.links.Link`): a message of ``n`` bytes on a link of ``b``
+bytes/s waits for the messages before it on the same direction (a FIFO
+link), then ``n / b`` seconds, then the latency. Heartbeats and the
+membership messages (join, welcome, leave, shutdown) are treated as a
+separate control channel: latency only, so a long upload cannot make a
+client miss its heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pydantic
+import yaml
+
+Value = float | dict[str, Any]
+
+
+class _Profile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    name: str = pydantic.Field(min_length=1, max_length=40)
+    share: float = pydantic.Field(1.0, gt=0)
+    compute_factor: Value = 1.0
+    uplink_mbps: Value | None = None
+    downlink_mbps: Value | None = None
+    latency_ms: Value = 0.0
+
+    @pydantic.field_validator("compute_factor", "uplink_mbps", "downlink_mbps", "latency_ms")
+    @classmethod
+    def _value(cls, value: Value | None, info) -> Value | None:
+        if value is None:
+            return value
+        low = _support(value, info.field_name)[0]
+        if low < 0 or (info.field_name != "latency_ms" and low == 0):
+            raise ValueError(f"{info.field_name} must be positive" + (" or zero" if info.field_name ==
+                                                                        "latency_ms" else ""))
+        return value
+
+
+class ProfilesFile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    profiles: list[_Profile] = pydantic.Field(min_length=1)
+    clients: dict[int, str] = {}
+
+    @pydantic.model_validator(mode="after")
+    def _names(self) -> "ProfilesFile":
+        names = [p.name for p in self.profiles]
+        if len(set(names)) != len(names):
+            raise ValueError("profile names must be unique")
+        unknown = sorted(set(self.clients.values()) - set(names))
+        if unknown:
+            raise ValueError(f"clients: unknown profile(s) {unknown}")
+        return self
+
+
+def _support(value: Value, field: str) -> tuple[float, float]:
+    """(lowest, highest) value a number or distribution can take; raises ValueError if malformed."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{field} must be finite")
+        return float(value), float(value)
+    if isinstance(value, dict) and len(value) == 1:
+        (dist, params), = value.items()
+        if dist == "uniform" and isinstance(params, list) and len(params) == 2:
+            low, high = (float(v) for v in params)
+            if math.isfinite(low) and math.isfinite(high) and low <= high:
+                return low, high
+        if dist == "lognormal" and isinstance(params, dict) and params.keys() == {"median", "sigma"}:
+            median, sigma = float(params["median"]), float(params["sigma"])
+            if median > 0 and sigma >= 0 and math.isfinite(median * sigma):
+                return 1e-12, math.inf
+    raise ValueError(f"{field}: expected a number, {{uniform: [low, high]}} or "
+                     f"{{lognormal: {{median: M, sigma: S}}}}, got {value!r}")
+
+
+@lru_cache(maxsize=4)
+def load_profiles(path: Path) -> ProfilesFile:
+    """Read and validate a profiles file; raises ValueError naming the file and the problem."""
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
+    except OSError as exc:
+        raise ValueError(f"device profiles {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"device profiles {path}: cannot parse: {exc}") from None
+    try:
+        return ProfilesFile.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"device profiles {path}: {problems}") from None
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One client's drawn profile (what its welcome carries)."""
+
+    name: str = "default"
+    compute_factor: float = 1.0
+    uplink_bytes_s: float = math.inf
+    downlink_bytes_s: float = math.inf
+    latency_s: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        # JSON has no infinity: an unlimited link travels as null
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "DeviceProfile":
+        """Raises ValueError for a malformed profile (it came over the wire)."""
+        try:
+            profile = cls(name=str(data["name"]), compute_factor=float(data["compute_factor"]),
+                          uplink_bytes_s=math.inf if data["uplink_bytes_s"] is None else float(data["uplink_bytes_s"]),
+                          downlink_bytes_s=(math.inf if data["downlink_bytes_s"] is None
+                                            else float(data["downlink_bytes_s"])),
+                          latency_s=float(data["latency_s"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed device profile {data!r}: {exc}") from None
+        if not (profile.compute_factor > 0 and profile.uplink_bytes_s > 0 and profile.downlink_bytes_s > 0
+                and 0 <= profile.latency_s < math.inf):
+            raise ValueError(f"device profile out of range: {data!r}")
+        return profile
+
+
+def assign_profile(profiles: ProfilesFile | None, index: int, seed: int) -> DeviceProfile:
+    """Client ``index``'s profile: pinned, or drawn by share; its values drawn from their distributions."""
+    if profiles is None:
+        return DeviceProfile()
+    rng = np.random.default_rng(zlib.crc32(f"{seed}/profile/{index}".encode()))
+    by_name = {p.name: p for p in profiles.profiles}
+    shares = np.array([p.share for p in profiles.profiles])
+    pick = rng.choice(len(shares), p=shares / shares.sum())
+    chosen = by_name[profiles.clients[index]] if index in profiles.clients else profiles.profiles[pick]
+
+    def draw(value: Value | None) -> float | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            return float(value)
+        (dist, params), = value.items()
+        if dist == "uniform":
+            return float(rng.uniform(*params))
+        return float(params["median"] * math.exp(params["sigma"] * rng.standard_normal()))
+
+    def bytes_s(mbps: float | None) -> float:
+        return math.inf if mbps is None else mbps * 1e6 / 8
+
+    return DeviceProfile(name=chosen.name, compute_factor=draw(chosen.compute_factor),
+                         uplink_bytes_s=bytes_s(draw(chosen.uplink_mbps)),
+                         downlink_bytes_s=bytes_s(draw(chosen.downlink_mbps)),
+                         latency_s=draw(chosen.latency_ms) / 1000.0)
