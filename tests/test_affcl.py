@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fcl_emu.config import RunConfig
+from runconfig import RunConfig
 from methods import registry as methods
 from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_loss,
                            generated_ce, latent_statistics, mean_density)

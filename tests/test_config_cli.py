@@ -5,8 +5,8 @@ import yaml
 from typer.testing import CliRunner
 
 from fcl_emu.cli import app
-from fcl_emu.config import RunConfig, load_config
-from fcl_emu.launcher import format_client_set, node_assignment, parse_client_set
+from runconfig import RunConfig, load_config
+from fcl_emu.launchers import format_client_set, node_assignment, parse_client_set
 
 runner = CliRunner()
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from edge_node.store import ArrayStore
-from fcl_emu.config import RunConfig
+from runconfig import RunConfig
 from methods import jobs
 from methods.base import ClientContext, ClientUpdate, ServerContext, TrainingSettings
 from methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
@@ -278,7 +278,7 @@ def test_bad_uploads_are_refused(feature_vaes):
 def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
     """ServerPart.check_update runs when an update arrives: a misfit VAE is a bad_shape rejection."""
     from coordinator.engine import Coordinator
-    from fcl_emu.config import load_config
+    from runconfig import load_config
     from wire.framing import WireError, decode, encode
     from wire.messages import Update
 

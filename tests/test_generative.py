@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from fcl_emu.config import RunConfig
+from runconfig import RunConfig
 from methods import jobs
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from edge_node.store import ArrayStore
-from fcl_emu.config import RunConfig
+from runconfig import RunConfig
 from methods import jobs
 from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
 from methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder,

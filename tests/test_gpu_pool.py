@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from coordinator.engine import Coordinator, JobFailed
-from fcl_emu.config import load_config
+from runconfig import load_config
 from methods import jobs
 from tests.conftest import events, fcl_emu, small_config
 

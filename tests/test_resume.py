@@ -16,7 +16,7 @@ from coordinator import checkpoint
 from coordinator.checkpoint import CheckpointError
 from coordinator.registry import ClientRegistry, Status
 from fcl_emu.cli import app
-from fcl_emu.config import RunConfig
+from runconfig import RunConfig
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model

@@ -109,7 +109,7 @@ def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, t
                 rounds_per_task: Optional[int] = None, clients_per_round: Optional[int] = None,
                 min_participants: Optional[int] = None, data_root: Optional[Sequence[Path]] = None) -> dict:
     """The config shared by every point: bench defaults < ``config_file`` < flags (as a plain dict)."""
-    from fcl_emu.config import default_data_roots
+    from runconfig import default_data_roots
 
     loaded: dict[str, Any] = {}
     if config_file is not None:
@@ -144,7 +144,7 @@ def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, 
     """One point's config, validated (raises ValueError naming the problem)."""
     import pydantic
 
-    from fcl_emu.config import RunConfig
+    from runconfig import RunConfig
 
     config = _merge(base, {"method": method, "seed": seed, "scenario": {"seed": seed},
                            "edge": {"availability": availability_for(churn_rate), "crash_rate": crash_rate}})
@@ -164,7 +164,7 @@ def point_name(method: str, churn_rate: float, crash_rate: float, seed: int) -> 
 
 def run_timeout_s(config: dict) -> float:
     """A generous bound on one run: joining, every round at its deadline, evaluation and start-up."""
-    from fcl_emu.config import RunConfig
+    from runconfig import RunConfig
 
     cfg = RunConfig.model_validate(config)
     total = cfg.scenario.num_tasks * cfg.rounds.rounds_per_task

@@ -1,6 +1,6 @@
-"""The run configuration: one validated object built from a YAML file and flags.
+"""The run configuration (:class:`RunConfig`): one validated object built from a YAML file and flags.
 
-Precedence: command-line flags > ``--config`` YAML > defaults. Everything is
+Precedence: command-line flags > ``--config`` YAML > defaults (the flags: :mod:`fcl_emu.options`). Everything is
 validated before any process starts; an invalid value fails with a message
 naming the option. The resolved config is written into the run directory.
 """
@@ -13,7 +13,9 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from scenario.availability import parse_availability
 from scenario.datasets import roots_from_env
+from scenario.devices import load_profiles
 from scenario.spec import ScenarioSpec
 
 
@@ -87,8 +89,6 @@ class EdgeConfig(pydantic.BaseModel):
     @pydantic.field_validator("availability")
     @classmethod
     def _availability(cls, value: str) -> str:
-        from edge_node.availability import parse_availability
-
         parse_availability(value)  # raises ValueError naming what is wrong
         return value
 
@@ -96,8 +96,6 @@ class EdgeConfig(pydantic.BaseModel):
     @classmethod
     def _profiles(cls, value: Path | None) -> Path | None:
         if value is not None:
-            from edge_node.links import load_profiles
-
             load_profiles(value)
         return value
 
