@@ -6,7 +6,7 @@ recognised by its own VAE over the features of a frozen extractor;
 clients' local VAEs of that class, and *selective knowledge fusion* merges the
 local VAEs of one class from different clients (a class several clients
 hold, or one only a single client holds) into its global VAE. Metrics GA,
-KR_t, KR_s (coordinator/results.py).
+KR_t, KR_s (monitoring/results.py).
 
 Sources. The paper's text (its equations and the value of every default) was
 not available here: only its abstract. Every formula and default below comes

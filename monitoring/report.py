@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from coordinator.results import RoundRecord
+from monitoring.results import RoundRecord
 
 SUMMARY = "summary.json"
 EVENTS = "events.jsonl"

@@ -22,7 +22,7 @@ FORGETTING = ((90 - 30) + (80 - 50)) / 2  # 45.0
 
 def summary(matrix=MATRIX, status="completed", rounds=6, bytes_total=12_345_678, wall=42.5, seed=0,
             method="fedavg", **averages) -> dict:
-    """A summary.json of the shape coordinator/engine.py writes."""
+    """A summary.json of the shape coordinator/summary.py writes."""
     averages = {"average_accuracy": AVG_ACC, "average_incremental_accuracy": AVG_INC,
                 "average_forgetting": FORGETTING, **averages}
     return {

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coordinator.results import (average_accuracy, average_forgetting, average_incremental_accuracy,
+from monitoring.results import (average_accuracy, average_forgetting, average_incremental_accuracy,
                                  spatial_retention, temporal_retention)
 
 # After task 0: 90 on task 0. After task 1: 60 on task 0, 80 on task 1.
