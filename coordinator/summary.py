@@ -1,0 +1,108 @@
+"""The run summary (``summary.json``): results, costs and counts of a finished or ended run.
+
+A mixin of :class:`coordinator.engine.Coordinator`; the accuracy definitions it uses are in
+:mod:`monitoring.results` and docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.gpu_pool import Job
+from monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
+                                spatial_retention, temporal_retention)
+
+
+class RunSummary:
+    def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
+                 class_hits=None) -> dict:
+        counts = self.registry.counts
+        complete = bool(matrix)
+        phases = Counter()
+        for r in rounds:
+            phases.update(r.phases_s)
+        return {
+            "status": status,
+            "run_id": self.run_id,
+            "run_dir": str(run_dir),
+            "method": self.config.method,
+            "method_options": self.config.method_options_model().model_dump(mode="json"),
+            "dataset": self.config.scenario.dataset,
+            "model": self.config.model,
+            "scenario": self.config.scenario.model_dump(mode="json"),
+            "seed": self.config.seed,
+            "accuracy_matrix": matrix,
+            "accuracy_seen": [self._seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            "average_accuracy": average_accuracy(matrix) if complete else None,
+            "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
+            "average_forgetting": average_forgetting(matrix) if complete else None,
+            "knowledge_retention": self._knowledge_retention(matrix, class_hits),
+            "bytes": self.counters.nested(),
+            "messages": {f"{t}/{d}": n for (t, d), n in sorted(self.counters.messages.items())},
+            "bytes_total": sum(self.counters.bytes.values()),
+            "rounds": len(rounds),
+            "rounds_skipped": sum(r.skipped for r in rounds),
+            "wall_clock_s": wall,
+            "phase_s": dict(phases),
+            "handling_s": dict(self.handling_s),
+            "clients": {
+                "configured": self.config.scenario.num_clients,
+                "joined": counts.joined,
+                "rejoined": counts.rejoined,
+                "left": counts.left,
+                "dropped": counts.dropped,
+                "online_at_end": len(self.registry.online()),
+            },
+            "missed_deadline": sum(r.late for r in rounds),
+            "late_updates": self.late_updates,
+            "late_side_channel": self.late_side_channel,
+            "rejected_messages": dict(self.rejected),
+            "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
+            "gpu_jobs": _jobs_summary(self._jobs, self.config.gpu.workers, self.pool.device),
+            "resumes": self._resumes,
+            "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
+        }
+
+    def _seen_accuracy(self, row: list[float | None], task: int) -> float:
+        counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]
+        return float(np.average([a for a in row if a is not None], weights=[n for a, n in zip(row, counts)
+                                                                             if a is not None]))
+
+    def _knowledge_retention(self, matrix, class_hits) -> dict[str, float | None]:
+        """KR_t, KR_s and the private classes' accuracy (monitoring.results); the spatial terms need the
+        final model's per-class hits, which a run resumed after its last task no longer has."""
+        out = {"temporal": temporal_retention(matrix) if matrix else None, "spatial": None, "private": None}
+        if class_hits is not None and len(matrix) == self.scenario.num_tasks:
+            clients = range(self.config.scenario.num_clients)
+            trained = [np.unique(np.concatenate([self.scenario.client_classes(k, t) for t in range(len(matrix))]))
+                       for k in clients]
+            out.update(spatial_retention(*class_hits, trained))
+        return out
+
+
+def _jobs_summary(jobs: list[Job], workers: int, device: str) -> dict:
+    """Server-side jobs over the run, by kind: how many, how many failed, attempts, seconds queued and run."""
+    by_kind: dict[str, dict] = {}
+    for job in jobs:
+        k = by_kind.setdefault(job.kind, {"jobs": 0, "failed": 0, "attempts": 0, "queue_s": 0.0, "run_s": 0.0})
+        k["jobs"] += 1
+        k["failed"] += not job.ok
+        k["attempts"] += job.attempts
+        k["queue_s"] += job.queue_s
+        k["run_s"] += job.run_s
+    return {"workers": workers, "device": device, "by_kind": by_kind}
+
+
+def _secagg_summary(rounds: list[RoundRecord]) -> dict:
+    """Secure aggregation over the run: rounds by outcome, seconds and dropouts per phase (summed)."""
+    records = [r.secagg for r in rounds if r.secagg is not None]
+    phase_s, dropouts = Counter(), Counter()
+    for rec in records:
+        phase_s.update(rec.get("phase_s", {}))
+        dropouts.update(rec.get("dropouts", {}))
+    return {"completed": sum(rec["outcome"] == "completed" for rec in records),
+            "aborted": sum(rec["outcome"] == "aborted" for rec in records),
+            "phase_s": dict(phase_s), "dropouts": dict(dropouts)}
