@@ -14,8 +14,8 @@ import pydantic
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
-from fcl_emu.config import RunConfig, load_config
-from fcl_emu.launcher import NodeProcesses, default_run_dir, gpu_worker_metrics_port, metrics_ports
+from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
+from fcl_emu.launchers import NodeLauncher, launcher
 from monitoring import stack
 
 
@@ -77,6 +77,11 @@ def summary_table(summary: dict) -> Table:
     table.add_row("wall clock", f"{summary['wall_clock_s']:.1f} s")
     table.add_row("run directory", summary["run_dir"])
     return table
+
+
+def default_run_dir(config: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{config.method}-{config.scenario.dataset}-s{config.seed}"
 
 
 def resolve_metrics(config: RunConfig, start_nodes: bool) -> RunConfig:
@@ -145,11 +150,14 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
     coordinator = Coordinator(config, progress=view, resume=resume)
     resumed = "" if resume is None else f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
     console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}{resumed}")
-    nodes = prometheus = None
+    nodes: NodeLauncher | None = None
+    prometheus = None
     finished = False
     try:
         prometheus = _start_metrics(config, coordinator, run_dir, start_nodes, console)
-        nodes = NodeProcesses(coordinator.address, config, run_dir / "logs") if start_nodes else None
+        if start_nodes:
+            nodes = launcher()
+            nodes.start(coordinator.address, config, run_dir / "logs")
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fcl_emu.config import default_data_roots
-from fcl_emu.launcher import node_env
+from runconfig import default_data_roots
+from fcl_emu.launchers.process import node_env
 
 
 def find_dataset_root(folder: str) -> Path:

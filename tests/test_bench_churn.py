@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from fcl_emu.bench import churn
-from fcl_emu.config import RunConfig
-from fcl_emu.launcher import node_env
+from runconfig import RunConfig
+from fcl_emu.launchers.process import node_env
 
 
 def fake_summary(acc: float, forgetting: float, rounds: int = 12, skipped: int = 0, left: int = 0) -> dict:

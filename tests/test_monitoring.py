@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from fcl_emu.bench.metrics import series_count, simulate
 from fcl_emu.cli import app
-from fcl_emu.config import load_config
-from fcl_emu.launcher import gpu_worker_metrics_port, metrics_ports, node_command
+from fcl_emu.launchers.process import node_command
+from runconfig import gpu_worker_metrics_port, load_config, metrics_ports
 from monitoring import stack
 from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
 from tests.conftest import fcl_emu, free_port, small_config

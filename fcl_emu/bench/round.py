@@ -27,8 +27,8 @@ from rich.console import Console
 
 from coordinator.engine import Coordinator
 from fcl_emu.bench.report import emit
-from fcl_emu.config import RunConfig, default_data_roots
-from fcl_emu.launcher import node_command, node_env
+from runconfig import RunConfig, default_data_roots
+from fcl_emu.launchers.process import node_command, node_env
 
 
 def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path] | None,

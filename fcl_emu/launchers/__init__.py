@@ -1,0 +1,28 @@
+"""How ``fcl-emu up`` starts its edge nodes: one small interface (:class:`NodeLauncher`), one file per backend.
+
+A backend gets the coordinator's address, the run configuration and a log directory, and starts one edge node
+per :class:`NodeSpec` of :func:`node_specs`; every node runs ``fcl-emu node --connect ADDRESS --clients ...``
+(:func:`node_args`) and dials out to the coordinator, so a backend only decides *where* that command runs.
+To add a backend (a container engine, an orchestrator), write ``fcl_emu/launchers/<name>.py`` with a
+:class:`NodeLauncher` subclass and add it to :data:`BACKENDS`; nothing in the coordinator changes.
+"""
+
+from __future__ import annotations
+
+from fcl_emu.launchers.base import (NodeLauncher, NodeSpec, format_client_set, node_args, node_assignment,
+                                    node_specs, parse_client_set)
+from fcl_emu.launchers.process import ProcessLauncher
+
+BACKENDS: dict[str, type[NodeLauncher]] = {"process": ProcessLauncher}
+
+
+def launcher(backend: str = "process") -> NodeLauncher:
+    """A new launcher of ``backend`` (a key of :data:`BACKENDS`)."""
+    try:
+        return BACKENDS[backend]()
+    except KeyError:
+        raise ValueError(f"unknown edge-node backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
+
+
+__all__ = ["BACKENDS", "NodeLauncher", "NodeSpec", "ProcessLauncher", "format_client_set", "launcher", "node_args",
+           "node_assignment", "node_specs", "parse_client_set"]

@@ -1,0 +1,91 @@
+"""The edge-node launcher interface and what every backend shares: which node hosts which clients, and the
+``fcl-emu node`` arguments that start one."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+from runconfig import RunConfig, node_metrics_port
+
+
+def parse_client_set(text: str) -> list[int]:
+    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10]."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad client set {text!r}: use forms like '0-149' or '0,5,7-9'") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad client range {part!r}")
+        out.extend(range(first, last + 1))
+    if not out:
+        raise ValueError("the client set is empty")
+    return sorted(set(out))
+
+
+def format_client_set(indices: list[int]) -> str:
+    """Inverse of :func:`parse_client_set`, compact."""
+    parts, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            parts.append(f"{start}-{value}" if value != start else str(value))
+            start = None
+    return ",".join(parts)
+
+
+def node_assignment(num_clients: int, nodes: int) -> list[list[int]]:
+    """Clients striped over nodes (i, i+nodes, ...): balances load and late joiners."""
+    return [list(range(n, num_clients, nodes)) for n in range(nodes)]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One edge node of a run: its number, name and the clients it hosts."""
+
+    number: int
+    name: str
+    clients: list[int]
+
+
+def node_specs(config: RunConfig) -> list[NodeSpec]:
+    """The ``config.nodes`` edge nodes of ``up``, named ``node-<n>``, clients striped over them."""
+    return [NodeSpec(n, f"node-{n}", indices)
+            for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes))]
+
+
+def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
+              parent_pid: int | None = None) -> list[str]:
+    """The arguments of ``fcl-emu node`` for edge node ``n`` (its data roots and its /metrics port)."""
+    args = ["node", "--connect", address, "--clients", format_client_set(indices), "--name", name]
+    if parent_pid is not None:
+        args += ["--parent-pid", str(parent_pid)]
+    for root in config.data_root:
+        args += ["--data-root", str(root)]
+    port = node_metrics_port(config, n)
+    if port is not None:
+        args += ["--metrics-port", str(port), "--metrics-host", config.metrics.host,
+                 "--metrics-linger", f"{config.metrics.linger:g}"]
+    return args
+
+
+class NodeLauncher(abc.ABC):
+    """Starts the edge nodes of one run and stops them for sure when it ends."""
+
+    @abc.abstractmethod
+    def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
+        """Start one edge node per :func:`node_specs` entry, each dialling ``address``; logs go to ``log_dir``."""
+
+    @abc.abstractmethod
+    def exited(self) -> list[int]:
+        """Exit codes of the nodes that have ended."""
+
+    @abc.abstractmethod
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Wait up to ``grace_s`` for the nodes to end on their own (after the coordinator's shutdown), then end
+        them."""

@@ -1,0 +1,95 @@
+"""The default backend: every edge node is a child process of ``fcl-emu up`` on this machine."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fcl_emu.launchers.base import NodeLauncher, node_args, node_specs
+from runconfig import RunConfig
+
+
+def node_command(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
+                 parent_pid: int | None = None) -> list[str]:
+    """The command line of edge node ``n`` as a process of this Python."""
+    return [sys.executable, "-m", "fcl_emu", *node_args(address, indices, config, name, n, parent_pid)]
+
+
+def node_env() -> dict[str, str]:
+    """Environment of an edge-node process: one torch thread (nodes are the unit of parallelism).
+
+    (glibc's MALLOC_MMAP_THRESHOLD_ was tried to return freed message buffers
+    to the system: it makes every large torch temporary an mmap/munmap pair and
+    slowed local training about 20-fold.)
+    """
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as ``parent_pid`` is no longer its parent, even if the parent was SIGKILLed.
+
+    So the edge nodes of a killed ``fcl-emu up`` do not live on beside the nodes that ``up --resume`` starts
+    under the same client identities. On Linux the kernel sends SIGKILL when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, set here in the child, not in a ``preexec_fn``, which is unsafe in a parent
+    with threads). SIGKILL, not SIGTERM: with its coordinator gone a node can be blocked in a send that a
+    signal handler cannot end, and it has nothing to save (client stores are written atomically). Elsewhere
+    a daemon thread polls ``os.getppid()`` twice a second. A parent already gone is caught at once.
+    """
+    watched = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            watched = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            watched = False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if not watched:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ProcessLauncher(NodeLauncher):
+    """The edge nodes as child processes of ``fcl-emu up``; stopped for sure on exit, and ending with it even
+    if it is killed (``--parent-pid``, :func:`exit_with_parent`)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = node_env()
+        for node in node_specs(config):
+            log = open(log_dir / f"{node.name}.log", "ab")  # appended to by `up --resume`
+            command = node_command(address, node.clients, config, node.name, node.number, os.getpid())
+            self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+            log.close()
+
+    def exited(self) -> list[int]:
+        return [p.returncode for p in self.procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
