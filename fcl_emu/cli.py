@@ -19,7 +19,8 @@ import pydantic
 import typer
 from rich.console import Console
 
-from fcl_emu.config import RunConfig, load_config
+from fcl_emu import options
+from runconfig import RunConfig, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -27,120 +28,12 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against b
 app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
-# Where each config field is set on the command line (for error messages).
-FLAG_OF = {
-    ("scenario", "num_clients"): "--clients",
-    ("scenario", "dataset"): "--dataset",
-    ("scenario", "num_tasks"): "--tasks",
-    ("scenario", "partition"): "--partition",
-    ("scenario", "dirichlet_beta"): "--beta",
-    ("scenario", "seed"): "--seed",
-    ("rounds", "clients_per_round"): "--clients-per-round",
-    ("rounds", "rounds_per_task"): "--rounds-per-task",
-    ("rounds", "deadline_s"): "--round-deadline",
-    ("rounds", "min_participants"): "--min-participants",
-    ("training", "local_epochs"): "--local-epochs",
-    ("training", "lr"): "--lr",
-    ("network", "bind"): "--bind",
-    ("rounds", "overcommit"): "--overcommit",
-    ("rounds", "late_updates"): "--late-updates",
-    ("edge", "availability"): "--availability",
-    ("edge", "crash_rate"): "--crash-rate",
-    ("edge", "device_profiles"): "--device-profiles",
-    ("secagg", "enabled"): "--secagg",
-    ("secagg", "neighbors"): "--secagg-neighbors",
-    ("secagg", "threshold"): "--secagg-threshold",
-    ("gpu", "workers"): "--gpu-workers",
-    ("gpu", "device"): "--gpu-device",
-    ("metrics", "port"): "--metrics-port",
-    ("metrics", "host"): "--metrics-host",
-    ("metrics", "prometheus_port"): "--prometheus-port",
-    ("method",): "--method",
-    ("method_options",): "--method-option",
-    ("model",): "--model",
-    ("nodes",): "--nodes",
-    ("device",): "--device",
-    ("data_root",): "--data-root",
-    ("seed",): "--seed",
-    ("run_dir",): "--run-dir",
-}
-
-
-def _flag_for(loc: tuple) -> str:
-    for n in range(len(loc), 0, -1):
-        if tuple(loc[:n]) in FLAG_OF:
-            return FLAG_OF[tuple(loc[:n])]
-    return ".".join(str(p) for p in loc) or "config"
-
-
-def _set(overrides: dict, path: tuple[str, ...], value: Any) -> None:
-    if value is None:
-        return
-    node = overrides
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = value
-
-
-def _parse_method_options(items: list[str]) -> dict[str, Any]:
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{item!r}: use KEY=VALUE", param_hint="--method-option")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     """Resolve file + flags, turning validation errors into messages that name the flag."""
-    overrides: dict = {}
-    _set(overrides, ("scenario", "num_clients"), flags.get("clients"))
-    _set(overrides, ("scenario", "dataset"), flags.get("dataset"))
-    _set(overrides, ("scenario", "num_tasks"), flags.get("tasks"))
-    _set(overrides, ("scenario", "partition"), flags.get("partition"))
-    _set(overrides, ("scenario", "dirichlet_beta"), flags.get("beta"))
-    _set(overrides, ("rounds", "clients_per_round"), flags.get("clients_per_round"))
-    _set(overrides, ("rounds", "rounds_per_task"), flags.get("rounds_per_task"))
-    _set(overrides, ("rounds", "deadline_s"), flags.get("round_deadline"))
-    _set(overrides, ("rounds", "min_participants"), flags.get("min_participants"))
-    _set(overrides, ("training", "local_epochs"), flags.get("local_epochs"))
-    _set(overrides, ("training", "lr"), flags.get("lr"))
-    _set(overrides, ("network", "bind"), flags.get("bind"))
-    _set(overrides, ("rounds", "overcommit"), flags.get("overcommit"))
-    _set(overrides, ("rounds", "late_updates"), flags.get("late_updates"))
-    _set(overrides, ("edge", "availability"), flags.get("availability"))
-    _set(overrides, ("edge", "crash_rate"), flags.get("crash_rate"))
-    _set(overrides, ("edge", "device_profiles"), flags.get("device_profiles"))
-    if flags.get("secagg"):
-        _set(overrides, ("secagg", "enabled"), True)
-    _set(overrides, ("secagg", "neighbors"), flags.get("secagg_neighbors"))
-    _set(overrides, ("secagg", "threshold"), flags.get("secagg_threshold"))
-    _set(overrides, ("gpu", "workers"), flags.get("gpu_workers"))
-    _set(overrides, ("gpu", "device"), flags.get("gpu_device"))
-    _set(overrides, ("metrics", "port"), flags.get("metrics_port"))
-    _set(overrides, ("metrics", "host"), flags.get("metrics_host"))
-    _set(overrides, ("metrics", "prometheus_port"), flags.get("prometheus_port"))
-    for flag in ("prometheus", "keep_prometheus"):
-        if flags.get(flag):
-            _set(overrides, ("metrics", flag), True)
-    for key in ("method", "model", "nodes", "device", "run_dir"):
-        _set(overrides, (key,), flags.get(key))
-    if flags.get("seed") is not None:
-        overrides["seed"] = flags["seed"]
-        overrides.setdefault("scenario", {})["seed"] = flags["seed"]
-    if flags.get("data_root"):
-        overrides["data_root"] = [str(p) for p in flags["data_root"]]
-    if flags.get("method_option"):
-        overrides["method_options"] = _parse_method_options(flags["method_option"])
-    if flags.get("download"):
-        overrides["download"] = True
     try:
-        return load_config(config_file, overrides)
+        return load_config(config_file, options.overrides(flags))
     except pydantic.ValidationError as exc:
-        lines = [f"Invalid value for {_flag_for(tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
+        lines = [f"Invalid value for {options.flag_for(tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
         raise typer.BadParameter("\n".join(lines)) from None
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc).strip("'\"")) from None
@@ -164,34 +57,19 @@ def _finish(runner, cfg: RunConfig) -> None:
     raise typer.Exit(0 if summary.get("status") == "completed" else 1)
 
 
-# What may be given with --resume: where the data and the metrics live, not what the run does.
-RESUME_KEEPS = frozenset({"data_root", "metrics_port", "metrics_host", "prometheus", "prometheus_port",
-                          "keep_prometheus", "verbose", "resume"})
-
-
-def _resume(runner_name: str, run_dir: Path, params: dict[str, Any]) -> None:
+def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any]) -> None:
     """``up --resume`` / ``coordinator --resume``: refuse flags that would change the run, load and check
     RUN_DIR's config and checkpoint (exit 1 with one line if unusable), then continue the run."""
     import functools
 
     from fcl_emu import run
 
-    refused = ["--" + k.replace("_", "-") for k, v in params.items()
-               if k not in RESUME_KEEPS and v is not None and v is not False and v != []]
+    refused = ["--config"] * (config_file is not None) + options.refused_with_resume(flags)
     if refused:
         raise typer.BadParameter(f"{', '.join(refused)} cannot be combined with --resume: a resumed run keeps "
                                  f"the configuration in RUN_DIR/config.yaml", param_hint="--resume")
-    overrides: dict = {}
-    _set(overrides, ("metrics", "port"), params.get("metrics_port"))
-    _set(overrides, ("metrics", "host"), params.get("metrics_host"))
-    _set(overrides, ("metrics", "prometheus_port"), params.get("prometheus_port"))
-    for flag in ("prometheus", "keep_prometheus"):
-        if params.get(flag):
-            _set(overrides, ("metrics", flag), True)
-    if params.get("data_root"):
-        overrides["data_root"] = [str(p) for p in params["data_root"]]
     try:
-        cfg, ckpt = run.open_resume(run_dir, overrides)
+        cfg, ckpt = run.open_resume(run_dir, options.overrides(flags))
     except run.ResumeError as exc:
         console.print(f"error: cannot resume {run_dir}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -203,110 +81,21 @@ def _logging(verbose: bool) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file; flags override it.")]
-ClientsOpt = Annotated[Optional[int], typer.Option(help="Number of emulated clients.")]
-PerRoundOpt = Annotated[Optional[int], typer.Option("--clients-per-round", help="Clients sampled per round (K).")]
-MethodOpt = Annotated[Optional[str], typer.Option(help="Learning method (see `fcl-emu methods`).")]
-MethodOptionOpt = Annotated[Optional[list[str]], typer.Option(
-    "--method-option", help="Method hyper-parameter KEY=VALUE (repeatable).")]
-DatasetOpt = Annotated[Optional[str], typer.Option(help="Dataset name.")]
-DataRootOpt = Annotated[Optional[list[Path]], typer.Option(
-    "--data-root", help="Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or ./data).")]
-TasksOpt = Annotated[Optional[int], typer.Option(help="Number of class-incremental tasks.")]
-RoundsOpt = Annotated[Optional[int], typer.Option("--rounds-per-task", help="Communication rounds per task.")]
-EpochsOpt = Annotated[Optional[int], typer.Option("--local-epochs", help="Local epochs per round.")]
-NodesOpt = Annotated[Optional[int], typer.Option(help="Edge-node processes to start.")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")]
-SeedOpt = Annotated[Optional[int], typer.Option(help="Seed of the scenario, sampling and training.")]
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<time>-...).")]
-MetricsPortOpt = Annotated[Optional[int], typer.Option(
-    "--metrics-port", help="Serve the coordinator's Prometheus /metrics on this port; edge node i of `up` "
-                           "takes PORT+1+i (default: no endpoints).")]
-MetricsHostOpt = Annotated[Optional[str], typer.Option(
-    "--metrics-host", help="Address the /metrics endpoints listen on (default 127.0.0.1; 0.0.0.0 for a "
-                           "Prometheus on another host or in a container).")]
-PrometheusOpt = Annotated[bool, typer.Option(
-    "--prometheus", help="Start a local Prometheus server (the `prometheus` binary) scraping this run.")]
-PrometheusPortOpt = Annotated[Optional[int], typer.Option(
-    "--prometheus-port", help="Port of the local Prometheus (default 9090, on 127.0.0.1).")]
-KeepPrometheusOpt = Annotated[bool, typer.Option(
-    "--keep-prometheus", help="Leave the local Prometheus running after the run ends.")]
-ResumeOpt = Annotated[Optional[Path], typer.Option(
-    "--resume", metavar="RUN_DIR", help="Continue the interrupted run in RUN_DIR from its last checkpoint, "
-    "same address and run id (docs/resume.md). Only --data-root, --metrics-*, --prometheus* and --verbose "
-    "may go with it.")]
-DeadlineOpt = Annotated[Optional[float], typer.Option("--round-deadline", help="Seconds before a round closes.")]
-MinParticipantsOpt = Annotated[Optional[int], typer.Option("--min-participants",
-                                                           help="Fewer updates: round skipped.")]
-OvercommitOpt = Annotated[Optional[float], typer.Option(
-    "--overcommit", help="Select ceil(K x FACTOR) clients, close the round at the first K updates.")]
-LateUpdatesOpt = Annotated[Optional[str], typer.Option(
-    "--late-updates", help="drop (count them) or next_round (aggregate stale deltas of the same task).")]
-AvailabilityOpt = Annotated[Optional[str], typer.Option(
-    "--availability", help="always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH (docs/edge.md).")]
-CrashRateOpt = Annotated[Optional[float], typer.Option(
-    "--crash-rate", help="Probability that a client selected for a round crashes during it.")]
-ProfilesOpt = Annotated[Optional[Path], typer.Option(
-    "--device-profiles", help="Device profiles file: compute factor, bandwidth, latency (docs/edge.md).")]
-SecAggOpt = Annotated[bool, typer.Option(
-    "--secagg", help="Sum the model deltas under SecAgg+ masks: the coordinator sees only the sum (docs/secagg.md).")]
-SecAggNeighborsOpt = Annotated[Optional[int], typer.Option(
-    "--secagg-neighbors", help="Neighbours per client k (default 2*ceil(log2 n); n-1 or more: SecAgg).")]
-SecAggThresholdOpt = Annotated[Optional[int], typer.Option(
-    "--secagg-threshold", help="Shamir threshold t: shares to rebuild a secret (default floor(k/2)+1).")]
-GpuWorkersOpt = Annotated[Optional[int], typer.Option(
-    "--gpu-workers", help="Worker processes for server-side jobs, one device each (default 0: a thread of the "
-                          "coordinator; docs/gpu.md).")]
-GpuDeviceOpt = Annotated[Optional[str], typer.Option(
-    "--gpu-device", help="Device of the GPU workers: auto (CUDA if present), cuda or cpu.")]
+ClientsOpt = options.OPTIONS["clients"].annotation
+PerRoundOpt = options.OPTIONS["clients_per_round"].annotation
+DataRootOpt = options.OPTIONS["data_root"].annotation
+TasksOpt = options.OPTIONS["tasks"].annotation
+RoundsOpt = options.OPTIONS["rounds_per_task"].annotation
 
 
 @app.command()
-def up(
-    config: ConfigOpt = None,
-    clients: ClientsOpt = None,
-    clients_per_round: PerRoundOpt = None,
-    method: MethodOpt = None,
-    method_option: MethodOptionOpt = None,
-    dataset: DatasetOpt = None,
-    data_root: DataRootOpt = None,
-    tasks: TasksOpt = None,
-    rounds_per_task: RoundsOpt = None,
-    local_epochs: EpochsOpt = None,
-    nodes: NodesOpt = None,
-    device: DeviceOpt = None,
-    seed: SeedOpt = None,
-    run_dir: RunDirOpt = None,
-    partition: Annotated[Optional[str], typer.Option(help="iid, dirichlet, class_fraction, private_classes, task_pool, accessible_classes (other scenario options: --config YAML).")] = None,
-    beta: Annotated[Optional[float], typer.Option(help="Dirichlet concentration for --partition dirichlet.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Backbone: auto, cnn, resnet18, resnet32.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Local learning rate.")] = None,
-    round_deadline: DeadlineOpt = None,
-    min_participants: MinParticipantsOpt = None,
-    overcommit: OvercommitOpt = None,
-    late_updates: LateUpdatesOpt = None,
-    availability: AvailabilityOpt = None,
-    crash_rate: CrashRateOpt = None,
-    device_profiles: ProfilesOpt = None,
-    secagg: SecAggOpt = False,
-    secagg_neighbors: SecAggNeighborsOpt = None,
-    secagg_threshold: SecAggThresholdOpt = None,
-    gpu_workers: GpuWorkersOpt = None,
-    gpu_device: GpuDeviceOpt = None,
-    download: Annotated[bool, typer.Option("--download", help="Download a missing dataset with torchvision.")] = False,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = None,
-    prometheus: PrometheusOpt = False,
-    prometheus_port: PrometheusPortOpt = None,
-    keep_prometheus: KeepPrometheusOpt = False,
-    resume: ResumeOpt = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-) -> None:
+@options.run_command(options.UP)
+def up(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
     if resume is not None:
         _logging(verbose)
-        return _resume("run_local", resume, locals())
-    cfg = build_config(config, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
+        return _resume("run_local", resume, config, flags)
+    cfg = build_config(config, **flags)
     _logging(verbose)
     from fcl_emu.run import run_local
 
@@ -314,46 +103,13 @@ def up(
 
 
 @app.command()
-def coordinator(
-    config: ConfigOpt = None,
-    bind: Annotated[Optional[str], typer.Option(help="ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555.")] = None,
-    round_deadline: DeadlineOpt = None,
-    min_participants: MinParticipantsOpt = None,
-    overcommit: OvercommitOpt = None,
-    late_updates: LateUpdatesOpt = None,
-    availability: AvailabilityOpt = None,
-    crash_rate: CrashRateOpt = None,
-    device_profiles: ProfilesOpt = None,
-    secagg: SecAggOpt = False,
-    secagg_neighbors: SecAggNeighborsOpt = None,
-    secagg_threshold: SecAggThresholdOpt = None,
-    gpu_workers: GpuWorkersOpt = None,
-    gpu_device: GpuDeviceOpt = None,
-    clients: ClientsOpt = None,
-    clients_per_round: PerRoundOpt = None,
-    method: MethodOpt = None,
-    method_option: MethodOptionOpt = None,
-    dataset: DatasetOpt = None,
-    data_root: DataRootOpt = None,
-    tasks: TasksOpt = None,
-    rounds_per_task: RoundsOpt = None,
-    local_epochs: EpochsOpt = None,
-    device: DeviceOpt = None,
-    seed: SeedOpt = None,
-    run_dir: RunDirOpt = None,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = None,
-    prometheus: PrometheusOpt = False,
-    prometheus_port: PrometheusPortOpt = None,
-    keep_prometheus: KeepPrometheusOpt = False,
-    resume: ResumeOpt = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-) -> None:
+@options.run_command(options.COORDINATOR)
+def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Run only the coordinator; edge nodes connect with `fcl-emu node --connect`."""
     if resume is not None:
         _logging(verbose)
-        return _resume("run_coordinator", resume, locals())
-    cfg = build_config(config, nodes=1, **{k: v for k, v in locals().items() if k not in ("config", "verbose")})
+        return _resume("run_coordinator", resume, config, flags)
+    cfg = build_config(config, nodes=1, **flags)
     _logging(verbose)
     from fcl_emu.run import run_coordinator
 
@@ -374,7 +130,7 @@ def gpu_worker(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
-    from fcl_emu.launcher import exit_with_parent
+    from fcl_emu.launchers.process import exit_with_parent
 
     if parent_pid is not None:
         exit_with_parent(parent_pid)
@@ -413,8 +169,9 @@ def node(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
-    from fcl_emu.config import default_data_roots
-    from fcl_emu.launcher import exit_with_parent, parse_client_set
+    from runconfig import default_data_roots
+    from fcl_emu.launchers import parse_client_set
+    from fcl_emu.launchers.process import exit_with_parent
 
     if parent_pid is not None:
         exit_with_parent(parent_pid)
