@@ -74,6 +74,8 @@ def test_encode_refuses_disallowed_dtype_and_wrong_body():
     ([raw_header(tensors=[TensorSpec("x", "float32", [1], 4)])], "frame_count"),
     ([raw_header(), b"stray"], "frame_count"),
     ([raw_header(tensors=[TensorSpec("x", "uint8", [1], 1)] * 2), b"a", b"b"], "bad_shape"),
+    ([raw_header(body=msgspec.Raw(b"\x91" * 1000 + b"\xc0"))], "bad_header"),  # nesting bomb in the body
+    ([b"\x91" * 100_000 + b"\xc0"], "bad_header"),  # ... and as the whole header
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, expected):
     assert reason(frames) == expected

@@ -84,8 +84,10 @@ class Message:
     nbytes: int = 0  # bytes on the wire, all frames (not counting the routing id)
 
 
-# msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in a string.
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError)
+# msgspec raises UnicodeDecodeError (a ValueError) for invalid UTF-8 in a string, and RecursionError for
+# nesting deeper than the interpreter's recursion limit (a 1 KB body of 1,000 nested arrays): the schemas are
+# shallow, so the only deep values a peer can send are skipped ``Raw`` bodies and ``Any`` fields.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
 _body_decoders = {name: msgspec.msgpack.Decoder(schema) for name, schema in BODY_SCHEMAS.items()}
