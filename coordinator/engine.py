@@ -230,6 +230,9 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
         except RunAborted as exc:
             status = f"aborted: {exc}"
             raise
+        except Exception as exc:  # a bug or a broken environment: never recorded as a completed run
+            status = f"failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             self._shutdown(status)
             summary = self._summary(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,

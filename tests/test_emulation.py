@@ -67,8 +67,12 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
                                      for _ in range(rng.integers(1, 4))])
         stranger.send_multipart(encode("heartbeat", Heartbeat(), sender="stranger", seq=1))  # not joined
         stranger.send_multipart([raw_header(v=7)])
+        bomb = msgspec.Raw(b"\x91" * 1000 + b"\xc0")  # 1 KB body nested 1,000 deep: RecursionError in msgspec
+        for _ in range(5):
+            stranger.send_multipart([raw_header(sender="stranger", body=bomb)])
         rogue.send_multipart(encode("join", Join(node="rogue", pid=1, client_index=100), sender="client-0100", seq=1))
         rogue.send_multipart(encode("heartbeat", Heartbeat(), sender="client-0001", seq=2))  # spoofed sender
+        rogue.send_multipart([raw_header(sender="client-0100", body=bomb)])  # the bomb from a joined client
         rogue.send_multipart([raw_header(sender="client-0100", type="update",
                                           body=msgspec.Raw(msgspec.msgpack.encode(
                                               Update(num_samples=1, train_time_s=0, loss=0))),
@@ -146,3 +150,33 @@ def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
     assert summary["bytes"]["task_start"]["sent"] < 1000 * task_starts
     assert task_starts <= 4 * 6  # at most once per participant and task, never per round
     assert summary["clients"]["joined"] == 100
+
+
+def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
+    """An unexpected error inside the run ends it with status "failed: ..." in summary.json and in the clients'
+    shutdown, never "completed"."""
+    from coordinator.engine import Coordinator
+    from runconfig import load_config
+
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8}),
+                         {"data_root": [str(mnist_root)]})
+    coordinator = Coordinator(config)
+
+    def broken_aggregate(*args, **kw):
+        raise RuntimeError("aggregation broke")
+
+    coordinator.server.aggregate = broken_aggregate
+    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-7", "--data-root", str(mnist_root))
+    try:
+        with pytest.raises(RuntimeError, match="aggregation broke"):
+            coordinator.run(tmp_path / "run")
+        assert node.wait(timeout=60) is not None
+    finally:
+        if node.poll() is None:
+            node.kill()
+        coordinator.close()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed: RuntimeError: aggregation broke"
+    last = events(tmp_path / "run")[-1]
+    assert (last["event"], last["status"]) == ("end", "failed: RuntimeError: aggregation broke")
+
