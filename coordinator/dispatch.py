@@ -33,6 +33,8 @@ NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this t
 
 
 class MessageDispatch:
+    """Serving the coordinator's socket: receive, validate, handle by type, reject (mixin of Coordinator)."""
+
     # ------------------------------------------------------------------ the loop
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
         """Handle messages (clients', and the GPU pool's) until ``until()`` holds or the monotonic ``deadline``

@@ -40,6 +40,9 @@ def run_fingerprint(config: RunConfig) -> str:
 
 
 class Checkpointing:
+    """Saving a checkpoint after every round, taking one over, waiting for the clients to rejoin (mixin of
+    Coordinator)."""
+
     def _save_checkpoint(self, run_dir: Path, task: int, task_round: int, matrix: list, rounds: list[RoundRecord],
                          wall_s: float) -> None:
         """Checkpoint atomically (docs/resume.md). ``(task, task_round)`` is the next round to run: task_round 0

@@ -69,6 +69,8 @@ def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
 
 
 class RoundEngine:
+    """One round of training, phase by phase (mixin of Coordinator; the phases: the module docstring)."""
+
     def _run_round(self, task: int, task_round: int, recorder: RunRecorder) -> RoundRecord:
         """One round, phase by phase; each phase's seconds go into the round's record."""
         started, cpu_started = time.perf_counter(), time.process_time()

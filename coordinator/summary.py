@@ -17,6 +17,8 @@ from monitoring.results import (RoundRecord, average_accuracy, average_forgettin
 
 
 class RunSummary:
+    """``summary.json`` from the run's results and counters (mixin of Coordinator)."""
+
     def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
                  class_hits=None) -> dict:
         counts = self.registry.counts
