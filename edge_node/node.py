@@ -64,7 +64,7 @@ from scenario.transforms import to_tensor
 from wire.framing import Message, WireError, frames_nbytes
 from wire.messages import (ASSET_TYPES, EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked,
                            SecAggShares, SecAggUnmask, SideChannel, TrainRequest, Update, plain_body)
-from wire.sockets import ClientEndpoint, Counters, tee
+from wire.sockets import ClientEndpoint, Counters, ensure_socket_capacity, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 
@@ -189,6 +189,7 @@ class EdgeNode:
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
+        ensure_socket_capacity(self.context, len(client_indices) + 1)  # the clients' DEALERs and the wake pair
         self.counters = Counters.empty()
         # Prometheus metrics (served only when asked: ``metrics.serve``, see ``fcl-emu node --metrics-port``)
         self.metrics = EdgeNodeMetrics()

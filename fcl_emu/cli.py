@@ -181,12 +181,17 @@ def node(
         raise typer.BadParameter(str(exc), param_hint="--clients") from None
     _logging(verbose)
     from edge_node.node import EdgeNode
+    from wire.sockets import SocketCapacityError
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    edge = EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
-                    threads=threads)
+    try:
+        edge = EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
+                        threads=threads)
+    except SocketCapacityError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     serving = False
     if metrics_port is not None:
         try:

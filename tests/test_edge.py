@@ -6,7 +6,9 @@ import itertools
 import json
 import math
 import pickle
+import resource
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -14,7 +16,7 @@ import yaml
 from scenario.availability import client_availability, load_trace, parse_availability, transitions
 from edge_node.links import Link
 from scenario.devices import DeviceProfile, assign_profile, load_profiles
-from tests.conftest import fcl_emu, small_config
+from tests.conftest import fcl_emu, free_port, small_config
 
 
 # ------------------------------------------------------------- availability
@@ -231,3 +233,37 @@ def test_crashes_and_churn_with_overcommit(tmp_path, mnist_root):
     assert all(r["participants"] <= r["selected"] for r in rounds)
     # crashed clients are dropped (missed heartbeats) or seen restarting, and rejoin later
     assert sum(r["dropped"] for r in rounds) > 0
+
+
+EDGE_NODE_WITH_LIMIT = """
+import resource, sys, tempfile
+import zmq
+from edge_node.node import EdgeNode
+from wire.sockets import SocketCapacityError
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    node = EdgeNode(sys.argv[3], list(range(int(sys.argv[4]))), context=zmq.Context(), state_dir=tempfile.mkdtemp())
+except SocketCapacityError as exc:
+    print("refused:", exc)
+    sys.exit(3)
+print("clients", len(node.clients), "nofile", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+node.close()
+node.context.term()
+"""
+
+
+@pytest.mark.parametrize("soft, hard, expected", [(1024, 20000, 0), (1024, 1024, 3)])
+def test_an_edge_node_hosts_more_clients_than_the_default_socket_limits(soft, hard, expected):
+    """1,200 clients: past ZeroMQ's default 1,023 sockets per context and a 1,024-file soft limit. The node
+    raises both; with a hard limit too low it refuses at once with the limit and what to do."""
+    machine_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if machine_hard != resource.RLIM_INFINITY and machine_hard < hard:
+        pytest.skip(f"this machine's hard open-file limit ({machine_hard}) is below {hard}")
+    out = subprocess.run([sys.executable, "-c", EDGE_NODE_WITH_LIMIT, str(soft), str(hard),
+                          f"tcp://127.0.0.1:{free_port()}", "1200"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == expected, out.stdout + out.stderr
+    if expected == 0:
+        assert out.stdout.split()[:2] == ["clients", "1200"] and int(out.stdout.split()[3]) >= 2 * 1200
+    else:
+        assert "open at most 1024" in out.stdout and "more edge nodes" in out.stdout

@@ -10,6 +10,7 @@ enough that an update in flight is delivered on close.
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,34 @@ class ServerEndpoint:
 
     def close(self) -> None:
         self.sock.close()
+
+
+FDS_PER_SOCKET = 2  # a connected DEALER holds its mailbox's eventfd and its TCP connection
+FD_RESERVE = 256  # files, logs, torch, the metrics server and the context's own descriptors
+
+
+class SocketCapacityError(RuntimeError):
+    """This process cannot open the sockets it needs (the message says which limit and what to do)."""
+
+
+def ensure_socket_capacity(ctx: zmq.Context, sockets: int) -> None:
+    """Make room for ``sockets`` more sockets in ``ctx`` and in this process's descriptor limit, or say why not.
+
+    A ZeroMQ context allows 1,023 sockets by default and a process often only 1,024 open files (soft limit):
+    an edge node hosting more clients than that used to die in the middle of starting them with "Too many
+    open files". Call it before the context's first socket: libzmq sizes the context's socket table then. The
+    soft descriptor limit is raised up to the hard one.
+    """
+    needed_fds = sockets * FDS_PER_SOCKET + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed_fds:
+        if hard != resource.RLIM_INFINITY and hard < needed_fds:
+            raise SocketCapacityError(
+                f"{sockets} client sockets need about {needed_fds} open files, but this process may open at most "
+                f"{hard} (hard limit, `ulimit -Hn`): raise it, or spread the clients over more edge nodes")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed_fds, hard))
+    if ctx.get(zmq.MAX_SOCKETS) < sockets + 16:  # libzmq reads it when the context's first socket opens
+        ctx.set(zmq.MAX_SOCKETS, sockets + 16)
 
 
 class ClientEndpoint:
