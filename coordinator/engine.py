@@ -16,7 +16,6 @@ summary. Server-side jobs (:meth:`Coordinator.run_job`) run on the GPU worker po
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections import Counter
@@ -52,8 +51,6 @@ from scenario.scenario import build_scenario
 from wire.framing import Limits
 from wire.messages import Shutdown
 from wire.sockets import Counters, ServerEndpoint, tee
-
-log = logging.getLogger("fcl_emu.coordinator")
 
 __all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "JobFailed", "RunAborted", "run_fingerprint"]
 

@@ -24,13 +24,8 @@ Each value is a number or a distribution (``uniform: [low, high]``,
 ``lognormal: {median, sigma}``), drawn once per client. A missing bandwidth
 means an unlimited link; a missing latency 0. The coordinator assigns a
 profile to every client, seeded by the run seed (:func:`assign_profile`), and
-sends it in the client's ``welcome``; the edge node applies it to the client's
-real messages (:class:`edge_node.links.Link`): a message of ``n`` bytes on a link of ``b``
-bytes/s waits for the messages before it on the same direction (a FIFO
-link), then ``n / b`` seconds, then the latency. Heartbeats and the
-membership messages (join, welcome, leave, shutdown) are treated as a
-separate control channel: latency only, so a long upload cannot make a
-client miss its heartbeats.
+sends it in the client's ``welcome``; the edge node applies its bandwidth and
+latency to the client's real messages (:class:`edge_node.links.Link`).
 """
 
 from __future__ import annotations
