@@ -15,20 +15,23 @@ A mixin of :class:`coordinator.engine.Coordinator`: it uses the coordinator's ``
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
 import zmq
 
+from coordinator.guard import delta_norm
 from methods.base import DELTA, ClientUpdate
 from scenario.availability import client_availability
 from scenario.devices import assign_profile
 from wire.framing import Message, WireError
-from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, EdgeSettings, Error, Welcome
+from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, EdgeSettings, Error, Welcome, client_id
 
 log = logging.getLogger("fcl_emu.coordinator")
 
 CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES, *SIDE_CHANNEL_TYPES})
+RATE_LIMITED = frozenset({"join", "heartbeat", "leave", "error"})  # control messages: a peer's bucket (guard.py)
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
@@ -56,6 +59,7 @@ class MessageDispatch:
                     self.pool.on_readable(ready)
             self.pool.tick()
             self._expire()
+            self._check_nodes()
 
     def _receive_one(self) -> None:
         """Receive, validate and handle one message; time it by message type."""
@@ -78,9 +82,9 @@ class MessageDispatch:
         self._expire()
 
     def _expire(self) -> None:
-        for client_id in self.registry.expire():
+        for silent in self.registry.expire():
             self.metrics.client_dropped("heartbeat_timeout")
-            self.progress("dead", {"client": client_id})
+            self.progress("dead", {"client": silent})
 
     # ------------------------------------------------------------ by message type
     def _handle(self, peer: str, msg: Message) -> None:
@@ -93,6 +97,9 @@ class MessageDispatch:
     def _dispatch(self, peer: str, msg: Message) -> None:
         if msg.type not in CLIENT_TYPES:
             raise WireError("unexpected", f"{msg.type!r} is not a client-to-coordinator message")
+        if msg.type in RATE_LIMITED and not self.rate_limiter.allow(peer):
+            raise WireError("rate_limited", f"{msg.type!r}: more control messages than "
+                                            f"{self.rate_limiter.rate:g}/s (burst {self.rate_limiter.burst})")
         if msg.type == "join":
             self._on_join(peer, msg)
             return
@@ -104,6 +111,8 @@ class MessageDispatch:
         if msg.type == "leave":
             if self.registry.leave(peer):
                 self.metrics.client_left()
+            if msg.body.reason != "unavailable":
+                self.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}")
             self.progress("leave", {"client": peer})
         elif msg.type == "update":
             self._on_update(peer, msg)
@@ -115,7 +124,8 @@ class MessageDispatch:
             r = self._round
             if r is not None and peer in r.selected and msg.round == r.number:
                 r.failed.add(peer)
-            log.warning("client %s reported %s: %s", peer, msg.body.code, msg.body.detail)
+            self.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
+                                                             f"{msg.body.detail}")
 
     def _not_joined(self, peer: str) -> None:
         """Tell a peer that is not online to join (again): after a coordinator restart, or once declared dead.
@@ -134,6 +144,8 @@ class MessageDispatch:
         if not 0 <= index < self.config.scenario.num_clients:
             raise WireError("unknown_sender",
                             f"client index {index} outside 0..{self.config.scenario.num_clients - 1}")
+        if peer != client_id(index):
+            raise WireError("not_authorized", f"{peer} may not join as client index {index}")
         join_task = self.scenario.join_task(index)
         known = peer in self.registry.records
         was_online = self.registry.is_online(peer)
@@ -168,17 +180,30 @@ class MessageDispatch:
             self.metrics.late_update()
             if (self.config.rounds.late_updates == "next_round" and self.server.accepts_stale_updates
                     and msg.task == self._task and (r is None or msg.round < r.number)):
-                self._check_update(msg, msg.task)
-                self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss,
-                                                msg.body.metrics))
-                self._stale_task = msg.task
+                self._keep_stale(peer, msg)
             return
         if peer in {u.client for u in r.updates} | r.failed:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
-        self._check_update(msg, r.task)
+        try:
+            self._check_update(peer, msg, r.task)
+        except WireError:
+            r.failed.add(peer)  # refused: the round does not wait for it
+            raise
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         self.registry.records[peer].rounds_trained += 1
+
+    def _keep_stale(self, peer: str, msg: Message) -> None:
+        """Keep a late update for the next round: one per client, at most one round's cohort of them (each
+        holds a model delta)."""
+        cap = math.ceil(self.config.rounds.clients_per_round * self.config.rounds.overcommit)
+        if self._stale_task != msg.task:
+            self._stale, self._stale_task = [], msg.task
+        if len(self._stale) >= cap or any(u.client == peer for u in self._stale):
+            raise WireError("late_cap", f"late update from {peer} beyond the {cap} kept for the next round "
+                                        f"(one per client)")
+        self._check_update(peer, msg, msg.task)
+        self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss, msg.body.metrics))
 
     def _on_side_channel(self, peer: str, msg: Message) -> None:
         """A method's side-channel message (GLFC's prototype gradients): from a client of the open round, it goes
@@ -209,9 +234,20 @@ class MessageDispatch:
             r.masked.add(peer)
             self.registry.records[peer].rounds_trained += 1
 
-    def _check_update(self, msg: Message, task: int) -> None:
-        """A delta must name exactly the global model's tensors with their shapes; the method checks the rest."""
+    def _check_update(self, peer: str, msg: Message, task: int) -> None:
+        """A delta must name exactly the global model's tensors with their shapes, count no more samples than
+        the client holds in the task, and stay within the norm bound; the method checks the rest."""
         self._check_delta(msg)
+        record = self.registry.records[peer]
+        held = len(self.scenario.client_indices(record.index, task))
+        if msg.body.num_samples > held:
+            raise WireError("implausible", f"{peer} claims {msg.body.num_samples} samples; it holds {held} in "
+                                           f"task {task}")
+        bound = self.config.security.max_update_norm
+        if bound is not None and msg.body.num_samples > 0:
+            norm = delta_norm(ClientUpdate(peer, msg.body.num_samples, msg.tensors))
+            if not norm <= bound:
+                raise WireError("norm_bound", f"{peer}'s model delta has L2 norm {norm:.4g} > {bound:g}")
         try:
             self.server.check_update(task, msg.tensors)
         except ValueError as exc:
@@ -237,11 +273,8 @@ class MessageDispatch:
     def _reject(self, exc: WireError) -> None:
         self.rejected[exc.reason] += 1
         self.metrics.rejected(exc.reason)
-        if exc.reason not in self._logged:
-            self._logged.add(exc.reason)
-            log.warning("rejected a message from %r (%s); further rejections for this reason are only counted",
-                        exc.peer, exc)
-        if exc.peer and self.registry.is_online(exc.peer):
+        self.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")
+        if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self._send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 
     def _try_send(self, client_id: str, msg_type: str, body, **kw) -> bool:

@@ -6,7 +6,8 @@ Its parts live one concept per file, as mixins of :class:`Coordinator`:
 - :mod:`coordinator.rounds`: one round, phase by phase (select, dispatch, collect, aggregate, evaluate, record);
 - :mod:`coordinator.secure_round`: a round's secure aggregation on the wire (SecAgg+);
 - :mod:`coordinator.resume`: checkpoints after every round, and resuming from one;
-- :mod:`coordinator.summary`: ``summary.json``.
+- :mod:`coordinator.summary`: ``summary.json``;
+- :mod:`coordinator.nodes`: noticing at once that an edge node started by a launcher has exited.
 
 This file builds the state (scenario, method server part, registry, socket, GPU worker pool) and runs the
 lifecycle (:meth:`Coordinator.run`): wait for the clients, then for each task: start it, run its rounds, end it
@@ -16,6 +17,7 @@ summary. Server-side jobs (:meth:`Coordinator.run_job`) run on the GPU worker po
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import Counter
@@ -32,6 +34,8 @@ from coordinator.dispatch import MessageDispatch
 from coordinator.errors import BindError, JobFailed, RunAborted
 from coordinator.evaluation import Evaluator
 from coordinator.gpu_pool import Job, WorkerPool
+from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter
+from coordinator.nodes import NodeExit, NodeWatch
 from coordinator.registry import ClientRegistry, Status
 from coordinator.resume import CHECKPOINT_DIR, Checkpointing, run_fingerprint
 from coordinator.rounds import RoundEngine, OpenRound
@@ -48,11 +52,12 @@ from scenario.availability import parse_availability
 from scenario.datasets import load_dataset
 from scenario.devices import load_profiles
 from scenario.scenario import build_scenario
+from wire.auth import Allowlist, KeyFileError, ServerKeys, load_server_keys
 from wire.framing import Limits
 from wire.messages import Shutdown
 from wire.sockets import Counters, ServerEndpoint, tee
 
-__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "JobFailed", "RunAborted", "run_fingerprint"]
+__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "JobFailed", "NodeExit", "RunAborted", "run_fingerprint"]
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -66,7 +71,7 @@ def resolve_device(choice: str) -> torch.device:
 ProgressHook = Callable[[str, dict], None]
 
 
-class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
+class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeWatch):
     def __init__(self, config: RunConfig, *, context: zmq.Context | None = None,
                  progress: ProgressHook | None = None, resume: Checkpoint | None = None):
         """``resume``: continue from this checkpoint of the same run (same run id and address)."""
@@ -90,16 +95,20 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
         self.metrics = CoordinatorMetrics()
         self.metrics.watch_online(lambda: self.registry.online_count)
         self.context = context or zmq.Context.instance()
+        keys, self.allowlist = self._keys()
         bind = config.network.bind if resume is None else resume.state["address"]
         try:
             self.endpoint = ServerEndpoint(self.context, bind,
                                            limits=Limits(max_total_bytes=config.network.max_message_bytes),
-                                           count=tee(self.counters, self.metrics.count_message))
+                                           count=tee(self.counters, self.metrics.count_message), keys=keys)
         except zmq.ZMQError as exc:
+            if self.allowlist is not None:
+                self.allowlist.stop()
             raise BindError(f"cannot bind {bind}: {exc}") from None
         self.address = self.endpoint.address
         first_port = gpu_worker_metrics_port(config, 0)
         self.pool = WorkerPool(config.gpu, self.context, count=tee(self.counters, self.metrics.count_message),
+                               keys=keys, key_dir=config.security.keys,
                                max_message_bytes=config.network.max_message_bytes, metrics=self.metrics,
                                worker_metrics=None if first_port is None else (config.metrics.host, first_port,
                                                                                config.metrics.linger))
@@ -110,7 +119,9 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
         self.run_id = uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"]
         self.rejected: Counter[str] = Counter()
         self.handling_s: Counter[str] = Counter()  # time spent receiving+handling, by message type
-        self._logged: set[str] = set()
+        self.log_once = LogOnce(logging.getLogger("fcl_emu.coordinator"))  # refusals, client errors
+        # control messages per peer: room for twice the heartbeat rate on top of the rest
+        self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / config.network.heartbeat_interval_s)
         self.late_updates = 0
         self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
@@ -139,6 +150,18 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
         if resume is not None:
             self._restore(resume)
 
+    def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
+        """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).
+        Raises :class:`wire.auth.KeyFileError`."""
+        security = self.config.security
+        if security.transport == "plain":
+            return None, None
+        if security.keys is None:
+            raise KeyFileError("CurveZMQ needs the run's key directory: write one with `fcl-emu keys` and pass "
+                               "--keys, or run without authentication with --insecure")
+        keys = load_server_keys(security.keys)
+        return keys, Allowlist(self.context, keys)
+
     def _build_model(self, num_classes: int):
         return build_model(self.model_name, self.dataset.input_shape, num_classes)
 
@@ -146,8 +169,10 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
     def _wait_for_clients(self) -> None:
         expected = self.config.scenario.num_clients
         timeout = self.config.network.join_timeout_s
-        # every configured client has shown up (one that joined and died since is not waited for)
-        self.serve(lambda: len(self.registry.records) >= expected, time.monotonic() + timeout)
+        # every configured client has shown up (one that joined and died since is not waited for, nor one
+        # whose node has exited)
+        self.serve(lambda: len(self.registry.records) + self._unreachable_clients >= expected,
+                   time.monotonic() + timeout)
         online = len(self.registry.eligible(0))
         if online < self.config.rounds.min_participants:
             raise RunAborted(f"only {online} clients joined within {timeout:.0f} s; "
@@ -221,6 +246,8 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
                     phases_s={"end_task": t_end_task, "evaluate": t_evaluate})
                 self.progress("task_end", {"task": task, "accuracy": row})
                 save(task + 1, 0)
+            if rounds and all(r.skipped for r in rounds):
+                status = "failed: every round was skipped (no usable client update arrived)"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -270,4 +297,6 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary):
     def close(self) -> None:
         self.pool.close()
         self.endpoint.close()
+        if self.allowlist is not None:
+            self.allowlist.stop()
         self.metrics.close()

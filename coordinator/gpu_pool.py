@@ -33,10 +33,11 @@ import numpy as np
 import torch
 import zmq
 
-from coordinator.gpu_worker import worker_device, worker_identity
+from coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
 from methods import jobs
 from wire.framing import Limits, WireError
 from wire.messages import JobRequest, Shutdown
+from wire.auth import SERVER_NAME, ServerKeys
 from wire.sockets import ByteCounter, ServerEndpoint
 
 log = logging.getLogger("fcl_emu.gpu_pool")
@@ -91,9 +92,11 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, settings: Any, context: zmq.Context, *, count: ByteCounter, max_message_bytes: int,
-                 metrics: Any = None, worker_metrics: tuple[str, int, float] | None = None):
+                 metrics: Any = None, worker_metrics: tuple[str, int, float] | None = None,
+                 keys: ServerKeys | None = None, key_dir: Path | None = None):
         """``settings``: the run config's ``gpu`` section; ``count``: the wire byte counter; ``worker_metrics``:
-        (host, port of worker 0, linger seconds) when the workers serve /metrics (worker j on port + j)."""
+        (host, port of worker 0, linger seconds) when the workers serve /metrics (worker j on port + j);
+        ``keys``: the coordinator's CurveZMQ keys, and ``key_dir`` the directory with the workers' key."""
         self.settings = settings
         self.worker_metrics = worker_metrics
         self.metrics = metrics
@@ -106,6 +109,8 @@ class WorkerPool:
         self._count = count
         self._limits = Limits(max_total_bytes=max_message_bytes)
         self._log_dir: Path | None = None
+        self._keys = keys
+        self._key_dir = key_dir
         self.device = "coordinator"
 
     # ------------------------------------------------------------------ life cycle
@@ -117,7 +122,7 @@ class WorkerPool:
             self.device = f"{device} (in the coordinator)"
             return
         self._endpoint = ServerEndpoint(self._context, "tcp://127.0.0.1:0", name="coordinator", limits=self._limits,
-                                        count=self._count)
+                                        count=self._count, keys=self._keys)
         self._log_dir = Path(log_dir)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._workers = [_Worker(i) for i in range(self.settings.workers)]
@@ -128,6 +133,9 @@ class WorkerPool:
     def _spawn(self, worker: _Worker) -> None:
         cmd = [sys.executable, "-m", "fcl_emu", "gpu-worker", "--connect", self._endpoint.address,
                "--index", str(worker.index), "--device", self.settings.device, "--parent-pid", str(os.getpid())]
+        if self._keys is not None:
+            cmd += ["--server-key", str(Path(self._key_dir) / f"{SERVER_NAME}.key"),
+                    "--key", str(Path(self._key_dir) / f"{WORKER_KEY_NAME}.key_secret")]
         if self.worker_metrics is not None:
             host, port, linger = self.worker_metrics
             cmd += ["--metrics-host", host, "--metrics-port", str(port + worker.index),
@@ -326,7 +334,7 @@ class _LocalRunner:
             result = (job, True, jobs.run(job.kind, job.inputs, job.options, self.device))
         except Exception as exc:  # reported as the job's error
             log.exception("job %d (%s) failed", job.id, job.kind)
-            result = (job, False, f"{type(exc).__name__}: {exc}"[:2000])
+            result = (job, False, f"{type(exc).__name__}: {exc}"[:1000])
         with self._lock:
             self._result = (*result, time.perf_counter() - start)
             self._signal.send(b"")

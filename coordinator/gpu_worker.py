@@ -21,9 +21,13 @@ from methods import jobs
 from monitoring.metrics import GpuWorkerMetrics
 from wire.framing import Limits, WireError
 from wire.messages import Error, JobResult, WorkerHello
+from wire.auth import ClientKeyring
 from wire.sockets import ClientEndpoint
 
 log = logging.getLogger("fcl_emu.gpu_worker")
+
+
+WORKER_KEY_NAME = "gpu-workers"  # the grant whose key the workers share (wire/auth.py)
 
 
 def worker_identity(index: int) -> str:
@@ -40,13 +44,16 @@ def worker_device(choice: str, index: int) -> torch.device:
 
 
 def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int = 1 << 30,
-          metrics: GpuWorkerMetrics | None = None, context: zmq.Context | None = None) -> None:
+          metrics: GpuWorkerMetrics | None = None, context: zmq.Context | None = None,
+          keys: ClientKeyring | None = None) -> None:
     """Run jobs until a ``shutdown`` arrives. ``metrics``: counts the wire and marks the busy time (the
-    caller serves it, see ``fcl-emu gpu-worker --metrics-port``)."""
+    caller serves it, see ``fcl-emu gpu-worker --metrics-port``); ``keys``: connect over CurveZMQ."""
     dev = worker_device(device, index)
     metrics = metrics or GpuWorkerMetrics(dev)
-    endpoint = ClientEndpoint(context or zmq.Context.instance(), connect, worker_identity(index),
-                              limits=Limits(max_total_bytes=max_message_bytes), count=metrics.count_message)
+    identity = worker_identity(index)
+    endpoint = ClientEndpoint(context or zmq.Context.instance(), connect, identity,
+                              limits=Limits(max_total_bytes=max_message_bytes), count=metrics.count_message,
+                              keys=None if keys is None else keys.for_identity(identity))
     endpoint.send("worker_hello", WorkerHello(index=index, device=str(dev), pid=os.getpid()))
     log.info("gpu worker %d on %s connected to %s", index, dev, connect)
     try:
@@ -55,7 +62,7 @@ def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int
                 msg = endpoint.recv()
             except WireError as exc:  # a worker runs one job at a time: the pool charges it to that job
                 log.warning("gpu worker %d: rejected a message (%s)", index, exc)
-                endpoint.send("error", Error(code=exc.reason, detail=f"the worker rejected the job: {exc}"[:2000]))
+                endpoint.send("error", Error(code=exc.reason, detail=f"the worker rejected the job: {exc}"[:1000]))
                 continue
             if msg.type == "shutdown":
                 return
@@ -79,7 +86,7 @@ def _run(request, inputs, device: torch.device) -> tuple[JobResult, dict]:
         out = jobs.run(request.kind, inputs, request.options, device)
     except Exception as exc:  # reported to the coordinator with its type and message
         log.exception("job %d (%s) failed", request.job_id, request.kind)
-        return JobResult(job_id=request.job_id, ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
+        return JobResult(job_id=request.job_id, ok=False, error=f"{type(exc).__name__}: {exc}"[:1000],
                          run_s=time.perf_counter() - start), {}
     metrics = {k: float(v) for k, v in out.metrics.items()}
     if device.type == "cuda":

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.secure_round import SecureOutcome, SecureRound
+from coordinator.guard import clip_update
 from methods.base import ClientUpdate, DeltaLayout
 from monitoring.results import RoundRecord, RunRecorder
 from wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
@@ -193,6 +194,9 @@ class RoundEngine:
         if outcome is None:
             useful = sorted([u for u in r.updates if u.num_samples > 0] + stale, key=lambda u: u.client)
             losses = [u.loss for u in useful]
+            clip = self.config.security.clip_norm
+            if clip is not None:
+                useful = [clip_update(u, clip) for u in useful]
         else:  # one update: the unmasked weighted mean of the clients in the masked sum
             useful = [] if outcome.delta is None else [ClientUpdate("secagg", outcome.weight, outcome.delta)]
             losses = list(outcome.losses)

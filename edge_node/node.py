@@ -57,13 +57,14 @@ from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSetting
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
 from monitoring.metrics import EdgeNodeMetrics
-from scenario.datasets import load_dataset
+from scenario.datasets import DatasetNotFoundError, load_dataset
 from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
+from wire.auth import ClientKeyring
 from wire.framing import Message, WireError, frames_nbytes
 from wire.messages import (ASSET_TYPES, EdgeSettings, Error, Heartbeat, Join, Leave, SecAggKeys, SecAggMasked,
-                           SecAggShares, SecAggUnmask, SideChannel, TrainRequest, Update, plain_body)
+                           SecAggShares, SecAggUnmask, SideChannel, TrainRequest, Update, client_id, plain_body)
 from wire.sockets import ClientEndpoint, Counters, ensure_socket_capacity, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
@@ -78,8 +79,8 @@ def _uniform(seed: int, what: str, index: int, round: int) -> float:
     return zlib.crc32(f"{seed}/{what}/{index}/{round}".encode()) / 2**32
 
 
-def client_id(index: int) -> str:
-    return f"client-{index:04d}"
+class NodeSetupError(RuntimeError):
+    """The node cannot take part in the run it joined (its clients have said they leave, giving the reason)."""
 
 
 @dataclass
@@ -184,8 +185,10 @@ class _Result:
 class EdgeNode:
     def __init__(self, connect: str, client_indices: list[int], *, name: str | None = None,
                  data_roots: list[Path] | None = None, state_dir: Path | None = None,
-                 threads: int = 1, context: zmq.Context | None = None):
+                 threads: int = 1, context: zmq.Context | None = None, keys: ClientKeyring | None = None):
+        """``keys``: the clients connect over CurveZMQ with these keys (docs/security.md); None: plain TCP."""
         self.connect = connect
+        self.keys = keys
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
@@ -224,7 +227,8 @@ class EdgeNode:
         return client
 
     def _open_endpoint(self, cid: str) -> ClientEndpoint:
-        return ClientEndpoint(self.context, self.connect, cid, count=self._count)
+        return ClientEndpoint(self.context, self.connect, cid, count=self._count,
+                              keys=None if self.keys is None else self.keys.for_identity(cid))
 
     def _attach(self, client: EmulatedClient) -> None:
         """Poll the client's socket."""
@@ -341,7 +345,12 @@ class EdgeNode:
     # ------------------------------------------------------------------ I/O
     def _on_message(self, client: EmulatedClient, msg: Message) -> None:
         if msg.type == "welcome":
-            self._configure(msg.body)
+            try:
+                self._configure(msg.body)
+            except DatasetNotFoundError as exc:
+                roots = ", ".join(map(str, self.data_roots)) or "none given"
+                raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: dataset "
+                                     f"{exc.dataset!r} is not under its data roots ({roots})") from None
             client.welcomed = True
             self._start_edge(client, msg.body.edge)
         elif msg.type == "task_start":
@@ -622,6 +631,11 @@ class EdgeNode:
                 now = time.monotonic()
                 self._edge_tick(now)
                 self._heartbeats(now)
+        except NodeSetupError as exc:
+            log.error("%s", exc)
+            for client in self.clients:  # the coordinator stops counting on them at once
+                client.endpoint.send("leave", Leave(reason=str(exc)[:200]))
+            raise
         finally:
             self._jobs.put(None)
             trainer.join(timeout=30)

@@ -26,7 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
 app.add_typer(bench_app, name="bench")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a log
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     """Resolve file + flags, turning validation errors into messages that name the flag."""
@@ -127,6 +127,8 @@ def gpu_worker(
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
     metrics_linger: Annotated[float, typer.Option(
         "--metrics-linger", min=0, help="Seconds to keep /metrics up after the shutdown.")] = 0.0,
+    server_key: ServerKeyOpt = None,
+    key: KeyOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
@@ -134,6 +136,7 @@ def gpu_worker(
 
     if parent_pid is not None:
         exit_with_parent(parent_pid)
+    keys = _keyring(server_key, key, insecure=server_key is None and key is None)
     _logging(verbose)
     from coordinator.gpu_worker import serve, worker_device
     from monitoring.metrics import GpuWorkerMetrics
@@ -146,10 +149,39 @@ def gpu_worker(
             logging.getLogger("fcl_emu.gpu_worker").error(
                 "cannot serve /metrics on %s:%d (%s); running without it", metrics_host, metrics_port, exc)
             metrics_port = None
-    serve(connect, index, device, metrics=metrics)
+    serve(connect, index, device, metrics=metrics, keys=keys)
     if metrics_port is not None:
         time.sleep(metrics_linger)  # a last scrape sees the end
         metrics.close()
+
+
+ServerKeyOpt = Annotated[Optional[Path], typer.Option(
+    "--server-key", help="The coordinator's public key file (coordinator.key from `fcl-emu keys`).")]
+KeyOpt = Annotated[Optional[Path], typer.Option(
+    "--key", help="This side's secret key file (<name>.key_secret from `fcl-emu keys`), or a directory of "
+                  "per-device keys (<client>.key_secret).")]
+
+
+def _keyring(server_key: Optional[Path], key: Optional[Path], insecure: bool):
+    """The CurveZMQ keys of a node or worker, or None with --insecure; one line and exit 1 if unusable."""
+    from wire.auth import ClientKeyring, KeyFileError
+
+    if insecure:
+        if server_key is not None or key is not None:
+            raise typer.BadParameter("--insecure connects without keys: drop --server-key / --key",
+                                     param_hint="--insecure")
+        console.print("warning: --insecure: plain TCP, no authentication (docs/security.md)", style="yellow",
+                      markup=False, highlight=False)
+        return None
+    if server_key is None or key is None:
+        raise typer.BadParameter("the coordinator admits only known keys: give --server-key and --key (written by "
+                                 "`fcl-emu keys`), or --insecure for a coordinator started with --insecure",
+                                 param_hint="--key")
+    try:
+        return ClientKeyring(server_key, key)
+    except KeyFileError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -166,29 +198,43 @@ def node(
         "--metrics-linger", min=0, help="Seconds to keep /metrics up after the clients shut down.")] = 0.0,
     parent_pid: Annotated[Optional[int], typer.Option(
         "--parent-pid", help="Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).")] = None,
+    server_key: ServerKeyOpt = None,
+    key: KeyOpt = None,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Connect over plain TCP without keys (a coordinator started with --insecure).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
     from runconfig import default_data_roots
     from fcl_emu.launchers import parse_client_set
     from fcl_emu.launchers.process import exit_with_parent
+    from wire.sockets import check_endpoint
 
     if parent_pid is not None:
         exit_with_parent(parent_pid)
     try:
+        check_endpoint(connect)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--connect") from None
+    try:
         indices = parse_client_set(clients)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--clients") from None
+    roots = list(data_root or default_data_roots())
+    if not any(Path(root).is_dir() for root in roots):
+        console.print(f"error: no data root exists ({', '.join(map(str, roots))}): give --data-root DIR or set "
+                      f"FCL_EMU_DATA_ROOT", style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
+    keys = _keyring(server_key, key, insecure)
     _logging(verbose)
-    from edge_node.node import EdgeNode
+    from edge_node.node import EdgeNode, NodeSetupError
     from wire.sockets import SocketCapacityError
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        edge = EdgeNode(connect, indices, name=name, data_roots=list(data_root or default_data_roots()),
-                        threads=threads)
+        edge = EdgeNode(connect, indices, name=name, data_roots=roots, threads=threads, keys=keys)
     except SocketCapacityError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -204,8 +250,40 @@ def node(
         edge.run(stop)
         if serving and metrics_linger > 0:
             stop.wait(metrics_linger)  # a last scrape sees the end
+    except NodeSetupError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     finally:
         edge.metrics.close()
+
+
+@app.command()
+def keys(
+    directory: Annotated[Path, typer.Argument(help="Where to write the keys (created, mode 0700).")],
+    clients: ClientsOpt = None,
+    nodes: Annotated[int, typer.Option(
+        min=1, help="Edge nodes; node n hosts the n-th contiguous block of clients.")] = 2,
+    per_device: Annotated[bool, typer.Option(
+        "--per-device", help="One key per client instead of one per edge node.")] = False,
+) -> None:
+    """Write a run's CurveZMQ keys for a coordinator and edge nodes on several hosts (docs/security.md)."""
+    from fcl_emu.keys import node_blocks, write_run_keys
+    from fcl_emu.launchers import format_client_set
+    from runconfig import RunConfig
+
+    count = clients or RunConfig().scenario.num_clients
+    if nodes > count:
+        raise typer.BadParameter(f"{nodes} nodes for {count} clients", param_hint="--nodes")
+    blocks = node_blocks(count, nodes)
+    path = write_run_keys(directory, blocks, per_device=per_device)
+    lines = [f"keys for {count} clients on {len(blocks)} nodes in {path} (keep coordinator.key_secret and "
+             f"roster.json on the coordinator's host only)",
+             f"  coordinator: fcl-emu coordinator --keys {path} --clients {count} ..."]
+    for n, block in enumerate(blocks):
+        key = path if per_device else path / f"node-{n}.key_secret"
+        lines.append(f"  node {n}: fcl-emu node --connect tcp://COORDINATOR:PORT --clients {format_client_set(block)} "
+                     f"--server-key {path / 'coordinator.key'} --key {key}")
+    Console(width=1000).print("\n".join(lines), markup=False, highlight=False)
 
 
 @app.command("methods")

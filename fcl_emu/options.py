@@ -131,6 +131,15 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             "Neighbours per client k (default 2*ceil(log2 n); n-1 or more: SecAgg)."),
     _option("secagg_threshold", "secagg.threshold", int,
             "Shamir threshold t: shares to rebuild a secret (default floor(k/2)+1)."),
+    _option("insecure", "security.transport", bool,
+            "Plain TCP without keys: any peer that reaches the port may join and speak for any client "
+            "(docs/security.md). Default: CurveZMQ with the run's keys.", convert=lambda on: "plain"),
+    _option("keys", "security.keys", Path,
+            "Key directory from `fcl-emu keys` (default for `up`: the run's own keys in RUN_DIR/keys)."),
+    _option("max_update_norm", "security.max_update_norm", float,
+            "Refuse an update whose model delta has a larger L2 norm."),
+    _option("clip_norm", "security.clip_norm", float,
+            "Robust aggregation: scale every model delta down to at most this L2 norm before aggregating."),
     _option("gpu_workers", "gpu.workers", int, "Worker processes for server-side jobs, one device each (default 0: "
                                                "a thread of the coordinator; docs/gpu.md)."),
     _option("gpu_device", "gpu.device", str, "Device of the GPU workers: auto (CUDA if present), cuda or cpu."),

@@ -15,7 +15,8 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
-from fcl_emu.launchers import NodeLauncher, launcher
+from fcl_emu.keys import write_run_keys
+from fcl_emu.launchers import NodeLauncher, launcher, node_specs
 from monitoring import stack
 
 
@@ -49,6 +50,9 @@ class ProgressView:
                 f"task {info['task'] + 1}/{self.config.scenario.num_tasks} "
                 f"round {info['task_round'] + 1}/{self.config.rounds.rounds_per_task} | "
                 f"{info['participants']}/{info['selected']} clients | acc(seen) {acc}"))
+        elif kind == "node_exit":
+            self.progress.console.print(f"edge node {info['node']} exited (code {info['code']}): {info['error']}",
+                                        style="red", markup=False, highlight=False)
         elif kind == "task_end":
             row = " ".join("-" if a is None else f"{a:.1f}" for a in info["accuracy"])
             self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
@@ -143,9 +147,23 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
+def with_run_keys(config: RunConfig, run_dir: Path) -> RunConfig:
+    """``up`` under CurveZMQ without a key directory: the run's own keys in RUN_DIR/keys (kept for --resume)."""
+    security = config.security
+    if security.transport != "curve" or security.keys is not None:
+        return config
+    keys = write_run_keys(run_dir / "keys", [node.clients for node in node_specs(config)])
+    return config.model_copy(update={"security": security.model_copy(update={"keys": keys})})
+
+
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
     config = resolve_metrics(config, start_nodes)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    if config.security.transport == "curve" and start_nodes:
+        config = with_run_keys(config, run_dir)
+    elif config.security.transport == "plain":
+        console.print("warning: --insecure: plain TCP, any peer that reaches the port may join and speak for any "
+                      "client (docs/security.md)", style="yellow", markup=False, highlight=False)
     view = ProgressView(config, console)
     coordinator = Coordinator(config, progress=view, resume=resume)
     resumed = "" if resume is None else f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
@@ -158,6 +176,7 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
         if start_nodes:
             nodes = launcher()
             nodes.start(coordinator.address, config, run_dir / "logs")
+            coordinator.watch_nodes(nodes.exited, nodes.count)
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)

@@ -144,6 +144,24 @@ class GpuSettings(pydantic.BaseModel):
     threads: int = pydantic.Field(1, ge=1, le=256, description="torch CPU threads of each worker process")
 
 
+class SecurityConfig(pydantic.BaseModel):
+    """Transport security and the defences against hostile clients (docs/security.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    transport: Literal["curve", "plain"] = pydantic.Field(
+        "curve", description="curve: CurveZMQ with the run's keys, only listed keys admitted; plain: unauthenticated "
+                             "TCP (any peer may join and claim any client's identity)")
+    keys: Path | None = pydantic.Field(
+        None, description="key directory written by `fcl-emu keys` (unset: `up` writes the run's keys in "
+                          "RUN_DIR/keys; `coordinator` needs one)")
+    max_update_norm: float | None = pydantic.Field(
+        None, gt=0, description="refuse an update whose model delta has a larger L2 norm (counted as norm_bound)")
+    clip_norm: float | None = pydantic.Field(
+        None, gt=0, description="robust aggregation: scale every model delta down to at most this L2 norm before "
+                                "aggregating (norm clipping)")
+
+
 class MetricsConfig(pydantic.BaseModel):
     """Prometheus metrics endpoints and the optional local Prometheus server (docs/monitoring.md)."""
 
@@ -182,6 +200,7 @@ class RunConfig(pydantic.BaseModel):
     network: NetworkConfig = NetworkConfig()
     edge: EdgeConfig = EdgeConfig()
     secagg: SecAggSettings = SecAggSettings()
+    security: SecurityConfig = SecurityConfig()
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     nodes: int = pydantic.Field(2, ge=1)
@@ -190,6 +209,19 @@ class RunConfig(pydantic.BaseModel):
     download: bool = False
     seed: int = 0
     run_dir: Path | None = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _default_cohort(cls, data: Any) -> Any:
+        """Unset ``rounds.clients_per_round`` is the default cohort, or every client where there are fewer."""
+        if not isinstance(data, dict):
+            return data
+        rounds, scenario = data.get("rounds", {}), data.get("scenario", {})
+        if isinstance(rounds, dict) and "clients_per_round" not in rounds and isinstance(scenario, dict):
+            clients = scenario.get("num_clients", ScenarioSpec().num_clients)
+            if isinstance(clients, int) and 0 < clients < RoundConfig().clients_per_round:
+                data = {**data, "rounds": {**rounds, "clients_per_round": clients}}
+        return data
 
     @pydantic.field_validator("method")
     @classmethod
@@ -222,6 +254,9 @@ class RunConfig(pydantic.BaseModel):
             self._check_secagg(spec)
         if self.nodes > self.scenario.num_clients:
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
+        if self.rounds.clients_per_round > self.scenario.num_clients:
+            raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
+                             f"clients ({self.scenario.num_clients})")
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
         if self.metrics.port is not None and self.metrics.port + self.nodes + self.gpu.workers > 65535:
@@ -247,6 +282,9 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"--secagg: method {spec.name!r} also uploads {', '.join(extra)} (summed beside the "
                              f"model delta), but secure aggregation masks and sums the model's delta/ tensors "
                              f"only: {', '.join(extra)} would travel unmasked, so the combination is refused")
+        if self.security.max_update_norm is not None or self.security.clip_norm is not None:
+            raise ValueError("--secagg hides each client's delta from the server, so the server cannot bound or "
+                             "clip its norm: --max-update-norm and --clip-norm need plain aggregation")
         if self.rounds.late_updates == "next_round":
             raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
                              "cannot join another round's sum")

@@ -73,6 +73,22 @@ def small_config(path: Path, **overrides) -> Path:
     return path
 
 
+def device_keys(directory: Path, clients: int) -> tuple[Path, list[str]]:
+    """Per-device CurveZMQ keys for ``clients`` clients in ``directory``: (the key directory for `fcl-emu
+    coordinator --keys`, the key arguments of any `fcl-emu node` hosting some of them)."""
+    from fcl_emu.keys import write_run_keys
+    from fcl_emu.launchers.base import node_key_args
+
+    keys = write_run_keys(directory, [list(range(clients))], per_device=True)
+    return keys, node_key_args(keys, 0)
+
+
+def keyed(config, directory: Path):
+    """``config`` (a RunConfig) with per-device keys written in ``directory``; and the nodes' key arguments."""
+    keys, node_args = device_keys(directory, config.scenario.num_clients)
+    return config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})}), node_args
+
+
 def raw_header(**overrides) -> bytes:
     """A header frame built field by field, to hand-craft messages the encoder would refuse."""
     import msgspec

@@ -11,7 +11,6 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-import torch.nn.functional as F
 
 from runconfig import RunConfig
 from methods import registry as methods
@@ -19,7 +18,7 @@ from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility,
                            generated_ce, latent_statistics, mean_density)
 from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
 from methods.models.classifier import build_model
-from methods.models.flows import AffineCoupling, ConditionalFlow
+from methods.models.flows import ConditionalFlow
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)

@@ -34,6 +34,10 @@ def invoke(*args: str):
     (["--clients", "3", "--nodes", "4"], "nodes"),
     (["--method", "fedprox", "--method-option", "mu=-1"], "mu"),
     (["--method-option", "oops"], "KEY=VALUE"),
+    (["--clients", "10", "--clients-per-round", "11"], "exceeds the number of clients"),
+    (["--max-update-norm", "0"], "--max-update-norm"),
+    (["--clip-norm", "-1"], "--clip-norm"),
+    (["--secagg", "--clip-norm", "5"], "cannot bound or clip"),
 ])
 def test_up_rejects_bad_values_before_starting(args, flag):
     code, output = invoke("up", *args)
@@ -79,3 +83,40 @@ def test_client_sets_and_node_assignment():
             parse_client_set(bad)
     nodes = node_assignment(10, 3)
     assert sorted(sum(nodes, [])) == list(range(10)) and [len(n) for n in nodes] == [4, 3, 3]
+
+
+def test_the_default_cohort_takes_every_client_of_a_small_run():
+    assert load_config(None, {"scenario": {"num_clients": 12}}).rounds.clients_per_round == 12
+    assert load_config(None, {}).rounds.clients_per_round == 30
+    small = load_config(None, {"scenario": {"num_clients": 12}})
+    assert RunConfig.model_validate(yaml.safe_load(small.to_yaml())) == small  # a written config loads again
+
+
+@pytest.mark.parametrize("args,expected,code", [
+    (["--connect", "notanendpoint", "--clients", "0-3", "--insecure"], "is not a ZeroMQ endpoint", 2),
+    (["--connect", "tcp://127.0.0.1:1", "--clients", "0-3", "--insecure", "--data-root", "/no/such/dir"],
+     "no data root exists", 1),
+    (["--connect", "tcp://127.0.0.1:1", "--clients", "0-3"], "give --server-key and --key", 2),
+    (["--connect", "tcp://127.0.0.1:1", "--clients", "0-3", "--server-key", "/nope.key", "--key", "/nope"],
+     "cannot read key file", 1),
+    (["--connect", "tcp://127.0.0.1:1", "--clients", "0-3", "--insecure", "--key", "k"], "drop --server-key", 2),
+])
+def test_node_refuses_bad_inputs_in_one_line(args, expected, code, tmp_path):
+    code_, output = invoke("node", *args)
+    assert code_ == code and expected in output, output
+    assert "Traceback" not in output
+
+
+def test_keys_writes_a_roster_per_node_or_per_device(tmp_path):
+    import json
+
+    code, output = invoke("keys", str(tmp_path / "k"), "--clients", "10", "--nodes", "3")
+    assert code == 0 and "fcl-emu coordinator --keys" in output and "--clients 4-7 " in output
+    roster = json.loads((tmp_path / "k" / "roster.json").read_text())
+    grants = {entry["name"]: entry["identities"] for entry in roster.values()}
+    assert grants["node-1"] == [f"client-{i:04d}" for i in range(4, 8)]  # contiguous blocks
+    assert grants["node-2"] == ["client-0008", "client-0009"]
+    assert len(grants["gpu-workers"]) == 64
+    code, _ = invoke("keys", str(tmp_path / "d"), "--clients", "3", "--per-device")
+    grants = {e["name"]: e["identities"] for e in json.loads((tmp_path / "d" / "roster.json").read_text()).values()}
+    assert grants["client-0002"] == ["client-0002"] and (tmp_path / "d" / "client-0002.key_secret").is_file()

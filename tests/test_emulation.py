@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
 
-from tests.conftest import events, fcl_emu, free_port, raw_header, small_config, wait_for
+from tests.conftest import device_keys, events, fcl_emu, free_port, keyed, raw_header, small_config, wait_for
 from wire.framing import encode
 from wire.messages import Heartbeat, Join, Shutdown, TensorSpec, Update
 
@@ -42,15 +43,16 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
 
 
 def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
-    """Random and hand-crafted bad messages, from strangers and from a joined client."""
+    """Random and hand-crafted bad messages, from strangers and from a joined client, to a coordinator without
+    authentication (--insecure), where strangers reach the decoder (test_hostile_peers.py: with keys)."""
     port = free_port()
     config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 101},
                           rounds={"clients_per_round": 8, "rounds_per_task": 2})
     run_dir = tmp_path / "run"
     coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", f"tcp://127.0.0.1:{port}",
-                          "--data-root", str(mnist_root), "--run-dir", str(run_dir))
+                          "--data-root", str(mnist_root), "--run-dir", str(run_dir), "--insecure")
     node = fcl_emu("node", "--connect", f"tcp://127.0.0.1:{port}", "--clients", "0-99",
-                   "--data-root", str(mnist_root))
+                   "--data-root", str(mnist_root), "--insecure")
     ctx = zmq.Context()
     rng = np.random.default_rng(0)
     stranger = ctx.socket(zmq.DEALER)
@@ -71,7 +73,6 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
         for _ in range(5):
             stranger.send_multipart([raw_header(sender="stranger", body=bomb)])
         rogue.send_multipart(encode("join", Join(node="rogue", pid=1, client_index=100), sender="client-0100", seq=1))
-        rogue.send_multipart(encode("heartbeat", Heartbeat(), sender="client-0001", seq=2))  # spoofed sender
         rogue.send_multipart([raw_header(sender="client-0100", body=bomb)])  # the bomb from a joined client
         rogue.send_multipart([raw_header(sender="client-0100", type="update",
                                           body=msgspec.Raw(msgspec.msgpack.encode(
@@ -96,7 +97,7 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     rejected = summary["rejected_messages"]
-    for reason in ("bad_header", "unknown_sender", "bad_version", "sender_mismatch", "size_mismatch",
+    for reason in ("bad_header", "unknown_sender", "bad_version", "size_mismatch",
                    "non_finite", "unexpected"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
     assert sum(rejected.values()) >= 200
@@ -109,10 +110,11 @@ def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
                                                        "deadline_s": 300})
     run_dir = tmp_path / "run"
     address = f"tcp://127.0.0.1:{port}"
-    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address,
+    keys, node_keys = device_keys(tmp_path / "keys", 100)
+    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--keys", str(keys),
                           "--data-root", str(mnist_root), "--run-dir", str(run_dir))
-    survivor = fcl_emu("node", "--connect", address, "--clients", "0-49", "--data-root", str(mnist_root))
-    victim = fcl_emu("node", "--connect", address, "--clients", "50-99", "--data-root", str(mnist_root))
+    survivor = fcl_emu("node", "--connect", address, "--clients", "0-49", "--data-root", str(mnist_root), *node_keys)
+    victim = fcl_emu("node", "--connect", address, "--clients", "50-99", "--data-root", str(mnist_root), *node_keys)
     try:
         wait_for(lambda: any(e["event"] == "round" for e in events(run_dir)), 180, "the first round")
         os.kill(victim.pid, signal.SIGKILL)  # mid-run, typically mid-round
@@ -160,13 +162,15 @@ def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8}),
                          {"data_root": [str(mnist_root)]})
+    config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
 
     def broken_aggregate(*args, **kw):
         raise RuntimeError("aggregation broke")
 
     coordinator.server.aggregate = broken_aggregate
-    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-7", "--data-root", str(mnist_root))
+    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-7", "--data-root", str(mnist_root),
+                   *node_keys)
     try:
         with pytest.raises(RuntimeError, match="aggregation broke"):
             coordinator.run(tmp_path / "run")
@@ -180,3 +184,40 @@ def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
     last = events(tmp_path / "run")[-1]
     assert (last["event"], last["status"]) == ("end", "failed: RuntimeError: aggregation broke")
 
+
+
+def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_root, monkeypatch):
+    """`up` with two nodes, one of which cannot start (its key file is unreadable): the coordinator reports it
+    with the node's own error line and goes on with the other node's clients, without waiting out its 60 s
+    join timeout."""
+    import io
+
+    from rich.console import Console
+
+    from fcl_emu import run as run_module
+    from fcl_emu.launchers import process
+    from runconfig import load_config
+
+    original = process.node_command
+
+    def node_command(address, indices, config, name, n=0, parent_pid=None):
+        command = original(address, indices, config, name, n, parent_pid)
+        if n == 1:
+            command[command.index("--key") + 1] = str(tmp_path / "stolen.key_secret")
+        return command
+
+    monkeypatch.setattr(process, "node_command", node_command)
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+                                      rounds={"clients_per_round": 2, "rounds_per_task": 1}),
+                         {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})
+    out = io.StringIO()
+    started = time.monotonic()
+    summary = run_module.run_local(config, Console(file=out, width=200))
+    assert time.monotonic() - started < 50
+    assert summary["status"] == "completed" and summary["clients"]["joined"] == 4
+    exits = [e for e in events(tmp_path / "run") if e["event"] == "node_exit"]
+    assert len(exits) == 1 and exits[0]["node"] == "node-1" and exits[0]["code"] == 1
+    assert "cannot read key file" in exits[0]["error"]
+    start = next(e for e in events(tmp_path / "run") if e["event"] == "start")
+    assert start["online"] == 4
+    assert "edge node node-1 exited (code 1): error: cannot read key file" in out.getvalue()

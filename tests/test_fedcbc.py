@@ -22,7 +22,7 @@ from methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBC
 from methods.models.classifier import build_model
 from methods.models.state import state_to_arrays
 from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
-from tests.conftest import fcl_emu, small_config
+from tests.conftest import fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -283,15 +283,18 @@ def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
     from wire.messages import Update
 
     config = load_config(small_config(tmp_path / "c.yaml", method="fedcbc", method_options=TINY,
-                                      scenario={"num_clients": 3, "partition": "accessible_classes"}),
+                                      scenario={"num_clients": 3, "partition": "accessible_classes"},
+                                      rounds={"clients_per_round": 3}),
                          {"data_root": [str(mnist_root)]})
+    config, _ = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
+    coordinator.registry.join("client-0000", 0, "node-0", 0)
     try:
         bad = {VAES + "0/mean.bias": np.zeros(3, np.float32)}
         msg = decode(encode("update", Update(num_samples=5, train_time_s=0.1, loss=0.0), sender="client-0000",
                             seq=1, tensors=bad))
         with pytest.raises(WireError, match="VAE of class 0") as info:
-            coordinator._check_update(msg, 0)
+            coordinator._check_update("client-0000", msg, 0)
         assert info.value.reason == "bad_shape"
     finally:
         coordinator.close()

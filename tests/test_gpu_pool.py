@@ -20,7 +20,7 @@ import torch
 from coordinator.engine import Coordinator, JobFailed
 from runconfig import load_config
 from methods import jobs
-from tests.conftest import events, fcl_emu, small_config
+from tests.conftest import events, fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,10 @@ pytestmark = pytest.mark.slow
 def coordinator_with(tmp_path, mnist_root, **gpu) -> Coordinator:
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 20},
                                       gpu={"device": "cpu", **gpu}), {"data_root": [str(mnist_root)]})
+    config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
     coordinator.pool.start(tmp_path / "logs")
+    coordinator.node_keys = node_keys  # for the tests' edge nodes
     return coordinator
 
 
@@ -38,7 +40,8 @@ def test_clients_stay_alive_while_a_long_job_runs(tmp_path, mnist_root, workers,
     """Heartbeats every 0.3 s, liveness timeout 2 s: a job of `seconds` would kill every client if the
     coordinator stopped serving them meanwhile."""
     coordinator = coordinator_with(tmp_path, mnist_root, workers=workers)
-    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-19", "--data-root", str(mnist_root))
+    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-19", "--data-root", str(mnist_root),
+                   *coordinator.node_keys)
     try:
         coordinator._wait_for_clients()
         beats = coordinator.counters.messages.get(("heartbeat", "received"), 0)

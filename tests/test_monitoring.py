@@ -134,11 +134,12 @@ def test_targets_file_shape(tmp_path):
 
 
 def test_nodes_get_the_following_ports(tmp_path):
-    config = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "data_root": [str(tmp_path)]})
+    plain_tcp = {"security": {"transport": "plain"}}
+    config = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "data_root": [str(tmp_path)], **plain_tcp})
     for n in range(3):
         cmd = node_command("tcp://127.0.0.1:1", [n], config, f"node-{n}", n)
         assert cmd[cmd.index("--metrics-port") + 1] == str(9301 + n)
-    plain = load_config(None, {"data_root": [str(tmp_path)]})
+    plain = load_config(None, {"data_root": [str(tmp_path)], **plain_tcp})
     assert "--metrics-port" not in node_command("tcp://127.0.0.1:1", [0], plain, "node-0", 0)
     workers = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "gpu": {"workers": 2},
                                  "data_root": [str(tmp_path)]})

@@ -20,7 +20,7 @@ from runconfig import RunConfig
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model
-from tests.conftest import events, fcl_emu, free_port, small_config, wait_for
+from tests.conftest import device_keys, events, fcl_emu, free_port, small_config, wait_for
 
 SHAPE = (1, 28, 28)
 SCENARIO = SimpleNamespace(task_classes=lambda t: list(range(2 * t, 2 * t + 2)),
@@ -212,8 +212,10 @@ def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_
     address = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     common = ["--data-root", str(mnist_root)]
-    first = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--run-dir", str(run_dir), *common)
-    node = fcl_emu("node", "--connect", address, "--clients", f"0-{clients - 1}", *common)
+    keys, node_keys = device_keys(tmp_path / "keys", clients)
+    first = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--run-dir", str(run_dir),
+                    "--keys", str(keys), *common)
+    node = fcl_emu("node", "--connect", address, "--clients", f"0-{clients - 1}", *common, *node_keys)
     resumed = None
     try:
         # kill during the 5th round (task 1): its clients are training, the 4th round is checkpointed

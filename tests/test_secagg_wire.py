@@ -7,6 +7,7 @@ what the coordinator holds, the run with and without ``--secagg``, and the confi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import threading
 import types
 
@@ -23,7 +24,8 @@ from secagg.protocol import Quantizer, SecAggError
 from runconfig import RunConfig, load_config
 from methods import registry
 from methods.base import DELTA, DeltaLayout, ServerPart
-from tests.conftest import events, fcl_emu, small_config
+from tests.conftest import events, fcl_emu, keyed, small_config
+from wire.auth import ClientKeyring
 from wire.framing import Message, WireError
 from wire.messages import SecAggKeys, SecAggMasked
 
@@ -65,6 +67,7 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
                                       training={"local_epochs": 1},
                                       secagg={"enabled": True, "neighbors": 5, "threshold": 4}),
                          {"data_root": [str(mnist_root)]})
+    config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
     run_ids = {round_id(coordinator.run_id, n): n for n in (1, 2, 3, 4)}
     plaintext: dict[tuple[int, str], tuple[np.ndarray, int]] = {}  # (round, client) -> (input, weight)
@@ -99,8 +102,9 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
         return outcome
 
     stop = threading.Event()
+    keyring = ClientKeyring(Path(node_keys[1]), Path(node_keys[3]))
     nodes = [EdgeNode(coordinator.address, list(ix), name=f"node-{i}", data_roots=[mnist_root],
-                      state_dir=tmp_path / f"state-{i}") for i, ix in enumerate((range(0, 50), range(50, 100)))]
+                      state_dir=tmp_path / f"state-{i}", keys=keyring) for i, ix in enumerate((range(0, 50), range(50, 100)))]
     threads = [threading.Thread(target=n.run, args=(stop,), daemon=True) for n in nodes]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggClient, "on_shares", on_shares)

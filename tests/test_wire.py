@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
 from tests.conftest import raw_header
 from wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
+from wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
 from wire.sockets import ClientEndpoint, Counters, ServerEndpoint
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
@@ -133,6 +134,50 @@ def test_random_frames_never_crash_the_decoder(frames):
         assert exc.reason
 
 
+def _valid_messages() -> list[list[bytes]]:
+    """Valid frames of the types a peer sends, with tensors, maps and strings to mutate."""
+    tensors = {"delta/w": np.arange(6, dtype=np.float32).reshape(2, 3), "delta/n": np.array(3, np.int64)}
+    bodies = [("join", Join(node="node-0", pid=12, client_index=3), None),
+              ("update", Update(num_samples=5, train_time_s=0.5, loss=1.25, metrics={"ce": 0.5}), tensors),
+              ("error", msgspec.convert({"code": "train_failed", "detail": "boom"}, BODY_SCHEMAS["error"]), None),
+              ("secagg_shares", msgspec.convert({"shares": {"client-0001": b"x" * 40}, "b_commit": b"c" * 32},
+                                                BODY_SCHEMAS["secagg_shares"]), None),
+              ("prototype_gradients", msgspec.convert({"items": 1}, BODY_SCHEMAS["prototype_gradients"]),
+               {"0/w": np.ones(4, np.float32)})]
+    return [[bytes(f) for f in encode(t, b, sender="client-0003", seq=1, tensors=x)] for t, b, x in bodies]
+
+
+VALID = _valid_messages()
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.sampled_from(range(len(VALID))), st.data())
+def test_mutated_valid_frames_never_crash_the_decoder(which, data):
+    """Fuzzing: valid messages with bytes flipped, inserted or cut, frames dropped or duplicated. The decoder
+    returns a message or raises WireError, never anything else (bounded: 3,000 cases, a few seconds)."""
+    frames = [bytearray(f) for f in VALID[which]]
+    for _ in range(data.draw(st.integers(1, 4))):
+        frame = frames[data.draw(st.integers(0, len(frames) - 1))]
+        op = data.draw(st.sampled_from(["flip", "insert", "cut", "drop", "duplicate"]))
+        if op == "flip" and frame:
+            at = data.draw(st.integers(0, len(frame) - 1))
+            frame[at] ^= data.draw(st.integers(1, 255))
+        elif op == "insert":
+            at = data.draw(st.integers(0, len(frame)))
+            frame[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+        elif op == "cut" and frame:
+            at = data.draw(st.integers(0, len(frame) - 1))
+            del frame[at:at + data.draw(st.integers(1, 16))]
+        elif op == "drop" and len(frames) > 1:
+            frames.remove(frame)
+        elif op == "duplicate":
+            frames.append(bytearray(frame))
+    try:
+        decode([bytes(f) for f in frames])
+    except WireError as exc:
+        assert exc.reason
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(sorted(ALLOWED_DTYPES)), st.lists(st.integers(0, 5), max_size=3), st.integers(-3, 3))
 def test_table_and_frame_must_agree(dtype, shape, skew):
@@ -148,23 +193,97 @@ def test_table_and_frame_must_agree(dtype, shape, skew):
         assert reason(frames) == "size_mismatch"
 
 
-def test_endpoints_count_bytes_and_catch_spoofed_senders():
+def test_endpoints_count_bytes_and_route_by_the_latest_connection():
     ctx = zmq.Context()
     counts = Counters.empty()
     server = ServerEndpoint(ctx, "tcp://127.0.0.1:0", count=counts)
     client = ClientEndpoint(ctx, server.address, "client-0007")
+    again = ClientEndpoint(ctx, server.address, "client-0007")  # a restarted client: a new connection
     try:
         sent = client.send("join", Join(node="n", pid=1, client_index=7))
         peer, msg = server.recv()
         assert peer == "client-0007" and msg.nbytes == sent
         assert counts.nested() == {"join": {"received": sent}}
-        client.sock.send_multipart(encode("heartbeat", Heartbeat(), sender="client-0008", seq=2))
-        with pytest.raises(WireError) as info:
-            server.recv()
-        assert info.value.reason == "sender_mismatch" and info.value.peer == "client-0007"
+        server.send("client-0007", "heartbeat", Heartbeat())
+        assert client.recv().type == "heartbeat"
+        again.send("heartbeat", Heartbeat())
+        assert server.recv()[0] == "client-0007"
+        server.send("client-0007", "heartbeat", Heartbeat())  # goes to the connection heard from last
+        assert again.recv().type == "heartbeat" and not client.sock.poll(200)
         with pytest.raises(zmq.ZMQError):
-            server.send("nobody", "heartbeat", Heartbeat())  # ROUTER_MANDATORY: unknown peer fails loudly
+            server.send("nobody", "heartbeat", Heartbeat())  # never heard from: fails loudly
     finally:
-        client.close(0)
+        for c in (client, again):
+            c.close(0)
         server.close()
         ctx.term()
+
+
+@pytest.fixture
+def curve_pair(tmp_path):
+    """A CurveZMQ server whose roster has node-a (client-0001, client-0002) and node-b (client-0003)."""
+    ctx = zmq.Context()
+    keys = write_keys(tmp_path, {"node-a": ["client-0001", "client-0002"], "node-b": ["client-0003"]})
+    server_keys = load_server_keys(keys)
+    allowlist = Allowlist(ctx, server_keys)
+    server = ServerEndpoint(ctx, "tcp://127.0.0.1:0", keys=server_keys)
+    ring = {name: ClientKeyring(keys / "coordinator.key", keys / f"{name}.key_secret") for name in ("node-a", "node-b")}
+    yield ctx, server, ring, allowlist
+    server.close()
+    allowlist.stop()
+    ctx.term()
+
+
+def test_curve_binds_each_identity_to_its_key(curve_pair):
+    ctx, server, ring, _ = curve_pair
+    honest = ClientEndpoint(ctx, server.address, "client-0001", keys=ring["node-a"].for_identity("client-0001"))
+    other = ClientEndpoint(ctx, server.address, "client-0003", keys=ring["node-b"].for_identity("client-0003"))
+    try:
+        honest.send("join", Join(node="node-a", pid=1, client_index=1))
+        assert server.recv()[0] == "client-0001"
+        # node-b's key speaking for node-a's client: refused, and its route stays with the honest connection
+        other.sock.send_multipart(encode("leave", msgspec.convert({"reason": "x"}, BODY_SCHEMAS["leave"]),
+                                         sender="client-0001", seq=1))
+        with pytest.raises(WireError) as info:
+            server.recv()
+        assert info.value.reason == "not_authorized" and info.value.peer == "node-b"
+        server.send("client-0001", "heartbeat", Heartbeat())
+        assert honest.recv().type == "heartbeat" and not other.sock.poll(200)
+        other.send("heartbeat", Heartbeat())  # its own client is fine
+        assert server.recv()[0] == "client-0003"
+    finally:
+        honest.close(0)
+        other.close(0)
+
+
+def test_curve_admits_no_stranger(curve_pair, tmp_path):
+    """A peer with a key not in the roster (or no key at all) never completes the handshake: nothing it sends
+    arrives, nothing can be sent to it."""
+    ctx, server, ring, allowlist = curve_pair
+    stranger_keys = write_keys(tmp_path / "other", {"node-x": ["client-0001"]})
+    stranger = ClientEndpoint(ctx, server.address, "client-0001",
+                              keys=ClientKeyring(tmp_path / "coordinator.key",
+                                                 stranger_keys / "node-x.key_secret").for_identity("client-0001"))
+    plain = ctx.socket(zmq.DEALER)
+    plain.connect(server.address)
+    try:
+        stranger.send("join", Join(node="x", pid=1, client_index=1))
+        plain.send_multipart(encode("join", Join(node="x", pid=1, client_index=1), sender="client-0001", seq=1))
+        assert not server.sock.poll(1000)
+        assert allowlist.refused >= 1
+        with pytest.raises(zmq.ZMQError):
+            server.send("client-0001", "heartbeat", Heartbeat())
+    finally:
+        stranger.close(0)
+        plain.close(0)
+
+
+def test_key_files_are_checked(tmp_path):
+    with pytest.raises(KeyFileError, match="does not exist"):
+        load_server_keys(tmp_path / "none")
+    keys = write_keys(tmp_path / "k", {"node-a": ["client-0001"]})
+    with pytest.raises(KeyFileError, match="no secret key"):
+        ClientKeyring(keys / "coordinator.key", keys / "coordinator.key")
+    with pytest.raises(KeyFileError, match="cannot read"):
+        ClientKeyring(keys / "coordinator.key", keys / "missing.key_secret")
+    assert oct((keys / "node-a.key_secret").stat().st_mode & 0o777) == "0o600"

@@ -42,9 +42,13 @@ REASONS = (
     "too_large",
     "non_finite",
     "unknown_sender",
-    "sender_mismatch",
+    "not_authorized",  # a key that may not speak for the identity the message names (wire/auth.py)
     "unexpected",
     "secagg",
+    "rate_limited",  # more control messages than a peer may send (coordinator/guard.py)
+    "implausible",  # an update counting more samples than its client holds
+    "norm_bound",  # an update beyond security.max_update_norm
+    "late_cap",  # a late update beyond those kept for the next round
 )
 
 

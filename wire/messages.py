@@ -10,19 +10,31 @@ line in :data:`BODY_SCHEMAS`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 PROTOCOL_VERSION = 1
 
+# Bounds on what a peer's strings and maps may hold, checked while decoding (a longer one fails as bad_body or
+# bad_header): nothing a peer sends grows the receiver's logs, events or checkpoints without bound.
+Name = Annotated[str, msgspec.Meta(max_length=128)]  # identities, types, tensor and metric names, codes
+Text = Annotated[str, msgspec.Meta(max_length=1024)]  # free text: error details, reasons
+MAX_METRICS = 64  # metric keys in one update
+Metrics = Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_METRICS)]
+
+
+def client_id(index: int) -> str:
+    """The identity client ``index`` speaks under (its messages' sender; its key's grant, wire/auth.py)."""
+    return f"client-{index:04d}"
+
 
 class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """Table entry describing one tensor frame."""
 
-    name: str
-    dtype: str
-    shape: list[int]
+    name: Name
+    dtype: Name
+    shape: Annotated[list[int], msgspec.Meta(max_length=32)]
     nbytes: int
 
 
@@ -30,8 +42,8 @@ class Header(msgspec.Struct, forbid_unknown_fields=True):
     """Frame 0 of every message. ``body`` stays raw until its schema is known."""
 
     v: int
-    type: str
-    sender: str
+    type: Name
+    sender: Name
     seq: int
     round: int
     task: int
@@ -44,7 +56,7 @@ class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Join(Body):
-    node: str
+    node: Name
     pid: int
     client_index: int
     assets_task: int = -1  # task whose per-task assets the client still holds (a rejoin after leaving)
@@ -77,7 +89,7 @@ class Heartbeat(Body):
 
 
 class Leave(Body):
-    reason: str
+    reason: Text
 
 
 class TaskStart(Body):
@@ -113,7 +125,7 @@ class Update(Body):
     num_samples: int
     train_time_s: float
     loss: float
-    metrics: dict[str, float] = {}
+    metrics: Metrics = {}
 
 
 class SideChannel(Body):
@@ -129,8 +141,8 @@ SIDE_CHANNEL_TYPES = ("prototype_gradients",)
 
 
 class Error(Body):
-    code: str
-    detail: str
+    code: Name
+    detail: Text
 
 
 class Shutdown(Body):
@@ -184,7 +196,7 @@ class SecAggMasked(Body):
 
     train_time_s: float
     loss: float
-    metrics: dict[str, float] = {}
+    metrics: Metrics = {}
 
 
 class SecAggUnmaskRequest(Body):
@@ -231,9 +243,9 @@ class JobResult(Body):
 
     job_id: int
     ok: bool
-    error: str = ""
+    error: Text = ""
     run_s: float = 0.0
-    metrics: dict[str, float] = {}
+    metrics: Metrics = {}
 
 
 BODY_SCHEMAS: dict[str, type[Body]] = {

@@ -1,15 +1,23 @@
 """ZeroMQ socket set-up and the two endpoint kinds (server ROUTER, client DEALER).
 
 Socket options follow the design notes: ``ROUTER_MANDATORY`` so a send to a
-vanished peer fails loudly instead of vanishing, ``ROUTER_HANDOVER`` so a
-client that reconnects under the same identity takes over its old pipe, small
-send high-water marks because frames are large, ``MAXMSGSIZE`` so an
-oversized frame is refused by libzmq before it is buffered, and a linger long
-enough that an update in flight is delivered on close.
+vanished peer fails loudly instead of vanishing, small send high-water marks
+because frames are large, ``MAXMSGSIZE`` so an oversized frame is refused by
+libzmq before it is buffered, and a linger long enough that an update in
+flight is delivered on close. With keys (:mod:`wire.auth`) both ends speak
+CurveZMQ.
+
+Peers are addressed by the identity their messages name (``client-0004``), not
+by a routing id they choose: the ROUTER gives every connection a random one,
+and the endpoint routes an identity to the connection its latest accepted
+message came on. A connection therefore cannot take over another's route by
+claiming its routing id; with keys, a message is accepted only from a key whose
+grant holds the identity it names.
 """
 
 from __future__ import annotations
 
+import re
 import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
 from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes
 from wire.messages import Body
 
@@ -69,15 +78,23 @@ def _configure(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_total_bytes + limits.max_header_bytes)
 
 
+MAX_ROUTES = 100_000  # identities remembered; the least recently heard from is forgotten first
+
+
 class ServerEndpoint:
-    """A bound ROUTER: receives from and sends to many identified peers."""
+    """A bound ROUTER: receives from and sends to many identified peers.
+
+    ``keys``: speak CurveZMQ and accept a message only if its connection's key may speak for its sender (the
+    context must run an :class:`wire.auth.Allowlist`). Without keys any peer may claim any identity.
+    """
 
     def __init__(self, ctx: zmq.Context, bind: str, *, name: str = "coordinator",
-                 limits: Limits = Limits(), count: ByteCounter = _no_count):
+                 limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ServerKeys | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock, limits)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if keys is not None:
+            serve_curve(self.sock, keys)
         if bind.endswith(":0"):
             port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
             self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
@@ -87,34 +104,72 @@ class ServerEndpoint:
         self.name = name
         self.limits = limits
         self.count = count
+        self.grants = None if keys is None else keys.grants
+        self._routes: dict[str, bytes] = {}  # identity -> routing id of its latest connection
+        self._identities: dict[bytes, str] = {}  # and back
         self._seq = 0
 
     def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
              tensors: Mapping[str, Any] | None = None) -> int:
         """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone."""
+        route = self._routes.get(peer)
+        if route is None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
         self._seq += 1
         frames = encode(msg_type, body, sender=self.name, seq=self._seq, round=round, task=task, tensors=tensors)
-        self.sock.send_multipart([peer.encode()] + frames, copy=False)
+        self.sock.send_multipart([route] + frames, copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
         return nbytes
 
     def recv(self) -> tuple[str, Message]:
-        """Receive one message (blocking). A bad one raises WireError with ``.peer`` set."""
+        """Receive one message (blocking); returns its sender's identity. A bad one raises WireError with
+        ``.peer`` set to the identity it claimed (or, for a key speaking for another, the key's name)."""
         frames = self.sock.recv_multipart(copy=False)
-        peer = bytes(frames[0].buffer).decode("utf-8", "replace")
         try:
             msg = decode(frames[1:], self.limits)
-            if msg.sender != peer:
-                raise WireError("sender_mismatch", f"header says {msg.sender!r}, connection is {peer!r}")
         except WireError as exc:
-            exc.peer = peer
+            exc.peer = self._identities.get(frames[0].bytes)  # to answer on that connection
             raise
+        if self.grants is not None:
+            grant = self.grants.get(frames[1].get("User-Id"))
+            if grant is None or msg.sender not in grant.identities:
+                exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for "
+                                                  f"{msg.sender!r}")
+                exc.peer = grant.name if grant else None
+                raise exc
+        self._route(msg.sender, frames[0].bytes)
         self.count(msg.type, "received", msg.nbytes)
-        return peer, msg
+        return msg.sender, msg
+
+    def _route(self, identity: str, routing_id: bytes) -> None:
+        routes, identities = self._routes, self._identities
+        old = routes.get(identity)
+        if old == routing_id:
+            return
+        if old is not None:
+            del routes[identity]
+            identities.pop(old, None)
+        if len(routes) >= MAX_ROUTES:
+            forgotten = next(iter(routes))
+            identities.pop(routes.pop(forgotten), None)
+        routes[identity] = routing_id
+        identities[routing_id] = identity
 
     def close(self) -> None:
         self.sock.close()
+
+
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc://\S+|inproc://\S+)$")
+
+
+def check_endpoint(text: str) -> str:
+    """``text`` if it is a ZeroMQ endpoint to connect to (tcp://HOST:PORT, ipc://PATH, inproc://NAME); else
+    ValueError saying what one looks like."""
+    if not _ENDPOINT.match(text) or (text.startswith("tcp://") and not 0 < int(text.rsplit(":", 1)[1]) < 65536):
+        raise ValueError(f"{text!r} is not a ZeroMQ endpoint: use tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555), "
+                         f"ipc://PATH or inproc://NAME")
+    return text
 
 
 FDS_PER_SOCKET = 2  # a connected DEALER holds its mailbox's eventfd and its TCP connection
@@ -146,13 +201,14 @@ def ensure_socket_capacity(ctx: zmq.Context, sockets: int) -> None:
 
 
 class ClientEndpoint:
-    """A DEALER with its own identity, connected to the coordinator."""
+    """A DEALER speaking for one identity, connected to the coordinator (with ``keys``: over CurveZMQ)."""
 
     def __init__(self, ctx: zmq.Context, connect: str, identity: str, *,
-                 limits: Limits = Limits(), count: ByteCounter = _no_count):
+                 limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ClientKeys | None = None):
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock, limits)
-        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        if keys is not None:
+            connect_curve(self.sock, keys)
         self.sock.connect(connect)
         self.identity = identity
         self.limits = limits

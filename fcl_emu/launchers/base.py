@@ -7,7 +7,20 @@ import abc
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.engine import NodeExit
+from wire.auth import SERVER_NAME
 from runconfig import RunConfig, node_metrics_port
+
+
+def last_error(log_file: Path, max_chars: int = 300) -> str:
+    """The last non-empty line of a node's log (a traceback's last line names the error)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:max_chars] if lines else ""
 
 
 def parse_client_set(text: str) -> list[int]:
@@ -59,10 +72,29 @@ def node_specs(config: RunConfig) -> list[NodeSpec]:
             for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes))]
 
 
+def node_key_name(number: int) -> str:
+    """The grant of edge node ``number`` in a run's key directory (fcl_emu/keys.py)."""
+    return f"node-{number}"
+
+
+def node_key_args(keys: Path, number: int) -> list[str]:
+    """The key arguments of ``fcl-emu node`` for edge node ``number`` of a run keyed in ``keys``: its node key,
+    or the directory of per-device keys."""
+    node_key = Path(keys) / f"{node_key_name(number)}.key_secret"
+    return ["--server-key", str(Path(keys) / f"{SERVER_NAME}.key"),
+            "--key", str(node_key if node_key.is_file() else keys)]
+
+
 def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
               parent_pid: int | None = None) -> list[str]:
-    """The arguments of ``fcl-emu node`` for edge node ``n`` (its data roots and its /metrics port)."""
+    """The arguments of ``fcl-emu node`` for edge node ``n`` (its keys, data roots and /metrics port)."""
     args = ["node", "--connect", address, "--clients", format_client_set(indices), "--name", name]
+    if config.security.transport == "plain":
+        args.append("--insecure")
+    elif config.security.keys is None:
+        raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.run.with_run_keys)")
+    else:
+        args += node_key_args(config.security.keys, n)
     if parent_pid is not None:
         args += ["--parent-pid", str(parent_pid)]
     for root in config.data_root:
@@ -82,8 +114,13 @@ class NodeLauncher(abc.ABC):
         """Start one edge node per :func:`node_specs` entry, each dialling ``address``; logs go to ``log_dir``."""
 
     @abc.abstractmethod
-    def exited(self) -> list[int]:
-        """Exit codes of the nodes that have ended."""
+    def exited(self) -> list[NodeExit]:
+        """The nodes that have ended, each with its exit code and last error line."""
+
+    @property
+    @abc.abstractmethod
+    def count(self) -> int:
+        """How many nodes were started."""
 
     @abc.abstractmethod
     def stop(self, grace_s: float = 10.0) -> None:

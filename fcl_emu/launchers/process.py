@@ -11,7 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from fcl_emu.launchers.base import NodeLauncher, node_args, node_specs
+from coordinator.engine import NodeExit
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs
 from runconfig import RunConfig
 
 
@@ -67,18 +68,26 @@ class ProcessLauncher(NodeLauncher):
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self._nodes: list[tuple[NodeSpec, Path]] = []
 
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = node_env()
         for node in node_specs(config):
-            log = open(log_dir / f"{node.name}.log", "ab")  # appended to by `up --resume`
+            log_file = log_dir / f"{node.name}.log"
+            log = open(log_file, "ab")  # appended to by `up --resume`
             command = node_command(address, node.clients, config, node.name, node.number, os.getpid())
             self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+            self._nodes.append((node, log_file))
             log.close()
 
-    def exited(self) -> list[int]:
-        return [p.returncode for p in self.procs if p.poll() is not None]
+    @property
+    def count(self) -> int:
+        return len(self.procs)
+
+    def exited(self) -> list[NodeExit]:
+        return [NodeExit(node.name, p.returncode, len(node.clients), last_error(log_file))
+                for p, (node, log_file) in zip(self.procs, self._nodes) if p.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s

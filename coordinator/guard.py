@@ -1,0 +1,86 @@
+"""What a peer cannot make the coordinator do: flood it, fill its logs, or poison its model (docs/security.md).
+
+- :class:`RateLimiter`: a token bucket per identity for control and error messages (joins, leaves, heartbeats,
+  errors); a message over the rate is refused as ``rate_limited``, never handled.
+- :class:`LogOnce`: a refusal is logged once per (peer, reason), and at most :data:`MAX_LOGGED` lines in all;
+  everything is still counted.
+- :func:`delta_norm` and :func:`clip_update`: the norm bound on updates and norm clipping (robust aggregation).
+
+The buckets and the log memory are bounded, so peers with ever new identities cannot grow them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from methods.base import DELTA, ClientUpdate
+
+CONTROL_RATE_PER_S = 5.0  # sustained control/error messages per identity, beyond its heartbeats
+CONTROL_BURST = 30  # messages an identity may send at once (a rejoin, a leave, a burst of errors)
+MAX_TRACKED = 100_000  # identities with a bucket; the least recently seen is forgotten first
+MAX_LOGGED = 1_000  # log lines about refusals in a run; then one line says the rest are only counted
+
+
+class RateLimiter:
+    """Token buckets keyed by identity: ``allow(peer)`` takes one token, False when the bucket is empty."""
+
+    def __init__(self, rate_per_s: float = CONTROL_RATE_PER_S, burst: int = CONTROL_BURST,
+                 max_tracked: int = MAX_TRACKED):
+        self.rate, self.burst, self.max_tracked = rate_per_s, burst, max_tracked
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, time)
+
+    def allow(self, peer: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        tokens, then = self._buckets.pop(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[peer] = (tokens - allowed, now)
+        if len(self._buckets) > self.max_tracked:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class LogOnce:
+    """Log a refusal once per (peer, reason); stop logging after :data:`MAX_LOGGED` lines."""
+
+    def __init__(self, log: logging.Logger, limit: int = MAX_LOGGED):
+        self.log, self.limit = log, limit
+        self._seen: set[tuple[str | None, str]] = set()
+
+    def __call__(self, peer: str | None, reason: str, message: str) -> None:
+        key = (peer, reason)
+        if key in self._seen or len(self._seen) > self.limit:
+            return
+        self._seen.add(key)
+        if len(self._seen) > self.limit:
+            self.log.warning("%d refusals logged; further ones are only counted (fcl_emu_rejected_messages_total)",
+                             self.limit)
+            return
+        self.log.warning("%s; further ones from this peer for this reason are only counted", message)
+
+
+def delta_norm(update: ClientUpdate) -> float:
+    """L2 norm of an update's float model-delta tensors taken together."""
+    total = 0.0
+    for name, value in update.tensors.items():
+        if name.startswith(DELTA) and value.dtype.kind == "f":
+            flat = value.reshape(-1).astype(np.float64, copy=False)
+            total += float(np.dot(flat, flat))
+    return math.sqrt(total)
+
+
+def clip_update(update: ClientUpdate, max_norm: float) -> ClientUpdate:
+    """``update`` with its float model delta scaled down to L2 norm ``max_norm`` if larger (norm clipping, as in
+    DP-FedAvg, McMahan et al. 2018, and Sun et al. 2019 against backdoors); other tensors unchanged."""
+    norm = delta_norm(update)
+    if norm <= max_norm:
+        return update
+    scale = max_norm / norm
+    tensors = {name: (value * scale).astype(value.dtype) if name.startswith(DELTA) and value.dtype.kind == "f"
+               else value for name, value in update.tensors.items()}
+    return ClientUpdate(update.client, update.num_samples, tensors, update.loss, update.metrics)

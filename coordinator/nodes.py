@@ -1,0 +1,66 @@
+"""Watching the edge nodes a launcher started: a node that exits is reported at once, with its last error.
+
+Without this, clients of a dead node looked like clients that had not joined yet (the coordinator waited out
+its join timeout) or that had stopped sending heartbeats (noticed after the liveness timeout). With a watch
+(``fcl-emu up`` sets one), the coordinator, each time it serves its socket, asks the launcher which nodes
+have exited; for each new one it logs and records the exit, declares the node's clients dead, stops waiting for
+those that never joined, and ends the run if no node is left and no client is online.
+
+A mixin of :class:`coordinator.engine.Coordinator` (it uses ``registry``, ``metrics``, ``progress`` and the
+run's recorder).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.errors import RunAborted
+
+log = logging.getLogger("fcl_emu.coordinator")
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    """An edge node that has ended: its name, exit code, how many clients it hosted, its last error line."""
+
+    name: str
+    code: int
+    clients: int
+    last_error: str
+
+    def describe(self) -> str:
+        return f"edge node {self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}"
+
+
+class NodeWatch:
+    """The coordinator's view of the edge-node processes (mixin of Coordinator)."""
+
+    _node_watch: Callable[[], list[NodeExit]] | None = None
+    _nodes_started = 0
+    _exited_nodes: dict[str, NodeExit]
+    _unreachable_clients = 0  # clients of exited nodes that had not joined: never to be waited for
+
+    def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
+        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
+        self._node_watch, self._nodes_started, self._exited_nodes = exited, started, {}
+
+    def _check_nodes(self) -> None:
+        if self._node_watch is None:
+            return
+        for node in self._node_watch():
+            if node.name in self._exited_nodes:
+                continue
+            self._exited_nodes[node.name] = node
+            hosted = [r for r in self.registry.records.values() if r.node == node.name]
+            for record in hosted:
+                if self.registry.drop(record.client_id):
+                    self.metrics.client_dropped("node_exited")
+            self._unreachable_clients += max(0, node.clients - len(hosted))
+            log.error("%s", node.describe())
+            if self._recorder is not None:
+                self._recorder.event("node_exit", node=node.name, code=node.code, error=node.last_error)
+            self.progress("node_exit", {"node": node.name, "code": node.code, "error": node.last_error})
+        if len(self._exited_nodes) >= self._nodes_started > 0 and self.registry.online_count == 0:
+            raise RunAborted("every edge node exited: " + "; ".join(n.describe() for n in self._exited_nodes.values()))

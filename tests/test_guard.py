@@ -1,0 +1,44 @@
+"""The coordinator's guards: rate limits, log-once, the norm bound and norm clipping (hand-computed values)."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from coordinator.guard import LogOnce, RateLimiter, clip_update, delta_norm
+from methods.base import ClientUpdate
+
+
+def test_the_rate_limiter_allows_a_burst_then_the_rate():
+    limiter = RateLimiter(rate_per_s=2.0, burst=3, max_tracked=2)
+    assert [limiter.allow("a", now=0.0) for _ in range(4)] == [True, True, True, False]
+    assert limiter.allow("a", now=0.4) is False  # 0.8 tokens
+    assert limiter.allow("a", now=0.5) is True  # 1.0 token
+    assert limiter.allow("b", now=0.5) and limiter.allow("c", now=0.5)  # "a" is forgotten (2 tracked)
+    assert limiter.allow("a", now=0.5) is True  # a fresh bucket
+
+
+def test_refusals_are_logged_once_per_peer_and_reason(caplog):
+    log_once = LogOnce(logging.getLogger("test.guard"), limit=3)
+    with caplog.at_level(logging.WARNING, logger="test.guard"):
+        for _ in range(5):
+            log_once("p", "bad_body", "one")
+        log_once("p", "too_large", "two")
+        log_once("q", "bad_body", "three")
+        log_once("r", "bad_body", "four")  # the limit: one line says the rest are only counted
+        log_once("s", "bad_body", "five")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4 and "only counted" in messages[-1]
+    assert [m.split(";")[0] for m in messages[:3]] == ["one", "two", "three"]
+
+
+def test_norm_and_clipping_by_hand():
+    update = ClientUpdate("c", 5, {"delta/w": np.array([3.0, 0.0], np.float32), "delta/b": np.array([4.0], np.float32),
+                                   "delta/steps": np.array(7, np.int64), "extra/x": np.array([100.0], np.float32)})
+    assert delta_norm(update) == pytest.approx(5.0)  # sqrt(3^2 + 4^2); ints and non-delta tensors left out
+    clipped = clip_update(update, 1.0)
+    np.testing.assert_allclose(clipped.tensors["delta/w"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(clipped.tensors["delta/b"], [0.8], rtol=1e-6)
+    assert clipped.tensors["delta/steps"] == 7 and clipped.tensors["extra/x"][0] == 100.0
+    assert clipped.tensors["delta/w"].dtype == np.float32 and clipped.num_samples == 5
+    assert clip_update(update, 10.0) is update  # within the bound: untouched

@@ -1,0 +1,184 @@
+"""Authenticated, encrypted transport: CurveZMQ keys and the allow-list that binds identities to keys.
+
+Every socket of a run speaks CurveZMQ (RFC 26: X25519 key agreement, XSalsa20-Poly1305 per frame) unless the
+run is started with ``--insecure``. The coordinator's ZAP handler (pyzmq's :class:`ThreadAuthenticator`)
+admits a connection only if its long-term public key is in the run's *roster*; a peer without a listed key
+never completes the handshake, so it can send nothing and receive nothing.
+
+Each roster entry (a *grant*) names the identities its key may speak for: an edge node's key its clients, a
+per-device key one client, the GPU workers' key the workers. The server endpoint checks every received
+message's sender against the grant of the connection it came on (libzmq attaches the ZAP ``User-Id`` to each
+message), so a peer holding one node's key cannot send in another node's clients' names, make them leave or
+take over their routes.
+
+A key directory (written by :func:`write_keys`, read by :func:`load_server_keys` and
+:class:`ClientKeyring`)::
+
+    coordinator.key         the coordinator's public key: every node and worker needs it
+    coordinator.key_secret  the coordinator's secret key: only the coordinator
+    roster.json             public key (Z85) -> grant name and identities: only the coordinator
+    <grant>.key_secret      one per grant (node-0, client-0004, gpu-workers): only the host it runs on
+
+Certificates are pyzmq's ZPL key files (:func:`zmq.auth.create_certificates`), written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+SERVER_NAME = "coordinator"
+ROSTER_FILE = "roster.json"
+
+
+class KeyFileError(Exception):
+    """A key directory or key file that cannot be used (the message names the file and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """What the coordinator holds: its key pair and the roster (public key -> grant)."""
+
+    public: bytes
+    secret: bytes
+    grants: Mapping[str, "Grant"]  # keyed by the Z85 public key, as ZAP reports it in User-Id
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A public key's name and the identities it may speak for."""
+
+    name: str
+    identities: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a connecting socket holds: the coordinator's public key and its own key pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+
+def _secret_file(directory: Path, name: str) -> Path:
+    return directory / f"{name}.key_secret"
+
+
+def write_keys(directory: Path, grants: Mapping[str, Iterable[str]]) -> Path:
+    """Write a key directory: the coordinator's key pair and one key pair per grant (name -> identities).
+
+    An existing coordinator key pair is kept (nodes already configured with its public key keep working);
+    grant keys are always new. Returns the directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    if not _secret_file(directory, SERVER_NAME).is_file():
+        _create(directory, SERVER_NAME)
+    roster = {}
+    for name, identities in grants.items():
+        public, _ = _create(directory, name)
+        (directory / f"{name}.key").unlink()  # the roster holds the public keys
+        roster[public.decode()] = {"name": name, "identities": sorted(set(identities))}
+    path = directory / ROSTER_FILE
+    path.write_text(json.dumps(roster, indent=1))
+    os.chmod(path, 0o600)
+    return directory
+
+
+def _create(directory: Path, name: str) -> tuple[bytes, bytes]:
+    public_file, secret_file = zmq.auth.create_certificates(directory, name)
+    for path in (public_file, secret_file):
+        os.chmod(path, 0o600)
+    return zmq.auth.load_certificate(secret_file)
+
+
+def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"cannot read key file {path}: {exc}") from None
+    if public is None or (secret and secret_key is None):
+        raise KeyFileError(f"{path} holds no {'secret' if secret else 'public'} key "
+                        f"(use the .key_secret file written by `fcl-emu keys`)")
+    return public, secret_key
+
+
+def load_server_keys(directory: Path) -> ServerKeys:
+    """The coordinator's keys and roster from a key directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise KeyFileError(f"key directory {directory} does not exist (write one with `fcl-emu keys`)")
+    public, secret = _load(_secret_file(directory, SERVER_NAME), secret=True)
+    try:
+        roster = json.loads((directory / ROSTER_FILE).read_text())
+        grants = {key: Grant(entry["name"], frozenset(entry["identities"])) for key, entry in roster.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KeyFileError(f"cannot read {directory / ROSTER_FILE}: {exc!r}") from None
+    return ServerKeys(public, secret, grants)
+
+
+class ClientKeyring:
+    """The keys of a node's (or worker's) sockets: the coordinator's public key file and either one
+    ``.key_secret`` file for all of them, or a directory with ``<identity>.key_secret`` per device. Files are
+    checked when the ring is made, per-device ones when first used."""
+
+    def __init__(self, server_key: Path, key: Path):
+        self.server_public, _ = _load(Path(server_key), secret=False)
+        self.key = Path(key)
+        self._shared: ClientKeys | None = None
+        if not self.key.is_dir():
+            self._shared = self._read(self.key)
+
+    def _read(self, path: Path) -> ClientKeys:
+        public, secret = _load(path, secret=True)
+        return ClientKeys(self.server_public, public, secret)
+
+    def for_identity(self, identity: str) -> ClientKeys:
+        return self._shared or self._read(_secret_file(self.key, identity))
+
+
+class Allowlist:
+    """The ZAP handler of one ZeroMQ context: admits the roster's public keys, nothing else.
+
+    Start it before the context's first CurveZMQ server socket binds: without a ZAP handler libzmq lets any
+    CurveZMQ client in.
+    """
+
+    def __init__(self, ctx: zmq.Context, keys: ServerKeys):
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self)
+        self.grants = keys.grants
+        self.refused = 0  # handshakes refused (unknown keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: is this Z85 public key in the roster? (Runs in the authenticator's thread.)"""
+        known = key.decode("ascii", "replace") in self.grants
+        self.refused += not known
+        return known
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def serve_curve(sock: zmq.Socket, keys: ServerKeys) -> None:
+    """Make ``sock`` a CurveZMQ server (before it binds)."""
+    sock.curve_server = True
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+def connect_curve(sock: zmq.Socket, keys: ClientKeys) -> None:
+    """Make ``sock`` a CurveZMQ client of the coordinator (before it connects)."""
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
