@@ -287,3 +287,10 @@ def test_key_files_are_checked(tmp_path):
     with pytest.raises(KeyFileError, match="cannot read"):
         ClientKeyring(keys / "coordinator.key", keys / "missing.key_secret")
     assert oct((keys / "node-a.key_secret").stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_bench_wire_connects_clients_plain_and_encrypted(tmp_path, curve):
+    from fcl_emu.bench.wire import connect_clients
+
+    assert connect_clients(20, curve, tmp_path) > 0
