@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 from pathlib import Path
 
 from rich.console import Console
@@ -181,8 +182,17 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
             with view.progress:
                 summary = coordinator.run(run_dir)
         except RunAborted as exc:
-            console.print(f"[red]run aborted:[/red] {exc}")
+            console.print(f"run aborted: {exc}", style="red", markup=False, highlight=False)
             summary = _read_summary(run_dir)
+            _how_to_resume(run_dir, start_nodes, console)
+        except Exception as exc:  # recorded as "failed: ..." by the coordinator; the traceback goes to a file
+            failure = run_dir / "logs" / "failure.txt"
+            failure.parent.mkdir(parents=True, exist_ok=True)
+            failure.write_text(traceback.format_exc())
+            console.print(f"run failed: {type(exc).__name__}: {exc} (traceback: {failure})", style="red",
+                          markup=False, highlight=False)
+            summary = _read_summary(run_dir)
+            _how_to_resume(run_dir, start_nodes, console)
         finished = True
     finally:
         if finished and config.metrics.enabled:
@@ -193,6 +203,13 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
         _stop_prometheus(prometheus, config.metrics.keep_prometheus and finished, console)
     console.print(summary_table(summary))
     return summary
+
+
+def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:
+    """After a run that ended early: the command that continues it from its checkpoint, if it has one."""
+    if checkpoint.exists(run_dir / CHECKPOINT_DIR):
+        console.print(f"its checkpoint is kept: continue with `fcl-emu {'up' if start_nodes else 'coordinator'} "
+                      f"--resume {run_dir}`", markup=False, highlight=False)
 
 
 def _read_summary(run_dir: Path) -> dict:

@@ -221,3 +221,24 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
     start = next(e for e in events(tmp_path / "run") if e["event"] == "start")
     assert start["online"] == 4
     assert "edge node node-1 exited (code 1): error: cannot read key file" in out.getvalue()
+
+
+def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_root):
+    """A norm bound no update meets: every update is refused (counted), every round skipped, and the run is
+    recorded as failed, not completed; the rounds do not wait out their deadline for the refused updates."""
+    import io
+
+    from rich.console import Console
+
+    from fcl_emu import run as run_module
+    from runconfig import load_config
+
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 6},
+                                      rounds={"clients_per_round": 3, "rounds_per_task": 1},
+                                      training={"local_epochs": 1}, security={"max_update_norm": 1e-9}),
+                         {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})
+    summary = run_module.run_local(config, Console(file=io.StringIO()))
+    assert summary["status"].startswith("failed: every round was skipped")
+    assert summary["rounds_skipped"] == summary["rounds"] == 2
+    assert summary["rejected_messages"]["norm_bound"] == 6
+    assert all(e["duration_s"] < 30 for e in events(tmp_path / "run") if e["event"] == "round")

@@ -280,3 +280,42 @@ def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumes"] == 1 and summary["rounds"] == 4
     assert summary["clients"]["joined"] == 40 and summary["clients"]["rejoined"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mnist_root, monkeypatch):
+    """An exception in round 3 (of 4): `up` prints `run failed: ...` with the resume command, exits with the
+    failed status, and `up --resume` then completes the run."""
+    import io
+
+    from rich.console import Console
+
+    import methods.base
+    from fcl_emu import run as run_module
+    from runconfig import load_config
+
+    calls = {"n": 0}
+    original = methods.base.fedavg
+
+    def failing_fedavg(updates):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("disk on fire")
+        return original(updates)
+
+    monkeypatch.setattr(methods.base, "fedavg", failing_fedavg)
+    run_dir = tmp_path / "run"
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+                                      rounds={"clients_per_round": 2, "rounds_per_task": 2, "eval_every": 2},
+                                      training={"local_epochs": 1}),
+                         {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
+    out = io.StringIO()
+    summary = run_module.run_local(config, Console(file=out, width=300))
+    assert summary["status"] == "failed: RuntimeError: disk on fire" and summary["rounds"] == 2
+    text = out.getvalue()
+    assert "run failed: RuntimeError: disk on fire" in text and f"fcl-emu up --resume {run_dir}" in text
+    assert "disk on fire" in (run_dir / "logs" / "failure.txt").read_text()
+    monkeypatch.setattr(methods.base, "fedavg", original)
+    resumed_config, ckpt = run_module.open_resume(run_dir, {"data_root": [str(mnist_root)]})
+    summary = run_module.run_local(resumed_config, Console(file=io.StringIO()), resume=ckpt)
+    assert summary["status"] == "completed" and summary["rounds"] == 4 and summary["resumes"] == 1
