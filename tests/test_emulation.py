@@ -242,3 +242,30 @@ def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_ro
     assert summary["rounds_skipped"] == summary["rounds"] == 2
     assert summary["rejected_messages"]["norm_bound"] == 6
     assert all(e["duration_s"] < 30 for e in events(tmp_path / "run") if e["event"] == "round")
+
+
+def test_a_node_without_the_dataset_says_so_in_one_line_and_its_clients_leave(tmp_path, mnist_root):
+    import subprocess
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 4})
+    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", f"tcp://127.0.0.1:{port}",
+                          "--data-root", str(mnist_root), "--run-dir", str(run_dir), "--insecure",
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    try:
+        wait_for(lambda: (run_dir / "events.jsonl").exists(), 120, "the coordinator to listen")
+        node = fcl_emu("node", "--connect", f"tcp://127.0.0.1:{port}", "--clients", "0-3", "--data-root",
+                       str(empty), "--insecure", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        output = node.communicate(timeout=60)[0].decode()
+        assert node.returncode == 1
+        assert "error: node-" in output and "dataset 'mnist' is not under its data roots" in output
+        assert "Traceback" not in output
+        assert coordinator.wait(timeout=60) == 1  # its clients left at once: no waiting out a timeout
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"].startswith(("aborted", "failed")) and summary["clients"]["left"] == 4
