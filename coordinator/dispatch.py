@@ -38,6 +38,8 @@ NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this t
 class MessageDispatch:
     """Serving the coordinator's socket: receive, validate, handle by type, reject (mixin of Coordinator)."""
 
+    _next_expiry = 0.0  # monotonic time of the next liveness scan
+
     # ------------------------------------------------------------------ the loop
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
         """Handle messages (clients', and the GPU pool's) until ``until()`` holds or the monotonic ``deadline``
@@ -82,7 +84,13 @@ class MessageDispatch:
         self._expire()
 
     def _expire(self) -> None:
-        for silent in self.registry.expire():
+        """Declare dead the clients silent for longer than the liveness timeout; a scan over all clients, so at
+        most ten per timeout (and one per second)."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + min(1.0, self.registry.liveness_timeout_s / 10)
+        for silent in self.registry.expire(now):
             self.metrics.client_dropped("heartbeat_timeout")
             self.progress("dead", {"client": silent})
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
@@ -89,7 +90,8 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
             run_job=self.run_job, model_name=self.model_name, input_shape=tuple(self.dataset.input_shape),
             rounds_per_task=config.rounds.rounds_per_task))
         self.evaluator = Evaluator(self.scenario, self.device)
-        self.registry = ClientRegistry(config.network.liveness_timeout_s)
+        self.heartbeat_interval_s, liveness_timeout_s = config.network.liveness(config.scenario.num_clients)
+        self.registry = ClientRegistry(liveness_timeout_s)
         self.counters = Counters.empty()
         # Prometheus metrics (served only when asked: ``metrics.serve``, see fcl_emu/run.py)
         self.metrics = CoordinatorMetrics()
@@ -119,9 +121,11 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         self.run_id = uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"]
         self.rejected: Counter[str] = Counter()
         self.handling_s: Counter[str] = Counter()  # time spent receiving+handling, by message type
+        self.wall_s: Counter[str] = Counter()  # this session's wall clock by part of the lifecycle (_spent)
+        self._session_started = time.perf_counter()
         self.log_once = LogOnce(logging.getLogger("fcl_emu.coordinator"))  # refusals, client errors
         # control messages per peer: room for twice the heartbeat rate on top of the rest
-        self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / config.network.heartbeat_interval_s)
+        self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s)
         self.late_updates = 0
         self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
@@ -140,7 +144,7 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
             method_options=options.model_dump(mode="json"),
             model=self.model_name,
             training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
-            heartbeat_interval_s=config.network.heartbeat_interval_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
         )
         # checkpoints and resuming (docs/resume.md)
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
@@ -192,28 +196,28 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         last_round = self.config.rounds.rounds_per_task - 1
 
         def save(task: int, task_round: int) -> None:
-            self._save_checkpoint(run_dir, task, task_round, matrix, rounds, time.perf_counter() - started)
+            with self._spent("checkpoints"):
+                self._save_checkpoint(run_dir, task, task_round, matrix, rounds, time.perf_counter() - started)
 
         status = "completed"
         self._recorder = recorder
+        self._session_started = time.perf_counter()
         try:
-            try:
-                self.pool.start(run_dir / "logs")
-            except RuntimeError as exc:  # --gpu-device cuda without CUDA here
-                raise RunAborted(f"the GPU worker pool cannot start: {exc}") from None
-            if self.config.gpu.workers:  # check every worker's device before the run depends on it
-                self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
+            with self._spent("start"):
+                self._start_pool(run_dir)
             self.metrics.run_started(
                 run_id=self.run_id, method=self.config.method, dataset=self.config.scenario.dataset,
                 model=self.model_name, seed=self.config.seed, num_clients=self.config.scenario.num_clients,
                 num_tasks=self.scenario.num_tasks, rounds_per_task=self.config.rounds.rounds_per_task,
                 clients_per_round=self.config.rounds.clients_per_round)
             if resumed is None:
-                self._wait_for_clients()
+                with self._spent("join"):
+                    self._wait_for_clients()
                 recorder.event("start", run_id=self.run_id, address=self.address, online=len(self.registry.online()))
                 save(0, 0)
             else:
-                missing = self._wait_for_rejoin()
+                with self._spent("join"):
+                    missing = self._wait_for_rejoin()
                 recorder.event("resume", run_id=self.run_id, address=self.address, task=first_task,
                                task_round=first_round, after_round=self._global_round, resumes=self._resumes,
                                online=len(self.registry.online()), missing=len(missing))
@@ -222,19 +226,23 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
                 self._task = task
                 resuming_task = task == first_task and first_round > 0
                 if not resuming_task:  # a task resumed mid-way has its head grown in the checkpoint
-                    self.server.start_task(task)
+                    with self._spent("task_start"):
+                        self.server.start_task(task)
                 self.progress("task_start", {"task": task, "classes": len(self.scenario.task_classes(task))})
                 for task_round in range(first_round if resuming_task else 0, last_round + 1):
-                    record = self._run_round(task, task_round, recorder)
+                    with self._spent("rounds"):
+                        record = self._run_round(task, task_round, recorder)
                     rounds.append(record)
                     self.progress("round", asdict(record))
                     if task_round < last_round:  # after a task's last round: below, once the task has ended
                         save(task, task_round + 1)
                 t0 = time.perf_counter()
-                self.server.end_task(task)
+                with self._spent("task_end"):
+                    self.server.end_task(task)
                 t_end_task = time.perf_counter() - t0
-                class_hits = self.evaluator.class_hits(self.server.eval_model(), task)
-                row = self.evaluator.accuracy_per_task(*class_hits, task)
+                with self._spent("task_evaluation"):
+                    class_hits = self.evaluator.class_hits(self.server.eval_model(), task)
+                    row = self.evaluator.accuracy_per_task(*class_hits, task)
                 t_evaluate = time.perf_counter() - t0 - t_end_task
                 matrix.append(row + [None] * (self.scenario.num_tasks - task - 1))
                 seen = self._seen_accuracy(row, task)
@@ -258,13 +266,32 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
             status = f"failed: {type(exc).__name__}: {exc}"
             raise
         finally:
-            self._shutdown(status)
+            with self._spent("shutdown"):
+                self._shutdown(status)
             summary = self._summary(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,
                                     class_hits)
             recorder.summary(summary)
             recorder.event("end", status=status)
             recorder.close()
         return summary
+
+    def _start_pool(self, run_dir: Path) -> None:
+        """Start the GPU worker pool and check every worker's device before the run depends on it."""
+        try:
+            self.pool.start(run_dir / "logs")
+        except RuntimeError as exc:  # --gpu-device cuda without CUDA here
+            raise RunAborted(f"the GPU worker pool cannot start: {exc}") from None
+        if self.config.gpu.workers:
+            self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
+
+    @contextmanager
+    def _spent(self, part: str):
+        """Add the wall-clock time of the block to ``part`` of this session's time (summary ``time``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wall_s[part] += time.perf_counter() - t0
 
     def _shutdown(self, reason: str) -> None:
         """Tell every client that is reachable, away ones included (their node ends with the run)."""

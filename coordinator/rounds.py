@@ -78,6 +78,7 @@ class RoundEngine:
         bytes_before = dict(self.counters.bytes)
         self._drain()  # leaves and joins that queued up during evaluation or task-end work
         r = self._phase_select(task, task_round)
+        t_select = time.perf_counter() - started
 
         t0 = time.perf_counter()
         secure = self._phase_dispatch(r, task_round)
@@ -112,7 +113,7 @@ class RoundEngine:
             accuracy_seen=accuracy,
             duration_s=time.perf_counter() - started,
             coordinator_cpu_s=cpu_s,
-            phases_s={"dispatch": t_dispatch, "collect": t_wait, "receive_updates": t_updates,
+            phases_s={"select": t_select, "dispatch": t_dispatch, "collect": t_wait, "receive_updates": t_updates,
                       "aggregate": t_aggregate, "evaluate": t_eval},
             bytes_sent=sum(d.get("sent", 0) for d in bytes_by_type.values()),
             bytes_received=sum(d.get("received", 0) for d in bytes_by_type.values()),

@@ -6,6 +6,7 @@ A mixin of :class:`coordinator.engine.Coordinator`; the accuracy definitions it 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -48,8 +49,11 @@ class RunSummary:
             "rounds": len(rounds),
             "rounds_skipped": sum(r.skipped for r in rounds),
             "wall_clock_s": wall,
+            "time": self._time_accounting(),
             "phase_s": dict(phases),
             "handling_s": dict(self.handling_s),
+            "liveness": {"heartbeat_interval_s": self.heartbeat_interval_s,
+                         "liveness_timeout_s": self.registry.liveness_timeout_s},
             "clients": {
                 "configured": self.config.scenario.num_clients,
                 "joined": counts.joined,
@@ -67,6 +71,14 @@ class RunSummary:
             "resumes": self._resumes,
             "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
         }
+
+    def _time_accounting(self) -> dict:
+        """Where this process's wall clock went (a resumed run: since it resumed): seconds per part of the
+        lifecycle, the rounds' part split by phase as in ``phase_s``, and the fraction the parts account for."""
+        wall = time.perf_counter() - self._session_started
+        parts = {part: round(seconds, 4) for part, seconds in sorted(self.wall_s.items())}
+        return {"wall_s": round(wall, 4), "parts_s": parts,
+                "accounted": round(sum(self.wall_s.values()) / wall, 4) if wall > 0 else None}
 
     def _seen_accuracy(self, row: list[float | None], task: int) -> float:
         counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]

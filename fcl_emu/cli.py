@@ -394,6 +394,64 @@ def bench_metrics(
     run(clients, list(url or []), json_path, console)
 
 
+@bench_app.command("scale")
+def bench_scale(
+    populations: Annotated[str, typer.Option(help="Comma-separated client populations.")] = "100,300,1000,3000,10000",
+    cohort: Annotated[int, typer.Option(min=1, help="Clients per round at every point (fewer if N is smaller).")]
+        = 100,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per point.")] = 3,
+    share: Annotated[int, typer.Option(min=1, help="Training samples per client (MNIST: N x share <= 60,000).")] = 6,
+    clients_per_node: Annotated[int, typer.Option(min=1, help="Clients per edge-node process.")] = 5000,
+    idle_s: Annotated[float, typer.Option(min=1, help="Seconds of idle serving measured at each point.")] = 5.0,
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes scale.csv and scale.png here.")] = Path("runs/scale"),
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Scaling sweep: join time, coordinator overhead, idle CPU and memory per client against the population."""
+    from fcl_emu.bench.scale import run
+
+    try:
+        sizes = [int(p) for p in populations.split(",") if p.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{populations!r}: use comma-separated integers", param_hint="--populations") from None
+    if not sizes or min(sizes) < 2:
+        raise typer.BadParameter("every population needs at least 2 clients", param_hint="--populations")
+    try:
+        run(sizes, cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root, console)
+    except RuntimeError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("flower")
+def bench_flower(
+    points: Annotated[str, typer.Option(help="Comma-separated N:K points (clients : clients per round).")]
+        = "100:10,300:30",
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds on both sides.")] = 3,
+    epochs: Annotated[int, typer.Option(min=1, help="Local epochs on both sides.")] = 1,
+    data_root: DataRootOpt = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """fcl-emu against Flower's simulation engine on the same FedAvg workload: wall clock, memory, accuracy."""
+    from fcl_emu.bench.flower import flower_version, run
+
+    try:
+        parsed = [tuple(int(v) for v in p.split(":")) for p in points.split(",") if p.strip()]
+        assert parsed and all(len(p) == 2 and 0 < p[1] <= p[0] for p in parsed)
+    except (ValueError, AssertionError):
+        raise typer.BadParameter(f"{points!r}: use N:K pairs with 0 < K <= N, e.g. 100:10,300:30",
+                                 param_hint="--points") from None
+    if flower_version() is None:
+        console.print("error: the comparison needs Flower's simulation engine: pip install 'flwr[simulation]'",
+                      style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
+    try:
+        run(parsed, rounds, epochs, data_root, json_path, console)
+    except RuntimeError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
 @bench_app.command("churn")
 def bench_churn(
     methods: Annotated[str, typer.Option(help="Comma-separated learning methods.")] = "fedavg,fedlwf2t",

@@ -384,6 +384,7 @@ def plot_bytes_per_round(run: Run, path: Path) -> Path:
 
 
 PHASES = [  # (label, colour); collect is split into waiting + receive_updates
+    ("select", "tab:cyan"),
     ("dispatch", "tab:blue"),
     ("waiting (collect - receive_updates)", "tab:gray"),
     ("receive_updates", "tab:orange"),
@@ -399,6 +400,7 @@ def round_phase_parts(record: dict) -> dict[str, float]:
     p = record["phases_s"]
     collect, receive = p.get("collect", 0.0), p.get("receive_updates", 0.0)
     parts = {
+        "select": p.get("select", 0.0),
         "dispatch": p.get("dispatch", 0.0),
         "waiting (collect - receive_updates)": max(collect - receive, 0.0),
         "receive_updates": receive,

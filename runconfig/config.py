@@ -61,6 +61,15 @@ class NetworkConfig(pydantic.BaseModel):
     liveness_timeout_s: float = pydantic.Field(10.0, gt=0)
     join_timeout_s: float = pydantic.Field(120.0, gt=0, description="how long to wait for the clients to join")
     max_message_bytes: int = pydantic.Field(1 << 30, ge=1 << 16)
+    heartbeat_budget_per_s: float = pydantic.Field(
+        1000.0, gt=0, description="heartbeats per second the coordinator takes from all clients together: with more "
+                                  "clients than budget x interval, the interval and the liveness timeout are "
+                                  "stretched by the same factor (docs/edge.md)")
+
+    def liveness(self, clients: int) -> tuple[float, float]:
+        """(heartbeat interval, liveness timeout) for ``clients`` clients, stretched to the heartbeat budget."""
+        stretch = max(1.0, clients / (self.heartbeat_budget_per_s * self.heartbeat_interval_s))
+        return self.heartbeat_interval_s * stretch, self.liveness_timeout_s * stretch
 
     @pydantic.model_validator(mode="after")
     def _timeouts(self) -> "NetworkConfig":

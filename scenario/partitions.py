@@ -35,9 +35,18 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def iid(labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """All of the task's samples, shuffled and dealt in equal shares (sizes differ by at most one)."""
-    return _deal(np.flatnonzero(np.isin(labels, classes)), num_clients, rng)
+def iid(labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator,
+        per_client: int | None = None) -> list[np.ndarray]:
+    """All of the task's samples, shuffled and dealt in equal shares (sizes differ by at most one); with
+    ``per_client``, exactly that many each (a fixed share whatever the population; the rest is unused)."""
+    indices = np.flatnonzero(np.isin(labels, classes))
+    if per_client is None:
+        return _deal(indices, num_clients, rng)
+    if num_clients * per_client > len(indices):
+        raise ValueError(f"samples_per_client_task={per_client} x {num_clients} clients exceeds the task's "
+                         f"{len(indices)} samples")
+    chosen = rng.permutation(indices)[:num_clients * per_client]
+    return [np.sort(part) for part in chosen.reshape(num_clients, per_client)]
 
 
 def dirichlet(

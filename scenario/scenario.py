@@ -182,7 +182,7 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         receivers = np.setdiff1d(np.arange(active[t]), kept)  # the task's data goes to these only
         n = len(receivers)
         if spec.partition == "iid":
-            parts = partitions.iid(labels, classes, n, rng)
+            parts = partitions.iid(labels, classes, n, rng, spec.samples_per_client_task)
         elif spec.partition == "dirichlet":
             parts = partitions.dirichlet(labels, classes, n, rng, spec.dirichlet_beta)
         elif spec.partition == "class_fraction":

@@ -30,7 +30,8 @@ class ScenarioSpec(BaseModel):
     - ``partition`` splits each task's training samples among the task's
       active clients (see :mod:`scenario.partitions`):
 
-      - ``iid``: uniformly at random, equal sizes;
+      - ``iid``: uniformly at random, equal sizes (with ``samples_per_client_task``:
+        exactly that many per client and task, the rest unused);
       - ``dirichlet``: per class, Dirichlet(``dirichlet_beta``) shares over
         clients (smaller beta, more skew);
       - ``class_fraction``: GLFC's setting, each client holds a random
@@ -123,9 +124,11 @@ class ScenarioSpec(BaseModel):
                 if getattr(self, name) is not None:
                     self._fail(name, f"applies only to partition='accessible_classes', not {self.partition!r}")
         if self.partition != "task_pool":
-            for name in ("task_pool_size", "samples_per_client_task"):
-                if getattr(self, name) is not None:
-                    self._fail(name, f"applies only to partition='task_pool', not {self.partition!r}")
+            if self.task_pool_size is not None:
+                self._fail("task_pool_size", f"applies only to partition='task_pool', not {self.partition!r}")
+            if self.samples_per_client_task is not None and self.partition != "iid":
+                self._fail("samples_per_client_task",
+                           f"applies only to partition='iid' or 'task_pool', not {self.partition!r}")
         elif self.old_only_fraction > 0:
             self._fail("old_only_fraction", "does not apply to partition='task_pool' (clients follow their own tasks)")
         elif not tasks <= self.pool_size <= classes:

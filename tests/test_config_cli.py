@@ -120,3 +120,11 @@ def test_keys_writes_a_roster_per_node_or_per_device(tmp_path):
     code, _ = invoke("keys", str(tmp_path / "d"), "--clients", "3", "--per-device")
     grants = {e["name"]: e["identities"] for e in json.loads((tmp_path / "d" / "roster.json").read_text()).values()}
     assert grants["client-0002"] == ["client-0002"] and (tmp_path / "d" / "client-0002.key_secret").is_file()
+
+
+def test_heartbeats_are_stretched_to_the_coordinator_budget():
+    network = load_config(None, {}).network
+    assert network.liveness(300) == (1.0, 10.0)  # 300 heartbeats/s: within the 1,000/s budget
+    assert network.liveness(10_000) == (10.0, 100.0)  # stretched x10
+    tight = load_config(None, {"network": {"heartbeat_budget_per_s": 100, "heartbeat_interval_s": 0.5}}).network
+    assert tight.liveness(100) == (1.0, 20.0)

@@ -184,3 +184,12 @@ def test_task_pool_with_samples_per_client():
     assert len(capped[0]) == 3 * PER_CLASS
     again = partitions.task_pool(labels, tasks, rng(), samples_per_client=100)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_iid_with_a_fixed_share_per_client():
+    labels = np.repeat(np.arange(4), 25)  # 100 samples
+    parts = partitions.iid(labels, np.arange(4), 10, np.random.default_rng(0), per_client=6)
+    assert [len(p) for p in parts] == [6] * 10
+    assert len(np.unique(np.concatenate(parts))) == 60  # disjoint
+    with pytest.raises(ValueError, match="exceeds the task's 100 samples"):
+        partitions.iid(labels, np.arange(4), 20, np.random.default_rng(0), per_client=6)

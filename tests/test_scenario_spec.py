@@ -72,7 +72,7 @@ def test_derived_sizes():
         ({"partition": "task_pool", "task_pool_size": 3}, "task_pool_size"),
         ({"partition": "task_pool", "task_pool_size": 11}, "task_pool_size"),
         ({"task_pool_size": 10}, "task_pool_size"),
-        ({"samples_per_client_task": 10}, "samples_per_client_task"),
+        ({"partition": "dirichlet", "samples_per_client_task": 10}, "samples_per_client_task"),
         ({"partition": "task_pool", "samples_per_client_task": 0}, "samples_per_client_task"),
         ({"partition": "task_pool", "classes_first_task": 2}, "classes_first_task"),
         ({"seed": -1}, "seed"),

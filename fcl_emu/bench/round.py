@@ -27,6 +27,7 @@ from rich.console import Console
 
 from coordinator.engine import Coordinator
 from fcl_emu.bench.report import emit
+from fcl_emu.keys import write_run_keys
 from runconfig import RunConfig, default_data_roots
 from fcl_emu.launchers.process import node_command, node_env
 
@@ -49,10 +50,13 @@ def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path]
             memory["node_a"] = psutil.Process(procs[0].pid).memory_info().rss
             memory["node_b"] = psutil.Process(procs[1].pid).memory_info().rss
 
-    coordinator = Coordinator(config, progress=sample_memory)
     with TemporaryDirectory() as tmp:
-        for name, indices in (("node-a", [0]), ("node-b", list(range(1, clients)))):
-            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, name),
+        assignment = [[0], list(range(1, clients))]
+        keys = write_run_keys(Path(tmp) / "keys", assignment)  # the run's default transport: CurveZMQ
+        config = config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
+        coordinator = Coordinator(config, progress=sample_memory)
+        for n, (name, indices) in enumerate(zip(("node-a", "node-b"), assignment)):
+            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, name, n),
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
         try:
             summary = coordinator.run(Path(tmp) / "run")
