@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
@@ -20,13 +22,20 @@ class Evaluator:
         self.x = to_tensor(ds.test_x, ds.mean, ds.std)
         self.y = torch.tensor(scenario.test_labels, dtype=torch.long)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def predictions(self, model: nn.Module, indices: np.ndarray) -> torch.Tensor:
+        """Predicted labels of the test samples ``indices``. Images go through a channels-last copy of the
+        model (oneDNN's fast layout for convolutions on the CPU: about twice as fast here, the same
+        predictions); the model itself is left as it is."""
         model.to(self.device).eval()
+        layout = torch.channels_last if self.x.dim() == 4 else torch.contiguous_format
+        if layout is torch.channels_last:
+            model = copy.deepcopy(model).to(memory_format=layout)
         out = []
         for i in range(0, len(indices), self.batch_size):
             idx = torch.from_numpy(indices[i:i + self.batch_size])
-            out.append(model(self.x[idx].to(self.device)).argmax(1).cpu())
+            batch = self.x[idx].to(self.device).contiguous(memory_format=layout)
+            out.append(model(batch).argmax(1).cpu())
         return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
     def class_hits(self, model: nn.Module, task: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,8 @@ as processes (``ceil(N / clients_per_node)`` of them, plus a one-client referenc
 
 - ``join_s``: from the nodes' start until the coordinator holds a join from every client;
 - ``idle_cpu_per_s``: the coordinator process's CPU seconds per second (all its threads) while every client is
-  connected and no round runs (``idle_s`` seconds of serving, between the join and the first round);
+  connected and no round runs (``idle_s`` seconds of serving, at least two heartbeat intervals, between the
+  join and the first round);
 - ``overhead_per_round_s``: the coordinator's own work in a round (select, dispatch, receiving and decoding
   updates, aggregation), beside ``round_s``, the round's wall clock (client training included);
 - ``peak_rss_mb``: the peak resident memory of every process (coordinator, each node), sampled each second;
@@ -106,8 +107,8 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
             if kind == "ready":  # every client joined, no round yet: the idle cost
                 idle["join_s"] = time.perf_counter() - nodes_started
                 memory.sample()
-                cpu0, t0 = _cpu_s(), time.perf_counter()
-                coordinator.serve(lambda: False, time.monotonic() + idle_s)
+                cpu0, t0 = _cpu_s(), time.perf_counter()  # at least two heartbeat intervals (stretched at scale)
+                coordinator.serve(lambda: False, time.monotonic() + max(idle_s, 2 * coordinator.heartbeat_interval_s))
                 idle["cpu_per_s"] = (_cpu_s() - cpu0) / (time.perf_counter() - t0)
                 memory.sample()
                 idle["node_rss"] = dict(memory.latest)
@@ -120,7 +121,6 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
                 procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, f"node-{n}", n),
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
                 memory.pids[f"node-{n}"] = procs[-1].pid
-            coordinator.watch_nodes(lambda: [], len(procs))
             summary = coordinator.run(Path(tmp) / "run")
             records = _rounds(Path(tmp) / "run" / "events.jsonl")
         finally:
