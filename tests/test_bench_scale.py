@@ -42,3 +42,12 @@ def test_flower_side_by_side_on_one_small_point(tmp_path, mnist_root):
     assert row["fcl_emu_status"] == "completed"
     assert row["fcl_emu_s"] > 0 and row["flower_s"] > 0 and row["memory_ratio"] > 0
     assert 0 <= row["fcl_emu_accuracy"] <= 100 and 0 <= row["flower_accuracy"] <= 100
+
+
+def test_one_edge_node_hosts_1200_joined_clients(mnist_root):
+    """Past ZeroMQ's default 1,023 sockets and a 1,024-file soft limit: 1,199 clients in one node process join
+    a coordinator under CurveZMQ and a round runs."""
+    row = scale.measure_point(1200, cohort=5, rounds=1, share=6, clients_per_node=1200, idle_s=1.0,
+                              data_root=[mnist_root])
+    assert row["status"] == "completed" and row["nodes"] == 2  # the reference node and one with 1,199 clients
+    assert row["mb_per_idle_client"] < 0.5
