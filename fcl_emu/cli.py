@@ -45,10 +45,11 @@ def _finish(runner, cfg: RunConfig) -> None:
     from coordinator.engine import BindError
     from monitoring.stack import PortInUseError
     from scenario.datasets import DatasetNotFoundError
+    from wire.auth import KeyFileError
 
     try:
         summary = runner(cfg, console)
-    except (DatasetNotFoundError, BindError, CheckpointError) as exc:
+    except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     except PortInUseError as exc:

@@ -128,3 +128,11 @@ def test_heartbeats_are_stretched_to_the_coordinator_budget():
     assert network.liveness(10_000) == (10.0, 100.0)  # stretched x10
     tight = load_config(None, {"network": {"heartbeat_budget_per_s": 100, "heartbeat_interval_s": 0.5}}).network
     assert tight.liveness(100) == (1.0, 20.0)
+
+
+def test_a_coordinator_without_keys_says_how_to_get_them(tmp_path, mnist_root):
+    code, output = invoke("coordinator", "--clients", "4", "--data-root", str(mnist_root))
+    assert code == 1 and "write one with `fcl-emu keys` and pass --keys" in output and "Traceback" not in output
+    code, output = invoke("coordinator", "--clients", "4", "--keys", str(tmp_path / "none"), "--data-root",
+                          str(mnist_root))
+    assert code == 1 and "does not exist" in output
