@@ -14,6 +14,7 @@ from pathlib import Path
 from coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
 from fcl_emu.launchers.base import node_key_name
 from wire.auth import write_keys
+from runconfig import RunConfig
 from wire.messages import client_id
 
 MAX_GPU_WORKER_GRANTS = 64  # worker identities the GPU workers' key covers (a run has at most this many)
@@ -35,4 +36,11 @@ def write_run_keys(directory: Path, assignment: list[list[int]], *, per_device: 
             grants[node_key_name(n)] = [client_id(i) for i in indices]
     grants[WORKER_KEY_NAME] = [worker_identity(i) for i in range(MAX_GPU_WORKER_GRANTS)]
     return write_keys(directory, grants)
+
+
+def with_keys(config: RunConfig, directory: Path, assignment: list[list[int]], *,
+              per_device: bool = False) -> RunConfig:
+    """``config`` under the keys :func:`write_run_keys` writes in ``directory`` for ``assignment``."""
+    keys = write_run_keys(directory, assignment, per_device=per_device)
+    return config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
 

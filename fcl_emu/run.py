@@ -16,7 +16,7 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
-from fcl_emu.keys import write_run_keys
+from fcl_emu.keys import with_keys
 from fcl_emu.launchers import NodeLauncher, launcher, node_specs
 from monitoring import stack
 
@@ -150,11 +150,9 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
 
 def with_run_keys(config: RunConfig, run_dir: Path) -> RunConfig:
     """``up`` under CurveZMQ without a key directory: the run's own keys in RUN_DIR/keys (kept for --resume)."""
-    security = config.security
-    if security.transport != "curve" or security.keys is not None:
+    if config.security.transport != "curve" or config.security.keys is not None:
         return config
-    keys = write_run_keys(run_dir / "keys", [node.clients for node in node_specs(config)])
-    return config.model_copy(update={"security": security.model_copy(update={"keys": keys})})
+    return with_keys(config, run_dir / "keys", [node.clients for node in node_specs(config)])
 
 
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:

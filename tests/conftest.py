@@ -85,8 +85,11 @@ def device_keys(directory: Path, clients: int) -> tuple[Path, list[str]]:
 
 def keyed(config, directory: Path):
     """``config`` (a RunConfig) with per-device keys written in ``directory``; and the nodes' key arguments."""
-    keys, node_args = device_keys(directory, config.scenario.num_clients)
-    return config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})}), node_args
+    from fcl_emu.keys import with_keys
+    from fcl_emu.launchers.base import node_key_args
+
+    config = with_keys(config, directory, [list(range(config.scenario.num_clients))], per_device=True)
+    return config, node_key_args(config.security.keys, 0)
 
 
 def raw_header(**overrides) -> bytes:

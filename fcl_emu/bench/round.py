@@ -17,7 +17,6 @@ rounds, while both nodes still run:
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -26,10 +25,10 @@ import psutil
 from rich.console import Console
 
 from coordinator.engine import Coordinator
+from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
-from fcl_emu.keys import write_run_keys
+from fcl_emu.keys import with_keys
 from runconfig import RunConfig, default_data_roots
-from fcl_emu.launchers.process import node_command, node_env
 
 
 def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path] | None,
@@ -43,31 +42,19 @@ def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path]
         "data_root": [str(p) for p in (data_root or default_data_roots())],
     })
     memory: dict[str, int] = {}
-    procs: list[subprocess.Popen] = []
+    pids: dict[int, int] = {}  # node -> pid: node 0 (A) hosts client 0, node 1 (B) the others
 
     def sample_memory(kind: str, info: dict) -> None:
         if kind == "round" and info["task_round"] == rounds - 1:
-            memory["node_a"] = psutil.Process(procs[0].pid).memory_info().rss
-            memory["node_b"] = psutil.Process(procs[1].pid).memory_info().rss
+            memory["node_a"] = psutil.Process(pids[0]).memory_info().rss
+            memory["node_b"] = psutil.Process(pids[1]).memory_info().rss
 
     with TemporaryDirectory() as tmp:
         assignment = [[0], list(range(1, clients))]
-        keys = write_run_keys(Path(tmp) / "keys", assignment)  # the run's default transport: CurveZMQ
-        config = config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
+        config = with_keys(config, Path(tmp) / "keys", assignment)  # the run's default transport: CurveZMQ
         coordinator = Coordinator(config, progress=sample_memory)
-        for n, (name, indices) in enumerate(zip(("node-a", "node-b"), assignment)):
-            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, name, n),
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
-        try:
-            summary = coordinator.run(Path(tmp) / "run")
-            records = [r for r in _rounds(Path(tmp) / "run" / "events.jsonl")]
-        finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            coordinator.close()
+        summary, records = run_with_nodes(coordinator, config, assignment, Path(tmp) / "run",
+                                          started=pids.__setitem__, wait_s=20)
     model_bytes = sum(a.nbytes for a in coordinator.server.global_state.values())
     work = float(np.mean([sum(r["phases_s"][k] for k in ("dispatch", "receive_updates", "aggregate"))
                           for r in records]))
@@ -89,8 +76,3 @@ def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path]
         "baselines": "coordinator CPU vs round wall-clock; idle-client memory vs one model copy",
     }, json_path, console)
 
-
-def _rounds(events: Path) -> list[dict]:
-    import json
-
-    return [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "round"]

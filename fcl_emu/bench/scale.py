@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -35,9 +34,9 @@ import psutil
 from rich.console import Console
 
 from coordinator.engine import Coordinator
+from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
-from fcl_emu.keys import write_run_keys
-from fcl_emu.launchers.process import node_command, node_env
+from fcl_emu.keys import with_keys
 from runconfig import RunConfig, default_data_roots
 
 DEFAULT_POPULATIONS = (100, 300, 1000, 3000, 10_000)
@@ -96,12 +95,10 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
     assignment = [[0]] + [rest[i::nodes] for i in range(nodes)]
     memory = PeakMemory()
     memory.pids["coordinator"] = psutil.Process().pid
-    procs: list[subprocess.Popen] = []
     idle: dict[str, float] = {}
     started = time.perf_counter()
     with TemporaryDirectory() as tmp:
-        keys = write_run_keys(Path(tmp) / "keys", assignment)
-        config = config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
+        config = with_keys(config, Path(tmp) / "keys", assignment)
 
         def on_progress(kind: str, info: dict) -> None:
             if kind == "ready":  # every client joined, no round yet: the idle cost
@@ -117,19 +114,10 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
         memory.start()
         nodes_started = time.perf_counter()
         try:
-            for n, indices in enumerate(assignment):
-                procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, f"node-{n}", n),
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
-                memory.pids[f"node-{n}"] = procs[-1].pid
-            summary = coordinator.run(Path(tmp) / "run")
-            records = _rounds(Path(tmp) / "run" / "events.jsonl")
+            summary, records = run_with_nodes(
+                coordinator, config, assignment, Path(tmp) / "run",
+                started=lambda n, pid: memory.pids.__setitem__(f"node-{n}", pid))
         finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            coordinator.close()
             memory.stop()
     node_names = [f"node-{n}" for n in range(1, len(assignment))]
     reference = idle["node_rss"].get("node-0", 0)
@@ -151,12 +139,6 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
 def _cpu_s() -> float:
     times = psutil.Process().cpu_times()
     return times.user + times.system
-
-
-def _rounds(events: Path) -> list[dict]:
-    import json
-
-    return [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "round"]
 
 
 def fits(clients: int, previous: dict | None) -> str | None:

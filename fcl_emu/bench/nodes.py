@@ -1,0 +1,37 @@
+"""What the in-process benchmarks share: a coordinator of this process run with one ``fcl-emu node`` process per
+entry of an assignment, and the round records it wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from coordinator.engine import Coordinator
+from fcl_emu.launchers.process import node_command, node_env
+from runconfig import RunConfig
+
+
+def run_with_nodes(coordinator: Coordinator, config: RunConfig, assignment: list[list[int]], run_dir: Path, *,
+                   started: Callable[[int, int], None] = lambda n, pid: None,
+                   wait_s: float = 60.0) -> tuple[dict, list[dict]]:
+    """Start node ``n`` (``node-<n>``, the clients ``assignment[n]``; ``started(n, pid)`` is told), run the
+    coordinator into ``run_dir``, wait up to ``wait_s`` for each node to end (then kill it) and close the
+    coordinator. Returns the summary and the round records."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for n, indices in enumerate(assignment):
+            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, f"node-{n}", n),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
+            started(n, procs[-1].pid)
+        summary = coordinator.run(run_dir)
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        coordinator.close()
+    events = (run_dir / "events.jsonl").read_text().splitlines()
+    return summary, [e for e in map(json.loads, events) if e["event"] == "round"]
