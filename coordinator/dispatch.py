@@ -199,6 +199,7 @@ class MessageDispatch:
             raise
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
+        r.train_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
 
     def _keep_stale(self, peer: str, msg: Message) -> None:

@@ -46,10 +46,23 @@ class NodeWatch:
         """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
         self._node_watch, self._nodes_started, self._exited_nodes = exited, started, {}
 
+    def record_fault(self, action: str, **fields) -> None:
+        """A fault injected into an edge node's container (containers/faults.py): an event and a count. Called
+        from the injector's thread."""
+        if fields.get("applied", True):
+            self.metrics.container_faults.labels(action).inc()
+        if self._recorder is not None:
+            self._recorder.event("fault", action=action, **fields)
+        self.progress("fault", {"action": action, **fields})
+
     def _check_nodes(self) -> None:
         if self._node_watch is None:
             return
-        for node in self._node_watch():
+        exits = self._node_watch()
+        back = set(self._exited_nodes) - {node.name for node in exits}
+        for name in back:  # restarted: its clients join again, and a later exit is reported again
+            del self._exited_nodes[name]
+        for node in exits:
             if node.name in self._exited_nodes:
                 continue
             self._exited_nodes[node.name] = node

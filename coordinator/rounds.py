@@ -26,6 +26,7 @@ import numpy as np
 from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.guard import clip_update
 from methods.base import ClientUpdate, DeltaLayout
+from scenario.devices import assign_profile
 from monitoring.results import RoundRecord, RunRecorder
 from wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
 
@@ -45,6 +46,7 @@ class OpenRound:
     masked: set[str] = field(default_factory=set)  # secure aggregation: sent a masked input in time
     late: int = 0  # at the close: selected, online, and no answer yet
     dropped: int = 0  # at the close: selected, gone without an answer
+    train_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed
@@ -71,6 +73,19 @@ def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
 
 class RoundEngine:
     """One round of training, phase by phase (mixin of Coordinator; the phases: the module docstring)."""
+
+    def _train_s_by_class(self, r: OpenRound) -> dict[str, float] | None:
+        """Mean reported local training time of the round's participants per device class (with device profiles;
+        under a container backend this is where a class's CPU limit shows)."""
+        if self._profiles is None or not r.train_s:
+            return None
+        times: dict[str, list[float]] = {}
+        for client, seconds in r.train_s.items():
+            record = self.registry.records.get(client)
+            if record is not None and math.isfinite(seconds):
+                name = assign_profile(self._profiles, record.index, self.config.seed).name
+                times.setdefault(name, []).append(seconds)
+        return {name: sum(v) / len(v) for name, v in sorted(times.items())} or None
 
     def _run_round(self, task: int, task_round: int, recorder: RunRecorder) -> RoundRecord:
         """One round, phase by phase; each phase's seconds go into the round's record."""
@@ -108,6 +123,7 @@ class RoundEngine:
             stale_used=stale_used,
             secagg=None if outcome is None else outcome.record,
             client_metrics=_mean_metrics(useful),
+            train_s_by_class=self._train_s_by_class(r),
             samples=sum(u.num_samples for u in useful),
             mean_loss=float(np.mean(losses)) if losses else None,
             accuracy_seen=accuracy,

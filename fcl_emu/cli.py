@@ -26,6 +26,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
 app.add_typer(bench_app, name="bench")
+image_app = typer.Typer(no_args_is_help=True, help="The container image of edge nodes, coordinator, GPU workers and "
+                                                   "Prometheus (docs/containers.md).")
+app.add_typer(image_app, name="image")
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a log
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
@@ -285,6 +288,22 @@ def keys(
         lines.append(f"  node {n}: fcl-emu node --connect tcp://COORDINATOR:PORT --clients {format_client_set(block)} "
                      f"--server-key {path / 'coordinator.key'} --key {key}")
     Console(width=1000).print("\n".join(lines), markup=False, highlight=False)
+
+
+@image_app.command("build")
+def image_build() -> None:
+    """Build the image offline (Debian packages + this host's wheels), or reuse it when nothing changed."""
+    from containers.engine import EngineError
+    from containers.image import ImageError, build_image
+
+    try:
+        built = build_image(log=lambda msg: console.print(msg, markup=False, highlight=False))
+    except (EngineError, ImageError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    what = "reused (nothing changed)" if built.reused else "built"
+    Console().print(f"{built.tag} {what}: {built.size_bytes / 1e6:,.0f} MB, {built.seconds:.1f} s (base {built.base}); "
+                    f"also tagged fcl-emu:latest", markup=False, highlight=False)
 
 
 @app.command("methods")

@@ -107,7 +107,18 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             "options: --config YAML)."),
     _option("beta", "scenario.dirichlet_beta", float, "Dirichlet concentration for --partition dirichlet."),
     _option("model", "model", str, "Backbone: auto, cnn, cnn_bn, resnet18, resnet32."),
-    _option("nodes", "nodes", int, "Edge-node processes to start.", commands=frozenset({UP})),
+    _option("nodes", "nodes", int, "Edge nodes to start.", commands=frozenset({UP})),
+    _option("backend", "containers.backend", str,
+            "Where the edge nodes run: process (default), docker (a container each, real limits) or swarm "
+            "(a Swarm service each; docs/containers.md).", commands=frozenset({UP}), with_resume=True),
+    _option("image", "containers.image", str, "Edge-node image for docker/swarm (default: build or reuse "
+                                              "fcl-emu:<content hash>).", commands=frozenset({UP}), with_resume=True),
+    _option("node_cpus", "containers.cpus", float, "CPU limit of each edge-node container (device classes may set "
+                                                   "their own).", commands=frozenset({UP})),
+    _option("faults", "containers.faults", Path, "Fault plan (YAML) on the edge-node containers: kill, pause, "
+                                                 "disconnect, restart (docs/containers.md).", commands=frozenset({UP})),
+    _option("node_memory", "containers.memory", str, "Memory limit of each edge-node container, e.g. 512m (device "
+                                                     "classes may set their own).", commands=frozenset({UP})),
     _option("device", "device", str, "auto, cpu or cuda."),
     _option("seed", ("seed", "scenario.seed"), int, "Seed of the scenario, sampling and training."),
     _option("run_dir", "run_dir", Path, "Run directory (default runs/<time>-...)."),

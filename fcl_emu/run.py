@@ -12,6 +12,7 @@ from rich.table import Table
 
 import pydantic
 
+from containers.faults import FaultInjector, load_plan
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
@@ -54,6 +55,10 @@ class ProgressView:
         elif kind == "node_exit":
             self.progress.console.print(f"edge node {info['node']} exited (code {info['code']}): {info['error']}",
                                         style="red", markup=False, highlight=False)
+        elif kind == "fault":
+            applied = "" if info.get("applied", True) else f" (not applied: {info.get('error')})"
+            self.progress.console.print(f"fault: {info['action']} {info.get('node') or ''}{applied}", style="yellow",
+                                        markup=False, highlight=False)
         elif kind == "task_end":
             row = " ".join("-" if a is None else f"{a:.1f}" for a in info["accuracy"])
             self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
@@ -163,19 +168,32 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
     elif config.security.transport == "plain":
         console.print("warning: --insecure: plain TCP, any peer that reaches the port may join and speak for any "
                       "client (docs/security.md)", style="yellow", markup=False, highlight=False)
+    nodes: NodeLauncher | None = None
+    if start_nodes:
+        nodes = launcher(config.containers.backend)
+        if config.containers.backend != "process":
+            console.print(f"{config.containers.backend} backend: image {config.containers.image or '(build or reuse)'}",
+                          markup=False, highlight=False)
+        config = nodes.prepare(config, run_dir)
     view = ProgressView(config, console)
-    coordinator = Coordinator(config, progress=view, resume=resume)
+    try:
+        coordinator = Coordinator(config, progress=view, resume=resume)
+    except BaseException:
+        if nodes is not None:
+            nodes.stop(grace_s=0)
+        raise
     resumed = "" if resume is None else f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
     console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}{resumed}")
-    nodes: NodeLauncher | None = None
     prometheus = None
+    faults: FaultInjector | None = None
     finished = False
     try:
         prometheus = _start_metrics(config, coordinator, run_dir, start_nodes, console)
-        if start_nodes:
-            nodes = launcher()
+        if nodes is not None:
             nodes.start(coordinator.address, config, run_dir / "logs")
             coordinator.watch_nodes(nodes.exited, nodes.count)
+            if config.containers.faults is not None:
+                faults = _inject_faults(config, nodes, coordinator, view)
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)
@@ -195,12 +213,28 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
     finally:
         if finished and config.metrics.enabled:
             time.sleep(config.metrics.linger)  # a last scrape sees the end (the nodes linger alongside)
+        if faults is not None:
+            faults.close()
         if nodes is not None:
             nodes.stop()
         coordinator.close()
         _stop_prometheus(prometheus, config.metrics.keep_prometheus and finished, console)
     console.print(summary_table(summary))
     return summary
+
+
+def _inject_faults(config: RunConfig, nodes: NodeLauncher, coordinator: Coordinator,
+                   view: ProgressView) -> FaultInjector:
+    """Carry out the run's fault plan on its containers, timed by the coordinator's progress events."""
+    injector = FaultInjector(load_plan(config.containers.faults), nodes.fault_target(), config.seed,
+                             record=coordinator.record_fault)
+
+    def progress(kind: str, info: dict) -> None:
+        view(kind, info)
+        injector.on_progress(kind, info)
+
+    coordinator.progress = progress
+    return injector
 
 
 def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:

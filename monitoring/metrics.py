@@ -51,7 +51,7 @@ REJECT_REASONS = tuple(REASONS)
 ROUND_PHASES = ("select", "dispatch", "collect", "receive_updates", "aggregate", "evaluate")
 TASK_END_PHASES = ("end_task", "evaluate")
 CLIENT_ROUND_OUTCOMES = ("selected", "participated", "missed_deadline", "failed")
-DROP_REASONS = ("heartbeat_timeout", "unreachable")
+DROP_REASONS = ("heartbeat_timeout", "unreachable", "node_exited")
 JOIN_KINDS = ("first", "rejoin")
 ROUND_OUTCOMES = ("aggregated", "skipped")
 TRAIN_OUTCOMES = ("ok", "no_data", "failed", "cancelled")
@@ -165,6 +165,9 @@ class CoordinatorMetrics(ProcessMetrics):
         self.client_leaves = Counter("fcl_client_leaves", "Graceful leaves (a leave message).", registry=r)
         self.client_drops = Counter("fcl_client_drops", "Clients declared dead (crashed, killed or cut off): "
                                     "missed heartbeats or unreachable socket.", ["reason"], registry=r)
+        self.container_faults = Counter("fcl_container_faults", "Faults injected into edge-node containers by the "
+                                        "fault plan: kill, pause, unpause, disconnect, reconnect, restart.",
+                                        ["action"], registry=r)
         self.late_updates = Counter("fcl_late_updates", "Updates that arrived after their round had closed "
                                     "(dropped).", registry=r)
         self.handling_seconds = Counter("fcl_coordinator_handling_seconds", "Coordinator time receiving, "

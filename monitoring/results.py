@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,6 +137,7 @@ class RoundRecord:
     stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
     secagg: dict[str, Any] | None = None  # secure aggregation: outcome, parameters, phase times, dropouts
     client_metrics: dict[str, float] | None = None  # mean of the method metrics the participants reported
+    train_s_by_class: dict[str, float] | None = None  # device profiles: mean local training seconds per class
 
 
 class RunRecorder:
@@ -152,11 +154,14 @@ class RunRecorder:
         elif events.exists():
             _cut_partial_line(events)
         self._events = open(events, "a", buffering=1)
+        self._lock = threading.Lock()  # events also come from the fault injector's thread
         self.started = time.time() - elapsed_s
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "time": round(time.time() - self.started, 4), **fields}
-        self._events.write(json.dumps(record, default=_json_default) + "\n")
+        line = json.dumps(record, default=_json_default) + "\n"
+        with self._lock:
+            self._events.write(line)
 
     def round(self, record: RoundRecord) -> None:
         self.event("round", **asdict(record))

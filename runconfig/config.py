@@ -15,7 +15,7 @@ import yaml
 
 from scenario.availability import parse_availability
 from scenario.datasets import roots_from_env
-from scenario.devices import load_profiles
+from scenario.devices import load_profiles, memory_limit
 from scenario.spec import ScenarioSpec
 
 
@@ -197,6 +197,44 @@ class MetricsConfig(pydantic.BaseModel):
         return self.scrape_interval_s + 1.0 if self.linger_s is None else self.linger_s
 
 
+class ContainersConfig(pydantic.BaseModel):
+    """Where ``up`` runs its edge nodes: host processes, Docker containers, or Swarm services (docs/containers.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["process", "docker", "swarm"] = pydantic.Field(
+        "process", description="process: child processes of `up`; docker: one container per edge node on a "
+                               "user-defined network; swarm: one Swarm service per edge node")
+    image: str | None = pydantic.Field(
+        None, description="image of the edge nodes (unset: build or reuse fcl-emu:<content hash>, "
+                          "`fcl-emu image build`)")
+    network: str | None = pydantic.Field(
+        None, description="network of the containers (unset: fcl-emu-<run>, made for the run and removed after it)")
+    cpus: float | None = pydantic.Field(
+        None, gt=0, description="CPU limit of each edge-node container whose device class sets none")
+    memory: str | None = pydantic.Field(
+        None, description="memory limit of each edge-node container whose device class sets none (e.g. 512m, 2g)")
+    gpus: bool = pydantic.Field(False, description="give the edge-node containers the host's GPUs (CUDA device "
+                                                   "request; needs the NVIDIA container runtime)")
+    faults: Path | None = pydantic.Field(
+        None, description="fault plan (YAML): kill, pause, disconnect, restart edge-node containers at given "
+                          "rounds, times or rates (containers/faults.py)")
+
+    @pydantic.field_validator("faults")
+    @classmethod
+    def _faults(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from containers.faults import load_plan
+
+            load_plan(value)
+        return value
+
+    @pydantic.field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        return value if value is None else memory_limit(value)
+
+
 class RunConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -212,6 +250,7 @@ class RunConfig(pydantic.BaseModel):
     security: SecurityConfig = SecurityConfig()
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
+    containers: ContainersConfig = ContainersConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_root: list[Path] = pydantic.Field(default_factory=default_data_roots)
@@ -266,6 +305,9 @@ class RunConfig(pydantic.BaseModel):
         if self.rounds.clients_per_round > self.scenario.num_clients:
             raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
                              f"clients ({self.scenario.num_clients})")
+        if self.containers.faults is not None and self.containers.backend == "process":
+            raise ValueError("a fault plan acts on containers: use it with --backend docker or swarm (emulated "
+                             "churn for host processes: --availability, --crash-rate)")
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
         if self.metrics.port is not None and self.metrics.port + self.nodes + self.gpu.workers > 65535:

@@ -17,6 +17,10 @@ A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
         uplink_mbps: {uniform: [1, 5]}
         downlink_mbps: 10
         latency_ms: {uniform: [50, 200]}
+        container:                # real limits under `up --backend docker|swarm` (ignored by host processes)
+          cpus: 0.25              # CPU share of each container hosting budget clients
+          memory: 1g              # its memory limit: past it the kernel kills the node (recorded as a crash)
+          uplink_mbit: 8          # kernel token-bucket (tbf) cap on the container's egress
     clients:                      # optional: pin clients to profiles
       7: budget
 
@@ -26,12 +30,17 @@ means an unlimited link; a missing latency 0. The coordinator assigns a
 profile to every client, seeded by the run seed (:func:`assign_profile`), and
 sends it in the client's ``welcome``; the edge node applies its bandwidth and
 latency to the client's real messages (:class:`edge_node.links.Link`).
+
+Under a container backend the clients of one class share the containers of that class, so ``container``
+limits are real: the kernel throttles, caps and kills. ``compute_factor`` still scales the measured time on top
+of them; leave it at 1 for a class whose slowness comes from its CPU limit.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -44,6 +53,41 @@ import yaml
 
 Value = float | dict[str, Any]
 
+_MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([bkmg]?)$")
+
+
+def memory_limit(value: str) -> str:
+    """A Docker memory limit (``512m``, ``2g``, ``1.5g``, bytes), normalised to lower case; at least 6 MB (the
+    engine's minimum). Raises ValueError naming the accepted forms."""
+    match = _MEMORY.match(str(value).strip().lower())
+    if not match:
+        raise ValueError(f"memory limit {value!r}: use a number of bytes or one with a unit b, k, m or g (512m, 2g)")
+    scale = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2)]
+    if float(match.group(1)) * scale < 6 << 20:
+        raise ValueError(f"memory limit {value!r} is below the 6 MB a container needs at least")
+    return str(value).strip().lower()
+
+
+def memory_bytes(limit: str) -> int:
+    """Bytes of a limit accepted by :func:`memory_limit`."""
+    number, unit = _MEMORY.match(limit).groups()
+    return int(float(number) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit])
+
+
+class ContainerLimits(pydantic.BaseModel):
+    """Real limits of the containers that host one device class (container backends only)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    cpus: float | None = pydantic.Field(None, gt=0, description="CPUs of each container (0.25: a quarter core)")
+    memory: str | None = pydantic.Field(None, description="memory limit of each container, no swap (512m, 2g)")
+    uplink_mbit: float | None = pydantic.Field(None, gt=0, description="kernel tbf cap on the container's egress")
+
+    @pydantic.field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        return value if value is None else memory_limit(value)
+
 
 class _Profile(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +98,7 @@ class _Profile(pydantic.BaseModel):
     uplink_mbps: Value | None = None
     downlink_mbps: Value | None = None
     latency_ms: Value = 0.0
+    container: ContainerLimits | None = None
 
     @pydantic.field_validator("compute_factor", "uplink_mbps", "downlink_mbps", "latency_ms")
     @classmethod

@@ -9,19 +9,29 @@ To add a backend (a container engine, an orchestrator), write ``fcl_emu/launcher
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fcl_emu.launchers.base import (NodeLauncher, NodeSpec, format_client_set, node_args, node_assignment,
                                     node_specs, parse_client_set)
 from fcl_emu.launchers.process import ProcessLauncher
 
-BACKENDS: dict[str, type[NodeLauncher]] = {"process": ProcessLauncher}
+
+def _docker() -> NodeLauncher:
+    from fcl_emu.launchers.docker import DockerLauncher  # the docker SDK only where containers are asked for
+
+    return DockerLauncher()
+
+
+BACKENDS: dict[str, Callable[[], NodeLauncher]] = {"process": ProcessLauncher, "docker": _docker}
 
 
 def launcher(backend: str = "process") -> NodeLauncher:
     """A new launcher of ``backend`` (a key of :data:`BACKENDS`)."""
     try:
-        return BACKENDS[backend]()
+        make = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown edge-node backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
+    return make()
 
 
 __all__ = ["BACKENDS", "NodeLauncher", "NodeSpec", "ProcessLauncher", "format_client_set", "launcher", "node_args",

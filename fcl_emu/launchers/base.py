@@ -10,6 +10,7 @@ from pathlib import Path
 from coordinator.engine import NodeExit
 from wire.auth import SERVER_NAME
 from runconfig import RunConfig, node_metrics_port
+from scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles
 
 
 def last_error(log_file: Path, max_chars: int = 300) -> str:
@@ -59,17 +60,57 @@ def node_assignment(num_clients: int, nodes: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One edge node of a run: its number, name and the clients it hosts."""
+    """One edge node of a run: its number, name, the clients it hosts and, under a container backend, the device
+    class it stands for and that class's real limits."""
 
     number: int
     name: str
     clients: list[int]
+    device_class: str | None = None
+    limits: ContainerLimits = ContainerLimits()
 
 
 def node_specs(config: RunConfig) -> list[NodeSpec]:
-    """The ``config.nodes`` edge nodes of ``up``, named ``node-<n>``, clients striped over them."""
-    return [NodeSpec(n, f"node-{n}", indices)
-            for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes))]
+    """The ``config.nodes`` edge nodes of ``up``, named ``node-<n>``.
+
+    Clients are striped over the nodes, except under a container backend with a profiles file that gives some
+    class ``container`` limits: there each node hosts clients of one device class only, so the limits are that
+    class's (:func:`class_node_specs`).
+    """
+    defaults = ContainerLimits(cpus=config.containers.cpus, memory=config.containers.memory)
+    profiles = load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None
+    if (config.containers.backend == "process" or profiles is None
+            or not any(p.container for p in profiles.profiles)):
+        return [NodeSpec(n, f"node-{n}", indices, limits=defaults)
+                for n, indices in enumerate(node_assignment(config.scenario.num_clients, config.nodes))]
+    return class_node_specs(config, profiles, defaults)
+
+
+def class_node_specs(config: RunConfig, profiles: ProfilesFile, defaults: ContainerLimits) -> list[NodeSpec]:
+    """Nodes per device class, in proportion to the class's clients (largest remainder, at least one each);
+    a class's clients striped over its nodes. Raises ValueError when ``config.nodes`` is below the number of
+    classes that have clients."""
+    members: dict[str, list[int]] = {p.name: [] for p in profiles.profiles}
+    for index in range(config.scenario.num_clients):
+        members[assign_profile(profiles, index, config.seed).name].append(index)
+    classes = [(p, members[p.name]) for p in profiles.profiles if members[p.name]]
+    if config.nodes < len(classes):
+        raise ValueError(f"--nodes {config.nodes} is fewer than the {len(classes)} device classes that have clients "
+                         f"({', '.join(p.name for p, _ in classes)}): each class needs an edge node of its own")
+    sizes = [len(m) for _, m in classes]
+    counts = [1] * len(classes)
+    spare = config.nodes - len(classes)
+    exact = [spare * size / sum(sizes) for size in sizes]
+    counts = [c + int(e) for c, e in zip(counts, exact)]
+    for k in sorted(range(len(classes)), key=lambda k: int(exact[k]) - exact[k])[:config.nodes - sum(counts)]:
+        counts[k] += 1
+    specs: list[NodeSpec] = []
+    for (profile, indices), count in zip(classes, counts):
+        count = min(count, len(indices))
+        for j in range(count):
+            n = len(specs)
+            specs.append(NodeSpec(n, f"node-{n}", indices[j::count], profile.name, profile.container or defaults))
+    return specs
 
 
 def node_key_name(number: int) -> str:
@@ -86,8 +127,9 @@ def node_key_args(keys: Path, number: int) -> list[str]:
 
 
 def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
-              parent_pid: int | None = None) -> list[str]:
-    """The arguments of ``fcl-emu node`` for edge node ``n`` (its keys, data roots and /metrics port)."""
+              parent_pid: int | None = None, metrics_host: str | None = None) -> list[str]:
+    """The arguments of ``fcl-emu node`` for edge node ``n`` (its keys, data roots and /metrics port, served on
+    ``metrics_host`` or the run's metrics host)."""
     args = ["node", "--connect", address, "--clients", format_client_set(indices), "--name", name]
     if config.security.transport == "plain":
         args.append("--insecure")
@@ -101,13 +143,18 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
         args += ["--data-root", str(root)]
     port = node_metrics_port(config, n)
     if port is not None:
-        args += ["--metrics-port", str(port), "--metrics-host", config.metrics.host,
+        args += ["--metrics-port", str(port), "--metrics-host", metrics_host or config.metrics.host,
                  "--metrics-linger", f"{config.metrics.linger:g}"]
     return args
 
 
 class NodeLauncher(abc.ABC):
     """Starts the edge nodes of one run and stops them for sure when it ends."""
+
+    def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:
+        """Set up what the nodes need before the coordinator binds (a network, an image); returns the config
+        the run goes on with (a backend may move the coordinator's bind address to where its nodes reach it)."""
+        return config
 
     @abc.abstractmethod
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
