@@ -44,6 +44,8 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
 
 def _finish(runner, cfg: RunConfig) -> None:
     """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed."""
+    from containers.engine import EngineError
+    from containers.image import ImageError
     from coordinator.checkpoint import CheckpointError
     from coordinator.engine import BindError
     from monitoring.stack import PortInUseError
@@ -52,7 +54,7 @@ def _finish(runner, cfg: RunConfig) -> None:
 
     try:
         summary = runner(cfg, console)
-    except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError) as exc:
+    except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     except PortInUseError as exc:

@@ -1,0 +1,196 @@
+"""Edge nodes in real Docker containers: the image, a docker-backend run, real limits and real faults.
+
+Every test here talks to a real Docker engine and runs the real image (skipped, with the reason, where no engine
+answers; `.ci/run` installs and starts one). The cheap checks of plans, limits and node grouping need no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from containers import engine
+from containers.faults import load_plan
+from fcl_emu.launchers.base import node_specs
+from runconfig import load_config
+from scenario.devices import memory_bytes, memory_limit
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def up(tmp: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    """``fcl-emu up`` as a user runs it; returns (process, summary.json, events.jsonl)."""
+    run_dir = tmp / "run"
+    done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()] \
+        if (run_dir / "events.jsonl").exists() else []
+    return done, summary, events
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    reason = engine.available()
+    if reason:
+        pytest.skip(f"needs a Docker engine: {reason}")
+    from containers.image import ImageError, build_image
+
+    try:
+        return build_image(log=lambda _msg: None).tag
+    except ImageError as exc:
+        if "mmdebstrap is not installed" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+def no_leftovers() -> None:
+    """Nothing of a finished run stays on the engine."""
+    client = engine.client()
+    assert client.containers.list(all=True, filters={"label": "fcl-emu.run"}) == []
+    assert client.networks.list(filters={"label": "fcl-emu.run"}) == []
+
+
+# -- no engine needed ----------------------------------------------------------------------------------------
+
+
+def test_memory_limits_are_checked():
+    assert memory_limit("512M") == "512m" and memory_bytes("1.5g") == 1610612736
+    for bad in ("lots", "1x", "-5m", "1k"):
+        with pytest.raises(ValueError):
+            memory_limit(bad)
+
+
+def test_fault_plans_are_checked(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {action: kill, node: node-1, round: 2}\n  - {action: pause, rate_per_min: 3}\n")
+    assert [f.action for f in load_plan(plan).faults] == ["kill", "pause"]
+    for text, problem in [("faults:\n  - {action: explode, round: 1}\n", "action"),
+                          ("faults:\n  - {action: kill}\n", "exactly one of"),
+                          ("faults:\n  - {action: kill, round: 1, at_s: 3}\n", "exactly one of"),
+                          ("faults:\n  - {action: kill, round: 1, node: a, device_class: b}\n", "not both"),
+                          ("faults: [\n", "cannot parse")]:
+        plan.write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            load_plan(plan)
+    with pytest.raises(ValueError, match="No such file"):
+        load_plan(tmp_path / "missing.yaml")
+
+
+def test_a_fault_plan_needs_containers(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {action: kill, round: 2}\n")
+    with pytest.raises(ValueError, match="use it with --backend docker or swarm"):
+        load_config(None, {"containers": {"faults": str(plan)}})
+    load_config(None, {"containers": {"faults": str(plan), "backend": "docker"}})
+
+
+def test_nodes_group_device_classes_under_containers(tmp_path):
+    profiles = tmp_path / "profiles.yaml"
+    profiles.write_text(yaml.safe_dump({"profiles": [
+        {"name": "fast", "share": 0.75, "container": {"cpus": 1.0}},
+        {"name": "slow", "share": 0.25, "container": {"cpus": 0.25, "memory": "512m"}}]}))
+    overrides = {"scenario": {"num_clients": 200}, "nodes": 5, "edge": {"device_profiles": str(profiles)}}
+    striped = node_specs(load_config(None, overrides))  # host processes: striped, no classes
+    assert [s.clients[:2] for s in striped[:2]] == [[0, 5], [1, 6]] and striped[0].device_class is None
+    specs = node_specs(load_config(None, {**overrides, "containers": {"backend": "docker"}}))
+    assert len(specs) == 5 and sorted(sum((s.clients for s in specs), [])) == list(range(200))
+    by_class = {c: [s for s in specs if s.device_class == c] for c in ("fast", "slow")}
+    assert [len(by_class["fast"]), len(by_class["slow"])] in ([4, 1], [3, 2])
+    assert all(s.limits.cpus == 0.25 and s.limits.memory == "512m" for s in by_class["slow"])
+    with pytest.raises(ValueError, match="fewer than the 2 device classes"):
+        node_specs(load_config(None, {**overrides, "nodes": 1, "containers": {"backend": "docker"}}))
+
+
+def test_no_engine_is_one_clear_line(tmp_path, mnist_root):
+    env_run = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--backend", "docker", "--clients", "4",
+                              "--nodes", "2", "--data-root", str(mnist_root), "--run-dir", str(tmp_path / "r")],
+                             capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, "DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert env_run.returncode == 1
+    assert "no Docker engine answers" in env_run.stderr and "Traceback" not in env_run.stderr
+
+
+# -- a real engine -------------------------------------------------------------------------------------------
+
+
+def test_image_is_reused_when_nothing_changed(image):
+    from containers.image import build_image
+
+    again = build_image(log=lambda _msg: None)
+    assert again.reused and again.tag == image and again.size_bytes > 0
+    out = engine.client().containers.run(image, ["methods"], remove=True).decode()
+    assert "fedavg" in out and "lander" in out
+
+
+@pytest.mark.slow
+def test_docker_backend_gives_the_process_backend_s_accuracy_matrix(tmp_path, image, mnist_root):
+    """Same seed and scenario (FedAvg, 300 clients, 4 edge nodes): the same accuracy matrix in containers."""
+    args = ["--clients", "300", "--clients-per-round", "10", "--tasks", "2", "--rounds-per-task", "2",
+            "--local-epochs", "1", "--nodes", "4", "--seed", "7", "--data-root", str(mnist_root)]
+    done, process, _ = up(tmp_path / "process", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done, docker, _ = up(tmp_path / "docker", *args, "--backend", "docker", "--image", image)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert docker["status"] == process["status"] == "completed"
+    assert docker["accuracy_matrix"] == process["accuracy_matrix"]
+    no_leftovers()
+
+
+@pytest.mark.slow
+def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root):
+    """Round 2: node-1's container is killed mid-round (its clients are recorded as crashed, the run goes on).
+    Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back)."""
+    plan = tmp_path / "faults.yaml"
+    plan.write_text(yaml.safe_dump({"faults": [
+        {"action": "kill", "node": "node-1", "round": 2, "after_s": 0.3},
+        {"action": "pause", "node": "node-0", "round": 3, "duration_s": 12}]}))
+    config = small_config(tmp_path / "config.yaml", scenario={"num_clients": 12, "num_tasks": 2},
+                          rounds={"clients_per_round": 12, "rounds_per_task": 2, "deadline_s": 8},
+                          network={"heartbeat_interval_s": 1.0, "liveness_timeout_s": 40.0},
+                          training={"local_epochs": 1, "batch_size": 32}, nodes=3)
+    done, summary, events = up(tmp_path, "--config", str(config), "--backend", "docker", "--image", image,
+                               "--faults", str(plan), "--data-root", str(mnist_root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert summary["status"] == "completed"
+    faults = [(e["action"], e["node"]) for e in events if e["event"] == "fault"]
+    assert faults[:3] == [("kill", "node-1"), ("pause", "node-0"), ("unpause", "node-0")]
+    exits = [e for e in events if e["event"] == "node_exit"]
+    assert [(e["node"], e["code"]) for e in exits] == [("node-1", 137)] and "SIGKILL" in exits[0]["error"]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert rounds[0]["participants"] == 12
+    assert rounds[1]["participants"] < 12  # node-1's four clients died during round 2
+    assert rounds[2]["late"] == 4 and rounds[2]["participants"] == 4  # node-0 frozen, node-2 on time
+    assert rounds[3]["participants"] == 8  # node-0 thawed; node-1 is gone
+    assert summary["clients"]["dropped"] == 4
+    no_leftovers()
+
+
+@pytest.mark.slow
+def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_path, image, mnist_root):
+    """Three device classes with container limits: 1 CPU, 0.25 CPU, and a memory limit too small to train in.
+    The 0.25-CPU class trains several times slower; the starved node is OOM-killed, recorded as such, and the
+    run goes on with the other classes."""
+    profiles = tmp_path / "profiles.yaml"
+    profiles.write_text(yaml.safe_dump({"profiles": [
+        {"name": "fast", "share": 1, "container": {"cpus": 1.0}},
+        {"name": "slow", "share": 1, "container": {"cpus": 0.25}},
+        {"name": "starved", "share": 1, "container": {"memory": "200m"}}]}))
+    done, summary, events = up(
+        tmp_path, "--backend", "docker", "--image", image, "--device-profiles", str(profiles), "--clients", "24",
+        "--clients-per-round", "24", "--tasks", "1", "--rounds-per-task", "2", "--local-epochs", "1",
+        "--nodes", "3", "--data-root", str(mnist_root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert summary["status"] == "completed"
+    exits = [e for e in events if e["event"] == "node_exit"]
+    assert len(exits) == 1 and exits[0]["code"] == 137 and "out of memory" in exits[0]["error"]
+    train = [e["train_s_by_class"] for e in events if e["event"] == "round"]
+    assert all(set(t) == {"fast", "slow"} for t in train)
+    assert all(t["slow"] > 2 * t["fast"] for t in train), train
+    no_leftovers()
