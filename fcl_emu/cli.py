@@ -122,6 +122,35 @@ def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, f
     _finish(run_coordinator, cfg)
 
 
+@app.command()
+@options.run_command(options.UP, ("out", Annotated[Path, typer.Argument(help="Where the files go.")]))
+def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
+    """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus) to deploy and edit
+    yourself (docs/containers.md)."""
+    from containers.engine import EngineError
+    from containers.image import ImageError, image_ref
+    from containers.stack import write_deployment
+
+    if resume is not None:
+        raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")
+    out = flags.pop("out")
+    cfg = build_config(config, **flags)
+    if not cfg.data_root:
+        raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
+    try:
+        image = image_ref(cfg.containers.image)
+    except (EngineError, ImageError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    files = write_deployment(cfg, out, image, cfg.data_root[0])
+    Console(width=1000).print(
+        f"{files.stack} and {files.compose} (image {image}; keys in {files.keys}, keep them private)\n"
+        f"  swarm:   cd {out} && docker stack deploy -c stack.yml fcl-emu\n"
+        f"  compose: cd {out} && docker compose -f compose.yml up\n"
+        f"  results: {Path(out) / 'runs' / 'run'}; Prometheus on port 9090 of the manager", markup=False,
+        highlight=False)
+
+
 @app.command("gpu-worker", hidden=True)
 def gpu_worker(
     connect: Annotated[str, typer.Option(help="The GPU pool's endpoint.")],

@@ -117,6 +117,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
                                                    "their own).", commands=frozenset({UP})),
     _option("faults", "containers.faults", Path, "Fault plan (YAML) on the edge-node containers: kill, pause, "
                                                  "disconnect, restart (docs/containers.md).", commands=frozenset({UP})),
+    _option("advertise", "containers.advertise", str, "Swarm: address the edge-node services dial the coordinator "
+                                                      "at (default: this manager's swarm address).",
+            commands=frozenset({UP}), with_resume=True),
     _option("node_memory", "containers.memory", str, "Memory limit of each edge-node container, e.g. 512m (device "
                                                      "classes may set their own).", commands=frozenset({UP})),
     _option("device", "device", str, "auto, cpu or cuda."),
@@ -202,12 +205,15 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v")]
 
 
-def run_command(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def run_command(command: str, *arguments: tuple[str, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command body ``(config, resume, verbose, flags)`` the parameters of :data:`RUN_OPTIONS` that
-    ``command`` offers, as typer reads them from the signature."""
+    ``command`` offers, as typer reads them from the signature; ``arguments`` ((name, typer annotation) pairs)
+    come first, as required positional arguments, and reach the body in ``flags``."""
     def decorate(body: Callable[..., None]) -> Callable[..., None]:
         offered = [o for o in RUN_OPTIONS if command in o.commands]
-        params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigOpt, default=None),
+        params = [*(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+                    for name, annotation in arguments),
+                  inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigOpt, default=None),
                   *(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
                                       default=o.default) for o in offered),
                   inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=ResumeOpt, default=None),

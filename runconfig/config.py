@@ -214,6 +214,9 @@ class ContainersConfig(pydantic.BaseModel):
         None, gt=0, description="CPU limit of each edge-node container whose device class sets none")
     memory: str | None = pydantic.Field(
         None, description="memory limit of each edge-node container whose device class sets none (e.g. 512m, 2g)")
+    advertise: str | None = pydantic.Field(
+        None, description="swarm: the address the edge-node services dial the coordinator at (default: this "
+                          "manager's swarm address)")
     gpus: bool = pydantic.Field(False, description="give the edge-node containers the host's GPUs (CUDA device "
                                                    "request; needs the NVIDIA container runtime)")
     faults: Path | None = pydantic.Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,72 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
     assert all(set(t) == {"fast", "slow"} for t in train)
     assert all(t["slow"] > 2 * t["fast"] for t in train), train
     no_leftovers()
+
+
+# -- Docker Swarm (a single-node swarm here) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swarm(image):
+    """This engine as a swarm manager; a swarm made here is left again afterwards."""
+    client = engine.client()
+    made = client.info()["Swarm"]["LocalNodeState"] != "active"
+    if made:
+        client.swarm.init(advertise_addr="127.0.0.1" if not _default_route() else None)
+    yield client
+    if made:
+        client.swarm.leave(force=True)
+
+
+def _default_route() -> bool:
+    return any(line.split()[1] == "00000000" for line in Path("/proc/net/route").read_text().splitlines()[1:])
+
+
+@pytest.mark.slow
+def test_swarm_backend_runs_to_completion(tmp_path, image, swarm, mnist_root):
+    args = ["--clients", "20", "--clients-per-round", "5", "--tasks", "2", "--rounds-per-task", "2",
+            "--local-epochs", "1", "--nodes", "2", "--seed", "3", "--data-root", str(mnist_root)]
+    done, summary, events = up(tmp_path, *args, "--backend", "swarm", "--image", image)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert summary["status"] == "completed" and summary["clients"]["joined"] == 20
+    assert swarm.services.list(filters={"label": "fcl-emu.run"}) == []
+    assert swarm.secrets.list(filters={"label": "fcl-emu.run"}) == []
+    no_leftovers()
+
+
+@pytest.mark.slow
+def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, mnist_root):
+    """`fcl-emu deploy` files, deployed by the user's own `docker stack deploy`: the coordinator service finishes
+    the run, and the stack's Prometheus (from the project's image) scraped the coordinator and both nodes."""
+    import time
+    import urllib.request
+
+    out = tmp_path / "deploy"
+    done = subprocess.run([sys.executable, "-m", "fcl_emu", "deploy", str(out), "--clients", "12",
+                           "--clients-per-round", "4", "--tasks", "2", "--rounds-per-task", "3", "--local-epochs",
+                           "1", "--nodes", "2", "--image", image, "--data-root", str(mnist_root)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compose = yaml.safe_load((out / "compose.yml").read_text())
+    assert set(compose["services"]) == {"coordinator", "prometheus", "node-0", "node-1"}
+    assert compose["services"]["node-0"]["restart"] == "no"
+    stack = "fcltest"
+    deployed = subprocess.run(["docker", "stack", "deploy", "-c", "stack.yml", stack], cwd=out,
+                              capture_output=True, text=True, timeout=120)
+    if deployed.returncode != 0 and "unknown command" in deployed.stderr:
+        pytest.skip(f"this docker CLI has no `stack deploy`: {deployed.stderr.strip()}")
+    assert deployed.returncode == 0, deployed.stderr
+    try:
+        summary_file = out / "runs" / "run" / "summary.json"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (summary_file.exists() and json.loads(
+                summary_file.read_text()).get("status") == "completed"):
+            time.sleep(2)
+        assert json.loads(summary_file.read_text())["status"] == "completed"
+        query = "http://127.0.0.1:9090/api/v1/query?query=" + urllib.parse.quote("max_over_time(up[10m])")
+        with urllib.request.urlopen(query, timeout=10) as reply:
+            scraped = {r["metric"]["instance"] for r in json.load(reply)["data"]["result"]
+                       if r["value"][1] == "1"}
+        assert {"coordinator:9100", "node-0:9101", "node-1:9102"} <= scraped
+    finally:
+        subprocess.run(["docker", "stack", "rm", stack], capture_output=True, timeout=120)

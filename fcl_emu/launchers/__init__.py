@@ -22,7 +22,13 @@ def _docker() -> NodeLauncher:
     return DockerLauncher()
 
 
-BACKENDS: dict[str, Callable[[], NodeLauncher]] = {"process": ProcessLauncher, "docker": _docker}
+def _swarm() -> NodeLauncher:
+    from fcl_emu.launchers.swarm import SwarmLauncher
+
+    return SwarmLauncher()
+
+
+BACKENDS: dict[str, Callable[[], NodeLauncher]] = {"process": ProcessLauncher, "docker": _docker, "swarm": _swarm}
 
 
 def launcher(backend: str = "process") -> NodeLauncher:

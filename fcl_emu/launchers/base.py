@@ -148,6 +148,13 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
     return args
 
 
+def replace_option(args: list[str], option: str, value: str) -> list[str]:
+    """``args`` with the value after ``option`` replaced (a path as a container sees it)."""
+    out = list(args)
+    out[out.index(option) + 1] = value
+    return out
+
+
 class NodeLauncher(abc.ABC):
     """Starts the edge nodes of one run and stops them for sure when it ends."""
 

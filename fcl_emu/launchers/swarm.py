@@ -1,0 +1,264 @@
+"""Edge nodes as Docker Swarm services, on as many hosts as the swarm has: one service per edge node.
+
+The coordinator stays a process of ``fcl-emu up`` on a manager and binds all its interfaces; every service runs
+``fcl-emu node --connect tcp://MANAGER_ADDRESS:PORT`` (the manager's swarm address, or ``containers.advertise``)
+and dials out over the hosts' network, so only the coordinator's port must be open between hosts (plus Swarm's
+own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). Each service:
+
+- is attached to an attachable overlay network of the run with ``endpoint_mode: dnsrr`` (no virtual IP: the
+  kernel here has no IPVS, and an edge node needs no load balancer);
+- has its device class's CPU and memory limits (``resources``), and, where swarm nodes carry the label
+  ``fcl-emu.device-class=<class>``, is placed on them (a class no node is labelled for runs anywhere);
+- never restarts on its own (``restart_policy: none``): a crash stays a crash, under the emulator's control;
+- gets the run's CurveZMQ keys as Swarm secrets (they reach other hosts with the task; nothing is copied by
+  hand), and the data roots bind-mounted read-only from the host it lands on (the dataset must be at the same
+  path on every host, docs/containers.md).
+
+A task that ends is reported at once (its exit code, and an out-of-memory kill named as such where the container
+is on this host) and the coordinator records its clients as crashed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from containers.engine import EngineError, client
+from containers.faults import Target
+from containers.image import image_ref
+from coordinator.engine import NodeExit
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec, node_args, node_key_name, node_specs, replace_option
+from fcl_emu.launchers.docker import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, run_label, split_endpoint,
+                                      tbf_entrypoint)
+from runconfig import RunConfig, node_metrics_port
+from scenario.devices import memory_bytes
+from wire.auth import SERVER_NAME
+
+log = logging.getLogger("fcl_emu.launchers")
+
+ENDED = {"complete", "failed", "shutdown", "rejected", "orphaned", "remove"}
+SECRETS_DIR = "/run/secrets"
+
+
+class SwarmLauncher(NodeLauncher):
+    """One Swarm service per edge node (:func:`node_specs`), watched by polling its task."""
+
+    poll_s = 0.5
+
+    def __init__(self) -> None:
+        self.engine = client()
+        swarm = self.engine.info().get("Swarm", {})
+        if swarm.get("LocalNodeState") != "active" or not swarm.get("ControlAvailable"):
+            raise EngineError("this Docker engine is not a Swarm manager: run `docker swarm init` here (or on the "
+                              "manager, and run `fcl-emu up` there)")
+        self.node_address = swarm.get("NodeAddr", "")
+        self._services: list[tuple[NodeSpec, object]] = []
+        self._secrets: list = []
+        self._exits: dict[str, NodeExit] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._network = None
+        self._log_dir: Path | None = None
+        self.label = ""
+        self.image = ""
+
+    def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:
+        self.image = image_ref(config.containers.image)
+        self.label = run_label(run_dir)
+        self._remove_leftovers()
+        name = config.containers.network or f"fcl-emu-{self.label}"
+        networks = self.engine.networks.list(names=[name])
+        self._network = networks[0] if networks else self.engine.networks.create(
+            name, driver="overlay", attachable=True, labels={LABEL_RUN: self.label})
+        host, port = split_endpoint(config.network.bind)
+        updates: dict = {"data_root": [Path(p).resolve() for p in config.data_root]}
+        if host in LOOPBACK:  # tasks on any host dial the manager's address: listen beyond loopback
+            updates["network"] = config.network.model_copy(update={"bind": f"tcp://0.0.0.0:{port}"})
+        return config.model_copy(update=updates)
+
+    def _remove_leftovers(self) -> None:
+        for service in self.engine.services.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
+            log.warning("removing service %s left by an earlier run in this run directory", service.name)
+            service.remove()
+        for secret in self.engine.secrets.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
+            secret.remove()
+
+    def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_dir = log_dir
+        host, port = split_endpoint(address)
+        advertise = config.containers.advertise or self.node_address
+        dial = f"tcp://{advertise if host in ANY | LOOPBACK else host}:{port}"
+        server_secret = self._secret(config, f"{SERVER_NAME}.key") if config.security.keys else None
+        for spec in node_specs(config):
+            service = self._create_service(spec, dial, config, server_secret)
+            with self._lock:
+                self._services.append((spec, service))
+        threading.Thread(target=self._watch, name="swarm-tasks", daemon=True).start()
+
+    def _secret(self, config: RunConfig, filename: str):
+        """A Swarm secret holding one file of the run's key directory."""
+        import docker
+
+        data = (Path(config.security.keys) / filename).read_bytes()
+        secret = self.engine.secrets.create(name=f"fcl-emu-{self.label}-{filename}", data=data,
+                                            labels={LABEL_RUN: self.label})
+        self._secrets.append(secret)
+        return docker.types.SecretReference(secret.id, secret.name, filename=filename, mode=0o400)
+
+    def _create_service(self, spec: NodeSpec, dial: str, config: RunConfig, server_secret):
+        import docker
+
+        args = node_args(dial, spec.clients, config, spec.name, spec.number, metrics_host="0.0.0.0")
+        secrets = []
+        if server_secret is not None:
+            key_file = f"{node_key_name(spec.number)}.key_secret"
+            secrets = [server_secret, self._secret(config, key_file)]
+            args = replace_option(args, "--server-key", f"{SECRETS_DIR}/{SERVER_NAME}.key")
+            args = replace_option(args, "--key", f"{SECRETS_DIR}/{key_file}")
+        limits = spec.limits
+        entrypoint = tbf_entrypoint(limits.uplink_mbit) if limits.uplink_mbit is not None else ["fcl-emu"]
+        constraints = []
+        if spec.device_class and self._class_is_labelled(spec.device_class):
+            constraints.append(f"node.labels.{LABEL_CLASS}=={spec.device_class}")
+        metrics_port = node_metrics_port(config, spec.number)
+        ports = {metrics_port: (metrics_port, "tcp", "host")} if metrics_port is not None else None
+        return self.engine.services.create(
+            self.image, command=entrypoint, args=args, name=f"fcl-emu-{self.label}-{spec.name}",
+            hostname=spec.name, networks=[self._network.name],
+            labels={LABEL_RUN: self.label, LABEL_NODE: spec.name},
+            container_labels={LABEL_RUN: self.label, LABEL_NODE: spec.name, LABEL_CLASS: spec.device_class or ""},
+            env=["OMP_NUM_THREADS=1"], init=True, secrets=secrets,
+            mounts=[docker.types.Mount(str(root), str(root), type="bind", read_only=True)
+                    for root in config.data_root if Path(root).is_dir()],
+            cap_add=["NET_ADMIN"] if limits.uplink_mbit is not None else None,
+            resources=docker.types.Resources(
+                cpu_limit=int(limits.cpus * 1e9) if limits.cpus is not None else None,
+                mem_limit=memory_bytes(limits.memory) if limits.memory is not None else None),
+            restart_policy=docker.types.RestartPolicy(condition="none"),
+            endpoint_spec=docker.types.EndpointSpec(mode="dnsrr", ports=ports),
+            constraints=constraints or None)
+
+    def _class_is_labelled(self, device_class: str) -> bool:
+        nodes = self.engine.nodes.list(filters={"node.label": f"{LABEL_CLASS}={device_class}"})
+        if not nodes:
+            log.warning("no swarm node is labelled %s=%s: its services run on any node", LABEL_CLASS, device_class)
+        return bool(nodes)
+
+    # -- watching --------------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                services = list(self._services)
+            for spec, service in services:
+                if spec.name not in self._exits:
+                    try:
+                        self._check(spec, service)
+                    except Exception as exc:  # the engine is busy or the service is being removed: next poll
+                        log.debug("polling %s: %s", spec.name, exc)
+
+    def _check(self, spec: NodeSpec, service) -> None:
+        tasks = service.tasks()
+        if not tasks:
+            return
+        task = max(tasks, key=lambda t: t.get("CreatedAt", ""))
+        status = task.get("Status", {})
+        if status.get("State") not in ENDED:
+            return
+        container_status = status.get("ContainerStatus", {})
+        code = int(container_status.get("ExitCode", -1))
+        error = status.get("Err") or status.get("Message", "")
+        local = self._local_container(container_status.get("ContainerID"))
+        if local is not None and local.attrs["State"].get("OOMKilled"):
+            error = f"out of memory: the kernel killed it at its container's {spec.limits.memory} memory limit"
+        elif local is not None:
+            from fcl_emu.launchers.docker import last_log_line
+
+            error = last_log_line(local) or error
+        with self._lock:
+            self._exits[spec.name] = NodeExit(spec.name, code, len(spec.clients), error)
+
+    def _local_container(self, container_id: str | None):
+        """The task's container if it runs on this host (faults, OOM status, logs); None elsewhere."""
+        import docker
+
+        if not container_id:
+            return None
+        try:
+            return self.engine.containers.get(container_id)
+        except docker.errors.NotFound:
+            return None
+
+    def exited(self) -> list[NodeExit]:
+        with self._lock:
+            return list(self._exits.values())
+
+    @property
+    def count(self) -> int:
+        return len(self._services)
+
+    def containers(self) -> dict[str, object]:
+        """The services' containers that run on this host, by node name (faults and container metrics)."""
+        out = {}
+        with self._lock:
+            services = list(self._services)
+        for spec, service in services:
+            for task in service.tasks():
+                container = self._local_container(task.get("Status", {}).get("ContainerStatus", {})
+                                                  .get("ContainerID"))
+                if container is not None:
+                    out[spec.name] = container
+        return out
+
+    def fault_target(self) -> Target:
+        return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._services}, self._network)
+
+    # -- tear-down -------------------------------------------------------------------------------------------------
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and len(self.exited()) < len(self._services):
+            time.sleep(self.poll_s)
+        self._stop.set()
+        for spec, service in self._services:
+            self._save_log(spec, service)
+            service.remove()
+        deadline = time.monotonic() + 30  # a removed service's containers go a moment later
+        while time.monotonic() < deadline and self.engine.containers.list(
+                all=True, filters={"label": f"{LABEL_RUN}={self.label}"}):
+            time.sleep(self.poll_s)
+        for secret in self._secrets:
+            _remove_when_free(secret)
+        if self._network is not None and self._network.attrs.get("Labels", {}).get(LABEL_RUN) == self.label:
+            _remove_when_free(self._network)
+
+    def _save_log(self, spec: NodeSpec, service) -> None:
+        if self._log_dir is None:
+            return
+        try:
+            text = b"".join(service.logs(stdout=True, stderr=True, follow=False))
+        except Exception as exc:  # logs of a service whose task never started
+            text = f"(no log: {exc})\n".encode()
+        with open(self._log_dir / f"{spec.name}.log", "ab") as f:
+            f.write(text)
+
+
+def _remove_when_free(obj, timeout_s: float = 20.0) -> None:
+    """Remove a secret or network once the removed services' tasks have let go of it."""
+    import docker
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            obj.remove()
+            return
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as exc:
+            if time.monotonic() > deadline:
+                log.warning("%s not removed: %s", getattr(obj, "name", obj), exc)
+                return
+            time.sleep(0.5)
