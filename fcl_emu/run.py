@@ -13,6 +13,7 @@ from rich.table import Table
 import pydantic
 
 from containers.faults import FaultInjector, load_plan
+from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
@@ -186,6 +187,7 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
     console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}{resumed}")
     prometheus = None
     faults: FaultInjector | None = None
+    container_stats: ContainerStats | None = None
     finished = False
     try:
         prometheus = _start_metrics(config, coordinator, run_dir, start_nodes, console)
@@ -194,6 +196,10 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
             coordinator.watch_nodes(nodes.exited, nodes.count)
             if config.containers.faults is not None:
                 faults = _inject_faults(config, nodes, coordinator, view)
+            if config.metrics.enabled and config.containers.backend != "process":
+                target = nodes.container_target()
+                container_stats = ContainerStats(target.containers, target.classes, config.metrics.scrape_interval_s)
+                coordinator.metrics.registry.register(container_stats)
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)
@@ -215,6 +221,8 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
             time.sleep(config.metrics.linger)  # a last scrape sees the end (the nodes linger alongside)
         if faults is not None:
             faults.close()
+        if container_stats is not None:
+            container_stats.close()
         if nodes is not None:
             nodes.stop()
         coordinator.close()
@@ -226,7 +234,7 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
 def _inject_faults(config: RunConfig, nodes: NodeLauncher, coordinator: Coordinator,
                    view: ProgressView) -> FaultInjector:
     """Carry out the run's fault plan on its containers, timed by the coordinator's progress events."""
-    injector = FaultInjector(load_plan(config.containers.faults), nodes.fault_target(), config.seed,
+    injector = FaultInjector(load_plan(config.containers.faults), nodes.container_target(), config.seed,
                              record=coordinator.record_fault)
 
     def progress(kind: str, info: dict) -> None:

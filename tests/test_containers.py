@@ -177,7 +177,19 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
 def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_path, image, mnist_root):
     """Three device classes with container limits: 1 CPU, 0.25 CPU, and a memory limit too small to train in.
     The 0.25-CPU class trains several times slower; the starved node is OOM-killed, recorded as such, and the
-    run goes on with the other classes."""
+    run goes on with the other classes. A real Prometheus scrapes the containers' counters: every query of the
+    containers dashboard has data, and the throttling shows on the 0.25-CPU class only."""
+    import time
+
+    from monitoring import stack
+    from tests.conftest import free_port
+    from tests.test_monitoring import CONTAINERS_BOARD, dashboard_queries, has_data, query_range
+
+    prometheus_here = stack.prometheus_binary() is not None
+    metrics = ["--metrics-port", str(stack.find_port_block("127.0.0.1", 4, start=20000 + free_port() % 20000,
+                                                          stop=65000)),
+               "--prometheus", "--prometheus-port", str(free_port())] if prometheus_here else []
+    started = time.time()
     profiles = tmp_path / "profiles.yaml"
     profiles.write_text(yaml.safe_dump({"profiles": [
         {"name": "fast", "share": 1, "container": {"cpus": 1.0}},
@@ -186,7 +198,8 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
     done, summary, events = up(
         tmp_path, "--backend", "docker", "--image", image, "--device-profiles", str(profiles), "--clients", "24",
         "--clients-per-round", "24", "--tasks", "1", "--rounds-per-task", "2", "--local-epochs", "1",
-        "--nodes", "3", "--data-root", str(mnist_root))
+        "--nodes", "3", "--data-root", str(mnist_root), *metrics)
+    ended = time.time()
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary["status"] == "completed"
     exits = [e for e in events if e["event"] == "node_exit"]
@@ -195,6 +208,22 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
     assert all(set(t) == {"fast", "slow"} for t in train)
     assert all(t["slow"] > 2 * t["fast"] for t in train), train
     no_leftovers()
+    if not prometheus_here:
+        pytest.skip("the `prometheus` binary is not installed: the container metrics were not checked")
+    prometheus = stack.LocalPrometheus(tmp_path / "run", port=free_port(), scrape_interval_s=5.0)
+    prometheus.start()
+    try:
+        run_id = json.loads((tmp_path / "run" / "prometheus_targets.json").read_text())[0]["labels"]["run_id"]
+        for board, title, expr in dashboard_queries():
+            if board == CONTAINERS_BOARD:
+                concrete = expr.replace("$__rate_interval", "20s").replace("$run_id", run_id)
+                assert has_data(query_range(prometheus.url, concrete, started, ended)), title
+        throttled = query_range(prometheus.url, f'max_over_time(fcl_container_cpu_throttled_seconds_total'
+                                                f'{{run_id="{run_id}"}}[10m])', started, ended)
+        last = {series["metric"]["device_class"]: float(series["values"][-1][1]) for series in throttled}
+        assert last["slow"] > 1.0 and last["slow"] > 10 * last["fast"], last
+    finally:
+        prometheus.stop()
 
 
 # -- Docker Swarm (a single-node swarm here) ---------------------------------------------------------------------

@@ -187,8 +187,8 @@ class DockerLauncher(NodeLauncher):
         with self._lock:
             return {spec.name: container for spec, container in self._started}
 
-    def fault_target(self) -> Target:
-        """What a fault plan acts on: these containers, their device classes, the run's network."""
+    def container_target(self) -> Target:
+        """These containers, their device classes and the run's network (for fault plans and container metrics)."""
         return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._started}, self._network)
 
     # -- tear-down -------------------------------------------------------------------------------------------------

@@ -213,7 +213,7 @@ class SwarmLauncher(NodeLauncher):
                     out[spec.name] = container
         return out
 
-    def fault_target(self) -> Target:
+    def container_target(self) -> Target:
         return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._services}, self._network)
 
     # -- tear-down -------------------------------------------------------------------------------------------------
