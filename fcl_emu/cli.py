@@ -474,6 +474,29 @@ def bench_scale(
         raise typer.Exit(1) from None
 
 
+@bench_app.command("containers")
+def bench_containers(
+    clients: Annotated[int, typer.Option(min=2, help="Clients (IID shares of MNIST).")] = 100,
+    cohort: Annotated[int, typer.Option(min=1, help="Clients per round.")] = 20,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per run.")] = 3,
+    nodes: Annotated[int, typer.Option(min=1, help="Edge nodes (containers).")] = 4,
+    data_root: DataRootOpt = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Edge nodes in containers against host processes: start-up, idle memory, round time, CPU-limit slow-down."""
+    from containers.engine import EngineError
+    from containers.image import ImageError
+    from fcl_emu.bench.containers import run
+    from runconfig import default_data_roots
+
+    try:
+        run(clients, cohort, rounds, nodes, [Path(p) for p in data_root] if data_root else default_data_roots(),
+            json_path, Console())
+    except (EngineError, ImageError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
 @bench_app.command("flower")
 def bench_flower(
     points: Annotated[str, typer.Option(help="Comma-separated N:K points (clients : clients per round).")]

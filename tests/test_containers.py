@@ -293,3 +293,21 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
         assert {"coordinator:9100", "node-0:9101", "node-1:9102"} <= scraped
     finally:
         subprocess.run(["docker", "stack", "rm", stack], capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root):
+    """A small `fcl-emu bench containers`: both backends measured on the same workload, same accuracy."""
+    from rich.console import Console
+
+    from fcl_emu.bench.containers import run
+
+    result = run(clients=8, cohort=8, rounds=1, nodes=2, data_root=[mnist_root], json_path=tmp_path / "c.json",
+                 console=Console(file=open(tmp_path / "out.txt", "w")))
+    assert json.loads((tmp_path / "c.json").read_text())["workload"]["clients"] == 8
+    assert result["process"]["status"] == result["docker"]["status"] == result["classes"]["status"] == "completed"
+    assert result["process"]["accuracy"] == result["docker"]["accuracy"]
+    for backend in ("process", "docker"):
+        assert result[backend]["startup_s"] > 0 and result[backend]["mb_per_idle_client"] > 1
+    assert result["slowdown_quarter_cpu"] > 1.5
+    no_leftovers()

@@ -171,6 +171,10 @@ class NodeLauncher(abc.ABC):
     def exited(self) -> list[NodeExit]:
         """The nodes that have ended, each with its exit code and last error line."""
 
+    @abc.abstractmethod
+    def pids(self) -> dict[str, int]:
+        """Each running node's top process id on this host (a container's init), by node name (benchmarks)."""
+
     @property
     @abc.abstractmethod
     def count(self) -> int:

@@ -178,6 +178,14 @@ class DockerLauncher(NodeLauncher):
         with self._lock:
             return list(self._exits.values())
 
+    def pids(self) -> dict[str, int]:
+        out = {}
+        for name, container in self.containers().items():
+            container.reload()
+            if container.attrs["State"].get("Pid"):
+                out[name] = int(container.attrs["State"]["Pid"])
+        return out
+
     @property
     def count(self) -> int:
         return len(self._started)

@@ -85,6 +85,9 @@ class ProcessLauncher(NodeLauncher):
     def count(self) -> int:
         return len(self.procs)
 
+    def pids(self) -> dict[str, int]:
+        return {node.name: p.pid for p, (node, _log) in zip(self.procs, self._nodes) if p.poll() is None}
+
     def exited(self) -> list[NodeExit]:
         return [NodeExit(node.name, p.returncode, len(node.clients), last_error(log_file))
                 for p, (node, log_file) in zip(self.procs, self._nodes) if p.poll() is not None]
