@@ -14,10 +14,13 @@ A plan (``--faults PLAN.yaml``):
     faults:
       - {action: kill, node: node-1, round: 3, after_s: 1.0}    # 1 s into round 3
       - {action: pause, device_class: budget, at_s: 20, duration_s: 8}
-      - {action: restart, rate_per_min: 2, duration_s: 0}      # Poisson, on a node drawn at random
+      - {action: restart, rate_per_min: 2}                      # Poisson, on a node drawn at random
+      - {action: restart, per_round: 0.1, after_s: 0.5}        # each node, each round, with probability 0.1
 
 ``round: R`` fires when round R starts (the first round starts when the clients have joined); ``at_s`` counts
-seconds from that moment. ``node`` names an edge node, ``device_class`` picks one of that class's nodes, neither
+seconds from that moment; ``per_round: p`` draws at every round's start, for each node, whether it is hit (the
+container-level counterpart of the emulated ``crash_rate``: the same per-client probability, but all the
+clients of a node at once). ``node`` names an edge node, ``device_class`` picks one of that class's nodes, neither
 picks any running node; random picks and Poisson times are drawn from the run's seed. ``pause`` and
 ``disconnect`` are undone after ``duration_s``. Each fault is recorded as a ``fault`` event in events.jsonl and
 counted in ``fcl_container_faults_total{action}``.
@@ -54,14 +57,18 @@ class Fault(pydantic.BaseModel):
     round: int | None = pydantic.Field(None, ge=1, description="when this global round starts (1-based)")
     at_s: float | None = pydantic.Field(None, ge=0, description="seconds after the first round starts")
     rate_per_min: float | None = pydantic.Field(None, gt=0, description="Poisson arrivals at this rate")
+    per_round: float | None = pydantic.Field(
+        None, gt=0, le=1, description="at every round's start, each matching node independently with this "
+                                      "probability (the per-round rate of the emulated crash_rate)")
     after_s: float = pydantic.Field(0.0, ge=0, description="delay after the round trigger")
     duration_s: float = pydantic.Field(5.0, ge=0, description="pause/disconnect: undone after this long")
 
     @pydantic.model_validator(mode="after")
     def _one_trigger(self) -> "Fault":
-        triggers = [t for t in ("round", "at_s", "rate_per_min") if getattr(self, t) is not None]
+        triggers = [t for t in ("round", "at_s", "rate_per_min", "per_round") if getattr(self, t) is not None]
         if len(triggers) != 1:
-            raise ValueError(f"a fault needs exactly one of round, at_s, rate_per_min (got {triggers or 'none'})")
+            raise ValueError(f"a fault needs exactly one of round, at_s, rate_per_min, per_round (got "
+                             f"{triggers or 'none'})")
         if self.node is not None and self.device_class is not None:
             raise ValueError("a fault names a node or a device_class, not both")
         return self
@@ -145,6 +152,18 @@ class FaultInjector:
         for fault in self.plan.faults:
             if fault.round == number:
                 self._push(now + fault.after_s, "do", fault)
+            elif fault.per_round is not None:
+                for name in sorted(self._matching(fault)):
+                    if self.rng.random() < fault.per_round:
+                        self._push(now + fault.after_s, "do", fault.model_copy(update={"node": name,
+                                                                                       "device_class": None}))
+
+    def _matching(self, fault: Fault) -> list[str]:
+        """The nodes a fault may act on: the named one, the class's, or all."""
+        if fault.node is not None:
+            return [fault.node]
+        return [name for name, cls in self.target.classes.items()
+                if fault.device_class is None or cls == fault.device_class]
 
     # -- acting -------------------------------------------------------------------------------------------------
 
@@ -164,11 +183,10 @@ class FaultInjector:
                 self.record(fault.action, node=kind.partition(":")[2] or fault.node, applied=False, error=str(exc))
 
     def _pick(self, fault: Fault) -> str | None:
-        running = {name: c for name, c in self.target.containers().items() if _status(c) in ("running", "paused")}
+        running = {name for name, c in self.target.containers().items() if _status(c) in ("running", "paused")}
+        names = sorted(set(self._matching(fault)) & running)
         if fault.node is not None:
-            return fault.node if fault.node in running else None
-        names = sorted(n for n in running if fault.device_class is None
-                       or self.target.classes.get(n) == fault.device_class)
+            return names[0] if names else None
         return names[int(self.rng.integers(len(names)))] if names else None
 
     def _act(self, kind: str, fault: Fault) -> None:

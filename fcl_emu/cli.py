@@ -541,6 +541,9 @@ def bench_churn(
     min_participants: Annotated[Optional[int], typer.Option(
         "--min-participants", help="Fewer updates: round skipped (default: half of --clients-per-round).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
+    faults: Annotated[str, typer.Option(
+        help="emulated (the nodes tell clients to leave and crash), containers (edge nodes in Docker: nodes "
+             "paused and restarted at the same per-round rates), or both, comma-separated.")] = "emulated",
     data_root: DataRootOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Writes churn.csv, churn.png and runs/ here.")] = Path("runs/churn"),
     config: Annotated[Optional[Path], typer.Option(
@@ -553,8 +556,12 @@ def bench_churn(
         base = churn.base_config(config, clients=clients, tasks=tasks, rounds_per_task=rounds_per_task,
                                  clients_per_round=clients_per_round, min_participants=min_participants,
                                  data_root=data_root)
+        modes = churn.parse_list(faults, "--faults")
+        unknown = sorted(set(modes) - set(churn.FAULT_MODES))
+        if unknown:
+            raise ValueError(f"--faults: unknown {', '.join(unknown)}; choose from {', '.join(churn.FAULT_MODES)}")
         sweep = churn.run(churn.parse_list(methods, "--methods"), churn.parse_rates(rates), crash_rate, seed, out,
-                          base, console)
+                          base, console, modes)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     raise typer.Exit(0 if all(r["status"] == "completed" for r in sweep.rows) else 1)

@@ -50,11 +50,12 @@ RUNS_DIR = "runs"
 CONFIG_NAME = "bench-config.yaml"
 LOG_NAME = "up.log"
 
-CSV_COLUMNS = ["method", "churn_rate", "crash_rate", "seed", "status", "average_accuracy", "average_forgetting",
+CSV_COLUMNS = ["method", "faults", "churn_rate", "crash_rate", "seed", "status", "average_accuracy", "average_forgetting",
                "rounds_completed", "rounds_total", "bytes_total", "wall_clock_s", "left", "rejoined", "dropped",
                "missed_deadline", "run_dir"]
 
 DEFAULT_METHODS = ("fedavg", "fedlwf2t")
+FAULT_MODES = ("emulated", "containers")
 DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 
 # The bench's own scale; a --config YAML overrides it, and the bench's flags override both.
@@ -140,14 +141,41 @@ def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, t
     return config
 
 
-def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, seed: int) -> dict:
-    """One point's config, validated (raises ValueError naming the problem)."""
+def container_plan(churn_rate: float, crash_rate: float, slot_s: float) -> dict | None:
+    """The container faults at the emulated rates: at every round's start each edge node is paused for a slot
+    with probability ``churn_rate`` (its clients straggle instead of leaving) and restarted with probability
+    ``crash_rate`` (all its clients crash together instead of one by one)."""
+    faults = []
+    if churn_rate > 0:
+        faults.append({"action": "pause", "per_round": churn_rate, "duration_s": slot_s})
+    if crash_rate > 0:
+        faults.append({"action": "restart", "per_round": crash_rate, "after_s": 0.5})
+    return {"faults": faults} if faults else None
+
+
+def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, seed: int,
+                 faults: str = "emulated", plan_path: Path | None = None) -> dict:
+    """One point's config, validated (raises ValueError naming the problem). ``faults`` "containers": the edge
+    nodes run in containers and the churn and crash rates become a fault plan (:func:`container_plan`),
+    written to ``plan_path``."""
     import pydantic
 
     from runconfig import RunConfig
 
-    config = _merge(base, {"method": method, "seed": seed, "scenario": {"seed": seed},
-                           "edge": {"availability": availability_for(churn_rate), "crash_rate": crash_rate}})
+    if faults == "emulated":
+        edge = {"availability": availability_for(churn_rate), "crash_rate": crash_rate}
+        containers: dict[str, Any] = {}
+    else:
+        availability_for(churn_rate)  # the same range check
+        edge = {"availability": "always", "crash_rate": 0.0}
+        containers = {"backend": "docker"}
+        plan = container_plan(churn_rate, crash_rate, float(base.get("edge", {}).get("availability_slot_s", 10.0)))
+        if plan is not None:
+            plan_path.parent.mkdir(parents=True, exist_ok=True)
+            plan_path.write_text(yaml.safe_dump(plan))
+            containers["faults"] = str(plan_path)
+    config = _merge(base, {"method": method, "seed": seed, "scenario": {"seed": seed}, "edge": edge,
+                           **({"containers": containers} if containers else {})})
     try:
         RunConfig.model_validate(config)
     except pydantic.ValidationError as exc:
@@ -158,8 +186,9 @@ def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, 
     return config
 
 
-def point_name(method: str, churn_rate: float, crash_rate: float, seed: int) -> str:
-    return f"{method}-churn{churn_rate:.2f}-crash{crash_rate:.2f}-s{seed}"
+def point_name(method: str, churn_rate: float, crash_rate: float, seed: int, faults: str = "emulated") -> str:
+    suffix = "" if faults == "emulated" else f"-{faults}"
+    return f"{method}-churn{churn_rate:.2f}-crash{crash_rate:.2f}-s{seed}{suffix}"
 
 
 def run_timeout_s(config: dict) -> float:
@@ -173,7 +202,8 @@ def run_timeout_s(config: dict) -> float:
 
 # ------------------------------------------------------------------ one point
 def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: int, rounds_total: int,
-                     run_dir: Path, summary: Optional[dict], status: Optional[str] = None) -> dict[str, Any]:
+                     run_dir: Path, summary: Optional[dict], status: Optional[str] = None,
+                     faults: str = "emulated") -> dict[str, Any]:
     """One CSV row; ``summary`` None (no summary.json) leaves the measurements empty."""
     s = summary or {}
     clients = s.get("clients", {})
@@ -184,7 +214,7 @@ def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: in
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
     return {
-        "method": method, "churn_rate": churn_rate, "crash_rate": crash_rate, "seed": seed,
+        "method": method, "faults": faults, "churn_rate": churn_rate, "crash_rate": crash_rate, "seed": seed,
         "status": status or s.get("status", "failed"),
         "average_accuracy": num("average_accuracy"), "average_forgetting": num("average_forgetting"),
         "rounds_completed": None if rounds is None else rounds - s.get("rounds_skipped", 0),
@@ -299,18 +329,20 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
 
     from monitoring.report import new_figure, save_figure
 
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = list(dict.fromkeys((r["method"], r.get("faults", "emulated")) for r in rows))
     palette = colormaps["tab10"]
     fig = new_figure(13, 3.6)
     axes = fig.subplots(1, len(PANELS))
     rates = sorted({r["churn_rate"] for r in rows})
     for ax, (label, value) in zip(axes, PANELS):
-        for k, method in enumerate(methods):
-            points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["churn_rate"])
+        for k, (method, faults) in enumerate(lines):
+            points = sorted((r for r in rows if r["method"] == method and r.get("faults", "emulated") == faults),
+                            key=lambda r: r["churn_rate"])
             xs = [100 * r["churn_rate"] for r in points if value(r) is not None]
             ys = [value(r) for r in points if value(r) is not None]
             color = palette(k % palette.N)
-            ax.plot(xs, ys, "-", color=color, label=method, alpha=0.85)
+            ax.plot(xs, ys, "-" if faults == "emulated" else "--", color=color, alpha=0.85,
+                    label=method if len({f for _, f in lines}) == 1 else f"{method} ({faults})")
             for r in points:
                 if value(r) is None:
                     continue
@@ -341,22 +373,24 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
 
 def format_table(rows: Sequence[dict[str, Any]], title: str = "bench churn") -> Table:
     table = Table(title=title)
-    for name in ("method", "churn %", "crash %", "status", "acc. %", "forget. %", "rounds", "MB", "wall s",
+    for name in ("method", "faults", "churn %", "crash %", "status", "acc. %", "forget. %", "rounds", "MB", "wall s",
                  "left", "rejoined", "dropped", "missed"):
-        table.add_column(name, justify="left" if name in ("method", "status") else "right")
+        table.add_column(name, justify="left" if name in ("method", "faults", "status") else "right")
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in rows:
         rounds = "-" if r["rounds_completed"] is None else f"{r['rounds_completed']}/{r['rounds_total']}"
-        table.add_row(r["method"], f"{100 * r['churn_rate']:.0f}", f"{100 * r['crash_rate']:.0f}", r["status"],
+        table.add_row(r["method"], r.get("faults", "emulated"), f"{100 * r['churn_rate']:.0f}", f"{100 * r['crash_rate']:.0f}", r["status"],
                       f(r["average_accuracy"]), f(r["average_forgetting"]), rounds,
                       f(None if r["bytes_total"] is None else r["bytes_total"] / 1e6, "{:.1f}"),
                       f(r["wall_clock_s"], "{:.1f}"), f(r["left"], "{}"), f(r["rejoined"], "{}"),
                       f(r["dropped"], "{}"), f(r["missed_deadline"], "{}"))
-    table.caption = ("churn: P(client unavailable in a slot), bernoulli:(1-churn); acc./forget.: average accuracy "
-                     "and forgetting (docs/metrics.md); rounds: completed (not skipped) / total")
+    table.caption = ("churn: P(client unavailable in a slot), bernoulli:(1-churn) (containers: P(a node is paused "
+                     "for a slot in a round)); crash: P(a client crashes in a round) (containers: P(a node is "
+                     "restarted in a round)); acc./forget.: average accuracy and forgetting (docs/metrics.md); "
+                     "rounds: completed (not skipped) / total")
     return table
 
 
@@ -369,23 +403,24 @@ class Sweep:
 
 
 def run(methods: Sequence[str], rates: Sequence[float], crash_rate: float, seed: int, out: Path,
-        base: dict, console: Console) -> Sweep:
-    """Run every (method, churn rate) point in turn; a failed run is recorded and the sweep goes on."""
+        base: dict, console: Console, fault_modes: Sequence[str] = ("emulated",)) -> Sweep:
+    """Run every (method, fault mode, churn rate) point in turn; a failed run is recorded and the sweep goes on."""
     out = Path(out)
-    configs = [(m, c, point_config(base, m, c, crash_rate, seed)) for m in methods for c in rates]
-    first = configs[0][2]
+    configs = [(m, f, c, point_config(base, m, c, crash_rate, seed, f,
+                                      out / RUNS_DIR / f"{point_name(m, c, crash_rate, seed, f)}.faults.yaml"))
+               for m in methods for f in fault_modes for c in rates]
+    first = configs[0][3]
     rounds_total = first["scenario"]["num_tasks"] * first["rounds"]["rounds_per_task"]
     rows: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    for n, (method, rate, config) in enumerate(configs, 1):
-        run_dir = (out / RUNS_DIR / point_name(method, rate, crash_rate, seed)).resolve()
-        console.print(f"[{n}/{len(configs)}] {method} churn {rate:.0%} "
-                      f"({config['edge']['availability']}, crash {crash_rate:g}) -> {run_dir}",
+    for n, (method, faults, rate, config) in enumerate(configs, 1):
+        run_dir = (out / RUNS_DIR / point_name(method, rate, crash_rate, seed, faults)).resolve()
+        console.print(f"[{n}/{len(configs)}] {method} churn {rate:.0%} crash {crash_rate:g} ({faults}) -> {run_dir}",
                       markup=False, highlight=False)
         t0 = time.perf_counter()
         summary, status = run_point(config, run_dir, run_timeout_s(config))
-        row = row_from_summary(method, rate, crash_rate, seed, rounds_total, run_dir, summary, status)
+        row = row_from_summary(method, rate, crash_rate, seed, rounds_total, run_dir, summary, status, faults)
         rows.append(row)
         acc = "-" if row["average_accuracy"] is None else f"{row['average_accuracy']:.1f}%"
         console.print(f"    {status} in {time.perf_counter() - t0:.0f} s: accuracy {acc}, rounds "
