@@ -39,11 +39,13 @@ from typing import Literal
 
 import numpy as np
 import pydantic
-import yaml
+
+from scenario.files import load_model
 
 log = logging.getLogger("fcl_emu.faults")
 
 ACTIONS = ("kill", "pause", "disconnect", "restart")
+UNDO = {"pause": "unpause", "disconnect": "reconnect"}
 
 
 class Fault(pydantic.BaseModel):
@@ -82,17 +84,7 @@ class FaultPlan(pydantic.BaseModel):
 
 def load_plan(path: Path) -> FaultPlan:
     """Read and check a fault plan; raises ValueError naming the file and the problem."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"fault plan {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"fault plan {path}: cannot parse: {exc}") from None
-    try:
-        return FaultPlan.model_validate(data)
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"fault plan {path}: {problems}") from None
+    return load_model(path, FaultPlan, "fault plan")
 
 
 class Target:
@@ -178,9 +170,10 @@ class FaultInjector:
                 _due, _order, kind, fault = heapq.heappop(self._queue)
             try:
                 self._act(kind, fault)
-            except Exception as exc:  # a container gone since: the fault is recorded as not applied
-                log.warning("fault %s not applied: %s", fault.action, exc)
-                self.record(fault.action, node=kind.partition(":")[2] or fault.node, applied=False, error=str(exc))
+            except Exception as exc:  # a container gone or restarted since: recorded as not applied
+                action = UNDO[fault.action] if kind.startswith("undo:") else fault.action
+                log.warning("fault %s not applied: %s", action, exc)
+                self.record(action, node=kind.partition(":")[2] or fault.node, applied=False, error=str(exc))
 
     def _pick(self, fault: Fault) -> str | None:
         running = {name for name, c in self.target.containers().items() if _status(c) in ("running", "paused")}
@@ -198,7 +191,7 @@ class FaultInjector:
                 container.unpause()
             else:
                 self.target.network.connect(container)
-            self.record("un" + fault.action if fault.action == "pause" else "reconnect", node=name, applied=True)
+            self.record(UNDO[fault.action], node=name, applied=True)
             return
         name = self._pick(fault)
         if name is None:

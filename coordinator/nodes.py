@@ -23,12 +23,15 @@ log = logging.getLogger("fcl_emu.coordinator")
 
 @dataclass(frozen=True)
 class NodeExit:
-    """An edge node that has ended: its name, exit code, how many clients it hosted, its last error line."""
+    """An edge node that has ended: its name, exit code, how many clients it hosted, its last error line; ``seq``
+    counts the node's exits (a restarted container can end again) and ``back`` says it has started again since."""
 
     name: str
     code: int
     clients: int
     last_error: str
+    seq: int = 0
+    back: bool = False
 
     def describe(self) -> str:
         return f"edge node {self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}"
@@ -39,7 +42,7 @@ class NodeWatch:
 
     _node_watch: Callable[[], list[NodeExit]] | None = None
     _nodes_started = 0
-    _exited_nodes: dict[str, NodeExit]
+    _exited_nodes: dict[tuple[str, int], NodeExit]  # every exit handled, by (node, seq)
     _unreachable_clients = 0  # clients of exited nodes that had not joined: never to be waited for
 
     def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
@@ -59,21 +62,19 @@ class NodeWatch:
         if self._node_watch is None:
             return
         exits = self._node_watch()
-        back = set(self._exited_nodes) - {node.name for node in exits}
-        for name in back:  # restarted: its clients join again, and a later exit is reported again
-            del self._exited_nodes[name]
         for node in exits:
-            if node.name in self._exited_nodes:
+            if (node.name, node.seq) in self._exited_nodes:
                 continue
-            self._exited_nodes[node.name] = node
+            self._exited_nodes[(node.name, node.seq)] = node
             hosted = [r for r in self.registry.records.values() if r.node == node.name]
             for record in hosted:
                 if self.registry.drop(record.client_id):
                     self.metrics.client_dropped("node_exited")
-            self._unreachable_clients += max(0, node.clients - len(hosted))
+            self._unreachable_clients += max(0, node.clients - len(hosted)) if node.seq == 0 else 0
             log.error("%s", node.describe())
             if self._recorder is not None:
                 self._recorder.event("node_exit", node=node.name, code=node.code, error=node.last_error)
             self.progress("node_exit", {"node": node.name, "code": node.code, "error": node.last_error})
-        if len(self._exited_nodes) >= self._nodes_started > 0 and self.registry.online_count == 0:
-            raise RunAborted("every edge node exited: " + "; ".join(n.describe() for n in self._exited_nodes.values()))
+        down = {node.name: node for node in exits if not node.back}  # a restarted node's clients join again
+        if len(down) >= self._nodes_started > 0 and self.registry.online_count == 0:
+            raise RunAborted("every edge node exited: " + "; ".join(n.describe() for n in down.values()))

@@ -129,7 +129,7 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
     yourself (docs/containers.md)."""
     from containers.engine import EngineError
     from containers.image import ImageError, image_ref
-    from containers.stack import write_deployment
+    from fcl_emu.deploy import write_deployment
 
     if resume is not None:
         raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")

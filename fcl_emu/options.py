@@ -125,8 +125,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     _option("device", "device", str, "auto, cpu or cuda."),
     _option("seed", ("seed", "scenario.seed"), int, "Seed of the scenario, sampling and training."),
     _option("run_dir", "run_dir", Path, "Run directory (default runs/<time>-...)."),
-    _option("bind", "network.bind", str, "ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555.",
-            commands=frozenset({COORDINATOR})),
+    _option("bind", "network.bind", str, "ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555 (up: a fixed port for "
+                                         "a swarm's other hosts)."),
     _option("round_deadline", "rounds.deadline_s", float, "Seconds before a round closes."),
     _option("min_participants", "rounds.min_participants", int, "Fewer updates: round skipped."),
     _option("overcommit", "rounds.overcommit", float,

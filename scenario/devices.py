@@ -38,7 +38,6 @@ of them; leave it at 1 for a class whose slowness comes from its CPU limit.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import zlib
@@ -49,7 +48,8 @@ from typing import Any
 
 import numpy as np
 import pydantic
-import yaml
+
+from scenario.files import load_model
 
 Value = float | dict[str, Any]
 
@@ -152,18 +152,7 @@ def _support(value: Value, field: str) -> tuple[float, float]:
 @lru_cache(maxsize=4)
 def load_profiles(path: Path) -> ProfilesFile:
     """Read and validate a profiles file; raises ValueError naming the file and the problem."""
-    try:
-        text = Path(path).read_text()
-        data = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
-    except OSError as exc:
-        raise ValueError(f"device profiles {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"device profiles {path}: cannot parse: {exc}") from None
-    try:
-        return ProfilesFile.model_validate(data)
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"device profiles {path}: {problems}") from None
+    return load_model(path, ProfilesFile, "device profiles")
 
 
 @dataclass(frozen=True)

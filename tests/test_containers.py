@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -147,13 +148,15 @@ def test_docker_backend_gives_the_process_backend_s_accuracy_matrix(tmp_path, im
 @pytest.mark.slow
 def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root):
     """Round 2: node-1's container is killed mid-round (its clients are recorded as crashed, the run goes on).
-    Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back)."""
+    Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back).
+    Round 5: node-2's container is cut off its network past the deadline (its clients miss it)."""
     plan = tmp_path / "faults.yaml"
     plan.write_text(yaml.safe_dump({"faults": [
         {"action": "kill", "node": "node-1", "round": 2, "after_s": 0.3},
-        {"action": "pause", "node": "node-0", "round": 3, "duration_s": 12}]}))
+        {"action": "pause", "node": "node-0", "round": 3, "duration_s": 12},
+        {"action": "disconnect", "node": "node-2", "round": 5, "duration_s": 12}]}))
     config = small_config(tmp_path / "config.yaml", scenario={"num_clients": 12, "num_tasks": 2},
-                          rounds={"clients_per_round": 12, "rounds_per_task": 2, "deadline_s": 8},
+                          rounds={"clients_per_round": 12, "rounds_per_task": 3, "deadline_s": 8},
                           network={"heartbeat_interval_s": 1.0, "liveness_timeout_s": 40.0},
                           training={"local_epochs": 1, "batch_size": 32}, nodes=3)
     done, summary, events = up(tmp_path, "--config", str(config), "--backend", "docker", "--image", image,
@@ -161,7 +164,8 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary["status"] == "completed"
     faults = [(e["action"], e["node"]) for e in events if e["event"] == "fault"]
-    assert faults[:3] == [("kill", "node-1"), ("pause", "node-0"), ("unpause", "node-0")]
+    assert faults == [("kill", "node-1"), ("pause", "node-0"), ("unpause", "node-0"), ("disconnect", "node-2"),
+                      ("reconnect", "node-2")]
     exits = [e for e in events if e["event"] == "node_exit"]
     assert [(e["node"], e["code"]) for e in exits] == [("node-1", 137)] and "SIGKILL" in exits[0]["error"]
     rounds = [e for e in events if e["event"] == "round"]
@@ -169,6 +173,7 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
     assert rounds[1]["participants"] < 12  # node-1's four clients died during round 2
     assert rounds[2]["late"] == 4 and rounds[2]["participants"] == 4  # node-0 frozen, node-2 on time
     assert rounds[3]["participants"] == 8  # node-0 thawed; node-1 is gone
+    assert rounds[4]["late"] == 4 and rounds[4]["participants"] == 4  # node-2 cut off, node-0 on time
     assert summary["clients"]["dropped"] == 4
     no_leftovers()
 
@@ -262,7 +267,6 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
     """`fcl-emu deploy` files, deployed by the user's own `docker stack deploy`: the coordinator service finishes
     the run, and the stack's Prometheus (from the project's image) scraped the coordinator and both nodes."""
     import time
-    import urllib.request
 
     out = tmp_path / "deploy"
     done = subprocess.run([sys.executable, "-m", "fcl_emu", "deploy", str(out), "--clients", "12",
@@ -311,3 +315,16 @@ def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root):
         assert result[backend]["startup_s"] > 0 and result[backend]["mb_per_idle_client"] > 1
     assert result["slowdown_quarter_cpu"] > 1.5
     no_leftovers()
+
+
+def test_gpu_containers_get_a_cuda_device_request(image):
+    """`containers.gpus`: edge-node containers get the host's GPUs through a CUDA device request."""
+    import docker
+
+    if "nvidia" not in engine.client().info().get("Runtimes", {}):
+        pytest.skip("no GPU here: the engine has no NVIDIA container runtime, so a CUDA device request cannot be "
+                    "served (the request is made by fcl_emu/launchers/docker.py when containers.gpus is set)")
+    out = engine.client().containers.run(
+        image, ["-c", "import torch; print(torch.cuda.device_count())"], entrypoint=["python3"], remove=True,
+        device_requests=[docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]).decode()
+    assert int(out.strip()) >= 1

@@ -14,61 +14,27 @@ killed ``up`` removes what the killed one left before it starts its own.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from pathlib import Path
 
-from containers.engine import client
-from containers.faults import Target
 from containers.image import image_ref
-from coordinator.engine import NodeExit
-from fcl_emu.launchers.base import NodeLauncher, NodeSpec, node_args, node_specs
+from fcl_emu.launchers.base import NodeSpec, node_args, node_specs
+from fcl_emu.launchers.engine import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher, node_exit,
+                                      run_label, split_endpoint, tbf_entrypoint)
 from runconfig import RunConfig, node_metrics_port
 
 log = logging.getLogger("fcl_emu.launchers")
 
-LABEL_RUN = "fcl-emu.run"
-LABEL_NODE = "fcl-emu.node"
-LABEL_CLASS = "fcl-emu.device-class"
-LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
-ANY = {"0.0.0.0", "*", "::", "[::]"}
 
-
-def run_label(run_dir: Path) -> str:
-    """The label value of a run's containers and network: a hash of its run directory's absolute path."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-
-
-def split_endpoint(endpoint: str) -> tuple[str, str]:
-    """``tcp://HOST:PORT`` -> (HOST, PORT)."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    return host, port
-
-
-def tbf_entrypoint(uplink_mbit: float) -> list[str]:
-    """Cap the container's egress with the kernel's token bucket filter, then run fcl-emu with the arguments."""
-    burst_kbit = max(32, int(uplink_mbit * 1000 / 250))  # a 4 ms burst at the rate, at least 32 kbit
-    script = (f"tc qdisc replace dev eth0 root tbf rate {uplink_mbit:g}mbit burst {burst_kbit}kbit latency 400ms "
-              f"|| exit 3; exec fcl-emu \"$@\"")
-    return ["sh", "-c", script, "fcl-emu"]
-
-
-class DockerLauncher(NodeLauncher):
+class DockerLauncher(EngineLauncher):
     """One container per edge node (:func:`node_specs`, grouped by device class when classes set limits)."""
 
     def __init__(self) -> None:
-        self.engine = client()
-        self._started: list[tuple[NodeSpec, object]] = []
-        self._exits: dict[str, NodeExit] = {}
-        self._lock = threading.Lock()
+        super().__init__()
         self._events = None
-        self._network = None
         self._gateway = ""
-        self._log_dir: Path | None = None
-        self.label = ""
-        self.image = ""
 
     # -- set-up ------------------------------------------------------------------------------------------------
 
@@ -112,8 +78,8 @@ class DockerLauncher(NodeLauncher):
         for spec in node_specs(config):
             container = self._run_container(spec, dial, config)
             with self._lock:
-                self._started.append((spec, container))
-        for spec, container in self._started:  # one that died before it was listed had its event ignored
+                self._nodes.append((spec, container))
+        for spec, container in self._nodes:  # one that died before it was listed had its event ignored
             container.reload()
             if container.status in ("exited", "dead"):
                 self._record_exit(spec.name)
@@ -150,54 +116,22 @@ class DockerLauncher(NodeLauncher):
                 name = event.get("Actor", {}).get("Attributes", {}).get(LABEL_NODE)
                 if name and event.get("status") == "die":
                     self._record_exit(name)
-                elif name:  # started again (a restart fault): running, its clients rejoin
-                    with self._lock:
-                        self._exits.pop(name, None)
+                elif name:
+                    self._started_again(name)
         except Exception:  # the stream is closed by stop(), or the engine went away: nothing more to watch
             return
 
     def _record_exit(self, name: str) -> None:
         with self._lock:
-            found = [(s, c) for s, c in self._started if s.name == name]
-        if not found or name in self._exits:
-            return
-        spec, container = found[0]
-        container.reload()
-        state = container.attrs["State"]
-        if state.get("OOMKilled"):
-            error = f"out of memory: the kernel killed it at its container's {spec.limits.memory} memory limit"
-        else:
-            error = last_log_line(container)
-        code = int(state.get("ExitCode", -1))
-        if not error and code > 128:
-            error = f"ended by signal {code - 128}" + (" (SIGKILL)" if code == 137 else "")
-        with self._lock:
-            self._exits[name] = NodeExit(name, code, len(spec.clients), error)
-
-    def exited(self) -> list[NodeExit]:
-        with self._lock:
-            return list(self._exits.values())
-
-    def pids(self) -> dict[str, int]:
-        out = {}
-        for name, container in self.containers().items():
+            found = [(s, c) for s, c in self._nodes if s.name == name]
+        if found:
+            spec, container = found[0]
             container.reload()
-            if container.attrs["State"].get("Pid"):
-                out[name] = int(container.attrs["State"]["Pid"])
-        return out
-
-    @property
-    def count(self) -> int:
-        return len(self._started)
+            self._record(node_exit(spec, int(container.attrs["State"].get("ExitCode", -1)), container))
 
     def containers(self) -> dict[str, object]:
-        """The run's containers by node name (for fault injection and container metrics)."""
         with self._lock:
-            return {spec.name: container for spec, container in self._started}
-
-    def container_target(self) -> Target:
-        """These containers, their device classes and the run's network (for fault plans and container metrics)."""
-        return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._started}, self._network)
+            return {spec.name: container for spec, container in self._nodes}
 
     # -- tear-down -------------------------------------------------------------------------------------------------
 
@@ -205,37 +139,14 @@ class DockerLauncher(NodeLauncher):
         import requests
 
         deadline = time.monotonic() + grace_s
-        for _spec, container in self._started:
+        for _spec, container in self._nodes:
             try:
                 container.wait(timeout=max(1, int(deadline - time.monotonic())))
             except requests.exceptions.RequestException:
                 container.stop(timeout=5)
         if self._events is not None:
             self._events.close()
-        for spec, container in self._started:
-            self._save_log(spec, container)
+        for spec, container in self._nodes:
+            self._save_log(spec, container.logs(stdout=True, stderr=True))
             container.remove(force=True)
         self._remove_network()
-
-    def _save_log(self, spec: NodeSpec, container) -> None:
-        if self._log_dir is None:
-            return
-        with open(self._log_dir / f"{spec.name}.log", "ab") as f:  # appended to by `up --resume`
-            f.write(container.logs(stdout=True, stderr=True))
-
-    def _remove_network(self) -> None:
-        import docker
-
-        if self._network is None or self._network.attrs.get("Labels", {}).get(LABEL_RUN) != self.label:
-            return  # a network the user named and made: theirs to keep
-        try:
-            self._network.remove()
-        except docker.errors.APIError as exc:
-            log.warning("network %s not removed: %s", self._network.name, exc)
-
-
-def last_log_line(container, max_chars: int = 300) -> str:
-    """The last non-empty line a container wrote (a traceback's last line names the error)."""
-    text = container.logs(stdout=True, stderr=True, tail=50).decode("utf-8", "replace")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:max_chars] if lines else ""

@@ -25,13 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from containers.engine import EngineError, client
-from containers.faults import Target
+from containers.engine import EngineError
 from containers.image import image_ref
-from coordinator.engine import NodeExit
-from fcl_emu.launchers.base import NodeLauncher, NodeSpec, node_args, node_key_name, node_specs, replace_option
-from fcl_emu.launchers.docker import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, run_label, split_endpoint,
-                                      tbf_entrypoint)
+from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs, replace_option
+from fcl_emu.launchers.engine import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher, node_exit,
+                                      remove_when_free, run_label, split_endpoint, tbf_entrypoint)
 from runconfig import RunConfig, node_metrics_port
 from scenario.devices import memory_bytes
 from wire.auth import SERVER_NAME
@@ -42,27 +40,20 @@ ENDED = {"complete", "failed", "shutdown", "rejected", "orphaned", "remove"}
 SECRETS_DIR = "/run/secrets"
 
 
-class SwarmLauncher(NodeLauncher):
+class SwarmLauncher(EngineLauncher):
     """One Swarm service per edge node (:func:`node_specs`), watched by polling its task."""
 
     poll_s = 0.5
 
     def __init__(self) -> None:
-        self.engine = client()
+        super().__init__()
         swarm = self.engine.info().get("Swarm", {})
         if swarm.get("LocalNodeState") != "active" or not swarm.get("ControlAvailable"):
             raise EngineError("this Docker engine is not a Swarm manager: run `docker swarm init` here (or on the "
                               "manager, and run `fcl-emu up` there)")
         self.node_address = swarm.get("NodeAddr", "")
-        self._services: list[tuple[NodeSpec, object]] = []
         self._secrets: list = []
-        self._exits: dict[str, NodeExit] = {}
-        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._network = None
-        self._log_dir: Path | None = None
-        self.label = ""
-        self.image = ""
 
     def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:
         self.image = image_ref(config.containers.image)
@@ -95,7 +86,7 @@ class SwarmLauncher(NodeLauncher):
         for spec in node_specs(config):
             service = self._create_service(spec, dial, config, server_secret)
             with self._lock:
-                self._services.append((spec, service))
+                self._nodes.append((spec, service))
         threading.Thread(target=self._watch, name="swarm-tasks", daemon=True).start()
 
     def _secret(self, config: RunConfig, filename: str):
@@ -152,9 +143,11 @@ class SwarmLauncher(NodeLauncher):
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
-                services = list(self._services)
+                services = list(self._nodes)
             for spec, service in services:
-                if spec.name not in self._exits:
+                with self._lock:
+                    down = self._down(spec.name)
+                if not down:
                     try:
                         self._check(spec, service)
                     except Exception as exc:  # the engine is busy or the service is being removed: next poll
@@ -169,17 +162,9 @@ class SwarmLauncher(NodeLauncher):
         if status.get("State") not in ENDED:
             return
         container_status = status.get("ContainerStatus", {})
-        code = int(container_status.get("ExitCode", -1))
-        error = status.get("Err") or status.get("Message", "")
-        local = self._local_container(container_status.get("ContainerID"))
-        if local is not None and local.attrs["State"].get("OOMKilled"):
-            error = f"out of memory: the kernel killed it at its container's {spec.limits.memory} memory limit"
-        elif local is not None:
-            from fcl_emu.launchers.docker import last_log_line
-
-            error = last_log_line(local) or error
-        with self._lock:
-            self._exits[spec.name] = NodeExit(spec.name, code, len(spec.clients), error)
+        self._record(node_exit(spec, int(container_status.get("ExitCode", -1)),
+                               self._local_container(container_status.get("ContainerID")),
+                               reported=status.get("Err") or status.get("Message", "")))
 
     def _local_container(self, container_id: str | None):
         """The task's container if it runs on this host (faults, OOM status, logs); None elsewhere."""
@@ -192,27 +177,11 @@ class SwarmLauncher(NodeLauncher):
         except docker.errors.NotFound:
             return None
 
-    def exited(self) -> list[NodeExit]:
-        with self._lock:
-            return list(self._exits.values())
-
-    def pids(self) -> dict[str, int]:
-        out = {}
-        for name, container in self.containers().items():
-            container.reload()
-            if container.attrs["State"].get("Pid"):
-                out[name] = int(container.attrs["State"]["Pid"])
-        return out
-
-    @property
-    def count(self) -> int:
-        return len(self._services)
-
     def containers(self) -> dict[str, object]:
         """The services' containers that run on this host, by node name (faults and container metrics)."""
         out = {}
         with self._lock:
-            services = list(self._services)
+            services = list(self._nodes)
         for spec, service in services:
             for task in service.tasks():
                 container = self._local_container(task.get("Status", {}).get("ContainerStatus", {})
@@ -221,52 +190,27 @@ class SwarmLauncher(NodeLauncher):
                     out[spec.name] = container
         return out
 
-    def container_target(self) -> Target:
-        return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._services}, self._network)
-
     # -- tear-down -------------------------------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and len(self.exited()) < len(self._services):
+        while time.monotonic() < deadline and len({n.name for n in self.exited() if not n.back}) < len(self._nodes):
             time.sleep(self.poll_s)
         self._stop.set()
-        for spec, service in self._services:
-            self._save_log(spec, service)
+        for spec, service in self._nodes:
+            self._save_service_log(spec, service)
             service.remove()
         deadline = time.monotonic() + 30  # a removed service's containers go a moment later
         while time.monotonic() < deadline and self.engine.containers.list(
                 all=True, filters={"label": f"{LABEL_RUN}={self.label}"}):
             time.sleep(self.poll_s)
         for secret in self._secrets:
-            _remove_when_free(secret)
-        if self._network is not None and self._network.attrs.get("Labels", {}).get(LABEL_RUN) == self.label:
-            _remove_when_free(self._network)
+            remove_when_free(secret)
+        self._remove_network()
 
-    def _save_log(self, spec: NodeSpec, service) -> None:
-        if self._log_dir is None:
-            return
+    def _save_service_log(self, spec: NodeSpec, service) -> None:
         try:
             text = b"".join(service.logs(stdout=True, stderr=True, follow=False))
         except Exception as exc:  # logs of a service whose task never started
             text = f"(no log: {exc})\n".encode()
-        with open(self._log_dir / f"{spec.name}.log", "ab") as f:
-            f.write(text)
-
-
-def _remove_when_free(obj, timeout_s: float = 20.0) -> None:
-    """Remove a secret or network once the removed services' tasks have let go of it."""
-    import docker
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            obj.remove()
-            return
-        except docker.errors.NotFound:
-            return
-        except docker.errors.APIError as exc:
-            if time.monotonic() > deadline:
-                log.warning("%s not removed: %s", getattr(obj, "name", obj), exc)
-                return
-            time.sleep(0.5)
+        self._save_log(spec, text)

@@ -23,7 +23,7 @@ import yaml
 
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs, replace_option
-from fcl_emu.launchers.docker import LABEL_CLASS, tbf_entrypoint
+from fcl_emu.launchers.engine import LABEL_CLASS, tbf_entrypoint
 from runconfig import RunConfig, node_metrics_port
 from wire.auth import ROSTER_FILE, SERVER_NAME
 

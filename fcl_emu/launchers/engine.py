@@ -1,0 +1,149 @@
+"""What the Docker and Swarm backends share: labels, addresses, the node exits they report, the containers they
+hand to fault plans and container metrics, and the clean-up of the run's network."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+from containers.engine import client
+from containers.faults import Target
+from coordinator.engine import NodeExit
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec
+
+log = logging.getLogger("fcl_emu.launchers")
+
+LABEL_RUN = "fcl-emu.run"
+LABEL_NODE = "fcl-emu.node"
+LABEL_CLASS = "fcl-emu.device-class"
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+ANY = {"0.0.0.0", "*", "::", "[::]"}
+
+
+def run_label(run_dir: Path) -> str:
+    """The label value of a run's containers, services and network: a hash of its run directory's path."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``tcp://HOST:PORT`` -> (HOST, PORT)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return host, port
+
+
+def tbf_entrypoint(uplink_mbit: float) -> list[str]:
+    """Cap the container's egress with the kernel's token bucket filter, then run fcl-emu with the arguments."""
+    burst_kbit = max(32, int(uplink_mbit * 1000 / 250))  # a 4 ms burst at the rate, at least 32 kbit
+    script = (f"tc qdisc replace dev eth0 root tbf rate {uplink_mbit:g}mbit burst {burst_kbit}kbit latency 400ms "
+              f"|| exit 3; exec fcl-emu \"$@\"")
+    return ["sh", "-c", script, "fcl-emu"]
+
+
+def last_log_line(container, max_chars: int = 300) -> str:
+    """The last non-empty line a container wrote (a traceback's last line names the error)."""
+    text = container.logs(stdout=True, stderr=True, tail=50).decode("utf-8", "replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:max_chars] if lines else ""
+
+
+def node_exit(spec: NodeSpec, code: int, container=None, reported: str = "") -> NodeExit:
+    """The exit of ``spec``'s node: an out-of-memory kill named as such, else its last log line (``container``
+    when it is on this host), else what the engine ``reported``, else the signal that ended it."""
+    error = reported
+    if container is not None:
+        container.reload()
+        if container.attrs["State"].get("OOMKilled"):
+            error = f"out of memory: the kernel killed it at its container's {spec.limits.memory} memory limit"
+        else:
+            error = last_log_line(container) or error
+    if not error and code > 128:
+        error = f"ended by signal {code - 128}" + (" (SIGKILL)" if code == 137 else "")
+    return NodeExit(spec.name, code, len(spec.clients), error)
+
+
+def remove_when_free(obj, timeout_s: float = 20.0) -> None:
+    """Remove a network or secret once the run's containers have let go of it."""
+    import docker
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            obj.remove()
+            return
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as exc:
+            if time.monotonic() > deadline:
+                log.warning("%s not removed: %s", getattr(obj, "name", obj), exc)
+                return
+            time.sleep(0.5)
+
+
+class EngineLauncher(NodeLauncher):
+    """A backend on a Docker engine: edge nodes as containers (or services), labelled with the run."""
+
+    def __init__(self) -> None:
+        self.engine = client()
+        self._nodes: list[tuple[NodeSpec, object]] = []  # (spec, container or service)
+        self._exits: dict[str, list[NodeExit]] = {}  # every exit of each node, in order
+        self._lock = threading.Lock()
+        self._network = None
+        self._log_dir: Path | None = None
+        self.label = ""
+        self.image = ""
+
+    def containers(self) -> dict[str, object]:
+        """The run's containers on this host, by node name."""
+        raise NotImplementedError
+
+    def _down(self, name: str) -> bool:
+        """Whether node ``name``'s latest exit is recorded and it has not started again (hold the lock)."""
+        history = self._exits.get(name)
+        return bool(history) and not history[-1].back
+
+    def _record(self, node: NodeExit) -> None:
+        """A node ended (once per death: a second report of the same one is ignored)."""
+        with self._lock:
+            if not self._down(node.name):
+                history = self._exits.setdefault(node.name, [])
+                history.append(dataclasses.replace(node, seq=len(history)))
+
+    def _started_again(self, name: str) -> None:
+        """A node that ended has started again (a restart): its clients join again."""
+        with self._lock:
+            if self._down(name):
+                self._exits[name][-1] = dataclasses.replace(self._exits[name][-1], back=True)
+
+    def exited(self) -> list[NodeExit]:
+        with self._lock:
+            return [node for history in self._exits.values() for node in history]
+
+    @property
+    def count(self) -> int:
+        return len(self._nodes)
+
+    def pids(self) -> dict[str, int]:
+        out = {}
+        for name, container in self.containers().items():
+            container.reload()
+            if container.attrs["State"].get("Pid"):
+                out[name] = int(container.attrs["State"]["Pid"])
+        return out
+
+    def container_target(self) -> Target:
+        """The run's containers, their device classes and its network (for fault plans and container metrics)."""
+        return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._nodes}, self._network)
+
+    def _save_log(self, spec: NodeSpec, text: bytes) -> None:
+        if self._log_dir is not None:
+            with open(self._log_dir / f"{spec.name}.log", "ab") as f:  # appended to by `up --resume`
+                f.write(text)
+
+    def _remove_network(self) -> None:
+        """Remove the run's network, unless the user named and made it."""
+        if self._network is not None and self._network.attrs.get("Labels", {}).get(LABEL_RUN) == self.label:
+            remove_when_free(self._network)
