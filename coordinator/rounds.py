@@ -141,9 +141,16 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ phases
     def _phase_select(self, task: int, task_round: int) -> OpenRound:
-        """Sample the round's clients from the eligible online ones (seeded) and open the round."""
+        """Sample the round's clients from the eligible online ones (seeded) and open the round. With fewer than
+        ``min_participants`` online (every edge node restarting, a mass leave), first wait up to the liveness
+        timeout (or the round deadline, if shorter) for clients to come back: a round that cannot reach its
+        quorum would only be skipped, and a restarted node's clients rejoin within seconds."""
         cfg = self.config.rounds
         eligible = self.registry.eligible(task)
+        if len(eligible) < cfg.min_participants:
+            wait_s = min(cfg.deadline_s, self.registry.liveness_timeout_s)
+            self.serve(lambda: self.registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
+            eligible = self.registry.eligible(task)
         k = min(math.ceil(cfg.clients_per_round * cfg.overcommit), len(eligible))
         chosen = [eligible[i].client_id for i in sorted(self.rng.choice(len(eligible), size=k, replace=False))]
         self._global_round += 1
