@@ -23,7 +23,7 @@ container-level counterpart of the emulated ``crash_rate``: the same per-client 
 clients of a node at once). ``node`` names an edge node, ``device_class`` picks one of that class's nodes, neither
 picks any running node; random picks and Poisson times are drawn from the run's seed. ``pause`` and
 ``disconnect`` are undone after ``duration_s``. Each fault is recorded as a ``fault`` event in events.jsonl and
-counted in ``fcl_container_faults_total{action}``.
+counted in ``fcl_container_faults_total{action}``. The plan's schema: :mod:`scenario.faults`.
 """
 
 from __future__ import annotations
@@ -34,57 +34,13 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
-from typing import Literal
 
 import numpy as np
-import pydantic
 
-from scenario.files import load_model
+from scenario.faults import UNDO, Fault, FaultPlan, load_plan
 
 log = logging.getLogger("fcl_emu.faults")
 
-ACTIONS = ("kill", "pause", "disconnect", "restart")
-UNDO = {"pause": "unpause", "disconnect": "reconnect"}
-
-
-class Fault(pydantic.BaseModel):
-    """One entry of a fault plan: what to do, to which node, and when."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    action: Literal["kill", "pause", "disconnect", "restart"]
-    node: str | None = pydantic.Field(None, description="an edge node's name (node-3)")
-    device_class: str | None = pydantic.Field(None, description="one node of this device class, drawn at random")
-    round: int | None = pydantic.Field(None, ge=1, description="when this global round starts (1-based)")
-    at_s: float | None = pydantic.Field(None, ge=0, description="seconds after the first round starts")
-    rate_per_min: float | None = pydantic.Field(None, gt=0, description="Poisson arrivals at this rate")
-    per_round: float | None = pydantic.Field(
-        None, gt=0, le=1, description="at every round's start, each matching node independently with this "
-                                      "probability (the per-round rate of the emulated crash_rate)")
-    after_s: float = pydantic.Field(0.0, ge=0, description="delay after the round trigger")
-    duration_s: float = pydantic.Field(5.0, ge=0, description="pause/disconnect: undone after this long")
-
-    @pydantic.model_validator(mode="after")
-    def _one_trigger(self) -> "Fault":
-        triggers = [t for t in ("round", "at_s", "rate_per_min", "per_round") if getattr(self, t) is not None]
-        if len(triggers) != 1:
-            raise ValueError(f"a fault needs exactly one of round, at_s, rate_per_min, per_round (got "
-                             f"{triggers or 'none'})")
-        if self.node is not None and self.device_class is not None:
-            raise ValueError("a fault names a node or a device_class, not both")
-        return self
-
-
-class FaultPlan(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    faults: list[Fault] = pydantic.Field(min_length=1)
-
-
-def load_plan(path: Path) -> FaultPlan:
-    """Read and check a fault plan; raises ValueError naming the file and the problem."""
-    return load_model(path, FaultPlan, "fault plan")
 
 
 class Target:
@@ -232,4 +188,4 @@ def _status(container) -> str:
     return container.status
 
 
-__all__ = ["ACTIONS", "Fault", "FaultInjector", "FaultPlan", "Target", "load_plan"]
+__all__ = ["FaultInjector", "FaultPlan", "Target", "load_plan"]

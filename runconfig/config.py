@@ -16,6 +16,7 @@ import yaml
 from scenario.availability import parse_availability
 from scenario.datasets import roots_from_env
 from scenario.devices import load_profiles, memory_limit
+from scenario.faults import load_plan
 from scenario.spec import ScenarioSpec
 
 
@@ -221,14 +222,12 @@ class ContainersConfig(pydantic.BaseModel):
                                                    "request; needs the NVIDIA container runtime)")
     faults: Path | None = pydantic.Field(
         None, description="fault plan (YAML): kill, pause, disconnect, restart edge-node containers at given "
-                          "rounds, times or rates (containers/faults.py)")
+                          "rounds, times or rates (scenario/faults.py, docs/containers.md)")
 
     @pydantic.field_validator("faults")
     @classmethod
     def _faults(cls, value: Path | None) -> Path | None:
         if value is not None:
-            from containers.faults import load_plan
-
             load_plan(value)
         return value
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from containers import engine
-from containers.faults import load_plan
+from scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
 from runconfig import load_config
 from scenario.devices import memory_bytes, memory_limit
