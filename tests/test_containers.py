@@ -328,3 +328,38 @@ def test_gpu_containers_get_a_cuda_device_request(image):
         image, ["-c", "import torch; print(torch.cuda.device_count())"], entrypoint=["python3"], remove=True,
         device_requests=[docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]).decode()
     assert int(out.strip()) >= 1
+
+
+def test_a_class_uplink_cap_really_limits_what_a_container_sends(image):
+    """`uplink_mbit`: the kernel's token bucket on the container's egress. 2 MB sent to the host at 8 Mbit/s
+    takes about 2 s; uncapped, a fraction of that."""
+    import socket
+    import threading
+
+    from fcl_emu.launchers.engine import tbf_entrypoint
+
+    client = engine.client()
+    network = client.networks.create("fcl-emu-test-uplink", driver="bridge")
+    gateway = client.networks.get(network.id).attrs["IPAM"]["Config"][0]["Gateway"]
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+
+    def drain() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            while conn.recv(1 << 16):
+                pass
+            conn.close()
+
+    threading.Thread(target=drain, daemon=True).start()
+    send = (f"import socket, time; s = socket.create_connection(('{gateway}', {port})); t = time.time(); "
+            f"s.sendall(b'x' * 2_000_000); s.shutdown(socket.SHUT_WR); s.recv(1); print(time.time() - t)")
+    try:
+        capped = float(client.containers.run(image, ["-c", send], entrypoint=tbf_entrypoint(8, "python3"),
+                                              cap_add=["NET_ADMIN"], network=network.name, remove=True).decode())
+        free = float(client.containers.run(image, ["-c", send], entrypoint=["python3"], network=network.name,
+                                           remove=True).decode())
+    finally:
+        listener.close()
+        network.remove()
+    assert 1.6 < capped < 6 and free < capped / 3, (capped, free)

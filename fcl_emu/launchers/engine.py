@@ -35,12 +35,13 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
-def tbf_entrypoint(uplink_mbit: float) -> list[str]:
-    """Cap the container's egress with the kernel's token bucket filter, then run fcl-emu with the arguments."""
+def tbf_entrypoint(uplink_mbit: float, program: str = "fcl-emu") -> list[str]:
+    """Cap the container's egress with the kernel's token bucket filter, then run ``program`` with the
+    arguments (exit 3 if the cap cannot be set)."""
     burst_kbit = max(32, int(uplink_mbit * 1000 / 250))  # a 4 ms burst at the rate, at least 32 kbit
     script = (f"tc qdisc replace dev eth0 root tbf rate {uplink_mbit:g}mbit burst {burst_kbit}kbit latency 400ms "
-              f"|| exit 3; exec fcl-emu \"$@\"")
-    return ["sh", "-c", script, "fcl-emu"]
+              f"|| exit 3; exec {program} \"$@\"")
+    return ["sh", "-c", script, program]
 
 
 def last_log_line(container, max_chars: int = 300) -> str:
