@@ -45,7 +45,9 @@ class DockerLauncher(EngineLauncher):
         self._network = self._open_network(config.containers.network or f"fcl-emu-{self.label}")
         self._gateway = self._network.attrs["IPAM"]["Config"][0]["Gateway"]
         host, port = split_endpoint(config.network.bind)
-        updates: dict = {"data_root": [Path(p).resolve() for p in config.data_root]}
+        updates: dict = {"data_root": [Path(p).resolve() for p in config.data_root],
+                         # the exact image in the run's config.yaml, for whoever repeats the run
+                         "containers": config.containers.model_copy(update={"image": self.image})}
         if host in LOOPBACK:  # the containers cannot reach the host's loopback: bind the network's gateway
             updates["network"] = config.network.model_copy(update={"bind": f"tcp://{self._gateway}:{port}"})
         if config.security.keys is not None:

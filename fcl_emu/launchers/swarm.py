@@ -64,7 +64,9 @@ class SwarmLauncher(EngineLauncher):
         self._network = networks[0] if networks else self.engine.networks.create(
             name, driver="overlay", attachable=True, labels={LABEL_RUN: self.label})
         host, port = split_endpoint(config.network.bind)
-        updates: dict = {"data_root": [Path(p).resolve() for p in config.data_root]}
+        updates: dict = {"data_root": [Path(p).resolve() for p in config.data_root],
+                         # the exact image in the run's config.yaml, for whoever repeats the run
+                         "containers": config.containers.model_copy(update={"image": self.image})}
         if host in LOOPBACK:  # tasks on any host dial the manager's address: listen beyond loopback
             updates["network"] = config.network.model_copy(update={"bind": f"tcp://0.0.0.0:{port}"})
         return config.model_copy(update=updates)
