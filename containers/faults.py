@@ -42,7 +42,6 @@ from scenario.faults import UNDO, Fault, FaultPlan, load_plan
 log = logging.getLogger("fcl_emu.faults")
 
 
-
 class Target:
     """What an injector acts on: the run's containers, by node name, with their device classes."""
 

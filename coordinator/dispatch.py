@@ -24,7 +24,7 @@ import zmq
 from coordinator.guard import delta_norm
 from methods.base import DELTA, ClientUpdate
 from scenario.availability import client_availability
-from scenario.devices import assign_profile
+from scenario.devices import DeviceProfile, assign_profile
 from wire.framing import Message, WireError
 from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, EdgeSettings, Error, Welcome, client_id
 
@@ -161,21 +161,23 @@ class MessageDispatch:
         if r is not None and peer in r.selected and peer not in {u.client for u in r.updates}:
             r.lost.add(peer)  # left or crashed and came back: its work for this round is gone
         record = self.registry.join(peer, index, msg.body.node, join_task, msg.body.assets_task)
+        profile = None if self._profiles is None else assign_profile(self._profiles, index, self.config.seed)
+        record.device_class = None if profile is None else profile.name
         if not known:
             self.metrics.client_joined()
         elif not was_online:
             self.metrics.client_joined(rejoin=True)
-        self._send(peer, "welcome", Welcome(join_task=join_task, edge=self._edge_settings(index),
+        self._send(peer, "welcome", Welcome(join_task=join_task, edge=self._edge_settings(index, profile),
                                             **self._welcome_template),
                    task=self._task, round=self._global_round)
         self.progress("join", {"client": peer, "index": record.index})
 
-    def _edge_settings(self, index: int) -> EdgeSettings:
+    def _edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
         edge, seed = self.config.edge, self.config.seed
         return EdgeSettings(
             availability=client_availability(self._availability, index, seed, slot_s=edge.availability_slot_s,
                                              trace_time_scale=edge.trace_time_scale),
-            profile=None if self._profiles is None else assign_profile(self._profiles, index, seed).to_wire(),
+            profile=None if profile is None else profile.to_wire(),
             crash_rate=edge.crash_rate, crash_downtime_s=edge.crash_downtime_s,
             clock_s=time.monotonic() - self._clock0)
 

@@ -30,6 +30,7 @@ class ClientRecord:
     last_seen: float = field(default_factory=time.monotonic)
     assets_task: int = -1  # task whose per-task assets this client holds
     rounds_trained: int = 0
+    device_class: str | None = None  # its device profile's name (with a profiles file), drawn at join
 
 
 @dataclass

@@ -26,7 +26,6 @@ import numpy as np
 from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.guard import clip_update
 from methods.base import ClientUpdate, DeltaLayout
-from scenario.devices import assign_profile
 from monitoring.results import RoundRecord, RunRecorder
 from wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
 
@@ -77,14 +76,11 @@ class RoundEngine:
     def _train_s_by_class(self, r: OpenRound) -> dict[str, float] | None:
         """Mean reported local training time of the round's participants per device class (with device profiles;
         under a container backend this is where a class's CPU limit shows)."""
-        if self._profiles is None or not r.train_s:
-            return None
         times: dict[str, list[float]] = {}
         for client, seconds in r.train_s.items():
             record = self.registry.records.get(client)
-            if record is not None and math.isfinite(seconds):
-                name = assign_profile(self._profiles, record.index, self.config.seed).name
-                times.setdefault(name, []).append(seconds)
+            if record is not None and record.device_class is not None and math.isfinite(seconds):
+                times.setdefault(record.device_class, []).append(seconds)
         return {name: sum(v) / len(v) for name, v in sorted(times.items())} or None
 
     def _run_round(self, task: int, task_round: int, recorder: RunRecorder) -> RoundRecord:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 import pydantic
 
-from containers.faults import FaultInjector, load_plan
+from containers.faults import FaultInjector, Target, load_plan
 from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
@@ -194,10 +194,10 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
         if nodes is not None:
             nodes.start(coordinator.address, config, run_dir / "logs")
             coordinator.watch_nodes(nodes.exited, nodes.count)
+            target = None if config.containers.backend == "process" else nodes.container_target()
             if config.containers.faults is not None:
-                faults = _inject_faults(config, nodes, coordinator, view)
-            if config.metrics.enabled and config.containers.backend != "process":
-                target = nodes.container_target()
+                faults = _inject_faults(config, target, coordinator, view)
+            if config.metrics.enabled and target is not None:
                 container_stats = ContainerStats(target.containers, target.classes, config.metrics.scrape_interval_s)
                 coordinator.metrics.registry.register(container_stats)
         try:
@@ -231,10 +231,10 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
     return summary
 
 
-def _inject_faults(config: RunConfig, nodes: NodeLauncher, coordinator: Coordinator,
+def _inject_faults(config: RunConfig, target: Target, coordinator: Coordinator,
                    view: ProgressView) -> FaultInjector:
     """Carry out the run's fault plan on its containers, timed by the coordinator's progress events."""
-    injector = FaultInjector(load_plan(config.containers.faults), nodes.container_target(), config.seed,
+    injector = FaultInjector(load_plan(config.containers.faults), target, config.seed,
                              record=coordinator.record_fault)
 
     def progress(kind: str, info: dict) -> None:
