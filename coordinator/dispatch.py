@@ -132,6 +132,7 @@ class MessageDispatch:
             r = self._round
             if r is not None and peer in r.selected and msg.round == r.number:
                 r.failed.add(peer)
+                self._arrived(r, peer, msg.nbytes, 0.0, 0)
             self.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}")
 
@@ -163,6 +164,7 @@ class MessageDispatch:
         record = self.registry.join(peer, index, msg.body.node, join_task, msg.body.assets_task)
         profile = None if self._profiles is None else assign_profile(self._profiles, index, self.config.seed)
         record.device_class = None if profile is None else profile.name
+        record.profile = profile or DeviceProfile()
         if not known:
             self.metrics.client_joined()
         elif not was_online:
@@ -173,12 +175,16 @@ class MessageDispatch:
         self.progress("join", {"client": peer, "index": record.index})
 
     def _edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
+        """What the client's node emulates in host time: everything under the real clock; under the emulated
+        clock nothing (availability, crashes and delays are this coordinator's: coordinator/emulated.py)."""
         edge, seed = self.config.edge, self.config.seed
+        wire_profile = None if profile is None else profile.to_wire()
+        if self.clock is not None:
+            return EdgeSettings(profile=wire_profile, clock="emulated")
         return EdgeSettings(
             availability=client_availability(self._availability, index, seed, slot_s=edge.availability_slot_s,
                                              trace_time_scale=edge.trace_time_scale),
-            profile=None if profile is None else profile.to_wire(),
-            crash_rate=edge.crash_rate, crash_downtime_s=edge.crash_downtime_s,
+            profile=wire_profile, crash_rate=edge.crash_rate, crash_downtime_s=edge.crash_downtime_s,
             clock_s=time.monotonic() - self._clock0)
 
     def _on_update(self, peer: str, msg: Message) -> None:
@@ -200,9 +206,20 @@ class MessageDispatch:
             r.failed.add(peer)  # refused: the round does not wait for it
             raise
         body = msg.body
+        if not (math.isfinite(body.cpu_s) and body.cpu_s >= 0):
+            r.failed.add(peer)
+            raise WireError("bad_body", f"cpu_s {body.cpu_s!r} is not a finite non-negative number")
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         r.train_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
+        self._arrived(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
+
+    def _arrived(self, r, peer: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
+        """Emulated clock: place a selected client's answer (update or error) on the round's timeline."""
+        timeline = None if r.timeline is None else r.timeline.get(peer)
+        if timeline is not None:
+            timeline.up_bytes += nbytes
+            timeline.arrival = self.clock.arrival(r.started_at, timeline, cpu_s, samples_trained)
 
     def _keep_stale(self, peer: str, msg: Message) -> None:
         """Keep a late update for the next round: one per client, at most one round's cohort of them (each
@@ -226,8 +243,16 @@ class MessageDispatch:
         if r is None or msg.round != r.number or msg.task != r.task or peer not in r.selected or peer in r.lost:
             self.late_side_channel += 1
             return
+        if r.timeline is not None:  # emulated clock: it counts if the client's update makes the deadline
+            if peer in r.timeline:
+                r.timeline[peer].up_bytes += msg.nbytes
+            r.side.append((peer, msg.type, msg.tensors))
+            return
+        self._side_channel_to_method(r.task, msg.type, msg.tensors)
+
+    def _side_channel_to_method(self, task: int, msg_type: str, tensors) -> None:
         try:
-            self.server.on_side_channel(r.task, msg.type, msg.tensors)
+            self.server.on_side_channel(task, msg_type, tensors)
         except ValueError as exc:
             raise WireError("bad_shape", str(exc)) from None
 
@@ -288,20 +313,19 @@ class MessageDispatch:
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self._send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 
-    def _try_send(self, client_id: str, msg_type: str, body, **kw) -> bool:
-        """Send; False if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its queue is full."""
+    def _try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
+        """Send; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its
+        queue is full."""
         try:
-            self.endpoint.send(client_id, msg_type, body, **kw)
-            return True
+            return self.endpoint.send(client_id, msg_type, body, **kw)
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            return False
+            return 0
 
-    def _send(self, client_id: str, msg_type: str, body, **kw) -> bool:
-        """Send; a vanished peer is declared dead."""
-        if self._try_send(client_id, msg_type, body, **kw):
-            return True
-        if self.registry.drop(client_id):
+    def _send(self, client_id: str, msg_type: str, body, **kw) -> int:
+        """Send (returns the bytes sent); a vanished peer is declared dead (returns 0)."""
+        sent = self._try_send(client_id, msg_type, body, **kw)
+        if not sent and self.registry.drop(client_id):
             self.metrics.client_dropped("unreachable")
-        return False
+        return sent

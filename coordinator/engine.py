@@ -38,6 +38,7 @@ from coordinator.gpu_pool import Job, WorkerPool
 from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter
 from coordinator.nodes import NodeExit, NodeWatch
 from coordinator.registry import ClientRegistry, Status
+from coordinator.emulated import EmulatedClock
 from coordinator.resume import CHECKPOINT_DIR, Checkpointing, run_fingerprint
 from coordinator.rounds import RoundEngine, OpenRound
 from coordinator.secure_round import SecureRound
@@ -135,6 +136,12 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         self._clock0 = time.monotonic()  # the run clock that availability models follow
         self._availability = parse_availability(config.edge.availability)
         self._profiles = load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None
+        edge = config.edge
+        self.clock = EmulatedClock(  # None: the real clock (docs/edge.md)
+            self._availability, seed=config.seed, slot_s=edge.availability_slot_s,
+            trace_time_scale=edge.trace_time_scale, crash_rate=edge.crash_rate,
+            crash_downtime_s=edge.crash_downtime_s, liveness_timeout_s=liveness_timeout_s,
+        ) if config.emulated_clock else None
         self._task = 0
         self._global_round = 0
         self._welcome_template = dict(

@@ -1,9 +1,13 @@
 """The coordinator's view of its clients: who joined, who is alive, who left.
 
-A client is *online* from its join until it leaves, misses heartbeats for
+A client is *connected* from its join until it leaves, misses heartbeats for
 ``liveness_timeout_s``, or a send to it fails (its socket is gone). Any
 message from a client counts as a sign of life. Dead and left clients can
-join again under the same identity.
+join again under the same identity. Under the emulated clock a connected
+client can also be *away* (its availability model has it off, or it crashed
+in emulated time: coordinator/emulated.py) while its process stays
+connected. *Online* means connected and not away: only online clients are
+counted online and selected.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+
+from scenario.devices import DeviceProfile
 
 
 class Status(str, Enum):
@@ -31,6 +37,13 @@ class ClientRecord:
     assets_task: int = -1  # task whose per-task assets this client holds
     rounds_trained: int = 0
     device_class: str | None = None  # its device profile's name (with a profiles file), drawn at join
+    profile: DeviceProfile = field(default_factory=DeviceProfile)  # drawn at join
+    away: bool = False  # emulated clock: off or crashed in emulated time (its process stays connected)
+    restarted: bool = False  # emulated clock: crashed since its last task start (the next one says so)
+
+    @property
+    def online(self) -> bool:
+        return self.status is Status.ONLINE and not self.away
 
 
 @dataclass
@@ -58,45 +71,65 @@ class ClientRegistry:
             self.records[client_id] = record
             self.counts.joined += 1
             self.online_count += 1
-        else:
-            if record.status is Status.RESUMED:  # back after a coordinator restart: not a rejoin of its own
-                self.awaiting_rejoin -= 1
-                self.online_count += 1
-            elif record.status is not Status.ONLINE:
-                self.counts.rejoined += 1
-                self.online_count += 1
-            record.status = Status.ONLINE
-            record.assets_task = assets_task
-            record.node = node
-            record.last_seen = time.monotonic()
+            return record
+        was_online = record.online
+        if record.status is Status.RESUMED:  # back after a coordinator restart: not a rejoin of its own
+            self.awaiting_rejoin -= 1
+        elif record.status is not Status.ONLINE and not record.away:
+            self.counts.rejoined += 1
+        record.status = Status.ONLINE
+        record.assets_task = assets_task
+        record.node = node
+        record.last_seen = time.monotonic()
+        self.online_count += record.online - was_online
         return record
 
     def is_online(self, client_id: str) -> bool:
+        """Connected (joined, not left, not dead); it may be away on the emulated clock."""
         record = self.records.get(client_id)
         return record is not None and record.status is Status.ONLINE
 
     def touch(self, client_id: str) -> None:
         self.records[client_id].last_seen = time.monotonic()
 
+    def _set_status(self, record: ClientRecord, status: Status) -> None:
+        self.online_count -= record.online
+        record.status = status
+
     def leave(self, client_id: str) -> bool:
-        """Mark an online client as left; False if it was not online."""
+        """Mark a connected client as left; False if it was not connected."""
         record = self.records[client_id]
         if record.status is Status.ONLINE:
-            record.status = Status.LEFT
-            self.counts.left += 1
-            self.online_count -= 1
+            self.counts.left += not record.away
+            self._set_status(record, Status.LEFT)
             return True
         return False
 
     def drop(self, client_id: str) -> bool:
-        """Declare an online client dead; False if it is unknown or was not online."""
+        """Declare a connected client dead; False if it is unknown or was not connected."""
         record = self.records.get(client_id)
         if record is not None and record.status is Status.ONLINE:
-            record.status = Status.DEAD
-            self.counts.dropped += 1
-            self.online_count -= 1
+            self.counts.dropped += not record.away
+            self._set_status(record, Status.DEAD)
             return True
         return False
+
+    def set_away(self, client_id: str, away: bool, *, crashed: bool = False) -> bool:
+        """Emulated clock: the client goes away (counted as left, or dropped if it crashed) or comes back
+        (counted as a rejoin). False if nothing changed."""
+        record = self.records[client_id]
+        if record.away == away:
+            return False
+        was_online = record.online
+        record.away = away
+        if record.status is Status.ONLINE:
+            if away:
+                self.counts.dropped += crashed
+                self.counts.left += not crashed
+            else:
+                self.counts.rejoined += 1
+        self.online_count += record.online - was_online
+        return True
 
     def expire(self, now: float | None = None) -> list[str]:
         """Declare dead every online client silent for longer than the liveness timeout."""
@@ -137,8 +170,11 @@ class ClientRegistry:
         self.awaiting_rejoin = 0
         return [r.client_id for r in gone]
 
-    def online(self) -> list[ClientRecord]:
+    def connected(self) -> list[ClientRecord]:
         return [r for r in self.records.values() if r.status is Status.ONLINE]
+
+    def online(self) -> list[ClientRecord]:
+        return [r for r in self.records.values() if r.online]
 
     def eligible(self, task: int) -> list[ClientRecord]:
         """Online clients whose scenario join task has come, in a stable order."""

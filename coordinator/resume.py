@@ -61,6 +61,7 @@ class Checkpointing:
             "next": {"task": task, "task_round": task_round}, "global_round": self._global_round,
             "complete": task >= self.scenario.num_tasks,
             "wall_clock_s": wall_s, "run_clock_s": time.monotonic() - self._clock0,
+            "emulated_clock_s": None if self.clock is None else self.clock.now,
             "rng": {"numpy": self.rng.bit_generator.state},
             "server": self.server.state_meta(),
             "registry": self.registry.snapshot(),
@@ -108,6 +109,8 @@ class Checkpointing:
             self._global_round = s["global_round"]
             self._task = min(s["next"]["task"], self.scenario.num_tasks - 1)
             self._clock0 = time.monotonic() - s["run_clock_s"]
+            if self.clock is not None:  # crash downtimes in flight are not kept (docs/resume.md)
+                self.clock.now = s.get("emulated_clock_s") or 0.0
             self._resumes = s["resumes"] + 1
             self._checkpoints = {"saved": s["checkpoints"]["saved"], "seconds": s["checkpoints"]["seconds"],
                                  "bytes": s["checkpoints"]["bytes"]}

@@ -1,11 +1,14 @@
 """The round engine: one round of federated training, its phases top to bottom in :meth:`RoundEngine._run_round`.
 
-1. select: sample ``ceil(clients_per_round x overcommit)`` of the eligible online clients (seeded);
+1. select: sample ``ceil(clients_per_round x overcommit)`` of the eligible online clients (seeded; under the
+   emulated clock, online at the round's emulated start);
 2. dispatch: send each a ``task_start`` with the method's per-task assets if it has not had this task's assets
    yet (and a ``secagg_setup`` in a secure round), then a ``train_request`` with the global model;
 3. collect: serve the socket until ``clients_per_round`` updates arrived, every selected client answered or
    died (missed heartbeats, or its socket is gone), or the round deadline passed (a secure round runs the
-   SecAgg+ phases meanwhile, :mod:`coordinator.secure_round`);
+   SecAgg+ phases meanwhile, :mod:`coordinator.secure_round`). Under the emulated clock: until every
+   selected client answered or died (or ``host_timeout_s``), then close the round in emulated time
+   (:mod:`coordinator.emulated`): who made the deadline, who is late, who left or crashed;
 4. aggregate: if at least ``min_participants`` updates arrived (with late updates kept from the round before,
    under ``rounds.late_updates: next_round``), through the method's server part; otherwise skip the round;
 5. evaluate: every ``eval_every`` rounds (a task's last round is evaluated at task end);
@@ -23,10 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.emulated import ClientRound
 from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.guard import clip_update
 from methods.base import ClientUpdate, DeltaLayout
 from monitoring.results import RoundRecord, RunRecorder
+from wire.framing import WireError
 from wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
 
 
@@ -46,6 +51,14 @@ class OpenRound:
     late: int = 0  # at the close: selected, online, and no answer yet
     dropped: int = 0  # at the close: selected, gone without an answer
     train_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time
+    # emulated clock (coordinator/emulated.py): when the round opened, each dispatched client's timeline,
+    # side-channel messages held until the close (only the on-time clients' count)
+    started_at: float = 0.0
+    timeline: dict[str, ClientRound] | None = None
+    side: list[tuple[str, str, dict[str, np.ndarray]]] = field(default_factory=list)
+    emulated_s: float | None = None
+    host_timeout: bool = False
+    kept_late: list[ClientUpdate] = field(default_factory=list)  # late updates for the next round
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed
@@ -131,6 +144,9 @@ class RoundEngine:
             bytes_received=sum(d.get("received", 0) for d in bytes_by_type.values()),
             bytes_by_type=bytes_by_type,
             online=len(self.registry.online()),
+            emulated_s=r.emulated_s,
+            emulated_clock_s=None if self.clock is None else self.clock.now,
+            host_timeout=r.host_timeout,
         )
         self._phase_record(record, recorder)
         return record
@@ -142,15 +158,22 @@ class RoundEngine:
         timeout (or the round deadline, if shorter) for clients to come back: a round that cannot reach its
         quorum would only be skipped, and a restarted node's clients rejoin within seconds."""
         cfg = self.config.rounds
+        if self.clock is not None:
+            self._follow_availability(self.clock.now)
         eligible = self.registry.eligible(task)
         if len(eligible) < cfg.min_participants:
-            wait_s = min(cfg.deadline_s, self.registry.liveness_timeout_s)
-            self.serve(lambda: self.registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
+            if self.clock is not None:
+                self._await_quorum_emulated(task)
+            else:
+                wait_s = min(cfg.deadline_s, self.registry.liveness_timeout_s)
+                self.serve(lambda: self.registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
             eligible = self.registry.eligible(task)
         k = min(math.ceil(cfg.clients_per_round * cfg.overcommit), len(eligible))
         chosen = [eligible[i].client_id for i in sorted(self.rng.choice(len(eligible), size=k, replace=False))]
         self._global_round += 1
         r = OpenRound(task, self._global_round, chosen, set(chosen), wanted=cfg.clients_per_round)
+        if self.clock is not None:
+            r.started_at, r.timeline = self.clock.now, {}
         self._round = r
         self.metrics.round_started(task, task_round, r.number)
         return r
@@ -177,18 +200,29 @@ class RoundEngine:
         request = TrainRequest(local_epochs=self.config.training.local_epochs, lr=lr, secure=secure is not None)
         for client_id in chosen if r.selected else ():
             record = self.registry.records[client_id]
+            sent = 0
             if record.assets_task != task:
-                if not self._send_task_start(client_id, task, r.number, classes, seen, assets):
+                sent = self._send_task_start(client_id, task, r.number, classes, seen, assets, record.restarted)
+                if not sent:
                     continue
-                record.assets_task = task
+                record.assets_task, record.restarted = task, False
             if setups and not self._send(client_id, "secagg_setup", setups[client_id], task=task, round=r.number):
                 continue
-            self._send(client_id, "train_request", request, task=task, round=r.number, tensors=payload)
+            sent_request = self._send(client_id, "train_request", request, task=task, round=r.number,
+                                      tensors=payload)
+            if sent_request and r.timeline is not None:
+                r.timeline[client_id] = ClientRound(record.profile, down_bytes=sent + sent_request)
         return secure
 
     def _phase_collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None) -> SecureOutcome | None:
         """Serve the socket until the round is done or its deadline passed (a secure round runs its protocol
         meanwhile); then close the round and count who missed the deadline and who dropped out."""
+        if r.timeline is not None:
+            self.serve(lambda: not r.pending(self.registry.is_online),
+                       time.monotonic() + self.config.rounds.host_timeout_s)
+            self._round = None
+            self._close_emulated(r)
+            return None
         deadline = time.monotonic() + self.config.rounds.deadline_s
         if isinstance(secure, SecureRound):
             self._secure = secure
@@ -210,7 +244,7 @@ class RoundEngine:
         """Aggregate the round's useful updates (and late ones kept from the round before) through the method's
         server part, or skip the round. Returns (updates, their losses, stale updates used, skipped)."""
         stale = [u for u in self._stale if u.num_samples > 0] if self._stale_task == r.task else []
-        self._stale = []
+        self._stale, self._stale_task = r.kept_late, r.task  # emulated clock: this round's late ones, known now
         if outcome is None:
             useful = sorted([u for u in r.updates if u.num_samples > 0] + stale, key=lambda u: u.client)
             losses = [u.loss for u in useful]
@@ -239,7 +273,8 @@ class RoundEngine:
         self.metrics.round_closed(duration_s=record.duration_s, phases_s=record.phases_s, selected=record.selected,
                                   participants=record.participants, missed_deadline=record.late,
                                   failed=record.failed, skipped=record.skipped, mean_loss=record.mean_loss,
-                                  accuracy_seen_percent=record.accuracy_seen)
+                                  accuracy_seen_percent=record.accuracy_seen, emulated_s=record.emulated_s,
+                                  emulated_clock_s=record.emulated_clock_s, host_timeout=record.host_timeout)
 
     # ----------------------------------------------------------------- helpers
     def _open_secure_round(self, r: OpenRound) -> SecureRound | SecureOutcome:
@@ -253,20 +288,86 @@ class RoundEngine:
                                 send=lambda c, t, body: self._send(c, t, body, task=r.task, round=r.number),
                                 metrics=self.metrics)
 
+    # ----------------------------------------------------------- emulated clock
+    def _follow_availability(self, t: float) -> None:
+        """Move the emulated clock to ``t``; mark connected clients away or back by their availability models
+        and crash downtimes."""
+        connected = self.registry.connected()
+        states = self.clock.availability_at(t, ((r.client_id, r.index) for r in connected))
+        for record in connected:
+            available = states[record.client_id]
+            if self.registry.set_away(record.client_id, not available):
+                if available:
+                    self.metrics.client_joined(rejoin=True)
+                else:
+                    self.metrics.client_left()
+                self.progress("join" if available else "leave", {"client": record.client_id})
+
+    def _await_quorum_emulated(self, task: int) -> None:
+        """Too few clients online for a round: move the emulated clock to when enough are, within a deadline
+        (or to the deadline: the round that follows is skipped)."""
+        cfg = self.config.rounds
+        until = self.clock.now + cfg.deadline_s
+        while len(self.registry.eligible(task)) < cfg.min_participants:
+            away = [(r.client_id, r.index) for r in self.registry.connected() if r.away and r.join_task <= task]
+            t = self.clock.next_change(away)
+            self._follow_availability(min(t, until))
+            if t >= until:
+                return
+
+    def _close_emulated(self, r: OpenRound) -> None:
+        """Close an emulated-clock round (coordinator.emulated): keep the updates that arrived by the close,
+        hand their side-channel messages to the method, count the late, the gone and the crashed."""
+        cfg = self.config.rounds
+        r.host_timeout = bool(r.pending(self.registry.is_online))
+        if r.host_timeout:
+            self.log_once(None, "host timeout", f"round {r.number}: clients still working after the host-side "
+                                                f"safety timeout of {cfg.host_timeout_s:g} s; they count as late")
+        useful = {u.client for u in r.updates if u.num_samples > 0}
+        indices = {c: self.registry.records[c].index for c in r.timeline}
+        closing = self.clock.close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful, r.number)
+        late = [u for u in r.updates if u.client not in closing.on_time and u.client not in closing.gone]
+        r.updates = [u for u in r.updates if u.client in closing.on_time]
+        for client, kind, tensors in r.side:
+            if client in closing.on_time:
+                try:
+                    self._side_channel_to_method(r.task, kind, tensors)
+                except WireError as exc:
+                    exc.peer = client
+                    self._reject(exc)
+            else:
+                self.late_side_channel += 1
+        for client in closing.crashed:
+            record = self.registry.records[client]
+            record.restarted, record.assets_task = True, -1
+            if self.registry.set_away(client, True, crashed=True):
+                self.metrics.client_dropped("crash")
+        self.late_updates += len(late)
+        for _ in late:
+            self.metrics.late_update()
+        if cfg.late_updates == "next_round" and self.server.accepts_stale_updates:
+            r.kept_late = [u for u in late if u.num_samples > 0][:math.ceil(cfg.clients_per_round * cfg.overcommit)]
+        r.late = len(closing.late)
+        r.dropped = len(closing.gone) + len(r.selected - r.timeline.keys())
+        r.emulated_s = closing.closed_at - r.started_at
+        r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+
     def _update_handling_s(self) -> float:
         """Seconds spent so far receiving and handling updates, plain and masked."""
         return self.handling_s["update"] + self.handling_s["secagg_masked"]
 
     def _send_task_start(self, client_id: str, task: int, number: int, classes: list[int], seen: list[int],
-                         assets: dict[str, dict[str, np.ndarray]]) -> bool:
-        """``task_start``, then one message per kind of the method's per-task assets (wire.ASSET_TYPES)."""
-        if not self._send(client_id, "task_start", TaskStart(classes=classes, seen_classes=seen),
-                          task=task, round=number):
-            return False
-        for kind, tensors in assets.items():
-            if not self._send(client_id, kind, TaskAsset(), task=task, round=number, tensors=tensors):
-                return False
-        return True
+                         assets: dict[str, dict[str, np.ndarray]], restart: bool) -> int:
+        """``task_start``, then one message per kind of the method's per-task assets (wire.ASSET_TYPES). Returns
+        the bytes sent, 0 if the client is gone."""
+        sent = self._send(client_id, "task_start", TaskStart(classes=classes, seen_classes=seen, restart=restart),
+                          task=task, round=number)
+        for kind, tensors in assets.items() if sent else ():
+            n = self._send(client_id, kind, TaskAsset(), task=task, round=number, tensors=tensors)
+            if not n:
+                return 0
+            sent += n
+        return sent
 
     def _bytes_since(self, before: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
         """Bytes on the wire since ``before`` (a copy of the counters), as ``{type: {direction: bytes}}``."""

@@ -49,6 +49,10 @@ class RunSummary:
             "rounds": len(rounds),
             "rounds_skipped": sum(r.skipped for r in rounds),
             "wall_clock_s": wall,
+            "clock": "emulated" if self.clock is not None else "real",
+            # emulated clock: what the federation would have taken (the host's wall clock is wall_clock_s)
+            "emulated_s": None if self.clock is None else self.clock.now,
+            "host_timeouts": sum(r.host_timeout for r in rounds),
             "time": self._time_accounting(),
             "phase_s": dict(phases),
             "handling_s": dict(self.handling_s),

@@ -16,10 +16,17 @@ Edge realism (docs/edge.md), driven by what each client's ``welcome`` says:
   ``crash_rate``: its socket is closed without a goodbye, its in-memory state
   is lost (its on-disk store survives, as a device's storage would), and it
   restarts with a new socket ``crash_downtime_s`` later;
-- device profiles: training results are held back by ``compute_factor - 1``
-  times the measured training time, and train requests, task assets and
-  updates go through the client's emulated link (edge_node/links.py), so
-  their delays follow the bytes actually sent.
+- device profiles: training results are held back until the profile's
+  compute time has passed (``compute_factor`` times the measured training
+  time, or ``ms_per_sample`` per sample trained), and train requests, task
+  assets and updates go through the client's emulated link
+  (scenario/links.py), so their delays follow the bytes actually sent.
+
+All of the above runs in host time under ``--clock real`` only. Under the
+emulated clock (the default, coordinator/emulated.py) the coordinator places
+availability, crashes, compute and link times on its own clock: the node
+sends everything at once and reports the CPU time of each client's own
+training, which is what the emulated clock scales.
 
 Timed actions (delayed sends and deliveries) wait in a heap that the main
 loop runs; nothing sleeps, so one slow client never holds up the others.
@@ -46,8 +53,8 @@ import numpy as np
 import torch
 import zmq
 
-from scenario.availability import transitions
-from edge_node.links import Link
+from scenario.availability import client_draw, transitions
+from scenario.links import Link
 from scenario.devices import DeviceProfile
 from secagg.client import SecAggClient
 from secagg.protocol import SecAggAbort, SecAggError
@@ -72,11 +79,6 @@ log = logging.getLogger("fcl_emu.edge_node")
 DATA_DOWN = frozenset({"task_start", *ASSET_TYPES, "train_request"})  # what the emulated downlink delays
 SECAGG_DOWN = frozenset({"secagg_setup", "secagg_peer_keys", "secagg_relay", "secagg_unmask_request",
                          "secagg_abort"})
-
-
-def _uniform(seed: int, what: str, index: int, round: int) -> float:
-    """A reproducible draw in [0, 1) for one client and round."""
-    return zlib.crc32(f"{seed}/{what}/{index}/{round}".encode()) / 2**32
 
 
 class NodeSetupError(RuntimeError):
@@ -176,6 +178,8 @@ class _Result:
     generation: int = 0
     received_at: float = 0.0
     train_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the client's own training (not the wait for the trainer)
+    samples_trained: int = 0  # local samples x local epochs
     finished_at: float = 0.0  # monotonic time the main thread got it
     secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
@@ -286,9 +290,11 @@ class EdgeNode:
                     self.payloads.release(job.round, job.model)
                     self.metrics.trained(0.0, "cancelled")
                     continue
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), self._cpu_time()
                 result = self._train(job, model_cache)
                 result.train_s = time.perf_counter() - started
+                result.cpu_s = self._cpu_time() - cpu_started
+                result.samples_trained = result.num_samples * job.request.local_epochs
                 result.generation, result.received_at = job.generation, job.received_at
                 result.secure = job.request.secure
                 outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
@@ -297,6 +303,14 @@ class EdgeNode:
                 wake.send(b"")
         finally:
             wake.close(linger=0)
+
+    def _cpu_time(self) -> float:
+        """The trainer's clock for a client's own work: its thread's CPU time (torch computes in the calling
+        thread with one thread); the process's with more threads; wall time on a GPU, where the work is the
+        device's (the trainer is the only one using it)."""
+        if self.setup is not None and self.setup.device.type == "cuda":
+            return time.perf_counter()
+        return time.thread_time() if self._threads == 1 else time.process_time()
 
     def _train(self, job: _Job, model_cache: dict[int, Any]) -> _Result:
         client = job.client
@@ -358,6 +372,8 @@ class EdgeNode:
             client.classes = list(msg.body.classes)
             client.seen_classes = list(msg.body.seen_classes)
             client.assets = {}
+            if msg.body.restart:  # crashed on the emulated clock: what a restarted device has lost
+                client.state, client.trained_task = {}, -1
             self.assets.retain([c.assets for c in self.clients])
         elif msg.type in ASSET_TYPES:
             if client.task != msg.task:
@@ -372,10 +388,10 @@ class EdgeNode:
             now = time.monotonic()
             self._jobs.put(_Job(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
                                 client.generation, now, msg.body))
-            if self.edge.crash_rate > 0 and _uniform(self.setup.seed, "crash", client.index, msg.round) < \
+            if self.edge.crash_rate > 0 and client_draw(self.setup.seed, "crash", client.index, msg.round) < \
                     self.edge.crash_rate:
                 # dies somewhere between now and when its update would go out (judged by its last round)
-                client.crash_at = now + _uniform(self.setup.seed, "crash-at", client.index, msg.round) * client.round_s
+                client.crash_at = now + client_draw(self.setup.seed, "crash-at", client.index, msg.round) * client.round_s
         elif msg.type in SECAGG_DOWN:
             self._on_secagg(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node
@@ -437,7 +453,7 @@ class EdgeNode:
     def _report(result: _Result) -> dict[str, Any]:
         metrics = {str(k): float(v) for k, v in result.metrics.items()}  # numpy scalars from a method included
         return {"train_time_s": metrics.get("train_time_s", 0.0), "loss": metrics.get("loss", float("nan")),
-                "metrics": metrics}
+                "metrics": metrics, "cpu_s": result.cpu_s}
 
     def _upload(self, client: EmulatedClient, result: _Result, msg_type: str, body, tensors) -> None:
         """Send a training result through the client's emulated device: its compute slowdown, then its uplink."""
@@ -445,7 +461,8 @@ class EdgeNode:
         now = time.monotonic()
         due = now
         if client.link is not None:
-            ready = max(now, result.finished_at + (client.link.profile.compute_factor - 1.0) * result.train_s)
+            hold_s = client.link.profile.compute_s(result.train_s, result.samples_trained) - result.train_s
+            ready = max(now, result.finished_at + hold_s)
             due = client.link.arrival("up", frames_nbytes(frames), ready)
             self.metrics.link_delay("up", client.link.profile.name, due - ready)
 
@@ -535,7 +552,8 @@ class EdgeNode:
         if client.transitions is None:
             try:
                 client.transitions = transitions(edge.availability)
-                client.link = None if edge.profile is None else Link(DeviceProfile.from_wire(edge.profile))
+                profile = None if edge.profile is None else DeviceProfile.from_wire(edge.profile)
+                client.link = None if profile is None or edge.clock == "emulated" else Link(profile)
             except ValueError as exc:
                 log.error("%s: %s; it stays always available on an ideal link", client.id, exc)
                 client.transitions = iter(())

@@ -133,6 +133,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             "Select ceil(K x FACTOR) clients, close the round at the first K updates."),
     _option("late_updates", "rounds.late_updates", str,
             "drop (count them) or next_round (aggregate stale deltas of the same task)."),
+    _option("clock", "rounds.clock", str, "emulated (deadlines and churn in emulated time, independent of the "
+                                          "host), real (host seconds) or auto (docs/edge.md)."),
     _option("availability", "edge.availability", str,
             "always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH (docs/edge.md)."),
     _option("crash_rate", "edge.crash_rate", float, "Probability that a client selected for a round crashes "

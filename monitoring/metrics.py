@@ -51,7 +51,7 @@ REJECT_REASONS = tuple(REASONS)
 ROUND_PHASES = ("select", "dispatch", "collect", "receive_updates", "aggregate", "evaluate")
 TASK_END_PHASES = ("end_task", "evaluate")
 CLIENT_ROUND_OUTCOMES = ("selected", "participated", "missed_deadline", "failed")
-DROP_REASONS = ("heartbeat_timeout", "unreachable", "node_exited")
+DROP_REASONS = ("heartbeat_timeout", "unreachable", "node_exited", "crash")  # crash: on the emulated clock
 JOIN_KINDS = ("first", "rejoin")
 ROUND_OUTCOMES = ("aggregated", "skipped")
 TRAIN_OUTCOMES = ("ok", "no_data", "failed", "cancelled")
@@ -183,6 +183,13 @@ class CoordinatorMetrics(ProcessMetrics):
         self.tasks_completed = Counter("fcl_tasks_completed", "Tasks finished (evaluated).", registry=r)
         self.round_duration = Histogram("fcl_round_duration_seconds", "Wall-clock duration of a round.",
                                         buckets=ROUND_BUCKETS, registry=r)
+        self.round_emulated_duration = Histogram(
+            "fcl_round_emulated_duration_seconds", "Emulated-clock duration of a round: what the federation "
+            "would have taken (docs/edge.md; none under --clock real).", buckets=ROUND_BUCKETS, registry=r)
+        self.emulated_clock = Gauge("fcl_emulated_clock_seconds", "The run's emulated clock at the last round's "
+                                    "close (stays 0 under --clock real).", registry=r)
+        self.host_timeouts = Counter("fcl_round_host_timeouts", "Emulated-clock rounds closed by the host-side "
+                                     "safety timeout before every selected client's work was done.", registry=r)
         self.phase_duration = Histogram("fcl_round_phase_duration_seconds", "Wall-clock duration of a round "
                                         "phase.", ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.task_end_duration = Histogram("fcl_task_end_phase_duration_seconds", "Wall-clock duration of the "
@@ -286,9 +293,15 @@ class CoordinatorMetrics(ProcessMetrics):
 
     def round_closed(self, *, duration_s: float, phases_s: Mapping[str, float], selected: int, participants: int,
                      missed_deadline: int, failed: int, skipped: bool, mean_loss: float | None,
-                     accuracy_seen_percent: float | None) -> None:
+                     accuracy_seen_percent: float | None, emulated_s: float | None = None,
+                     emulated_clock_s: float | None = None, host_timeout: bool = False) -> None:
         self.rounds.labels("skipped" if skipped else "aggregated").inc()
         self.round_duration.observe(duration_s)
+        if emulated_s is not None:
+            self.round_emulated_duration.observe(emulated_s)
+            self.emulated_clock.set(emulated_clock_s)
+        if host_timeout:
+            self.host_timeouts.inc()
         for phase, seconds in phases_s.items():
             self.phase_duration.labels(phase).observe(seconds)
         for state, n in (("selected", selected), ("participated", participants),

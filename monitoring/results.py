@@ -137,7 +137,11 @@ class RoundRecord:
     stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
     secagg: dict[str, Any] | None = None  # secure aggregation: outcome, parameters, phase times, dropouts
     client_metrics: dict[str, float] | None = None  # mean of the method metrics the participants reported
-    train_s_by_class: dict[str, float] | None = None  # device profiles: mean local training seconds per class
+    # device profiles: mean local training seconds per class (emulated clock: the profiles' compute time)
+    train_s_by_class: dict[str, float] | None = None
+    emulated_s: float | None = None  # emulated clock: the round's emulated duration (None: --clock real)
+    emulated_clock_s: float | None = None  # emulated clock: the run's emulated time at the round's close
+    host_timeout: bool = False  # emulated clock: closed by rounds.host_timeout_s with clients still working
 
 
 class RunRecorder:

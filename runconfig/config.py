@@ -52,6 +52,13 @@ class RoundConfig(pydantic.BaseModel):
     late_updates: Literal["drop", "next_round"] = pydantic.Field(
         "drop", description="an update that arrives after its round closed: dropped and counted, or (for methods "
                             "that accept stale deltas) aggregated in the next round of the same task")
+    clock: Literal["auto", "emulated", "real"] = pydantic.Field(
+        "auto", description="emulated: deadlines, stragglers, availability and crashes in emulated time, "
+                            "independent of the host's load; real: in host seconds; auto: emulated, except real "
+                            "for secure aggregation and container backends (docs/edge.md)")
+    host_timeout_s: float = pydantic.Field(
+        900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
+                                 "(a safety net, reported when it fires)")
 
 
 class NetworkConfig(pydantic.BaseModel):
@@ -318,6 +325,13 @@ class RunConfig(pydantic.BaseModel):
                              f"at most 65535)")
         return self
 
+    @property
+    def emulated_clock(self) -> bool:
+        """Whether rounds run on the emulated clock (``rounds.clock``, ``auto`` resolved)."""
+        if self.rounds.clock == "auto":
+            return not self.secagg.enabled and self.containers.backend == "process"
+        return self.rounds.clock == "emulated"
+
     def _check_secagg(self, spec) -> None:
         from methods.base import DELTA
 
@@ -338,6 +352,9 @@ class RunConfig(pydantic.BaseModel):
         if self.security.max_update_norm is not None or self.security.clip_norm is not None:
             raise ValueError("--secagg hides each client's delta from the server, so the server cannot bound or "
                              "clip its norm: --max-update-norm and --clip-norm need plain aggregation")
+        if self.rounds.clock == "emulated":
+            raise ValueError("--secagg runs on the real clock (its dropout handling is timed in host seconds): "
+                             "use --clock real or auto")
         if self.rounds.late_updates == "next_round":
             raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
                              "cannot join another round's sum")

@@ -34,10 +34,7 @@ traces span days: 0.001 turns a day into 86 s).
 
 from __future__ import annotations
 
-import io
-import json
 import math
-import pickle
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
+
+from scenario.files import read_data
 
 KINDS = ("always", "bernoulli", "onoff", "trace")
 USAGE = "always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH"
@@ -104,39 +102,17 @@ class TraceEntry:
     period: float
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds only builtin containers, strings and numbers: a trace file cannot run code."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"a trace may hold only dicts, lists and numbers, not {module}.{name}")
-
-
 @lru_cache(maxsize=4)
 def load_trace(path: Path) -> tuple[TraceEntry, ...]:
     """Read a FedScale-format availability trace (pickle, JSON or YAML); entries in sorted client-id order."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"availability trace {path}: {exc.strerror}") from None
-    try:
-        if raw[:1] == b"\x80":  # a pickle protocol 2+ stream
-            data = _PlainUnpickler(io.BytesIO(raw)).load()
-        elif Path(path).suffix == ".json":
-            data = json.loads(raw)
-        else:
-            data = yaml.safe_load(raw)
-    except (pickle.UnpicklingError, json.JSONDecodeError, yaml.YAMLError, EOFError, ValueError) as exc:
-        raise ValueError(f"availability trace {path}: cannot parse: {exc}") from None
+    data = read_data(path, "availability trace")
     if not isinstance(data, dict) or not data:
         raise ValueError(f"availability trace {path}: expected a non-empty mapping of client id to "
                          f"{{active, inactive, finish_time}}")
-    entries = []
-    for key in sorted(data, key=_sort_key):
-        entries.append(_entry(path, key, data[key]))
-    return tuple(entries)
+    return tuple(_entry(path, key, data[key]) for key in sorted(data, key=sort_key))
 
 
-def _sort_key(key: Any):
+def sort_key(key: Any):
     return (0, int(key), "") if str(key).lstrip("-").isdigit() else (1, 0, str(key))
 
 
@@ -165,6 +141,11 @@ def _entry(path: Path, key: Any, value: Any) -> TraceEntry:
             intervals.append((start, end))
         last = end
     return TraceEntry(tuple(intervals), max(period, last))
+
+
+def client_draw(seed: int, what: str, index: int, round: int) -> float:
+    """A reproducible draw in [0, 1) for one client and round (crashes: whether, and where in the round)."""
+    return zlib.crc32(f"{seed}/{what}/{index}/{round}".encode()) / 2**32
 
 
 # ------------------------------------------------- per-client resolution (coordinator)

@@ -7,13 +7,13 @@ A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
     profiles:
       - name: flagship            # a label of the link metrics: keep the set small
         share: 0.6                # fraction of the clients (shares are normalised)
-        compute_factor: 1.0       # local training takes this many times the measured time
+        compute_factor: 1.0       # local training takes this many times its measured CPU time
         uplink_mbps: 20           # megabits per second
         downlink_mbps: 50
         latency_ms: 30            # one way
       - name: budget
         share: 0.4
-        compute_factor: {lognormal: {median: 3.0, sigma: 0.5}}
+        ms_per_sample: {lognormal: {median: 12.0, sigma: 0.5}}   # or a fixed cost per sample trained
         uplink_mbps: {uniform: [1, 5]}
         downlink_mbps: 10
         latency_ms: {uniform: [50, 200]}
@@ -25,11 +25,24 @@ A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
       7: budget
 
 Each value is a number or a distribution (``uniform: [low, high]``,
-``lognormal: {median, sigma}``), drawn once per client. A missing bandwidth
+``lognormal: {median, sigma}``), drawn once per client. A client's compute
+time in a round (:meth:`DeviceProfile.compute_s`) is either its measured CPU
+time of its own training times ``compute_factor`` (the default: follows what a
+method really does per step), or ``ms_per_sample`` times the samples it
+trained (local samples x local epochs; exact and independent of the host, but
+blind to a method's extra work per step). A profile gives one of the two.
+
+FedScale's device-capacity file (``client_device_capacity``: client id ->
+``{"computation": ms per sample, "communication": kbit/s}``, a pickle, JSON or
+YAML) is read as well: emulated client ``i`` gets the ``i``-th entry in sorted
+id order (wrapping around), ``ms_per_sample = 3 x computation`` (FedScale's
+own factor for a training pass over its inference latency) and
+``communication`` as both up- and downlink bandwidth, no latency; all of them
+form one device class, ``fedscale``. A missing bandwidth
 means an unlimited link; a missing latency 0. The coordinator assigns a
 profile to every client, seeded by the run seed (:func:`assign_profile`), and
 sends it in the client's ``welcome``; the edge node applies its bandwidth and
-latency to the client's real messages (:class:`edge_node.links.Link`).
+latency to the client's real messages (:class:`scenario.links.Link`).
 
 Under a container backend the clients of one class share the containers of that class, so ``container``
 limits are real: the kernel throttles, caps and kills. ``compute_factor`` still scales the measured time on top
@@ -49,7 +62,8 @@ from typing import Any
 import numpy as np
 import pydantic
 
-from scenario.files import load_model
+from scenario.availability import sort_key
+from scenario.files import read_data, validate
 
 Value = float | dict[str, Any]
 
@@ -95,12 +109,19 @@ class _Profile(pydantic.BaseModel):
     name: str = pydantic.Field(min_length=1, max_length=40)
     share: float = pydantic.Field(1.0, gt=0)
     compute_factor: Value = 1.0
+    ms_per_sample: Value | None = None
     uplink_mbps: Value | None = None
     downlink_mbps: Value | None = None
     latency_ms: Value = 0.0
     container: ContainerLimits | None = None
 
-    @pydantic.field_validator("compute_factor", "uplink_mbps", "downlink_mbps", "latency_ms")
+    @pydantic.model_validator(mode="after")
+    def _one_compute_model(self) -> "_Profile":
+        if self.ms_per_sample is not None and self.compute_factor != 1.0:
+            raise ValueError(f"profile {self.name!r}: give compute_factor or ms_per_sample, not both")
+        return self
+
+    @pydantic.field_validator("compute_factor", "ms_per_sample", "uplink_mbps", "downlink_mbps", "latency_ms")
     @classmethod
     def _value(cls, value: Value | None, info) -> Value | None:
         if value is None:
@@ -117,6 +138,8 @@ class ProfilesFile(pydantic.BaseModel):
 
     profiles: list[_Profile] = pydantic.Field(min_length=1)
     clients: dict[int, str] = {}
+    # a FedScale device-capacity file: (ms per sample, kbit/s) per trace client, in sorted id order
+    trace: tuple[tuple[pydantic.PositiveFloat, pydantic.PositiveFloat], ...] = ()
 
     @pydantic.model_validator(mode="after")
     def _names(self) -> "ProfilesFile":
@@ -149,10 +172,30 @@ def _support(value: Value, field: str) -> tuple[float, float]:
                      f"{{lognormal: {{median: M, sigma: S}}}}, got {value!r}")
 
 
+FEDSCALE_CLASS = "fedscale"
+FEDSCALE_TRAINING_FACTOR = 3.0  # FedScale: a training pass over a sample costs 3x its inference latency
+
+
 @lru_cache(maxsize=4)
 def load_profiles(path: Path) -> ProfilesFile:
-    """Read and validate a profiles file; raises ValueError naming the file and the problem."""
-    return load_model(path, ProfilesFile, "device profiles")
+    """Read and validate a profiles file or a FedScale device-capacity file; raises ValueError naming the file
+    and the problem."""
+    data = read_data(path, "device profiles")
+    if isinstance(data, dict) and data and "profiles" not in data:
+        return _fedscale_capacities(path, data)
+    return validate(data, ProfilesFile, "device profiles", path)
+
+
+def _fedscale_capacities(path: Path, data: dict) -> ProfilesFile:
+    entries = []
+    for key in sorted(data, key=sort_key):
+        value = data[key]
+        if not isinstance(value, dict) or not {"computation", "communication"} <= value.keys():
+            raise ValueError(f"device profiles {path}: client {key!r}: a FedScale device-capacity entry needs "
+                             f"computation (ms per sample) and communication (kbit/s)")
+        entries.append((value["computation"], value["communication"]))
+    return validate({"profiles": [{"name": FEDSCALE_CLASS}], "trace": entries}, ProfilesFile, "device profiles",
+                    path)
 
 
 @dataclass(frozen=True)
@@ -161,6 +204,7 @@ class DeviceProfile:
 
     name: str = "default"
     compute_factor: float = 1.0
+    ms_per_sample: float | None = None
     uplink_bytes_s: float = math.inf
     downlink_bytes_s: float = math.inf
     latency_s: float = 0.0
@@ -173,23 +217,37 @@ class DeviceProfile:
     def from_wire(cls, data: dict[str, Any]) -> "DeviceProfile":
         """Raises ValueError for a malformed profile (it came over the wire)."""
         try:
+            ms = data["ms_per_sample"]
             profile = cls(name=str(data["name"]), compute_factor=float(data["compute_factor"]),
+                          ms_per_sample=None if ms is None else float(ms),
                           uplink_bytes_s=math.inf if data["uplink_bytes_s"] is None else float(data["uplink_bytes_s"]),
                           downlink_bytes_s=(math.inf if data["downlink_bytes_s"] is None
                                             else float(data["downlink_bytes_s"])),
                           latency_s=float(data["latency_s"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed device profile {data!r}: {exc}") from None
-        if not (profile.compute_factor > 0 and profile.uplink_bytes_s > 0 and profile.downlink_bytes_s > 0
+        if not (profile.compute_factor > 0 and (profile.ms_per_sample is None or profile.ms_per_sample > 0)
+                and profile.uplink_bytes_s > 0 and profile.downlink_bytes_s > 0
                 and 0 <= profile.latency_s < math.inf):
             raise ValueError(f"device profile out of range: {data!r}")
         return profile
+
+    def compute_s(self, cpu_s: float, samples_trained: int) -> float:
+        """Emulated seconds of one round's local training: ``ms_per_sample`` x samples trained if the profile
+        gives it, else the measured CPU time x ``compute_factor``."""
+        if self.ms_per_sample is not None:
+            return self.ms_per_sample * samples_trained / 1000.0
+        return cpu_s * self.compute_factor
 
 
 def assign_profile(profiles: ProfilesFile | None, index: int, seed: int) -> DeviceProfile:
     """Client ``index``'s profile: pinned, or drawn by share; its values drawn from their distributions."""
     if profiles is None:
         return DeviceProfile()
+    if profiles.trace:
+        ms, kbit_s = profiles.trace[index % len(profiles.trace)]
+        return DeviceProfile(name=FEDSCALE_CLASS, ms_per_sample=FEDSCALE_TRAINING_FACTOR * ms,
+                             uplink_bytes_s=kbit_s * 1000 / 8, downlink_bytes_s=kbit_s * 1000 / 8)
     rng = np.random.default_rng(zlib.crc32(f"{seed}/profile/{index}".encode()))
     by_name = {p.name: p for p in profiles.profiles}
     shares = np.array([p.share for p in profiles.profiles])
@@ -210,6 +268,7 @@ def assign_profile(profiles: ProfilesFile | None, index: int, seed: int) -> Devi
         return math.inf if mbps is None else mbps * 1e6 / 8
 
     return DeviceProfile(name=chosen.name, compute_factor=draw(chosen.compute_factor),
+                         ms_per_sample=draw(chosen.ms_per_sample),
                          uplink_bytes_s=bytes_s(draw(chosen.uplink_mbps)),
                          downlink_bytes_s=bytes_s(draw(chosen.downlink_mbps)),
                          latency_s=draw(chosen.latency_ms) / 1000.0)

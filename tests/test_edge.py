@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from scenario.availability import client_availability, load_trace, parse_availability, transitions
-from edge_node.links import Link
+from scenario.links import Link
 from scenario.devices import DeviceProfile, assign_profile, load_profiles
 from tests.conftest import fcl_emu, free_port, small_config
 
@@ -189,8 +189,9 @@ def test_trace_replay_follows_the_trace(tmp_path, mnist_root):
     scenario = {"num_clients": 8, "num_tasks": 1, "partition": "task_pool",
                 "samples_per_client_task": 200}
     summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
-                             rounds={"clients_per_round": 8, "rounds_per_task": 6},
+                             rounds={"clients_per_round": 8, "rounds_per_task": 6, "clock": "real"},
                              training={"local_epochs": 1}, edge={"availability": f"trace:{path}"})
+    # (the real clock: the edge nodes follow the trace in host time; the emulated clock: tests/test_clock.py)
     assert summary["status"] == "completed"
     clients = summary["clients"]
     assert clients["left"] >= 4 and clients["rejoined"] >= 2  # 4-5 once; 6-7 at least once each
@@ -202,7 +203,8 @@ def test_trace_replay_follows_the_trace(tmp_path, mnist_root):
 
 
 @pytest.mark.slow
-def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_path, mnist_root):
+@pytest.mark.parametrize("clock", ["real", "emulated"])
+def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_path, mnist_root, clock):
     profiles = tmp_path / "p.yaml"  # the CNN's update is ~1.1 MB: 4.4 s on a 2 Mbit/s uplink
     profiles.write_text(yaml.safe_dump({"profiles": [
         {"name": "ok"}, {"name": "slow", "uplink_mbps": 2, "compute_factor": 4}]}))
@@ -210,7 +212,7 @@ def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_p
                 "samples_per_client_task": 200}
     summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
                              rounds={"clients_per_round": 6, "rounds_per_task": 4, "deadline_s": 3,
-                                     "late_updates": "next_round"},
+                                     "late_updates": "next_round", "clock": clock},
                              training={"local_epochs": 1}, edge={"device_profiles": str(profiles)})
     assert summary["status"] == "completed"
     assert summary["missed_deadline"] > 0 and summary["late_updates"] > 0
@@ -219,10 +221,13 @@ def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_p
 
 @pytest.mark.slow
 def test_crashes_and_churn_with_overcommit(tmp_path, mnist_root):
+    """The real clock: the edge nodes crash, leave and rejoin their clients in host time (the emulated clock's
+    crashes and churn: tests/test_clock.py)."""
     scenario = {"num_clients": 16, "num_tasks": 1, "partition": "task_pool",
                 "samples_per_client_task": 200}
     summary, rounds = run_up(tmp_path, mnist_root, scenario=scenario,
-                             rounds={"clients_per_round": 4, "rounds_per_task": 4, "overcommit": 1.5},
+                             rounds={"clients_per_round": 4, "rounds_per_task": 4, "overcommit": 1.5,
+                                     "clock": "real"},
                              training={"local_epochs": 1},
                              edge={"availability": "onoff:4:2", "crash_rate": 0.4, "crash_downtime_s": 1.0})
     assert summary["status"] == "completed"

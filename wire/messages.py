@@ -10,7 +10,7 @@ line in :data:`BODY_SCHEMAS`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -63,13 +63,16 @@ class Join(Body):
 
 
 class EdgeSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One client's emulated edge behaviour (scenario/availability.py, scenario/devices.py, edge_node/links.py)."""
+    """One client's emulated edge behaviour (scenario/availability.py, scenario/devices.py, scenario/links.py)."""
 
     availability: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "always"})
     profile: dict[str, Any] | None = None
     crash_rate: float = 0.0
     crash_downtime_s: float = 5.0
     clock_s: float = 0.0  # the coordinator's run clock when it sent the welcome
+    # "emulated": the coordinator keeps the time (availability, crashes, compute and link delays are computed
+    # there, coordinator/emulated.py); the node sends at once and reports its training's CPU time
+    clock: Literal["real", "emulated"] = "real"
 
 
 class Welcome(Body):
@@ -97,6 +100,7 @@ class TaskStart(Body):
 
     classes: list[int]
     seen_classes: list[int]
+    restart: bool = False  # emulated clock: the client crashed since its last task start (in-memory state lost)
 
 
 class TaskAsset(Body):
@@ -126,6 +130,7 @@ class Update(Body):
     train_time_s: float
     loss: float
     metrics: Metrics = {}
+    cpu_s: float = 0.0  # CPU seconds of this client's own training (what the emulated clock scales)
 
 
 class SideChannel(Body):
@@ -197,6 +202,7 @@ class SecAggMasked(Body):
     train_time_s: float
     loss: float
     metrics: Metrics = {}
+    cpu_s: float = 0.0
 
 
 class SecAggUnmaskRequest(Body):

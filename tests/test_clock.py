@@ -1,0 +1,246 @@
+"""The emulated clock (coordinator/emulated.py): client timelines, round closing, availability and crashes in
+emulated time, device costs per sample and FedScale's device traces; real runs whose outcome must not depend
+on the host's load or on how many edge-node processes host the clients."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from coordinator.emulated import ClientRound, EmulatedClock
+from coordinator.registry import ClientRegistry
+from runconfig.config import RunConfig
+from scenario.availability import AvailabilitySpec, parse_availability
+from scenario.devices import DeviceProfile, assign_profile, load_profiles
+from tests.conftest import fcl_emu, small_config
+
+
+def clock(availability: AvailabilitySpec = AvailabilitySpec("always"), **kw) -> EmulatedClock:
+    settings = dict(seed=0, slot_s=10.0, trace_time_scale=1.0, crash_rate=0.0, crash_downtime_s=5.0,
+                    liveness_timeout_s=2.0)
+    return EmulatedClock(availability, **{**settings, **kw})
+
+
+# ------------------------------------------------------------- timelines
+def test_arrival_is_downlink_then_compute_then_uplink():
+    profile = DeviceProfile(compute_factor=3.0, uplink_bytes_s=1000.0, downlink_bytes_s=2000.0, latency_s=0.05)
+    c = ClientRound(profile, down_bytes=1000, up_bytes=500)
+    # 1000 B down at 2000 B/s + 50 ms = 10.55; 0.2 s CPU x 3 = 0.6 -> 11.15; 500 B up at 1000 B/s + 50 ms
+    assert EmulatedClock.arrival(10.0, c, cpu_s=0.2, samples_trained=300) == pytest.approx(11.70)
+    assert c.compute_s == pytest.approx(0.6)
+    per_sample = ClientRound(DeviceProfile(ms_per_sample=2.0))  # ideal links: compute only
+    assert EmulatedClock.arrival(0.0, per_sample, cpu_s=99.0, samples_trained=300) == pytest.approx(0.6)
+
+
+def rounds_of(arrivals: dict[str, float | None]) -> dict[str, ClientRound]:
+    out = {}
+    for name, t in arrivals.items():
+        out[name] = ClientRound(DeviceProfile())
+        out[name].arrival = t
+    return out
+
+
+def test_a_round_closes_at_its_deadline_or_at_the_wanted_update_or_when_all_are_in():
+    indices = {"a": 0, "b": 1, "c": 2}
+    closing = clock().close(0.0, 3.0, 3, rounds_of({"a": 1.0, "b": 2.0, "c": 5.0}), indices, {"a", "b", "c"}, 1)
+    assert (closing.closed_at, closing.on_time, closing.late) == (3.0, {"a", "b"}, {"c"})
+    closing = clock().close(0.0, 3.0, 2, rounds_of({"a": 1.0, "b": 2.0, "c": 5.0}), indices, {"a", "b", "c"}, 1)
+    assert (closing.closed_at, closing.on_time, closing.late) == (2.0, {"a", "b"}, {"c"})
+    # every client in before the deadline: the round ends with the last one; an empty update is on time too
+    c = clock()
+    closing = c.close(4.0, 30.0, 3, rounds_of({"a": 5.0, "b": 6.5, "c": 4.5}), indices, {"a", "b"}, 1)
+    assert (closing.closed_at, closing.on_time, closing.late) == (6.5, {"a", "b", "c"}, set())
+    assert c.now == 6.5
+    # a client still working when the host gave up is late; the round runs to its deadline
+    closing = clock().close(0.0, 3.0, 2, rounds_of({"a": 1.0, "b": None}), indices, {"a"}, 1)
+    assert (closing.closed_at, closing.on_time, closing.late) == (3.0, {"a"}, {"b"})
+
+
+def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the_downtime():
+    c = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
+    indices = {"a": 0, "b": 1}
+    closing = c.close(0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1)
+    assert closing.on_time == set() and closing.gone == {"a", "b"} and closing.crashed == {"a", "b"}
+    # each crashes at a seeded point of its round, noticed 2 s later (the liveness timeout is below the downtime)
+    a_at, b_at = c.crash_point(0, 1) * 1.0, c.crash_point(1, 1) * 4.0
+    assert closing.closed_at == pytest.approx(max(a_at, b_at) + 2.0)
+    first, second = sorted([("a", a_at), ("b", b_at)], key=lambda x: x[1])
+    assert c.availability_at(second[1] + 4.99, [("a", 0), ("b", 1)]) == {first[0]: True, second[0]: False} \
+        or first[1] + 5.0 > second[1] + 4.99
+    assert c.availability_at(second[1] + 5.0, [("a", 0), ("b", 1)]) == {"a": True, "b": True}
+    # the same seed crashes the same clients at the same points; no crash rate, no crash
+    again = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0).close(
+        0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1)
+    assert again.closed_at == closing.closed_at
+    assert clock().close(0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1).crashed == set()
+
+
+def test_a_client_whose_availability_ends_mid_round_has_left(tmp_path):
+    path = tmp_path / "trace.json"  # client 0: on from 0 to 1.5 s; client 1: always on
+    path.write_text(json.dumps({"0": {"active": [0], "inactive": [1.5], "finish_time": 100},
+                                "1": {"active": [0], "inactive": [], "finish_time": 100}}))
+    c = clock(parse_availability(f"trace:{path}"))
+    assert c.availability_at(0.0, [("a", 0), ("b", 1)]) == {"a": True, "b": True}
+    closing = c.close(0.0, 30.0, 2, rounds_of({"a": 2.0, "b": 1.0}), {"a": 0, "b": 1}, {"a", "b"}, 1)
+    # a went away at 1.5 before its update (2.0) arrived: gone, noticed at once; the round closes then
+    assert (closing.closed_at, closing.on_time, closing.gone, closing.crashed) == (1.5, {"b"}, {"a"}, set())
+    assert c.availability_at(2.0, [("a", 0), ("b", 1)]) == {"a": False, "b": True}
+    assert c.next_change([("a", 0)]) == 100.0  # back at the trace's next period
+
+
+def test_registry_counts_away_clients_as_left_or_dropped_and_their_return_as_a_rejoin():
+    registry = ClientRegistry(liveness_timeout_s=10.0)
+    for i in range(3):
+        registry.join(f"c{i}", i, "n", 0)
+    assert registry.set_away("c0", True) and registry.set_away("c1", True, crashed=True)
+    assert not registry.set_away("c0", True)
+    assert registry.online_count == 1 == len(registry.online()) and len(registry.connected()) == 3
+    assert registry.is_online("c0")  # still connected: its messages are handled
+    assert [r.client_id for r in registry.eligible(0)] == ["c2"]
+    assert (registry.counts.left, registry.counts.dropped) == (1, 1)
+    registry.set_away("c0", False)
+    assert registry.counts.rejoined == 1 and registry.online_count == 2
+    registry.drop("c1")  # its process dies while away: not counted twice, and not online
+    assert registry.counts.dropped == 1 and registry.online_count == 2
+
+
+# ------------------------------------------------------------- profiles
+def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
+    path = tmp_path / "client_device_capacity"
+    path.write_bytes(pickle.dumps({2: {"computation": 40.0, "communication": 800.0},
+                                   1: {"computation": 10.0, "communication": 2000.0}}))
+    profiles = load_profiles(path)
+    first, second, wrapped = (assign_profile(profiles, i, seed=3) for i in (0, 1, 2))
+    assert first == DeviceProfile(name="fedscale", ms_per_sample=30.0, uplink_bytes_s=250_000.0,
+                                  downlink_bytes_s=250_000.0)
+    assert second.ms_per_sample == 120.0 and second.uplink_bytes_s == 100_000.0 and wrapped == first
+    assert first.compute_s(cpu_s=5.0, samples_trained=100) == pytest.approx(3.0)  # 30 ms x 100, CPU ignored
+    assert DeviceProfile.from_wire(first.to_wire()) == first
+
+
+@pytest.mark.parametrize("content, why", [
+    ({1: {"computation": 10.0}}, "computation .ms per sample. and communication"),
+    ({1: {"computation": -1.0, "communication": 5.0}}, "greater than 0"),
+    ({"profiles": [{"name": "x", "compute_factor": 2, "ms_per_sample": 3}]}, "not both"),
+])
+def test_bad_device_files_are_named(tmp_path, content, why):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=why):
+        load_profiles(path)
+
+
+def test_clock_auto_is_emulated_except_for_secure_aggregation_and_containers():
+    assert RunConfig().emulated_clock
+    assert not RunConfig(rounds={"clock": "real"}).emulated_clock
+    assert not RunConfig(secagg={"enabled": True}).emulated_clock
+    assert not RunConfig(containers={"backend": "docker"}).emulated_clock
+    assert RunConfig(containers={"backend": "docker"}, rounds={"clock": "emulated"}).emulated_clock
+    with pytest.raises(ValueError, match="secagg runs on the real clock"):
+        RunConfig(secagg={"enabled": True}, rounds={"clock": "emulated"})
+
+
+# ------------------------------------------------------------- real runs
+HOG = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
+
+
+def run(tmp_path, mnist_root, name: str, *, hog: bool = False, **overrides):
+    """One seeded run; with ``hog``, a process keeps one of the host's cores busy all along."""
+    config = small_config(tmp_path / f"{name}.yaml", **overrides)
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG])] if hog else []
+    try:
+        proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir",
+                       str(tmp_path / name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert proc.returncode == 0, output
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    events = [json.loads(line) for line in (tmp_path / name / "events.jsonl").read_text().splitlines()]
+    return summary, [e for e in events if e.get("event") == "round"]
+
+
+def profiles_file(tmp_path, slow: dict) -> str:
+    """Clients 0-3 are ``slow``, the others an ideal device."""
+    path = tmp_path / "profiles.yaml"
+    path.write_text(yaml.safe_dump({"profiles": [{"name": "ok"}, {"name": "slow", **slow}],
+                                    "clients": {i: "slow" for i in range(4)} | {i: "ok" for i in range(4, 12)}}))
+    return str(path)
+
+
+SCENARIO = {"num_clients": 12, "num_tasks": 2, "partition": "task_pool", "samples_per_client_task": 200}
+
+
+@pytest.mark.slow
+def test_same_seed_same_rounds_and_accuracy_whatever_the_host_load_and_the_node_count(tmp_path, mnist_root):
+    """Stragglers (a 2 Mbit/s uplink: the CNN's 1.1 MB update takes 4.4 s) against a 3 s deadline: the same
+    clients make each round, and FedAvg's accuracy matrix is bit for bit the same, with 2 edge nodes on a
+    quiet host and with 3 edge nodes beside a process that keeps a core busy."""
+    common = dict(scenario=SCENARIO, training={"local_epochs": 1},
+                  rounds={"clients_per_round": 6, "rounds_per_task": 3, "deadline_s": 3, "eval_every": 3},
+                  edge={"device_profiles": profiles_file(tmp_path, {"uplink_mbps": 2})}, seed=5)
+    quiet, quiet_rounds = run(tmp_path, mnist_root, "quiet", nodes=2, **common)
+    loaded, loaded_rounds = run(tmp_path, mnist_root, "loaded", hog=True, nodes=3, **common)
+    outcome = [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in quiet_rounds]
+    assert outcome == [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in loaded_rounds]
+    assert sum(r["late"] for r in quiet_rounds) > 0  # the slow clients did miss deadlines
+    assert quiet["accuracy_matrix"] == loaded["accuracy_matrix"]
+    assert [r["emulated_s"] for r in quiet_rounds] == pytest.approx([r["emulated_s"] for r in loaded_rounds],
+                                                                    rel=0.5)
+    assert quiet["host_timeouts"] == loaded["host_timeouts"] == 0
+    # the two clocks side by side: a round with a straggler lasts its deadline in emulated time, whatever the host
+    assert quiet["clock"] == "emulated" and quiet["emulated_s"] == pytest.approx(sum(r["emulated_s"]
+                                                                                   for r in quiet_rounds))
+    assert all(r["emulated_s"] == pytest.approx(3.0) for r in quiet_rounds if r["late"])
+
+
+@pytest.mark.slow
+def test_a_4x_slower_device_misses_the_deadline_the_others_make_on_a_quiet_and_a_loaded_host(tmp_path,
+                                                                                             mnist_root):
+    scenario = {**SCENARIO, "num_tasks": 1, "samples_per_client_task": 400}
+    common = dict(scenario=scenario, training={"local_epochs": 2}, nodes=2,
+                  edge={"device_profiles": profiles_file(tmp_path, {"compute_factor": 4})})
+    every_client = {"clients_per_round": 12, "rounds_per_task": 3, "eval_every": 3}
+    # calibrate: the ideal class's emulated compute time on this machine, with no deadline pressure
+    _, calibration = run(tmp_path, mnist_root, "calibrate", rounds={**every_client, "deadline_s": 1000}, **common)
+    ok = max(r["train_s_by_class"]["ok"] for r in calibration)
+    slow = min(r["train_s_by_class"]["slow"] for r in calibration)
+    assert slow > 3 * ok  # compute_factor 4 on the CPU time of the same work
+    deadline = 2 * ok  # halfway (geometrically) between the classes
+    for name, hog in (("quiet", False), ("loaded", True)):
+        summary, rounds = run(tmp_path, mnist_root, name, hog=hog, rounds={**every_client, "deadline_s": deadline},
+                              **common)
+        assert [(r["participants"], r["late"]) for r in rounds] == [(8, 4)] * 3, name
+        assert all(r["emulated_s"] == pytest.approx(deadline) for r in rounds)
+        assert summary["missed_deadline"] == 12 and summary["emulated_s"] == pytest.approx(3 * deadline)
+
+
+@pytest.mark.slow
+def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
+    """Availability (on-off sessions) and crashes on the emulated clock: the same seed gives the same rounds
+    and the same counts of leaves, rejoins and crashes on a quiet and on a loaded host. A fixed cost per
+    sample (2 ms: 0.4 s per round) makes the emulated times themselves exact, so every availability
+    transition falls in the same round."""
+    profiles = tmp_path / "per_sample.yaml"
+    profiles.write_text(yaml.safe_dump({"profiles": [{"name": "std", "ms_per_sample": 2}]}))
+    common = dict(scenario={**SCENARIO, "num_clients": 16, "num_tasks": 1}, training={"local_epochs": 1},
+                  rounds={"clients_per_round": 4, "rounds_per_task": 6, "overcommit": 1.5, "eval_every": 6},
+                  edge={"availability": "onoff:0.6:0.4", "crash_rate": 0.3, "crash_downtime_s": 0.5,
+                        "device_profiles": str(profiles)}, seed=2)
+    quiet, quiet_rounds = run(tmp_path, mnist_root, "quiet", **common)
+    loaded, loaded_rounds = run(tmp_path, mnist_root, "loaded", hog=True, nodes=3, **common)
+    clients = quiet["clients"]
+    assert clients["left"] > 0 and clients["rejoined"] > 0 and clients["dropped"] > 0
+    assert sum(r["dropped"] for r in quiet_rounds) > 0
+    keys = ("selected", "participants", "late", "dropped", "online")
+    assert [[r[k] for k in keys] for r in quiet_rounds] == [[r[k] for k in keys] for r in loaded_rounds]
+    assert clients == loaded["clients"]
+    assert quiet["accuracy_matrix"] == loaded["accuracy_matrix"]
+    assert quiet["emulated_s"] == loaded["emulated_s"]
