@@ -118,6 +118,11 @@ class EmulatedClock:
         self.notice_delay_s = min(liveness_timeout_s, crash_downtime_s)
         self._presence: dict[str, _Presence] = {}
 
+    @property
+    def churns(self) -> bool:
+        """Whether clients ever go away (an availability model other than ``always``, or crashes)."""
+        return self._availability.kind != "always" or self.crash_rate > 0
+
     def _of(self, client: str, index: int) -> _Presence:
         presence = self._presence.get(client)
         if presence is None:

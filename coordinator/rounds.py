@@ -292,6 +292,9 @@ class RoundEngine:
     def _follow_availability(self, t: float) -> None:
         """Move the emulated clock to ``t``; mark connected clients away or back by their availability models
         and crash downtimes."""
+        if not self.clock.churns:  # everyone always available: nothing to follow
+            self.clock.now = max(self.clock.now, t)
+            return
         connected = self.registry.connected()
         states = self.clock.availability_at(t, ((r.client_id, r.index) for r in connected))
         for record in connected:

@@ -86,6 +86,8 @@ def summary_table(summary: dict) -> Table:
     table.add_row("clients joined / left / dropped", f"{c['joined']} / {c['left']} / {c['dropped']}")
     table.add_row("rejected messages", str(sum(summary["rejected_messages"].values())))
     table.add_row("wall clock", f"{summary['wall_clock_s']:.1f} s")
+    if summary.get("emulated_s") is not None:
+        table.add_row("emulated time", f"{summary['emulated_s']:.1f} s")
     table.add_row("run directory", summary["run_dir"])
     return table
 

@@ -37,6 +37,7 @@ class RunRow:
     average_forgetting: Optional[float]
     bytes_total: int
     wall_clock_s: float
+    emulated_s: Optional[float] = None  # emulated clock (None: a --clock real run, or a run before clocks)
 
     @property
     def completed(self) -> bool:
@@ -85,6 +86,7 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str) -> tuple[l
             average_forgetting=_number(run.summary["average_forgetting"]),
             bytes_total=run.summary["bytes_total"],
             wall_clock_s=run.summary["wall_clock_s"],
+            emulated_s=run.summary.get("emulated_s"),
         )
         for run, label in zip(runs, labels)
     ]
@@ -146,12 +148,15 @@ def format_table(rows: Sequence[RunRow]) -> Table:
     table.add_column("forget. %", justify="right", no_wrap=True)
     table.add_column("MB", justify="right", no_wrap=True)
     table.add_column("wall s", justify="right", no_wrap=True)
-    table.caption = "acc.: average accuracy, forget.: average forgetting (docs/metrics.md); MB: total bytes / 1e6"
+    table.add_column("emulated s", justify="right", no_wrap=True)
+    table.caption = ("acc.: average accuracy, forget.: average forgetting (docs/metrics.md); MB: total bytes / 1e6; "
+                     "wall: the host's clock, emulated: the federation's (docs/edge.md; - under --clock real)")
 
     def pct(v: Optional[float]) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     for r in rows:
         table.add_row(r.label, r.status, f"{r.tasks_finished}/{r.num_tasks}", pct(r.average_accuracy),
-                      pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}")
+                      pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
+                      "-" if r.emulated_s is None else f"{r.emulated_s:.1f}")
     return table

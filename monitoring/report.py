@@ -526,6 +526,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("total bytes (MB)", f"{s['bytes_total'] / 1e6:.1f}"),
         ("rounds (skipped)", f"{s['rounds']} ({s['rounds_skipped']})"),
         ("wall clock (s)", f"{s['wall_clock_s']:.1f}"),
+        ("emulated time (s)", "– (real clock)" if s.get("emulated_s") is None else f"{s['emulated_s']:.1f}"),
         ("clients joined / left / dropped",
          f"{c.get('joined', '–')} / {c.get('left', '–')} / {c.get('dropped', '–')}"),
         ("missed deadline / late updates", f"{s['missed_deadline']} / {s['late_updates']}"),

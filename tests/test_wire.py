@@ -1,5 +1,7 @@
 """Framing: round trips, zero-copy decoding, and every rejection reason."""
 
+from typing import Literal
+
 import msgspec
 import numpy as np
 import pytest
@@ -116,6 +118,8 @@ def _example(annotation):
     if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
         return annotation(**{f.name: _example(f.type) for f in msgspec.structs.fields(annotation)})
     origin = getattr(annotation, "__origin__", None)
+    if origin is Literal:
+        return annotation.__args__[-1]
     if origin is dict:
         return {}
     if origin is list:

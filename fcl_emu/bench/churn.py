@@ -51,8 +51,8 @@ CONFIG_NAME = "bench-config.yaml"
 LOG_NAME = "up.log"
 
 CSV_COLUMNS = ["method", "faults", "churn_rate", "crash_rate", "seed", "status", "average_accuracy", "average_forgetting",
-               "rounds_completed", "rounds_total", "bytes_total", "wall_clock_s", "left", "rejoined", "dropped",
-               "missed_deadline", "run_dir"]
+               "rounds_completed", "rounds_total", "bytes_total", "wall_clock_s", "clock", "emulated_s", "left",
+               "rejoined", "dropped", "missed_deadline", "run_dir"]
 
 DEFAULT_METHODS = ("fedavg", "fedlwf2t")
 FAULT_MODES = ("emulated", "containers")
@@ -220,6 +220,7 @@ def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: in
         "rounds_completed": None if rounds is None else rounds - s.get("rounds_skipped", 0),
         "rounds_total": rounds_total,
         "bytes_total": s.get("bytes_total"), "wall_clock_s": num("wall_clock_s"),
+        "clock": s.get("clock"), "emulated_s": num("emulated_s"),
         "left": clients.get("left"), "rejoined": clients.get("rejoined"), "dropped": clients.get("dropped"),
         "missed_deadline": s.get("missed_deadline"), "run_dir": str(run_dir),
     }
