@@ -206,9 +206,6 @@ class MessageDispatch:
             r.failed.add(peer)  # refused: the round does not wait for it
             raise
         body = msg.body
-        if not (math.isfinite(body.cpu_s) and body.cpu_s >= 0):
-            r.failed.add(peer)
-            raise WireError("bad_body", f"cpu_s {body.cpu_s!r} is not a finite non-negative number")
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         r.train_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1

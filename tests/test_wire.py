@@ -70,6 +70,9 @@ def test_encode_refuses_disallowed_dtype_and_wrong_body():
     ([raw_header(body=msgspec.Raw(msgspec.msgpack.encode({"extra": 1})))], "bad_body"),
     ([raw_header(type="join", body=msgspec.Raw(msgspec.msgpack.encode(
         {"node": 1, "pid": 2, "client_index": 3})))], "bad_body"),
+    *[([raw_header(type="update", body=msgspec.Raw(msgspec.msgpack.encode(  # the emulated clock's input
+        {"num_samples": 1, "train_time_s": 0.1, "loss": 0.1, "cpu_s": cpu_s})))], "bad_body")
+      for cpu_s in (-1.0, float("nan"), float("inf"))],
     ([raw_header(tensors=[TensorSpec("x", "object", [1], 8)]), b"12345678"], "bad_dtype"),
     ([raw_header(tensors=[TensorSpec("x", "float32", [-1], 4)]), b"1234"], "bad_shape"),
     ([raw_header(tensors=[TensorSpec("x", "float32", [2], 8)]), b"1234"], "size_mismatch"),

@@ -22,6 +22,7 @@ Name = Annotated[str, msgspec.Meta(max_length=128)]  # identities, types, tensor
 Text = Annotated[str, msgspec.Meta(max_length=1024)]  # free text: error details, reasons
 MAX_METRICS = 64  # metric keys in one update
 Metrics = Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_METRICS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]  # a finite duration (NaN fails the bound too)
 
 
 def client_id(index: int) -> str:
@@ -130,7 +131,7 @@ class Update(Body):
     train_time_s: float
     loss: float
     metrics: Metrics = {}
-    cpu_s: float = 0.0  # CPU seconds of this client's own training (what the emulated clock scales)
+    cpu_s: Seconds = 0.0  # CPU seconds of this client's own training (what the emulated clock scales)
 
 
 class SideChannel(Body):
@@ -202,7 +203,7 @@ class SecAggMasked(Body):
     train_time_s: float
     loss: float
     metrics: Metrics = {}
-    cpu_s: float = 0.0
+    cpu_s: Seconds = 0.0
 
 
 class SecAggUnmaskRequest(Body):
