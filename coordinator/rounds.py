@@ -59,6 +59,7 @@ class OpenRound:
     emulated_s: float | None = None
     host_timeout: bool = False
     kept_late: list[ClientUpdate] = field(default_factory=list)  # late updates for the next round
+    bytes_discarded: int = 0  # uploads of clients gone (in emulated time) before they would have arrived
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed
@@ -147,6 +148,7 @@ class RoundEngine:
             emulated_s=r.emulated_s,
             emulated_clock_s=None if self.clock is None else self.clock.now,
             host_timeout=r.host_timeout,
+            bytes_discarded=r.bytes_discarded,
         )
         self._phase_record(record, recorder)
         return record
@@ -352,6 +354,7 @@ class RoundEngine:
             r.kept_late = [u for u in late if u.num_samples > 0][:math.ceil(cfg.clients_per_round * cfg.overcommit)]
         r.late = len(closing.late)
         r.dropped = len(closing.gone) + len(r.selected - r.timeline.keys())
+        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.gone)
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
 

@@ -53,6 +53,7 @@ class RunSummary:
             # emulated clock: what the federation would have taken (the host's wall clock is wall_clock_s)
             "emulated_s": None if self.clock is None else self.clock.now,
             "host_timeouts": sum(r.host_timeout for r in rounds),
+            "bytes_discarded": sum(r.bytes_discarded for r in rounds),
             "time": self._time_accounting(),
             "phase_s": dict(phases),
             "handling_s": dict(self.handling_s),

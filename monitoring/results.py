@@ -142,6 +142,9 @@ class RoundRecord:
     emulated_s: float | None = None  # emulated clock: the round's emulated duration (None: --clock real)
     emulated_clock_s: float | None = None  # emulated clock: the run's emulated time at the round's close
     host_timeout: bool = False  # emulated clock: closed by rounds.host_timeout_s with clients still working
+    # emulated clock: bytes received from clients that left or crashed (in emulated time) before their upload
+    # would have arrived; the host received them (they are in bytes_received), the federation would not have
+    bytes_discarded: int = 0
 
 
 class RunRecorder:

@@ -244,3 +244,5 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
     assert clients == loaded["clients"]
     assert quiet["accuracy_matrix"] == loaded["accuracy_matrix"]
     assert quiet["emulated_s"] == loaded["emulated_s"]
+    # the uploads of clients gone before they would have arrived crossed the host's wire, not the federation's
+    assert quiet["bytes_discarded"] == loaded["bytes_discarded"] > 0
