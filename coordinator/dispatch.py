@@ -204,6 +204,7 @@ class MessageDispatch:
             self._check_update(peer, msg, r.task)
         except WireError:
             r.failed.add(peer)  # refused: the round does not wait for it
+            self._arrived(r, peer, msg.nbytes, 0.0, 0)
             raise
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))

@@ -104,6 +104,8 @@ class Closing:
     late: set[str] = field(default_factory=set)  # still working, or arrived after the close
     gone: set[str] = field(default_factory=set)  # left or crashed before the close
     crashed: set[str] = field(default_factory=set)  # crashed during the round (before or after the close)
+    arrived_late: set[str] = field(default_factory=set)  # their answer arrived, after the close
+    lost_uploads: set[str] = field(default_factory=set)  # sent on the host, but gone before it would arrive
 
 
 class EmulatedClock:
@@ -184,7 +186,8 @@ class EmulatedClock:
                    for k, c in clients.items()]
         everyone = max(settled, default=start)
         closed_at = max(start, min(start + deadline_s, enough, everyone))
-        out = Closing(closed_at)
+        out = Closing(closed_at, arrived_late={k for k, t in arrived.items() if t > closed_at},
+                      lost_uploads={k for k, c in clients.items() if c.up_bytes and k not in arrived})
         for client, c in clients.items():
             if c.crashed:
                 out.crashed.add(client)

@@ -331,7 +331,7 @@ class RoundEngine:
         useful = {u.client for u in r.updates if u.num_samples > 0}
         indices = {c: self.registry.records[c].index for c in r.timeline}
         closing = self.clock.close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful, r.number)
-        late = [u for u in r.updates if u.client not in closing.on_time and u.client not in closing.gone]
+        late = [u for u in r.updates if u.client in closing.arrived_late]
         r.updates = [u for u in r.updates if u.client in closing.on_time]
         for client, kind, tensors in r.side:
             if client in closing.on_time:
@@ -352,9 +352,9 @@ class RoundEngine:
             self.metrics.late_update()
         if cfg.late_updates == "next_round" and self.server.accepts_stale_updates:
             r.kept_late = [u for u in late if u.num_samples > 0][:math.ceil(cfg.clients_per_round * cfg.overcommit)]
-        r.late = len(closing.late)
+        r.late = len(closing.late - r.failed)
         r.dropped = len(closing.gone) + len(r.selected - r.timeline.keys())
-        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.gone)
+        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.lost_uploads)
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
 

@@ -49,6 +49,7 @@ def test_a_round_closes_at_its_deadline_or_at_the_wanted_update_or_when_all_are_
     indices = {"a": 0, "b": 1, "c": 2}
     closing = clock().close(0.0, 3.0, 3, rounds_of({"a": 1.0, "b": 2.0, "c": 5.0}), indices, {"a", "b", "c"}, 1)
     assert (closing.closed_at, closing.on_time, closing.late) == (3.0, {"a", "b"}, {"c"})
+    assert closing.arrived_late == {"c"}  # its update exists: dropped, or kept for the next round
     closing = clock().close(0.0, 3.0, 2, rounds_of({"a": 1.0, "b": 2.0, "c": 5.0}), indices, {"a", "b", "c"}, 1)
     assert (closing.closed_at, closing.on_time, closing.late) == (2.0, {"a", "b"}, {"c"})
     # every client in before the deadline: the round ends with the last one; an empty update is on time too
@@ -64,8 +65,11 @@ def test_a_round_closes_at_its_deadline_or_at_the_wanted_update_or_when_all_are_
 def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the_downtime():
     c = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
     indices = {"a": 0, "b": 1}
-    closing = c.close(0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1)
+    timelines = rounds_of({"a": 1.0, "b": 4.0})
+    timelines["a"].up_bytes = 1000  # its upload crossed the host's wire; in emulated time it never arrived
+    closing = c.close(0.0, 30.0, 2, timelines, indices, {"a", "b"}, 1)
     assert closing.on_time == set() and closing.gone == {"a", "b"} and closing.crashed == {"a", "b"}
+    assert closing.lost_uploads == {"a"}
     # each crashes at a seeded point of its round, noticed 2 s later (the liveness timeout is below the downtime)
     a_at, b_at = c.crash_point(0, 1) * 1.0, c.crash_point(1, 1) * 4.0
     assert closing.closed_at == pytest.approx(max(a_at, b_at) + 2.0)
@@ -73,6 +77,10 @@ def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the
     assert c.availability_at(second[1] + 4.99, [("a", 0), ("b", 1)]) == {first[0]: True, second[0]: False} \
         or first[1] + 5.0 > second[1] + 4.99
     assert c.availability_at(second[1] + 5.0, [("a", 0), ("b", 1)]) == {"a": True, "b": True}
+    # a crash after the close still loses the update: not late, not kept for the next round
+    late_crash = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
+    early = late_crash.close(0.0, 0.01, 1, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1)
+    assert early.closed_at == 0.01 and early.arrived_late == set() and early.crashed == {"a", "b"}
     # the same seed crashes the same clients at the same points; no crash rate, no crash
     again = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0).close(
         0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1)
