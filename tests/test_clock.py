@@ -131,18 +131,6 @@ def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
     assert DeviceProfile.from_wire(first.to_wire()) == first
 
 
-@pytest.mark.parametrize("content, why", [
-    ({1: {"computation": 10.0}}, "computation .ms per sample. and communication"),
-    ({1: {"computation": -1.0, "communication": 5.0}}, "greater than 0"),
-    ({"profiles": [{"name": "x", "compute_factor": 2, "ms_per_sample": 3}]}, "not both"),
-])
-def test_bad_device_files_are_named(tmp_path, content, why):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(content))
-    with pytest.raises(ValueError, match=why):
-        load_profiles(path)
-
-
 def test_clock_auto_is_emulated_except_for_secure_aggregation_and_containers():
     assert RunConfig().emulated_clock
     assert not RunConfig(rounds={"clock": "real"}).emulated_clock
