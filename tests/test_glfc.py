@@ -50,41 +50,38 @@ def test_compensation_weights_normalise_each_group_by_its_mean_gradient():
 def test_gradient_compensation_loss_by_hand():
     logits = [[2.0, 0.0, -1.0], [0.5, 1.0, 0.0], [0.0, 0.0, 3.0]]
     y, old = [0, 1, 2], [True, False, False]
-    p = [_softmax(r) for r in logits]
-    g = [abs(p[i][y[i]] - 1) for i in range(3)]
-    w = [1.0, g[1] / ((g[1] + g[2]) / 2), g[2] / ((g[1] + g[2]) / 2)]
-    expected = sum(w[i] * -math.log(p[i][y[i]]) for i in range(3)) / 3
-    got = gradient_compensation_loss(torch.tensor(logits), torch.tensor(y), torch.tensor(old), "paper")
-    assert got.item() == pytest.approx(expected, rel=1e-6)
-    # the code's sigmoid form: G from the sigmoid of the true logit, BCE against the one-hot over every logit
+    # eq. 2-4 with sigmoid probabilities: G from the sigmoid of the true logit, BCE against the one-hot
     g = [abs(_sigmoid(logits[i][y[i]]) - 1) for i in range(3)]
     w = [1.0, g[1] / ((g[1] + g[2]) / 2), g[2] / ((g[1] + g[2]) / 2)]
     bce = [[-math.log(_sigmoid(z)) if c == y[i] else -math.log(1 - _sigmoid(z)) for c, z in enumerate(logits[i])]
            for i in range(3)]
-    expected = sum(w[i] * b for i in range(3) for b in bce[i]) / 9
+    paper = sum(w[i] * b for i in range(3) for b in bce[i]) / 3  # summed over the classes
+    got = gradient_compensation_loss(torch.tensor(logits), torch.tensor(y), torch.tensor(old), "paper")
+    assert got.item() == pytest.approx(paper, rel=1e-6)
     got = gradient_compensation_loss(torch.tensor(logits), torch.tensor(y), torch.tensor(old), "code")
-    assert got.item() == pytest.approx(expected, rel=1e-6)
+    assert got.item() == pytest.approx(paper / 3, rel=1e-6)  # the code averages over the 3 classes
 
 
 def test_relation_distillation_by_hand():
     logits = [[1.0, 0.0, 2.0], [0.0, 1.0, 0.0]]
     old_logits = [[0.5, -0.5], [1.0, 1.0]]  # the old model knows classes 0 and 1
     y = [2, 1]  # a new-class sample and an old-class exemplar
-    targets = []
-    for i in range(2):
-        t = _softmax(old_logits[i]) + [1.0 if y[i] == 2 else 0.0]
-        targets.append([v / sum(t) for v in t])
-    assert targets[0][2] == pytest.approx(0.5)  # half of a new sample's mass on its label
-    p = [_softmax(r) for r in logits]
-    expected = sum(t * math.log(t / q) for i in range(2) for t, q in zip(targets[i], p[i]) if t > 0) / 2
+    targets = [[_sigmoid(old_logits[i][0]), _sigmoid(old_logits[i][1]), 1.0 if y[i] == 2 else 0.0]
+               for i in range(2)]
+
+    def bernoulli_kl(t, q):
+        return sum(v * math.log(v / w) for v, w in ((t, q), (1 - t, 1 - q)) if v > 0)
+
+    paper = sum(bernoulli_kl(t, _sigmoid(z)) for i in range(2) for t, z in zip(targets[i], logits[i])) / 2
     got = relation_distillation(torch.tensor(logits), torch.tensor(old_logits), torch.tensor(y), "paper")
-    assert got.item() == pytest.approx(expected, rel=1e-6)
-    code_targets = [[_sigmoid(old_logits[i][0]), _sigmoid(old_logits[i][1]), 1.0 if y[i] == 2 else 0.0]
-                    for i in range(2)]
-    expected = -sum(t * math.log(_sigmoid(z)) + (1 - t) * math.log(1 - _sigmoid(z))
-                    for i in range(2) for t, z in zip(code_targets[i], logits[i])) / 6
+    assert got.item() == pytest.approx(paper, rel=1e-6)
+    code = -sum(t * math.log(_sigmoid(z)) + (1 - t) * math.log(1 - _sigmoid(z))
+                for i in range(2) for t, z in zip(targets[i], logits[i])) / 6
     got = relation_distillation(torch.tensor(logits), torch.tensor(old_logits), torch.tensor(y), "code")
-    assert got.item() == pytest.approx(expected, rel=1e-6)
+    assert got.item() == pytest.approx(code, rel=1e-6)
+    # the paper's divergence vanishes when the student matches its target
+    matched = torch.logit(torch.tensor(targets[0][:2] + [0.999]))[None]
+    assert relation_distillation(matched, torch.tensor([old_logits[0]]), torch.tensor([2])).item() < 2e-3
 
 
 class _Fixed(nn.Module):
