@@ -78,7 +78,7 @@ def row(name: str, s: dict, paper: dict) -> dict:
     jobs = s.get("gpu_jobs", {}).get("by_kind", {})
     return {
         "row": name, "method": s["method"], "status": s["status"],
-        "ga_per_task": s["accuracy_seen"], "ga_mean": float(np.mean(s["accuracy_seen"])) if s["accuracy_seen"] else None,
+        "ga_per_task": s["accuracy_all"], "ga_mean": float(np.mean(s["accuracy_all"])) if s["accuracy_all"] else None,
         "paper_ga_mean": paper.get(s["method"]),
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
         "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),

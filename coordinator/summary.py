@@ -39,6 +39,7 @@ class RunSummary:
             "seed": self.config.seed,
             "accuracy_matrix": matrix,
             "accuracy_seen": [self._seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            "accuracy_all": [self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
             "average_accuracy": average_accuracy(matrix) if complete else None,
             "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
             "average_forgetting": average_forgetting(matrix) if complete else None,
@@ -89,6 +90,12 @@ class RunSummary:
         counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]
         return float(np.average([a for a in row if a is not None], weights=[n for a, n in zip(row, counts)
                                                                              if a is not None]))
+
+    def _all_accuracy(self, row: list[float | None], task: int) -> float:
+        """Accuracy on the test samples of every class of the data set (FedCBC's global accuracy): a class not
+        seen yet has no output, so its samples count as wrong."""
+        seen = len(self.scenario.test_indices(self.scenario.seen_classes(task)))
+        return self._seen_accuracy(row, task) * seen / len(self.scenario.test_labels)
 
     def _knowledge_retention(self, matrix, class_hits) -> dict[str, float | None]:
         """KR_t, KR_s and the private classes' accuracy (monitoring.results); the spatial terms need the

@@ -363,6 +363,10 @@ def test_fedcbc_end_to_end(tmp_path, mnist_root):
     matrix = summary["accuracy_matrix"]
     assert len(matrix) == 2 and matrix[0][1] is None and all(a is not None for a in matrix[1])
     assert matrix[0][0] > 50  # 5 classes: chance is 20 %
+    # GA as the paper measures it: over the whole test set, the 5 classes not seen at task 0 counting as wrong
+    seen = summary["accuracy_seen"]
+    assert summary["accuracy_all"][1] == pytest.approx(seen[1])  # every class seen
+    assert 0.4 * seen[0] < summary["accuracy_all"][0] < 0.6 * seen[0]  # about half of MNIST's test set
     jobs_by_kind = summary["gpu_jobs"]["by_kind"]
     assert jobs_by_kind["fedcbc.pretrain"]["failed"] == 0 and jobs_by_kind["fedcbc.fuse"]["failed"] == 0
     # bytes: the VAEs travel in updates and train requests, the extractor once per task and client
