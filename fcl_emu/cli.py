@@ -344,9 +344,10 @@ def list_methods() -> None:
 
     from methods import registry
 
-    table = Table("method", "aliases", "description")
+    table = Table("method", "aliases", "local training (its code's; where the config is silent)", "description")
     for spec in registry.all_specs():
-        table.add_row(spec.name, ", ".join(spec.aliases), spec.description)
+        training = ", ".join(f"{k} {v:g}" for k, v in spec.training.items()) or "the run's"
+        table.add_row(spec.name, ", ".join(spec.aliases), training, spec.description)
     Console().print(table)
 
 

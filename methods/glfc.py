@@ -580,4 +580,7 @@ SPEC = register(MethodSpec(
     description="GLFC (Dong et al., CVPR 2022): exemplars, gradient compensation, relation distillation from "
                 "the proxy's best old model, prototype gradients reconstructed by a proxy server",
     options=GLFCOptions, server=GLFCServer, client=GLFCClient,
+    # the code's SGD has no momentum and weight decay 1e-5; its lr 2.0 goes with its loss averaged over 100
+    # classes (loss_form "code"): the paper's summed form takes the run's lr
+    training={"momentum": 0.0, "weight_decay": 1e-5},
 ))

@@ -8,7 +8,8 @@ config validator see all of them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from methods.base import ClientPart, Options, ServerPart
 
@@ -24,6 +25,10 @@ class MethodSpec:
     server: type[ServerPart]
     client: type[ClientPart]
     aliases: tuple[str, ...] = ()
+    # The local-training settings of the method's official code (keys of the run config's ``training``
+    # section: lr, momentum, weight_decay): they apply where the run config leaves that key unset, and the
+    # resolved values are what the run's config.json records. Empty: the project's defaults.
+    training: Mapping[str, float] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

@@ -280,6 +280,23 @@ class RunConfig(pydantic.BaseModel):
                 data = {**data, "rounds": {**rounds, "clients_per_round": clients}}
         return data
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _method_training(cls, data: Any) -> Any:
+        """``training`` keys the config leaves unset take the method's own values (its official code's local
+        optimiser, ``MethodSpec.training``) before the project's defaults."""
+        if not isinstance(data, dict) or not isinstance(data.get("training", {}), dict):
+            return data
+        from methods import registry
+
+        try:
+            spec = registry.get(str(data.get("method", "fedavg")))
+        except KeyError:
+            return data  # the method validator says why
+        training = data.get("training", {})
+        missing = {k: v for k, v in spec.training.items() if k not in training}
+        return {**data, "training": {**missing, **training}} if missing else data
+
     @pydantic.field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:

@@ -75,6 +75,19 @@ def test_methods_lists_the_baselines():
         assert name in output
 
 
+def test_a_method_brings_its_codes_local_optimiser_where_the_config_is_silent():
+    fedavg = load_config(None, {})
+    assert (fedavg.training.lr, fedavg.training.momentum, fedavg.training.weight_decay) == (0.05, 0.9, 0.0)
+    target = load_config(None, {"method": "target"})
+    assert (target.training.lr, target.training.momentum, target.training.weight_decay) == (0.01, 0.9, 5e-4)
+    mfcl = load_config(None, {"method": "mfcl", "training": {"lr": 0.2}})  # what the user sets wins
+    assert (mfcl.training.lr, mfcl.training.momentum, mfcl.training.weight_decay) == (0.2, 0.0, 1e-5)
+    assert mfcl.training.batch_size == fedavg.training.batch_size  # the protocol's keys stay the run's
+    assert RunConfig.model_validate(yaml.safe_load(mfcl.to_yaml())) == mfcl  # a written config loads again
+    code, output = invoke("methods")
+    assert code == 0 and "weight_decay" in output and "the run's" in output  # per method, or the run's
+
+
 def test_client_sets_and_node_assignment():
     assert parse_client_set("0-3,7,9-10") == [0, 1, 2, 3, 7, 9, 10]
     assert format_client_set([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
