@@ -19,9 +19,10 @@ from the frozen global model ``T`` alone, ``K`` = the classes seen so far::
   batch-mean prediction: classes evenly covered);
 - ``L_BN``: the KL form of :class:`methods.datafree.BatchNormStatistics`
   (per layer ``KL(N(mu_run, var_run) || N(mu_batch, var_batch))``, the code's);
-- ``L_pr``: MSE between the images and their 5x5, sigma = 1 Gaussian blur
-  (the code's kernel is effectively sigma = sqrt 2; the paper says Gaussian
-  smoothing);
+- ``L_pr``: MSE between the images and their 5x5 Gaussian blur, reflect
+  padding, ``prior_sigma = sqrt 2`` (the paper says Gaussian smoothing; the
+  code builds its kernel with sigma 1 as ``exp(-(x / 2 sigma)^2)``, a Gaussian
+  of standard deviation sqrt 2);
 - weights ``w_div = 1, w_bn = 75, w_pr = 0.001`` (paper; the code's argparse
   defaults are w_bn = 50, z_dim = 1000, its run script uses the paper's);
   Adam lr 1e-3, batch 128, ``generator_iterations`` per task (code default 100).
@@ -46,9 +47,10 @@ distillation; the bias cancels). ``w_ft = 1, w_kd = 0.1`` (code). In task 0,
 plain cross-entropy. The learning rate decays exponentially within each task,
 ``lr * (lr_end_ratio)^(r / R)`` in round r of R (code: 0.1 to 0.01).
 
-Deviations: the client's SGD settings come from the run's ``training``
-section (the code uses weight decay 1e-5, batch 32, 10 local epochs); the
-generator's hidden BatchNorms use the code's eps = 0.8.
+Client SGD (``MethodSpec.training``, where the run config is silent): the
+code's lr 0.1, no momentum, weight decay 1e-5. Deviations: batch size and
+local epochs are the run's (the code: 32 and 10, with 100 rounds per task, a
+GPU budget); the generator's hidden BatchNorms use the code's eps = 0.8.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class MFCLOptions(Options):
     synthetic_batch: int = pydantic.Field(128, ge=1, description="synthetic images per client step (code: 128)")
     w_ft: float = pydantic.Field(1.0, ge=0, description="weight of the head-only fine-tuning loss")
     w_kd: float = pydantic.Field(0.1, ge=0, description="weight of the importance-weighted feature distillation")
+    prior_sigma: float = pydantic.Field(2 ** 0.5, gt=0, description="std of the smoothness prior's 5x5 "
+                                                                    "Gaussian (code: sqrt 2 in effect)")
     lr_end_ratio: float = pydantic.Field(0.1, gt=0, le=1, description="lr at the end of a task / lr at its start")
 
 
@@ -97,7 +101,7 @@ def generator_loss(teacher_logits: torch.Tensor, images: torch.Tensor, labels: t
     """``L_G`` of the module docstring, and its terms."""
     ce = F.cross_entropy(teacher_logits / o.ce_temperature, labels)
     div = information_entropy_loss(teacher_logits)
-    prior = smoothness_prior(images)
+    prior = smoothness_prior(images, sigma=o.prior_sigma)
     total = o.w_ce * ce + o.w_div * div + o.w_bn * bn_term + o.w_pr * prior
     return total, {"ce": ce.item(), "div": div.item(), "bn": bn_term.item(), "prior": prior.item()}
 
@@ -252,4 +256,5 @@ SPEC = register(MethodSpec(
     description="MFCL (Babakniya et al., NeurIPS 2023): a server-trained data-free generator replays old "
                 "classes; head fine-tuning and importance-weighted feature distillation on clients",
     options=MFCLOptions, server=MFCLServer, client=MFCLClient,
+    training={"lr": 0.1, "momentum": 0.0, "weight_decay": 1e-5},  # the code's client SGD (decay: lr_end_ratio)
 ))
