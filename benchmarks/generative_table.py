@@ -1,81 +1,106 @@
-"""The data-free generative replay table of docs/experiments.md: fedavg, mfcl, target and lander, same runs.
+"""The data-free generative replay table of docs/experiments.md and docs/reproduction.md: fedavg, mfcl, target
+and lander over several seeds, each generator at the same fraction of its official budget.
 
-    python benchmarks/generative_table.py --data-root ../shared/data --out runs/generative
+    python benchmarks/generative_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/generative
     python benchmarks/generative_table.py --dataset fashion-mnist --methods fedavg,mfcl --out runs/gen-fmnist
 
 Every method runs the same scenario (``BASE`` below: 5 tasks of 2 classes, 10 clients, 5 per round, the
-``cnn_bn`` model, seed 0) as one real ``fcl-emu up`` (coordinator and two edge-node processes over ZeroMQ,
-server jobs on one GPU-worker process). The generators' budgets are the papers' / official code's loss
-weights at CPU-sized step counts (``METHOD_OPTIONS``). A run whose directory already holds a
-``summary.json`` is read, not run again. The Markdown table goes to stdout and ``--out/table.md``, the raw
-numbers to ``--out/table.json``.
+``cnn_bn`` model) as one real ``fcl-emu up`` per seed (coordinator and two edge-node processes over ZeroMQ,
+server jobs on one GPU-worker process). Each method trains with its official code's local optimiser (lr,
+momentum, weight decay: ``MethodSpec.training``) and its own loss weights; batch size and local epochs are
+the scenario's, the same for all. The generators get ``--budget`` (default 1/8) of their official synthesis
+budget (:func:`budget`: MFCL's generator iterations, TARGET's and LANDER's synthesis rounds and warm-up, at
+the official steps per round, images per round and student steps). A run whose directory already holds a
+``summary.json`` is read, not run again. The Markdown table (mean ± sample standard deviation over the
+seeds) goes to stdout and ``--out/table.md``, every run's numbers to ``--out/table.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
-from runs import run_up
+import numpy as np
+
+from runs import events, pm, run_up, seeded, seeds
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 10},
     "rounds": {"clients_per_round": 5, "rounds_per_task": 5, "deadline_s": 600, "eval_every": 5},
-    # weight decay 5e-4 as in TARGET's and LANDER's code (MFCL's: 1e-5)
-    "training": {"local_epochs": 1, "batch_size": 32, "lr": 0.05, "weight_decay": 5e-4},
+    "training": {"local_epochs": 1, "batch_size": 32},  # lr, momentum, weight decay: each method's code's
     "network": {"liveness_timeout_s": 120, "join_timeout_s": 120},
     "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 2},
     "model": "cnn_bn",
     "nodes": 2,
     "device": "cpu",
-    "seed": 0,
 }
-
-# CPU-sized step counts; loss weights and everything else at each method's defaults (methods/<name>.py).
-METHOD_OPTIONS = {
-    "fedavg": {},
-    "mfcl": {"generator_iterations": 200, "generator_width": 64, "synthetic_batch": 64},
-    "target": {"generator_width": 64, "student_steps": 100, "synthetic_batch": 64},
-    "lander": {"synthesis_rounds": 12, "warmup": 2, "generator_steps": 20, "generator_width": 64,
-               "synthetic_batch": 64},
-}
-
-ASSETS = ("old_model", "generator", "synthetic_data", "label_text")
+CPU = {"generator_width": 64, "synthetic_batch": 64}  # for every generative method: half-width generators
 
 
-def run(method: str, dataset: str, data_root: str, out: Path) -> dict:
-    config = {**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
-              "method_options": METHOD_OPTIONS.get(method, {})}
-    return run_up(method, config, data_root, out)
+def budget(method: str, fraction: float) -> dict:
+    """The synthesis budget options of ``method`` at ``fraction`` of its official code's (rounded up): MFCL 100 generator
+    iterations per task; TARGET 10 rounds (2 of warm-up here) of 10 steps; LANDER 50 rounds (10 of warm-up)
+    of 40 steps; 256 images per round and the student steps per round stay the code's."""
+    if method == "mfcl":
+        return {"generator_iterations": max(1, math.ceil(100 * fraction))}
+    if method == "target":
+        rounds = max(2, math.ceil(10 * fraction))
+        return {"synthesis_rounds": rounds, "warmup": min(rounds - 1, max(1, math.ceil(2 * fraction)))}
+    if method == "lander":
+        rounds = max(2, math.ceil(50 * fraction))
+        return {"synthesis_rounds": rounds, "warmup": min(rounds - 1, max(1, math.ceil(10 * fraction)))}
+    return {}
 
 
-def row(method: str, s: dict) -> dict:
-    sent = {t: v.get("sent", 0) for t, v in s["bytes"].items()}
+def config(method: str, dataset: str, fraction: float, seed: int) -> dict:
+    options = {**CPU, **budget(method, fraction)} if method != "fedavg" else {}
+    return seeded({**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
+                   "method_options": options}, seed)
+
+
+def run_row(method: str, seed: int, s: dict, evs: list[dict]) -> dict:
+    matrix = s["accuracy_matrix"]
+    rounds = [e for e in evs if e["event"] == "round"]
+    bounding = [r["client_metrics"]["bounding"] for r in rounds if "bounding" in (r["client_metrics"] or {})]
     jobs = s.get("gpu_jobs", {}).get("by_kind", {})
     return {
-        "method": method, "status": s["status"],
+        "method": method, "seed": seed, "status": s["status"],
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
-        "mb_models": (sent.get("train_request", 0) + s["bytes"].get("update", {}).get("received", 0)) / 1e6,
-        **{f"mb_{a}": sent.get(a, 0) / 1e6 for a in ASSETS},
+        # mean accuracy on the earlier tasks' classes after each task t > 0 (chance: 1 / classes seen)
+        "old_accuracy": [float(np.mean(row[:t])) for t, row in enumerate(matrix) if t > 0],
+        "final_row": matrix[-1] if matrix else None,
+        "bounding_mean": float(np.mean(bounding)) if bounding else None,
+        "bounding_rounds": [sum(b > 0 for b in bounding), len(bounding)],  # non-zero, reported
         "mb_total": s["bytes_total"] / 1e6,
         "server_job_s": sum(k["run_s"] for kind, k in jobs.items() if not kind.startswith("device.")),
         "wall_s": s["wall_clock_s"],
     }
 
 
-def markdown(rows: list[dict]) -> str:
-    head = ("| method | avg. accuracy % | avg. forgetting % | models MB | old model MB | generator MB | "
-            "synthetic MB | label text MB | total MB | server jobs s | wall s |")
-    lines = [head, "| --- |" + " ---: |" * 10]
-    for r in rows:
-        if r["status"] != "completed":
-            lines.append(f"| {r['method']} | {r['status']} |" + " |" * 9)
+def markdown(rows: list[dict], methods: list[str]) -> str:
+    tasks = max((len(r["old_accuracy"]) for r in rows if r["status"] == "completed"), default=0)
+    head = ("| method | seeds | avg. accuracy % | avg. forgetting % | "
+            + " | ".join(f"old classes after task {t + 1} %" for t in range(tasks))
+            + " | total MB | server jobs s | wall s |")
+    lines = [head, "| --- | ---: |" + " ---: |" * (tasks + 5)]
+    for m in methods:
+        done = [r for r in rows if r["method"] == m and r["status"] == "completed"]
+        failed = [r for r in rows if r["method"] == m and r["status"] != "completed"]
+        if not done:
+            lines.append(f"| {m} | 0 | {failed[0]['status'] if failed else 'not run'} |" + " |" * (tasks + 4))
             continue
-        lines.append(f"| {r['method']} | {r['avg_accuracy']:.2f} | {r['avg_forgetting']:.2f} | {r['mb_models']:.1f} | "
-                     f"{r['mb_old_model']:.1f} | {r['mb_generator']:.1f} | {r['mb_synthetic_data']:.1f} | "
-                     f"{r['mb_label_text']:.3f} | {r['mb_total']:.1f} | {r['server_job_s']:.0f} | "
-                     f"{r['wall_s']:.0f} |")
+        old = [pm([r["old_accuracy"][t] for r in done]) for t in range(tasks)]
+        lines.append(f"| {m} | {len(done)} | {pm([r['avg_accuracy'] for r in done], 2)} | "
+                     f"{pm([r['avg_forgetting'] for r in done], 2)} | " + " | ".join(old)
+                     + f" | {np.mean([r['mb_total'] for r in done]):.1f} | "
+                       f"{np.mean([r['server_job_s'] for r in done]):.0f} | {np.mean([r['wall_s'] for r in done]):.0f} |")
+    bounded = [r for r in rows if r.get("bounding_mean") is not None]
+    if bounded:
+        nonzero, total = (sum(r["bounding_rounds"][i] for r in bounded) for i in (0, 1))
+        lines.append(f"\nLANDER's Bounding term (clients' mean per round): {pm([r['bounding_mean'] for r in bounded], 4)}"
+                     f" over the seeds, non-zero in {nonzero} of {total} rounds.")
     return "\n".join(lines)
 
 
@@ -84,10 +109,20 @@ def main() -> None:
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--methods", default="fedavg,mfcl,target,lander")
+    ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
+    ap.add_argument("--budget", type=float, default=0.125, help="fraction of each generator's official budget")
     ap.add_argument("--out", type=Path, default=Path("runs/generative"))
     args = ap.parse_args()
-    rows = [row(m, run(m, args.dataset, args.data_root, args.out)) for m in args.methods.split(",")]
-    table = markdown(rows)
+    if not 0 < args.budget <= 1:
+        raise SystemExit(f"--budget is a fraction in (0, 1], got {args.budget}")
+    methods = args.methods.split(",")
+    rows = []
+    for seed in args.seeds:  # seed by seed: a partial sweep already has every method at its first seeds
+        for m in methods:
+            name = f"{m}-s{seed}"
+            summary = run_up(name, config(m, args.dataset, args.budget, seed), args.data_root, args.out)
+            rows.append(run_row(m, seed, summary, events(args.out, name)))
+    table = markdown(rows, methods)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "table.json").write_text(json.dumps(rows, indent=1))
     print(table)

@@ -1,12 +1,14 @@
-"""One real ``fcl-emu up`` per table row, shared by the experiment tables of this folder."""
+"""One real ``fcl-emu up`` per table row, and the seed handling, shared by the experiment tables of this folder."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 
@@ -24,3 +26,38 @@ def run_up(name: str, config: dict, data_root: str, out: Path) -> dict:
         print("$", " ".join(cmd), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     return json.loads(summary.read_text())
+
+
+def events(out: Path, name: str) -> list[dict]:
+    """The events of run ``out/<name>``."""
+    return [json.loads(line) for line in (out / name / "events.jsonl").read_text().splitlines()]
+
+
+def seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` as a list (the run's seed: class order, partition, sampling and training)."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds takes comma-separated integers, got {text!r}") from None
+    if not values or len(set(values)) != len(values):
+        raise SystemExit(f"--seeds needs distinct integers, got {text!r}")
+    return values
+
+
+def seeded(config: dict, seed: int) -> dict:
+    """``config`` with ``seed`` as the run's and the scenario's seed."""
+    return {**config, "seed": seed, "scenario": {**config.get("scenario", {}), "seed": seed}}
+
+
+def spread(values: list[float | None]) -> tuple[float, float] | None:
+    """Mean and sample standard deviation (0 for one value) of the values a metric took over the seeds;
+    None if any run lacks it."""
+    if not values or any(v is None or not math.isfinite(v) for v in values):
+        return None
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def pm(values: list[float | None], digits: int = 1) -> str:
+    """``mean ± std`` of :func:`spread` for a table cell (``-`` where a run lacks the metric)."""
+    s = spread(values)
+    return "-" if s is None else f"{s[0]:.{digits}f} ± {s[1]:.{digits}f}"
