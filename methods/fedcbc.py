@@ -14,9 +14,18 @@ from the authors' official code (SkyOfBeginning/FedCBC: ``client.py``,
 ``Server.py``, ``utils.py``, ``option.py``, ``models/VAE_PRETRAINED.py``),
 numbered as the issue numbers the paper's equations.
 
-**Feature extractor.** The code loads a ResNet-18 pretrained beforehand on a
-server-side subset; the paper (per the issue) uses 5% of each class. Here the
-server pretrains the run's backbone (``ctx.model_name``) with a linear head
+**What the VAEs model** (``features``). On MNIST the code flattens each image
+to its 784 pixels and the VAEs model those: no extractor, no pretraining.
+``features = "pixels"`` does the same (pixels back in [0, 1], flattened:
+:class:`PixelFeatures`); ``"auto"`` (default) takes pixels for grey images
+(MNIST, Fashion-MNIST) and the pretrained extractor below for colour ones
+(CIFAR-10), as the paper does per data set; ``"pretrained"`` forces the
+extractor (on MNIST it lifts every FedCBC number far above the paper's:
+docs/experiments.md).
+
+**Feature extractor** (colour images, or ``features = "pretrained"``). The
+code loads a ResNet-18 pretrained beforehand on a server-side subset; the
+paper (per the issue) uses 5% of each class. Here the server pretrains the run's backbone (``ctx.model_name``) with a linear head
 over all the data set's classes as a GPU-worker job (``fedcbc.pretrain``,
 before the first round): ``pretrain_fraction`` (0.05) of the training samples
 of *every* class, future tasks' classes included, drawn from the run's seed;
@@ -30,7 +39,7 @@ extractor's weights travel to each client once per task as the
 **VAE** (:class:`methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
 MLP, tanh (code: encoder [512, 256], latent 128, decoder [256, 512] over
 ResNet-18's 512 features; here ``vae_hidden``, ``vae_latent``, d the
-backbone's width). Eq. 5, per sample ``||f - f^||^2 + beta KL(q(z|f) || N(0, I))``
+backbone's width, or 784 pixels on MNIST). Eq. 5, per sample ``||f - f^||^2 + beta KL(q(z|f) || N(0, I))``
 with ``beta = 0.5`` (code), averaged over the batch. Adam, ``vae_lr = 1e-3``,
 weight decay ``1e-3`` (code).
 
@@ -79,7 +88,8 @@ time naming the per-class VAEs. Each train request carries the global VAEs of
 the classes that the task's clients hold (the scenario knows them; a
 deployment would have clients name their classes), so a VAE travels with
 every request of a task that holds its class. Each VAE of the defaults with a
-256-wide backbone is 230 K float32 values (0.9 MB).
+256-wide backbone is 230 K float32 values (0.9 MB); over MNIST's 784 pixels,
+501 K (2.0 MB).
 
 **Validation.** :meth:`FedCBCServer.check_update` refuses, when it arrives,
 an upload with tensors outside ``fedcbc/vae/``, a class that was not seen yet,
@@ -116,6 +126,9 @@ STORE = f"{NAME}.vae."  # client store: fedcbc.vae.<class>, the client's local V
 
 
 class FedCBCOptions(Options):
+    features: Literal["auto", "pixels", "pretrained"] = pydantic.Field(
+        "auto", description="what the VAEs model: the flattened images (the paper and code on MNIST), a "
+                            "server-pretrained extractor's features (CIFAR), or auto: pixels for grey images")
     pretrain_fraction: float = pydantic.Field(
         0.05, gt=0, le=1, description="fraction of each class's training samples the server pretrains on (paper)")
     pretrain_epochs: int = pydantic.Field(10, ge=1, description="epochs of the extractor's pretraining")
@@ -132,6 +145,24 @@ class FedCBCOptions(Options):
         "uniform", description="latents of pseudo-features: U(-1, 1) (code) or the prior N(0, I)")
     fusion_epochs: int = pydantic.Field(300, ge=1, description="epochs of the server's fusion per class (code: 300)")
     fusion_batch: int = pydantic.Field(32, ge=1, description="batch size of the server's fusion (code: 32)")
+
+
+def uses_pixels(o: FedCBCOptions, input_shape) -> bool:
+    """Whether the VAEs model pixels (``features``, ``auto`` resolved by the images' channels)."""
+    return o.features == "pixels" or (o.features == "auto" and tuple(input_shape)[0] == 1)
+
+
+class PixelFeatures(nn.Module):
+    """The images as the VAEs see them without an extractor: pixels back in [0, 1] (the inputs arrive
+    normalised with the data set's ``mean`` / ``std``), flattened."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.std + self.mean).flatten(1)
 
 
 # ------------------------------------------------------------------ VAE tools
@@ -298,7 +329,9 @@ class FedCBCServer(ServerPart):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.global_state = {}  # no shared classifier: updates carry no model delta
-        self.feature_dim = self.model.feature_dim  # self.model's backbone hosts the extractor for evaluation
+        self.pixels = uses_pixels(self.options, ctx.input_shape)
+        # the VAEs' input: the flattened image, or the features of self.model's backbone (the extractor)
+        self.feature_dim = int(np.prod(ctx.input_shape)) if self.pixels else self.model.feature_dim
         self._vae_shapes = {k: v.shape for k, v in state_to_arrays(build_vae(self.options, self.feature_dim)).items()}
         self._extractor: Arrays | None = None
         self._vaes: dict[int, Arrays] = {}  # the global VAE of each class that has one
@@ -309,7 +342,7 @@ class FedCBCServer(ServerPart):
     def start_task(self, task: int) -> None:
         self._num_seen = len(self.ctx.scenario.seen_classes(task))
         self._payload = self._eval = None
-        if self._extractor is None:
+        if self._extractor is None and not self.pixels:
             self._pretrain()
 
     def _pretrain(self) -> None:
@@ -331,7 +364,7 @@ class FedCBCServer(ServerPart):
         self._extractor = _frozen_copy(job.outputs)
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
-        return {ASSET: {EXTRACTOR + k: v for k, v in self._extractor.items()}}
+        return {} if self.pixels else {ASSET: {EXTRACTOR + k: v for k, v in self._extractor.items()}}
 
     def round_tensors(self, task: int, round: int) -> Arrays:
         """The global VAEs of the classes this task's clients hold."""
@@ -390,10 +423,15 @@ class FedCBCServer(ServerPart):
 
     def eval_model(self) -> nn.Module:
         if self._eval is None:
-            if self._extractor is not None:
-                load_arrays(self.model.backbone, self._extractor)
+            if self.pixels:
+                dataset = self.ctx.scenario.dataset
+                extractor = PixelFeatures(dataset.mean, dataset.std)
+            else:
+                extractor = self.model.backbone
+                if self._extractor is not None:
+                    load_arrays(extractor, self._extractor)
             vaes = {c: build_vae(self.options, self.feature_dim, a) for c, a in self._vaes.items()}
-            self._eval = VAEClassifier(self.model.backbone, vaes, self._num_seen, self.options.beta)
+            self._eval = VAEClassifier(extractor, vaes, self._num_seen, self.options.beta)
         return self._eval
 
     # --- checkpoints: no classifier state; the extractor, the global VAEs, the seen-class count
@@ -427,7 +465,10 @@ class FedCBCClient(ClientPart):
         self._extractor: tuple[np.ndarray, nn.Module] | None = None  # (an asset array, the module built from it)
 
     def extractor(self, ctx: ClientContext) -> nn.Module:
-        """The frozen backbone of the ``feature_extractor`` asset (built once per asset on this node)."""
+        """The pixels, or the frozen backbone of the ``feature_extractor`` asset (built once per asset on this
+        node)."""
+        if uses_pixels(self.options, ctx.x.shape[1:]):
+            return PixelFeatures(ctx.mean, ctx.std).to(ctx.device)
         arrays = strip_prefix(ctx.assets, EXTRACTOR)
         if not arrays:
             raise ValueError(f"fedcbc: no {ASSET} asset; the coordinator sends it at the start of each task")
@@ -479,7 +520,8 @@ class FedCBCClient(ClientPart):
 
 SPEC = register(MethodSpec(
     name=NAME,
-    description="FedCBC: one VAE per class over a frozen server-pretrained extractor; clients distil the "
+    description="FedCBC: one VAE per class over pixels (grey images) or a frozen server-pretrained extractor; "
+                "clients distil the "
                 "global VAEs into theirs, the server fuses each class's VAEs from pseudo-features; predicts "
                 "the class whose VAE reconstructs best",
     options=FedCBCOptions, server=FedCBCServer, client=FedCBCClient,
