@@ -5,8 +5,10 @@ limitless task pool with and without noisy clients.
     python benchmarks/feature_replay_table.py --data-root ../shared/data --table fedcbc-cifar10 --out runs/fedcbc-cifar10
     python benchmarks/feature_replay_table.py --data-root ../shared/data --table affcl --out runs/affcl
 
-Every row is one real ``fcl-emu up`` (coordinator, edge-node process and one GPU-worker process over
-ZeroMQ) of the table's scenario with one method, seed 0.
+Every row is one real ``fcl-emu up`` per seed (coordinator, edge-node process and one GPU-worker process over
+ZeroMQ) of the table's scenario with one method; the table gives mean ± sample standard deviation over the
+seeds (``--seeds``, default 0,1,2) of the accuracy measures and the means of the costs. GA is FedCBC's global
+accuracy, over the whole test set (``accuracy_all``).
 
 - ``fedcbc``: FedCBC's MNIST protocol (scenario partition ``accessible_classes``: 3 clients, each with 6
   accessible classes of which 2 are private, 5 tasks of 3 classes drawn afresh from them, 5 rounds per
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import run_up
+from runs import grouped, mean_of, pm, run_up, seeded, seeds
 
 COMMON = {
     "rounds": {"rounds_per_task": 5, "deadline_s": 1800, "eval_every": 5},
@@ -38,7 +40,6 @@ COMMON = {
     "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
     "nodes": 1,
     "device": "cpu",
-    "seed": 0,
 }
 FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}
 GLFC = {"memory_size": 2000, "task_detection": "oracle", "proxy_iterations": 40, "proxy_keep": 10}
@@ -69,7 +70,7 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
     return {**base, "scenario": scenario, "method": method, "method_options": options}
 
 
-def row(name: str, s: dict, paper: dict) -> dict:
+def row(name: str, seed: int, s: dict, paper: dict) -> dict:
     kr = s.get("knowledge_retention") or {}
     clients = {kind: b for kind, b in s["bytes"].items() if kind not in WORKER_TYPES}
     sent = {kind: b.get("sent", 0) / 1e6 for kind, b in clients.items()}
@@ -77,36 +78,35 @@ def row(name: str, s: dict, paper: dict) -> dict:
     to_workers = sum(b.get("sent", 0) + b.get("received", 0) for k, b in s["bytes"].items() if k in WORKER_TYPES)
     jobs = s.get("gpu_jobs", {}).get("by_kind", {})
     return {
-        "row": name, "method": s["method"], "status": s["status"],
+        "row": name, "seed": seed, "method": s["method"], "status": s["status"],
         "ga_per_task": s["accuracy_all"], "ga_mean": float(np.mean(s["accuracy_all"])) if s["accuracy_all"] else None,
         "paper_ga_mean": paper.get(s["method"]),
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
         "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),
         "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
-        "mb_sent": sent, "mb_received": received, "mb_workers": to_workers / 1e6,
+        "mb_sent": sum(sent.values()), "mb_received": sum(received.values()), "mb_workers": to_workers / 1e6,
+        "mb_sent_by_type": sent, "mb_received_by_type": received,
         "server_jobs_s": sum(j.get("run_s", 0.0) for kind, j in jobs.items() if not kind.startswith("device.")),
         "wall_s": s["wall_clock_s"],
     }
 
 
-def _f(v: float | None, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % | KR_t % "
-             "| KR_s % | private-class acc. % | client MB sent / received | worker MB | server jobs s | wall s |",
-             "| --- | --- |" + " ---: |" * 11]
-    for r in rows:
-        if r["status"] != "completed":
-            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 11)
+    lines = ["| run | seeds | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % "
+             "| KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB | server jobs s | wall s |",
+             "| --- | ---: | --- |" + " ---: |" * 11]
+    for name, runs, failed in grouped(rows):
+        if not runs:
+            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 11)
             continue
-        ga = ", ".join(f"{a:.1f}" for a in r["ga_per_task"])
-        mb = f"{sum(r['mb_sent'].values()):.1f} / {sum(r['mb_received'].values()):.1f}"
-        lines.append(f"| {r['row']} | {ga} | {_f(r['ga_mean'])} | {_f(r['paper_ga_mean'])} | "
-                     f"{_f(r['avg_accuracy'])} | {_f(r['avg_forgetting'])} | {_f(r['kr_t'], 1)} | {_f(r['kr_s'], 1)} | "
-                     f"{_f(r['private_accuracy'], 1)} | {mb} | {r['mb_workers']:.1f} | {r['server_jobs_s']:.0f} | "
-                     f"{r['wall_s']:.0f} |")
+        ga = ", ".join(f"{a:.1f}" for a in np.mean([r["ga_per_task"] for r in runs], axis=0))
+        paper = runs[0]["paper_ga_mean"]
+        lines.append(f"| {name} | {len(runs)} | {ga} | {pm([r['ga_mean'] for r in runs], 2)} | "
+                     f"{'-' if paper is None else f'{paper:.2f}'} | {pm([r['avg_accuracy'] for r in runs], 2)} | "
+                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {pm([r['kr_t'] for r in runs])} | "
+                     f"{pm([r['kr_s'] for r in runs])} | {pm([r['private_accuracy'] for r in runs])} | "
+                     f"{mean_of(runs, 'mb_sent')} / {mean_of(runs, 'mb_received')} | {mean_of(runs, 'mb_workers')} | "
+                     f"{mean_of(runs, 'server_jobs_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
     return "\n".join(lines)
 
 
@@ -115,18 +115,18 @@ def main() -> None:
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--table", choices=sorted(TABLES), default="fedcbc")
     ap.add_argument("--rows", default=None, help="comma-separated rows of the table (default: all)")
-    ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>, runs/<table>-s<seed> with --seed")
-    ap.add_argument("--seed", type=int, default=None, help="the runs' seed (default 0: class order, partition, "
-                                                           "noisy clients, initial weights)")
+    ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>")
+    ap.add_argument("--seeds", type=seeds, default=[0, 1, 2],
+                    help="the runs' seeds (class order, partition, noisy clients, initial weights)")
     args = ap.parse_args()
     base, rows_spec, paper = TABLES[args.table]
-    if args.seed is not None:
-        base = {**base, "seed": args.seed, "scenario": {**base["scenario"], "seed": args.seed}}
-    out = args.out or Path("runs") / (args.table + ("" if args.seed is None else f"-s{args.seed}"))
+    out = args.out or Path("runs") / args.table
     rows = []
-    for name in (args.rows.split(",") if args.rows else rows_spec):
-        method, options = rows_spec[name]
-        rows.append(row(name, run_up(name, config(base, name, method, options), args.data_root, out), paper))
+    for seed in args.seeds:
+        for name in (args.rows.split(",") if args.rows else rows_spec):
+            method, options = rows_spec[name]
+            summary = run_up(f"{name}-s{seed}", seeded(config(base, name, method, options), seed), args.data_root, out)
+            rows.append(row(name, seed, summary, paper))
     table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
     (out / "table.json").write_text(json.dumps({"table": args.table, "rows": rows}, indent=1))

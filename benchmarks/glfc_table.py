@@ -1,17 +1,18 @@
 """The GLFC table of docs/experiments.md: fedavg, fedlwf2t and glfc from the same scenario, and the proxy's
 reconstruction quality.
 
-    python benchmarks/glfc_table.py --data-root ../shared/data --out runs/glfc
+    python benchmarks/glfc_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
 
 Every row is one real ``fcl-emu up`` of ``BASE`` (MNIST, 5 tasks of 2 classes, 10 clients at the start
 and 2 more joining at every task boundary, 10 % of the earlier clients keeping only their old classes at
-each boundary (GLFC's three client groups), 5 clients per round, 5 rounds per task, seed 0). GLFC runs
+each boundary (GLFC's three client groups), 5 clients per round, 5 rounds per task) per seed; the table
+gives mean ± sample standard deviation over the seeds. GLFC runs
 with a 200-exemplar memory per client and CPU-sized proxy budgets (``GLFC``), once with the emulator's task
 start as its transition signal (``oracle``), once with the paper's entropy-rise detection, and in two
 ablations (no relation distillation; the official code's sigmoid loss forms).
 
 Reconstruction quality: for every class, the prototype of its first holder is chosen, perturbed and
-encoded exactly as a GLFC client does (with the glfc run's final global model), reconstructed exactly as
+encoded exactly as a GLFC client does (with the first seed's glfc run's final global model), reconstructed exactly as
 the proxy does, and compared: PSNR (pixels in [0, 1]) of the last kept reconstruction against the
 perturbed prototype (what the channel could leak), of the perturbed prototype against the original (what
 the perturbation hides), and whether the label came back right; again with Gaussian noise of std 0.25
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runs import run_up
+from runs import events, grouped, mean_of, pm, run_up, seeded, seeds
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
@@ -40,7 +41,6 @@ BASE = {
     "model": "cnn",
     "nodes": 2,
     "device": "cpu",
-    "seed": 0,
 }
 GLFC = {"memory_size": 200, "proxy_iterations": 40, "proxy_keep": 10}
 NOISE = (None, 0.25, 1.0)  # reconstruction quality with the run's perturbation, then with Gaussian noise added
@@ -55,8 +55,8 @@ ROWS = {
 }
 
 
-def row(name: str, s: dict, events: list[dict]) -> dict:
-    rounds = [e for e in events if e["event"] == "round"]
+def row(name: str, seed: int, s: dict, evs: list[dict]) -> dict:
+    rounds = [e for e in evs if e["event"] == "round"]
     tasks = s["scenario"]["num_tasks"]
     channel = [sum(r["bytes_by_type"].get("prototype_gradients", {}).get("received", 0)
                    for r in rounds if r["task"] == t) for t in range(tasks)]
@@ -64,7 +64,7 @@ def row(name: str, s: dict, events: list[dict]) -> dict:
     detected = [m for m in metrics if "task_detected" in m]
     jobs = s.get("gpu_jobs", {}).get("by_kind", {})
     return {
-        "row": name, "method": s["method"], "status": s["status"],
+        "row": name, "seed": seed, "method": s["method"], "status": s["status"],
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
         "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
         "mb_total": s["bytes_total"] / 1e6,
@@ -146,19 +146,23 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | avg. accuracy % | avg. forgetting % | total MB | old model MB | prototype-gradient KB per task "
-             "| jobs with a detected / a true transition | proxy s | wall s |", "| --- |" + " ---: |" * 8]
-    for r in rows:
-        if r["status"] != "completed":
-            lines.append(f"| {r['row']} | {r['status']} |" + " |" * 7)
+    """Mean ± standard deviation over the seeds of accuracy and forgetting; means of the rest."""
+    lines = ["| run | seeds | avg. accuracy % | avg. forgetting % | total MB | old model MB | prototype-gradient KB "
+             "per task | jobs with a detected / a true transition | proxy s | wall s |", "| --- |" + " ---: |" * 9]
+    for name, runs, failed in grouped(rows):
+        if not runs:
+            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 7)
             continue
-        kb = ", ".join(f"{v:.0f}" for v in r["kb_prototype_gradients_per_task"])
-        det = "-" if r["detected_rate"] is None else f"{r['detected_rate']:.2f} / {r['transition_rate']:.2f}"
-        if r["missed_rate"] is not None:
-            det += f" (missed {r['missed_rate']:.2f}, false {r['false_alarm_rate']:.2f})"
-        lines.append(f"| {r['row']} | {r['avg_accuracy']:.2f} | {r['avg_forgetting']:.2f} | {r['mb_total']:.1f} | "
-                     f"{r['mb_old_model']:.1f} | {kb if r['method'] == 'glfc' else '-'} | {det} | "
-                     f"{r['proxy_s']:.0f} | {r['wall_s']:.0f} |")
+        kb = ", ".join(f"{v:.0f}" for v in np.mean([r["kb_prototype_gradients_per_task"] for r in runs], axis=0))
+        det = "-"
+        if runs[0]["detected_rate"] is not None:
+            det = f"{mean_of(runs, 'detected_rate', 2)} / {mean_of(runs, 'transition_rate', 2)}"
+            if runs[0]["missed_rate"] is not None:
+                det += f" (missed {mean_of(runs, 'missed_rate', 2)}, false {mean_of(runs, 'false_alarm_rate', 2)})"
+        lines.append(f"| {name} | {len(runs)} | {pm([r['avg_accuracy'] for r in runs], 2)} | "
+                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {mean_of(runs, 'mb_total')} | "
+                     f"{mean_of(runs, 'mb_old_model')} | {kb if runs[0]['method'] == 'glfc' else '-'} | {det} | "
+                     f"{mean_of(runs, 'proxy_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
     return "\n".join(lines)
 
 
@@ -166,16 +170,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
     args = ap.parse_args()
     rows = []
-    for name in args.rows.split(","):
-        method, options = ROWS[name]
-        summary = run_up(name, {**BASE, "method": method, "method_options": options}, args.data_root, args.out)
-        events = [json.loads(line) for line in (args.out / name / "events.jsonl").read_text().splitlines()]
-        rows.append(row(name, summary, events))
+    for seed in args.seeds:
+        for name in args.rows.split(","):
+            method, options = ROWS[name]
+            run = f"{name}-s{seed}"
+            summary = run_up(run, seeded({**BASE, "method": method, "method_options": options}, seed),
+                             args.data_root, args.out)
+            rows.append(row(name, seed, summary, events(args.out, run)))
     table = markdown(rows)
-    glfc_runs = [r["row"] for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
+    glfc_runs = [f"{r['row']}-s{r['seed']}" for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
                for noise in NOISE] if glfc_runs else []
     (args.out / "table.md").write_text(table + "\n")

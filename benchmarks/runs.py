@@ -61,3 +61,16 @@ def pm(values: list[float | None], digits: int = 1) -> str:
     """``mean ± std`` of :func:`spread` for a table cell (``-`` where a run lacks the metric)."""
     s = spread(values)
     return "-" if s is None else f"{s[0]:.{digits}f} ± {s[1]:.{digits}f}"
+
+
+def grouped(rows: list[dict], key: str = "row") -> list[tuple[str, list[dict], list[dict]]]:
+    """Per-seed rows grouped by ``key`` in first-seen order: ``(name, completed runs, other runs)``."""
+    names = list(dict.fromkeys(r[key] for r in rows))
+    return [(n, [r for r in rows if r[key] == n and r["status"] == "completed"],
+             [r for r in rows if r[key] == n and r["status"] != "completed"]) for n in names]
+
+
+def mean_of(runs: list[dict], field: str, digits: int = 1) -> str:
+    """The mean of a field over the runs of one row (costs: bytes, seconds), or ``-``."""
+    values = [r[field] for r in runs if r.get(field) is not None]
+    return f"{np.mean(values):.{digits}f}" if values else "-"
