@@ -60,7 +60,7 @@ TABLES = {
     "fedcbc-cifar10": ({**COMMON, "scenario": {"dataset": "cifar10", **FEDCBC_SCENARIO},
                         "rounds": {**COMMON["rounds"], "clients_per_round": 3}}, FEDCBC_ROWS,
                        {"fedcbc": 57.93, "glfc": 42.66, "fedavg": 21.92}),
-    "affcl": ({**COMMON, "scenario": {"dataset": "mnist", **POOL_SCENARIO},
+    "affcl": ({**COMMON, "model": "cnn_leaky", "scenario": {"dataset": "mnist", **POOL_SCENARIO},
                "rounds": {**COMMON["rounds"], "clients_per_round": 8}}, AFFCL_ROWS, {}),
 }
 

@@ -84,7 +84,8 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         self.scenario = build_scenario(config.scenario, self.dataset)
         self.spec = methods.get(config.method)
         options = config.method_options_model()
-        self.model_name = resolve_model(config.model, self.dataset.input_shape, self.spec.server.needs_batchnorm)
+        self.model_name = resolve_model(config.model, self.dataset.input_shape, self.spec.server.needs_batchnorm,
+                                        self.spec.server.small_model)
         torch.manual_seed(config.seed)
         self.server = self.spec.server(ServerContext(
             options=options, scenario=self.scenario, build_model=self._build_model, seed=config.seed,

@@ -2,16 +2,28 @@
 
 Wuerkaixi, Cui, Zhang, Yan, Han, Niu, Fang, Zhang and Sugiyama, "Accurate
 Forgetting for Heterogeneous Federated Continual Learning", ICLR 2024
-(arXiv:2502.14205; the authors' code is zaocan666/AF-FCL, "PreciseFCL").
-Equation numbers follow the paper as cited in this project's issue; the
-paper's method section could not be read here, so the exact forms below are
-the authors' code's, each named where it matters.
+(arXiv:2502.14205; the authors' code is zaocan666/AF-FCL, "PreciseFCL", read
+for every form below). Equation numbers follow the paper as cited in this
+project's issue; its method section could not be read here, so the exact
+forms are the code's (``FLAlgorithms/PreciseFCLNet/model.py``,
+``FLAlgorithms/users/userPreciseFCL.py``), each named where it matters, and
+where the code departs from the paper's stated intent the intent is the
+default and the code's form an option.
 
-**Model.** The classifier splits into a feature extractor ``h = f(x)`` (the
-backbone, :class:`~methods.models.classifier.IncrementalClassifier`) and the
-head. A class-conditional normalizing flow ``u = g(h; y)``
-(:class:`~methods.models.flows.ConditionalFlow`, affine couplings, conditioned
-on the one-hot class over the data set's label space) models ``p(h | y)``:
+**Model.** The classifier splits into the flow's feature space ``h = f(x)``
+and the layers above it, ``logits = c(h)``. With a
+:class:`~methods.models.backbones.SplitBackbone` (``model: cnn_leaky``, the
+code's kind of feature space: LeakyReLU, a 512-d embedding, then a 512-d
+``neck`` like the code's ``fc2``, then the head) ``f`` is the backbone's
+``embed`` and ``c`` its neck plus the head; with any other backbone ``f`` is
+the whole backbone and ``c`` the head. ``model: auto`` gives ``cnn_leaky``
+for AF-FCL on small images (``AFFCLServer.small_model``; other methods get
+``cnn``, whose ReLU features hold exact zeros, over which a density is
+ill-posed); colour images get ``resnet18`` as for every method. A class-conditional
+normalizing flow ``u = g(h; y)`` (:class:`~methods.models.flows.ConditionalFlow`:
+the code's affine couplings with residual conditioners and its bounded
+scale; conditioned on the one-hot class over the data set's label space)
+models ``p(h | y)``:
 
     log p(h | y) = log N(g(h; y); 0, I) + log |det dg/dh|.
 
@@ -21,7 +33,7 @@ back as deltas under the same names (``summable = (DELTA, FLOW)``).
 
 **Client, one local step** on a real batch ``(x, y)`` (B samples), ``K`` the
 classes seen so far, ``K_old`` those of the old model (the previous task's
-final global classifier ``f_old``/``head_old`` and flow ``g_old``, received
+final global classifier ``f_old``/``c_old`` and flow ``g_old``, received
 once per task as the ``old_model`` asset ``affcl/old/{model,flow}/...``):
 
 1. Flow (eq. 5), on the features ``h = f(x)`` (detached: the flow's loss does
@@ -38,51 +50,93 @@ once per task as the ``old_model`` asset ``affcl/old/{model,flow}/...``):
    ``h^ = g^{-1}(u^; y^)``, ``u^ ~ N(0, I)``, ``y^`` uniform over the ``K``
    seen classes. Each gets the credibility (eq. 8)::
 
-       w = mean_d N(u^_d; mu_{y^,d}, var_{y^,d} + 1e-6)     (y^ present in the batch)
-       w = p_bar = mean_i exp(log p(h_i | y_i) / D)         (otherwise)
+       w = mean_d N(v_d; mu_{y^,d}, var_{y^,d} + 1e-6)     (y^ present in the batch)
+       w = p_bar = mean_i exp(log p(h_i | y_i) / D)        (otherwise)
 
    the mean over the ``D`` dimensions of the per-dimension Gaussian density
-   (code); ``p_bar`` is the real batch's geometric-mean density per dimension.
+   (code); ``p_bar`` is the real batch's geometric-mean density per
+   dimension (under the code's bounded scale at most about 0.4, the
+   standard normal's peak). ``v`` is set by ``credibility``: ``"latent"`` (default)
+   ``v = u^``, the generated sample's own latent, compared with the latent
+   statistics in the space they describe (eq. 7-8, as cited in the issue,
+   put both in the latent space); ``"feature"`` ``v = h^``, the generated
+   *feature* compared with the *latent* statistics, as the code does
+   (``probability_in_localdata``) although the two live in different spaces.
    The weight is a constant (no gradient).
-3. Classifier (eq. 6 and 9), one step of the run's optimiser::
+3. Replay on the generated features (eq. 9), with ``KD_T`` below::
 
-       L = CE(head(h), y)
-         + k_kd_last * (k_kd_feature * mean (h - f_old(x))^2                       (eq. 6)
-                        + k_kd_output * KD_T(head(h)[:, :K_old], head_old(f_old(x))))
-         + k_loss_flow * (((1 - theta) p_bar + theta) * mean_j w_j CE(head(h^_j), y^_j)   (eq. 9)
-                          + k_kd_last * k_kd_output * KD_T(head(h^)[:, :K_old], head_old(h^)))
+       L_replay = k_loss_flow * (((1 - theta) p_bar + theta) * mean_j w_j CE(c(h^_j), y^_j)
+                                 + k_kd_last * k_kd_output * KD_T(c(h^), c_old(h^)))
 
-   ``KD_T`` is the soft-target cross-entropy at ``T = 2``
-   (:func:`methods.datafree.soft_target_ce`, the code's form, no ``T^2``).
-   Terms with the old model vanish in the first task; generated features are
-   replayed from the first task on (code).
+   ``replay: "step"`` (default, the code): its own Adam step (lr
+   ``replay_lr``, the code's classifier lr; betas 0.9/0.999) on the layers
+   between the features and the head, i.e. the neck of a ``SplitBackbone``
+   (the code's ``fc2``; the head gets no step from it), or the head where the
+   backbone has no neck. Adam's step hardly depends on the loss's scale, so
+   ``k_loss_flow`` barely matters there. ``replay: "summed"``: ``L_replay``
+   is added to the loss of step 4 instead (one step of the run's optimiser;
+   the replay reaches ``c`` only, as the generated features carry no
+   gradient); with SGD its strength then scales with ``k_loss_flow``.
+4. Classifier (eq. 6), one step of the run's optimiser::
 
-Defaults, all from the code's ``main.py`` (the paper's hyper-parameter table
-was not at hand): ``k_flow_last = 0.4``, ``k_loss_flow = 0.1``,
-``k_kd_last = 0.2``, ``k_kd_feature = 0.5``, ``k_kd_output = 0.1``,
-``theta = 0.2`` (``flow_explore_theta``), ``flow_lr = 1e-4`` (Adam),
-``flow_layers = 4`` (model.py), ``temperature = 2``.
+       L = CE(c(h), y) + k_kd_last * (k_kd_feature * mean (h - f_old(x))^2
+                                      + k_kd_output * KD_T(c(h), c_old(f_old(x))))
+
+``KD_T(s, t) = -mean_i sum_k softmax(t_i / T)_k log softmax(s_i / T)_k`` at
+``T = 2`` (the code's ``MultiClassCrossEntropy``, no ``T^2``). The code's
+head has a row for every class of the data set from the start, so it
+distils over all of them. Here the head grows; ``kd_classes: "all"``
+(default) distils over all ``K`` classes of the student, the old model
+giving no mass to the ``K - K_old`` classes it lacks (the code's old model
+gives them little: their rows were only ever pushed down); ``"old"`` over
+the first ``K_old`` logits only (iCaRL/LwF's restriction). Terms with the
+old model vanish in the first task; generated features are replayed from
+the first task on (code).
+
+Defaults. The code's README run commands set ``--flow_lr``, ``--k_loss_flow``,
+``--k_flow_lastflow`` and ``--flow_explore_theta`` per data set; the defaults
+are those of its EMNIST-Letters command (the first; also the issue's replay
+weight 0.5 and theta 0): ``flow_lr = 1e-4``, ``k_loss_flow = 0.5``,
+``k_flow_last = 0.4``, ``theta = 0``, and ``replay_lr = 1e-4`` (its
+``--lr``). Its other commands (flow_lr, k_loss_flow, k_flow_last, theta):
+EMNIST-shuffle 1e-3, 0.05, 0.02, 0.5; EMNIST-noisy 1e-3, 0.5, 0.1, 0.5;
+MNIST-SVHN-FASHION 1e-3, 0.1, 0, 0; CIFAR100 5e-3, 0.5, 0.1, 0.1 (with
+``--lr 1e-3``; the last two also set ``--fedprox_k 0.001``, which the code
+parses but never uses). The README leaves the rest at ``main.py``'s argparse
+defaults: ``k_kd_last = 0.2`` (``k_kd_last_cls``), ``k_kd_feature = 0.5``,
+``k_kd_output = 0.1``; and ``model.py`` fixes ``flow_layers = 4``,
+``flow_blocks = 2`` and ``temperature = 2``. ``flow_hidden = 256``: see the
+deviations.
 
 Deviations, on purpose:
 
-- CPU-sized flow: each coupling's conditioner is a two-hidden-layer MLP of
-  ``flow_hidden = 128`` units; the code uses residual nets of 512 units
-  (two blocks) on 512-d features, several times the classifier's size on the
-  wire. Coupling scales are ``exp(tanh(.))`` (the code's nflows uses a shifted
-  sigmoid); see :mod:`methods.models.flows`.
-- Credibility in the flow's latent space: the code compares the *generated
-  features* ``h^`` with the statistics of the local *latents* ``u``; here the
-  generated sample's own latent ``u^`` is compared (eq. 7-8 put both in the
-  latent space). The variance gets a floor of 1e-6 (code: 1e-30).
-- One optimiser step for the classifier: the code takes a separate step on
-  the head's last layers for the generated-feature term before the step on
-  the real batch; here both terms are summed into one step (the generated
-  term reaches only the head either way). The classifier uses the run's
-  optimiser (``training``: SGD), not the code's Adam at lr 1e-4.
+- CPU-sized flow: each conditioner has ``flow_hidden = 256`` units (code:
+  512). With 10 classes, 512 units make 5.1M parameters over 256-d features
+  and 5.8M over 512-d (20-23 MB per flow on the wire each way every round)
+  and cost 3-4 times a ``cnn`` step's CPU time per step (batch 32, one
+  thread); 256 units make 1.5M / 1.9M parameters and cost 1-1.5 ``cnn``
+  steps. Set ``flow_hidden: 512`` for the code's size.
+- The conditioners' last layers start at zero (code: PyTorch's default), so
+  a fresh flow is a fixed permutation and scaling; see :mod:`methods.models.flows`.
+- The classifier uses the run's optimiser (``training``: SGD), not the code's
+  Adam at lr 1e-4; the flow's and the replay step's Adam states start afresh
+  every training job (a round), the code keeps them across rounds.
+- The real batch's features are computed once, in the model's training mode,
+  for the flow, the statistics and the loss (the code computes those for the
+  flow in eval mode): the same with ``cnn``/``cnn_leaky``, which have no
+  BatchNorm, not with the ResNets.
+- The old model is the previous task's final *global* pair (the code: the
+  client's own copy at the task switch, which is the global one after the
+  last round's broadcast).
+- Generated labels are uniform over the ``K`` classes seen so far (the code:
+  over the union of all clients' classes so far, the same set when every
+  class seen is some client's).
+- The credibility's variance floor is 1e-6 (code: 1e-30); both leave a
+  one-sample class (variance 0) with weight ~0 away from its mean.
 - Not implemented: the code's distillation from the current global
-  classifier (``k_kd_global_cls``, 0 by default there) and its
-  ``classifier_global_mode`` variants (the whole classifier is federated).
-- The flow's Adam state starts afresh every training job (a round).
+  classifier (``k_kd_global_cls``, 0 by default and in every README command)
+  and its ``classifier_global_mode`` variants (the whole classifier is
+  federated, the code's default ``all``).
 
 Secure aggregation: the flow's deltas are summable under the model delta's
 rule (a sample-weighted mean), but SecAgg's layout (:class:`methods.base.DeltaLayout`)
@@ -93,6 +147,7 @@ config time, naming ``affcl/flow/``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 import pydantic
@@ -102,6 +157,8 @@ import torch.nn.functional as F
 from methods.base import (DELTA, Arrays, ClientContext, ClientPart, ClientUpdate, Options, ServerPart,
                           _frozen_copy, apply_fedavg, strip_prefix)
 from methods.datafree import soft_target_ce
+from methods.models.backbones import SplitBackbone
+from methods.models.classifier import IncrementalClassifier
 from methods.models.flows import ConditionalFlow
 from methods.models.state import load_arrays, state_to_arrays
 from methods.registry import MethodSpec, register
@@ -117,17 +174,54 @@ class AFFCLOptions(Options):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     flow_layers: int = pydantic.Field(4, ge=1, description="affine-coupling layers of the flow (code: 4)")
-    flow_hidden: int = pydantic.Field(128, ge=1, description="hidden width of each coupling's conditioner "
+    flow_hidden: int = pydantic.Field(256, ge=1, description="hidden width of each coupling's conditioner "
                                                              "(code: 512; CPU-sized here)")
-    flow_lr: float = pydantic.Field(1e-4, gt=0, description="Adam learning rate of the flow (code)")
+    flow_blocks: int = pydantic.Field(2, ge=0, description="residual blocks of each conditioner (code: 2)")
+    flow_lr: float = pydantic.Field(1e-4, gt=0, description="Adam learning rate of the flow (code's README)")
     k_flow_last: float = pydantic.Field(0.4, ge=0, description="eq. 5: weight of the old flow's samples")
-    k_loss_flow: float = pydantic.Field(0.1, ge=0, description="eq. 9: weight of the generated-feature terms")
+    k_loss_flow: float = pydantic.Field(0.5, ge=0, description="eq. 9: weight of the replay loss")
     k_kd_last: float = pydantic.Field(0.2, ge=0, description="weight of every distillation from the old model")
     k_kd_feature: float = pydantic.Field(0.5, ge=0, description="eq. 6: feature distillation (times k_kd_last)")
     k_kd_output: float = pydantic.Field(0.1, ge=0, description="output distillation (times k_kd_last)")
-    theta: float = pydantic.Field(0.2, ge=0, le=1, description="explore-forget floor: the generated CE is scaled "
+    theta: float = pydantic.Field(0.0, ge=0, le=1, description="explore-forget floor: the generated CE is scaled "
                                                                "by (1 - theta) p_bar + theta")
     temperature: float = pydantic.Field(2.0, gt=0, description="distillation temperature T")
+    replay: Literal["step", "summed"] = pydantic.Field(
+        "step", description="step: the replay loss takes its own Adam step on the neck (or head), as the code; "
+                            "summed: it is added to the real batch's loss")
+    replay_lr: float = pydantic.Field(1e-4, gt=0, description="Adam learning rate of the replay step (code: "
+                                                              "its classifier lr)")
+    credibility: Literal["latent", "feature"] = pydantic.Field(
+        "latent", description="what eq. 8 compares with the local latent statistics: the generated sample's "
+                              "latent (paper), or the generated feature (code)")
+    kd_classes: Literal["all", "old"] = pydantic.Field(
+        "all", description="output distillation over all of the student's classes, the old model giving "
+                           "none to those it lacks (code), or over the old classes only")
+
+
+# ------------------------------------------------------------------ the model's split
+def flow_dim(model: IncrementalClassifier) -> int:
+    """Width of the flow's feature space: the embedding of a :class:`SplitBackbone`, else the features."""
+    backbone = model.backbone
+    return backbone.embed_dim if isinstance(backbone, SplitBackbone) else model.feature_dim
+
+
+def embed(model: IncrementalClassifier, x: torch.Tensor) -> torch.Tensor:
+    """``f(x)``: the features the flow models."""
+    backbone = model.backbone
+    return backbone.embed(x) if isinstance(backbone, SplitBackbone) else backbone(x)
+
+
+def classify(model: IncrementalClassifier, h: torch.Tensor) -> torch.Tensor:
+    """``c(h)``: the logits of features ``h`` of the flow's space."""
+    backbone = model.backbone
+    return model.head(backbone.from_embedding(h) if isinstance(backbone, SplitBackbone) else h)
+
+
+def replay_parameters(model: IncrementalClassifier) -> list[torch.nn.Parameter]:
+    """What the replay step trains: the neck of a :class:`SplitBackbone` (the code's ``fc2``), else the head."""
+    backbone = model.backbone
+    return list((backbone.neck if isinstance(backbone, SplitBackbone) else model.head).parameters())
 
 
 # ------------------------------------------------------------------ loss terms
@@ -147,6 +241,20 @@ def feature_distillation(h: torch.Tensor, h_old: torch.Tensor) -> torch.Tensor:
     return (h - h_old).pow(2).mean()
 
 
+def output_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+                        all_classes: bool) -> torch.Tensor:
+    """``KD_T``: soft-target cross-entropy of the student's ``K`` logits against the old model's ``K_old``.
+    ``all_classes``: over all ``K`` (softmax over all of them; the teacher gives the last ``K - K_old`` no
+    mass); else over the first ``K_old`` logits only."""
+    k_old = teacher.shape[1]
+    if student.ndim != 2 or student.shape[0] != teacher.shape[0] or student.shape[1] < k_old:
+        raise ValueError(f"student logits {tuple(student.shape)} do not cover teacher logits {tuple(teacher.shape)}")
+    if not all_classes:
+        return soft_target_ce(student[:, :k_old], teacher, temperature)
+    target = F.pad(F.softmax(teacher / temperature, dim=1), (0, student.shape[1] - k_old))
+    return -(target * F.log_softmax(student / temperature, dim=1)).sum(dim=1).mean()
+
+
 def latent_statistics(u: torch.Tensor, y: torch.Tensor, num_classes: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eq. 7: per class, the mean and (biased) variance of the latents ``u`` (B, D) of the samples with
@@ -161,13 +269,14 @@ def latent_statistics(u: torch.Tensor, y: torch.Tensor, num_classes: int
     return mean, var.clamp(min=0), present
 
 
-def credibility(u_gen: torch.Tensor, y_gen: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+def credibility(v: torch.Tensor, y_gen: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
                 present: torch.Tensor, fallback: torch.Tensor | float) -> torch.Tensor:
-    """Eq. 8: each generated latent's mean per-dimension density under its class's local Gaussian;
-    ``fallback`` (the real batch's ``p_bar``) for classes absent locally."""
-    m, v = mean[y_gen], var[y_gen] + VAR_FLOOR
-    density = torch.exp(-0.5 * (u_gen - m).pow(2) / v) / torch.sqrt(2 * torch.pi * v)
-    fallback = torch.as_tensor(fallback, dtype=u_gen.dtype, device=u_gen.device)
+    """Eq. 8: each generated sample's point ``v`` (its latent or its feature, see ``AFFCLOptions.credibility``)
+    scored by the mean per-dimension density under its class's local latent Gaussian; ``fallback`` (the real
+    batch's ``p_bar``) for classes absent locally."""
+    m, s2 = mean[y_gen], var[y_gen] + VAR_FLOOR
+    density = torch.exp(-0.5 * (v - m).pow(2) / s2) / torch.sqrt(2 * torch.pi * s2)
+    fallback = torch.as_tensor(fallback, dtype=v.dtype, device=v.device)
     return torch.where(present[y_gen], density.mean(dim=1), fallback)
 
 
@@ -185,7 +294,7 @@ def generated_ce(logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, p
 # ---------------------------------------------------------------------- helpers
 def build_flow(feature_dim: int, num_classes: int, o: AFFCLOptions,
                arrays: Mapping[str, np.ndarray] | None = None) -> ConditionalFlow:
-    flow = ConditionalFlow(feature_dim, num_classes, o.flow_layers, o.flow_hidden)
+    flow = ConditionalFlow(feature_dim, num_classes, o.flow_layers, o.flow_hidden, o.flow_blocks)
     if arrays:
         load_arrays(flow, arrays)
     return flow
@@ -201,10 +310,11 @@ class AFFCLServer(ServerPart):
 
     options: AFFCLOptions
     summable = (DELTA, FLOW)  # the flow's deltas are averaged like the model's
+    small_model = "cnn_leaky"  # the code's kind of feature space under model "auto"
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        flow = build_flow(self.model.feature_dim, ctx.scenario.num_classes, self.options)
+        flow = build_flow(flow_dim(self.model), ctx.scenario.num_classes, self.options)
         self._flow: Arrays = _frozen_copy(state_to_arrays(flow))
         self._old: Arrays | None = None  # OLD_MODEL / OLD_FLOW arrays of the last finished task
 
@@ -238,7 +348,8 @@ class AFFCLClient(ClientPart):
 
     def begin_job(self, ctx: ClientContext, model) -> None:
         o = self.options
-        flow = build_flow(model.feature_dim, ctx.dataset_classes, o, strip_prefix(ctx.global_state, FLOW))
+        dim = flow_dim(model)
+        flow = build_flow(dim, ctx.dataset_classes, o, strip_prefix(ctx.global_state, FLOW))
         flow.to(ctx.device)
         old_model, old_flow = None, None
         old_arrays = strip_prefix(ctx.assets, OLD_MODEL)
@@ -247,10 +358,11 @@ class AFFCLClient(ClientPart):
             if old_model.num_classes > model.num_classes:
                 raise ValueError(f"affcl: the old model has {old_model.num_classes} classes, the student "
                                  f"{model.num_classes}")
-            old_flow = build_flow(model.feature_dim, ctx.dataset_classes, o, strip_prefix(ctx.assets, OLD_FLOW))
+            old_flow = build_flow(dim, ctx.dataset_classes, o, strip_prefix(ctx.assets, OLD_FLOW))
             old_flow.to(ctx.device).eval().requires_grad_(False)
+        replay_opt = torch.optim.Adam(replay_parameters(model), lr=o.replay_lr) if o.replay == "step" else None
         ctx.job.update(flow=flow, start=_frozen_copy(state_to_arrays(flow)), old=old_model, old_flow=old_flow,
-                       flow_opt=torch.optim.Adam(flow.parameters(), lr=o.flow_lr),
+                       flow_opt=torch.optim.Adam(flow.parameters(), lr=o.flow_lr), replay_opt=replay_opt,
                        draw=torch.Generator().manual_seed(ctx.seed), sums={}, steps=0)
 
     def _draw_labels(self, ctx: ClientContext, classes: int, n: int) -> torch.Tensor:
@@ -272,38 +384,56 @@ class AFFCLClient(ClientPart):
         job["flow_opt"].step()
         return {"flow_nll": nll.detach(), "flow_nll_old": nll_old.detach()}
 
-    def step_loss(self, ctx: ClientContext, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _replay_loss(self, ctx: ClientContext, model, h: torch.Tensor, y: torch.Tensor
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Eq. 7-9 under the updated flow: ``L_replay`` on ``B`` generated features, and its terms."""
         o, job = self.options, ctx.job
-        h = model.backbone(x)
-        logits = model.head(h)
-        terms = self._train_flow(ctx, h.detach(), y)
         flow, old = job["flow"], job["old"]
-        with torch.no_grad():  # eq. 7-8 under the updated flow
-            log_p, u = flow.log_prob(h.detach(), y)
+        with torch.no_grad():
+            log_p, u = flow.log_prob(h, y)
             p_bar = mean_density(log_p, flow.dim)
             mean, var, present = latent_statistics(u, y, flow.num_classes)
             y_gen = self._draw_labels(ctx, model.num_classes, len(y))
             h_gen, u_gen = flow.sample(y_gen, job["draw"])
-            weights = credibility(u_gen, y_gen, mean, var, present, p_bar)
-        logits_gen = model.head(h_gen)
+            weights = credibility(u_gen if o.credibility == "latent" else h_gen, y_gen, mean, var, present, p_bar)
+        logits_gen = classify(model, h_gen)
         replay = generated_ce(logits_gen, y_gen, weights, p_bar, o.theta)
-        loss = F.cross_entropy(logits, y)
+        terms = {"credibility": weights.mean(), "p_bar": p_bar}
         if old is not None:
-            k_old = old.num_classes
             with torch.no_grad():
-                h_old = old.backbone(x)
-                t_real, t_gen = old.head(h_old), old.head(h_gen)
-            kd_feature = feature_distillation(h, h_old)
-            kd_output = soft_target_ce(logits[:, :k_old], t_real, o.temperature)
-            kd_gen = soft_target_ce(logits_gen[:, :k_old], t_gen, o.temperature)
-            loss = loss + o.k_kd_last * (o.k_kd_feature * kd_feature + o.k_kd_output * kd_output)
+                teacher = classify(old, h_gen)
+            kd_gen = output_distillation(logits_gen, teacher, o.temperature, o.kd_classes == "all")
             replay = replay + o.k_kd_last * o.k_kd_output * kd_gen
-            terms.update(kd_feature=kd_feature.detach(), kd_output=kd_output.detach(), kd_generated=kd_gen.detach())
-        terms.update(credibility=weights.mean(), p_bar=p_bar, replay=replay.detach())
+            terms["kd_generated"] = kd_gen.detach()
+        replay = o.k_loss_flow * replay
+        terms["replay"] = replay.detach()
+        return replay, terms
+
+    def step_loss(self, ctx: ClientContext, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o, job = self.options, ctx.job
+        h = embed(model, x)
+        terms = self._train_flow(ctx, h.detach(), y)
+        replay, replay_terms = self._replay_loss(ctx, model, h.detach(), y)
+        terms.update(replay_terms)
+        if job["replay_opt"] is not None:  # the code's own step on the neck (or head), before the real batch's
+            job["replay_opt"].zero_grad(set_to_none=True)
+            replay.backward()
+            job["replay_opt"].step()
+        logits = classify(model, h)  # after that step: it changed the layers above h
+        loss = F.cross_entropy(logits, y)
+        old = job["old"]
+        if old is not None:
+            with torch.no_grad():
+                h_old = embed(old, x)
+                teacher = classify(old, h_old)
+            kd_feature = feature_distillation(h, h_old)
+            kd_output = output_distillation(logits, teacher, o.temperature, o.kd_classes == "all")
+            loss = loss + o.k_kd_last * (o.k_kd_feature * kd_feature + o.k_kd_output * kd_output)
+            terms.update(kd_feature=kd_feature.detach(), kd_output=kd_output.detach())
         for name, value in terms.items():
             job["sums"][name] = job["sums"].get(name, 0.0) + float(value)
         job["steps"] += 1
-        return loss + o.k_loss_flow * replay
+        return loss if job["replay_opt"] is not None else loss + replay
 
     def after_training(self, ctx: ClientContext, model) -> Arrays:
         job = ctx.job

@@ -1,5 +1,6 @@
 """AF-FCL: the flow's log-likelihood by hand and its inverse, each loss term (eq. 5-9) against hand-computed
-values, bad input, the server's checkpoint round trip, the secagg refusal, and a short real-process run."""
+values, the replay step's parameters, the feature space of ``cnn_leaky``, bad input, the server's checkpoint
+round trip, the secagg refusal, and a short real-process run."""
 
 from __future__ import annotations
 
@@ -11,39 +12,59 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runconfig import RunConfig
+from methods import affcl
 from methods import registry as methods
-from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_loss,
-                           generated_ce, latent_statistics, mean_density)
+from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,
+                           flow_loss, generated_ce, latent_statistics, mean_density, output_distillation)
 from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
-from methods.models.classifier import build_model
+from methods.models.backbones import SmallCNNLeaky, SplitBackbone
+from methods.models.classifier import build_model, resolve_model
 from methods.models.flows import ConditionalFlow
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)
 LOG_2PI = math.log(2 * math.pi)
+FRESH_SCALE = 1 / (1 + math.exp(-2.0)) + 1e-3  # sigmoid(0 + 2) + 1e-3: a fresh coupling's scale
 
 
 def _gauss_logpdf(z: torch.Tensor) -> torch.Tensor:
     return -0.5 * (z.pow(2).sum(dim=1) + z.shape[1] * LOG_2PI)
 
 
+def _sigmoid(v: float) -> float:
+    return 1 / (1 + math.exp(-v))
+
+
 def _one_layer_flow() -> ConditionalFlow:
-    """One coupling over 4 dims, 2 classes, whose conditioner outputs s_raw = 0.5 * x_a[0] + class, t = x_a[1]
-    (for both transformed dims), made of known weights."""
-    flow = ConditionalFlow(4, 2, layers=1, hidden=4)
-    net = flow.couplings[0].net
+    """One coupling over 4 dims, 2 classes, one residual block, known weights: ``initial`` is the identity on
+    ``v = [x_a0, x_a1, onehot0, onehot1]``; the block gives ``v * (1 + sigmoid(onehot1))`` (``linear_0`` and
+    ``linear_1`` the identity, LeakyReLU passes the non-negative inputs below, the gate ``sigmoid(onehot1)``);
+    ``final`` outputs ``t = v'_1`` and ``s_raw = 0.5 v'_0 + v'_3`` for both transformed dims."""
+    flow = ConditionalFlow(4, 2, layers=1, hidden=4, blocks=1)
+    coupling = flow.couplings[0]
+    block = coupling.blocks[0]
     with torch.no_grad():
-        for p in net.parameters():
+        for p in flow.parameters():
             p.zero_()
-        # hidden 1: [x_a0, x_a1, class0, class1] (LeakyReLU passes positives; inputs below are positive)
-        net[0].weight.copy_(torch.eye(4))
-        net[2].weight.copy_(torch.eye(4))
-        # output: (s_raw_0, s_raw_1, t_0, t_1)
-        net[4].weight.copy_(torch.tensor([[0.5, 0, 0, 1], [0.5, 0, 0, 1], [0, 1, 0, 0], [0, 1, 0, 0]],
-                                         dtype=torch.float32))
+        coupling.initial.weight.copy_(torch.eye(4))
+        block.linear_0.weight.copy_(torch.eye(4))
+        block.linear_1.weight.copy_(torch.eye(4))
+        block.context.weight.copy_(torch.tensor([[0.0, 1.0]] * 4))
+        # output: (t_0, t_1, s_raw_0, s_raw_1)
+        coupling.final.weight.copy_(torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0], [0.5, 0, 0, 1], [0.5, 0, 0, 1]],
+                                                 dtype=torch.float32))
     return flow
+
+
+def _fresh_one_layer_log_prob(flow: ConditionalFlow, x: torch.Tensor) -> torch.Tensor:
+    """A fresh one-coupling flow by hand: permute, scale the second half by FRESH_SCALE, no shift."""
+    xp = x[:, flow.perm0]
+    d = x.shape[1] // 2
+    z = torch.cat([xp[:, :d], xp[:, d:] * FRESH_SCALE], dim=1)
+    return _gauss_logpdf(z) + (x.shape[1] - d) * math.log(FRESH_SCALE)
 
 
 # ------------------------------------------------------------------ the flow
@@ -59,13 +80,15 @@ def test_one_coupling_log_likelihood_by_hand():
     for xi, yi in zip(x.tolist(), y.tolist()):
         xp = [xi[j] for j in perm]
         a, b = xp[:2], xp[2:]
-        s = math.tanh(0.5 * a[0] + yi)
-        zb = [bj * math.exp(s) + a[1] for bj in b]
+        gain = 1 + _sigmoid(yi)  # the residual block, gated by the class
+        s = _sigmoid(gain * (0.5 * a[0] + yi) + 2) + 1e-3
+        zb = [bj * s + gain * a[1] for bj in b]
         zi = a + zb
         expected_z.append(zi)
-        expected_lp.append(-0.5 * (sum(v * v for v in zi) + 4 * LOG_2PI) + 2 * s)
+        expected_lp.append(-0.5 * (sum(v * v for v in zi) + 4 * LOG_2PI) + 2 * math.log(s))
     assert torch.allclose(z, torch.tensor(expected_z), atol=1e-6)
     assert torch.allclose(log_p, torch.tensor(expected_lp), atol=1e-5)
+    assert torch.allclose(flow.inverse(z, y), x, atol=1e-5)
 
 
 def test_flow_is_invertible_and_its_log_det_matches_autograd():
@@ -83,13 +106,34 @@ def test_flow_is_invertible_and_its_log_det_matches_autograd():
     assert torch.allclose(flow(sample, y)[0], latent, atol=1e-5)
 
 
-def test_fresh_flow_only_permutes_and_state_names_are_stable():
+def test_flow_scale_is_bounded_like_the_code():
+    """sigmoid(s_raw + 2) + 1e-3 lies in (1e-3, 1.001): a huge conditioner output neither stretches nor
+    collapses a dimension beyond that, so the log-likelihood stays finite."""
+    flow = ConditionalFlow(2, 1, layers=1, hidden=2, blocks=0)
+    x, y = torch.tensor([[0.0, 1.0]]), torch.tensor([0])
+    for bias, scale in ((1e4, 1.001), (-1e4, 1e-3)):
+        with torch.no_grad():
+            flow.couplings[0].final.bias.copy_(torch.tensor([0.0, bias]))  # (t, s_raw)
+        log_p, z = flow.log_prob(x, y)
+        xp = x[:, flow.perm0]
+        assert torch.allclose(z, torch.cat([xp[:, :1], xp[:, 1:] * scale], dim=1))
+        assert log_p.item() == pytest.approx(_gauss_logpdf(z).item() + math.log(scale), rel=1e-6)
+
+
+def test_fresh_flow_permutes_and_scales_and_state_names_are_stable():
     flow = ConditionalFlow(8, 10, layers=2, hidden=16)
     x, y = torch.randn(3, 8), torch.tensor([1, 5, 9])
     log_p, z = flow.log_prob(x, y)
-    assert torch.equal(z.sort(dim=1).values, x.sort(dim=1).values)
-    assert torch.allclose(log_p, _gauss_logpdf(x))
+    expected = x
+    for i in range(2):  # each layer: its permutation, then the second half times FRESH_SCALE
+        expected = expected[:, getattr(flow, f"perm{i}")]
+        expected = torch.cat([expected[:, :4], expected[:, 4:] * FRESH_SCALE], dim=1)
+    assert torch.allclose(z, expected, atol=1e-6)
+    assert torch.allclose(log_p, _gauss_logpdf(expected) + 2 * 4 * math.log(FRESH_SCALE), atol=1e-5)
     assert all(k.startswith("couplings.") for k in flow.state_dict())  # permutations are not state
+    assert {k.split(".", 2)[2] for k in flow.state_dict()} >= {
+        "initial.weight", "blocks.0.linear_0.weight", "blocks.1.linear_1.bias", "blocks.0.context.weight",
+        "final.weight"}
 
 
 def test_flow_refuses_bad_input():
@@ -108,15 +152,18 @@ def test_flow_refuses_bad_input():
 
 # ----------------------------------------------------------- loss terms by hand
 def test_flow_loss_eq5_by_hand():
-    flow = ConditionalFlow(2, 2, layers=1, hidden=4)  # fresh: the identity, log p = log N(x; 0, I)
+    flow = ConditionalFlow(2, 2, layers=1, hidden=4)  # fresh: a permutation and a fixed scale (by hand below)
     h, y = torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 1])
     h_old, y_old = torch.tensor([[3.0, 4.0]]), torch.tensor([1])
     total, nll, nll_old = flow_loss(flow, h, y, h_old, y_old, k_flow_last=0.4)
-    real = (0.5 * (1 + LOG_2PI * 2) + 0.5 * (4 + LOG_2PI * 2)) / 2
-    old = 0.5 * (25 + 2 * LOG_2PI)
+    xp = h[:, flow.perm0].tolist()  # (first, second) after the permutation; the second is scaled
+    real = sum(0.5 * (a * a + (b * FRESH_SCALE) ** 2 + 2 * LOG_2PI) - math.log(FRESH_SCALE) for a, b in xp) / 2
+    a, b = h_old[0, flow.perm0].tolist()
+    old = 0.5 * (a * a + (b * FRESH_SCALE) ** 2 + 2 * LOG_2PI) - math.log(FRESH_SCALE)
     assert nll.item() == pytest.approx(real, rel=1e-6) and nll_old.item() == pytest.approx(old, rel=1e-6)
     assert total.item() == pytest.approx(real + 0.4 * old, rel=1e-6)
     assert flow_loss(flow, h, y, None, None, 0.4)[0].item() == pytest.approx(real, rel=1e-6)
+    assert nll.item() == pytest.approx(-_fresh_one_layer_log_prob(flow, h).mean().item(), rel=1e-6)
 
 
 def test_feature_distillation_eq6_by_hand():
@@ -154,9 +201,33 @@ def test_mean_density_and_generated_ce_eq9_by_hand():
     assert generated_ce(logits, y, w, 0.25, theta=0.2).item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_output_distillation_over_all_or_old_classes_by_hand():
+    student, teacher = torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[0.5, -0.5]])
+    q = [math.exp(0.25) / (math.exp(0.25) + math.exp(-0.25)), math.exp(-0.25) / (math.exp(0.25) + math.exp(-0.25))]
+    # all: softmax over the three student logits at T = 2; the teacher gives the third class no mass
+    z_all = math.exp(0.5) + math.exp(0.0) + math.exp(1.0)
+    all_expected = -(q[0] * math.log(math.exp(0.5) / z_all) + q[1] * math.log(1 / z_all))
+    # old: softmax over the first two student logits only
+    z_old = math.exp(0.5) + math.exp(0.0)
+    old_expected = -(q[0] * math.log(math.exp(0.5) / z_old) + q[1] * math.log(1 / z_old))
+    assert output_distillation(student, teacher, 2.0, all_classes=True).item() == pytest.approx(all_expected, rel=1e-6)
+    assert output_distillation(student, teacher, 2.0, all_classes=False).item() == pytest.approx(old_expected,
+                                                                                                   rel=1e-6)
+    # with no new class the two agree
+    assert output_distillation(student[:, :2], teacher, 2.0, True).item() == pytest.approx(old_expected, rel=1e-6)
+    with pytest.raises(ValueError, match="do not cover"):
+        output_distillation(student[:, :1], teacher, 2.0, True)
+
+
 # ------------------------------------------------------------------- options
 def test_options_validation():
-    assert AFFCLOptions().k_flow_last == 0.4 and AFFCLOptions().theta == 0.2
+    o = AFFCLOptions()  # the code's README command for EMNIST-Letters, its argparse defaults for the rest
+    assert (o.k_loss_flow, o.theta, o.flow_lr, o.k_flow_last, o.replay_lr) == (0.5, 0.0, 1e-4, 0.4, 1e-4)
+    assert (o.k_kd_last, o.k_kd_feature, o.k_kd_output, o.temperature) == (0.2, 0.5, 0.1, 2.0)
+    assert (o.flow_layers, o.flow_blocks, o.flow_hidden) == (4, 2, 256)
+    assert (o.replay, o.credibility, o.kd_classes) == ("step", "latent", "all")
+    with pytest.raises(pydantic.ValidationError):
+        AFFCLOptions(replay="both")
     with pytest.raises(pydantic.ValidationError, match="extra"):
         AFFCLOptions(unknown=1)
     with pytest.raises(pydantic.ValidationError, match="finite"):
@@ -181,10 +252,11 @@ def _scenario():
 TINY = {"flow_layers": 2, "flow_hidden": 8}
 
 
-def _server(seed: int):
+def _server(seed: int, model: str = "cnn", **options):
     torch.manual_seed(seed)
     spec = methods.get("affcl")
-    ctx = ServerContext(spec.options(**TINY), _scenario(), lambda n: build_model("cnn", SHAPE, n), seed=0)
+    ctx = ServerContext(spec.options(**TINY, **options), _scenario(), lambda n: build_model(model, SHAPE, n),
+                        seed=0)
     return spec.server(ctx)
 
 
@@ -236,31 +308,115 @@ def test_restored_server_behaves_identically():
     assert all(np.array_equal(v, restored.round_tensors(1, 3)[k]) for k, v in original.round_tensors(1, 3).items())
 
 
-def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread):
-    server = _server(0)
+def _client_job(model_name: str, task: int, **options):
+    """A client, its context for one job of ``task`` (16 samples, old pair from task 0 when task 1) and the
+    model it trains."""
+    server = _server(0, model_name, **options)
     server.start_task(0)
-    server.end_task(0)
-    server.start_task(1)
+    if task:
+        server.end_task(0)
+        server.start_task(1)
     spec = methods.get("affcl")
-    client = spec.client(spec.options(**TINY))
+    client = spec.client(spec.options(**TINY, **options))
     torch.manual_seed(0)
-    x, y = torch.randn(16, *SHAPE), torch.randint(0, 4, (16,))
-    ctx = ClientContext(client="c", task=1, task_classes=np.arange(2, 4), seen_classes=np.arange(4), x=x, y=y,
-                        settings=TrainingSettings(local_epochs=1, lr=0.05, batch_size=8),
-                        global_state=server.round_tensors(1, 0), assets=server.task_assets(1)["old_model"],
-                        state={}, store=None, build_model=lambda n: build_model("cnn", SHAPE, n),
-                        dataset_classes=6, new_task=True)
+    seen = 2 * task + 2
+    x, y = torch.randn(16, *SHAPE), torch.randint(0, seen, (16,))
+    ctx = ClientContext(client="c", task=task, task_classes=np.arange(2 * task, seen), seen_classes=np.arange(seen),
+                        x=x, y=y, settings=TrainingSettings(local_epochs=1, lr=0.05, batch_size=8),
+                        global_state=server.round_tensors(task, 0),
+                        assets=server.task_assets(task).get("old_model", {}), state={}, store=None,
+                        build_model=lambda n: build_model(model_name, SHAPE, n), dataset_classes=6, new_task=True)
     model = ctx.frozen_model(ctx.global_state)
     model.requires_grad_(True)
+    return client, ctx, model
+
+
+@pytest.mark.parametrize("model_name,options", [
+    ("cnn", {}),
+    ("cnn_leaky", {"replay": "summed", "credibility": "feature", "kd_classes": "old"}),
+])
+def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread, model_name, options):
+    client, ctx, model = _client_job(model_name, 1, **options)
     uploads, metrics = client.train(ctx, model)
     flow_deltas = {k: v for k, v in uploads.items() if k.startswith(FLOW)}
-    assert flow_deltas.keys() == {FLOW + k for k in ConditionalFlow(256, 6, 2, 8).state_dict()}
+    assert flow_deltas.keys() == {FLOW + k for k in ConditionalFlow(flow_dim(model), 6, 2, 8).state_dict()}
     assert any(np.abs(v).max() > 0 for v in flow_deltas.values())
-    for term in ("flow_nll", "flow_nll_old", "kd_feature", "kd_output", "kd_generated", "credibility", "p_bar"):
+    for term in ("flow_nll", "flow_nll_old", "kd_feature", "kd_output", "kd_generated", "credibility", "p_bar",
+                 "replay"):
         assert math.isfinite(metrics[term]), term
     bad = ClientContext(**{**ctx.__dict__, "dataset_classes": 7, "job": {}, "metrics": {}})
     with pytest.raises(ValueError, match="cannot load state"):  # a flow of another label space
         client.train(bad, ctx.frozen_model(ctx.global_state))
+
+
+@pytest.mark.parametrize("model_name,trained", [("cnn_leaky", "backbone.neck."), ("cnn", "head.")])
+def test_replay_step_is_its_own_adam_step_on_the_neck_or_head(one_torch_thread, model_name, trained):
+    """replay: step (default) takes one Adam step (lr replay_lr) on the layers above the flow's features
+    before the real batch's loss, which it leaves out of that loss; summed adds it and steps nothing."""
+    client, ctx, model = _client_job(model_name, 0)
+    x, y = ctx.x[:8], ctx.y[:8]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    client.begin_job(ctx, model)
+    loss = client.step_loss(ctx, model, x, y)
+    lr = client.options.replay_lr
+    for name, value in model.state_dict().items():
+        change = (value - before[name]).abs().max().item()
+        if name.startswith(trained):  # Adam's first step moves each weight by lr * g / (|g| + eps)
+            assert lr * 0.5 < change <= lr * 1.001, name
+        else:
+            assert change == 0, name
+    with torch.no_grad():  # the real batch's loss (task 0: CE only) under the stepped model
+        assert loss.item() == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-5)
+
+    client, ctx, model = _client_job(model_name, 0, replay="summed")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    client.begin_job(ctx, model)
+    loss = client.step_loss(ctx, model, x, y)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x), y).item()
+    assert loss.item() == pytest.approx(ce + ctx.job["sums"]["replay"], rel=1e-5)
+
+
+@pytest.mark.parametrize("choice", ["latent", "feature"])
+def test_credibility_scores_the_generated_latent_or_feature(one_torch_thread, monkeypatch, choice):
+    client, ctx, model = _client_job("cnn", 0, credibility=choice)
+    client.begin_job(ctx, model)
+    flow, seen = ctx.job["flow"], {}
+
+    def sample(y, generator=None):
+        seen["h"], seen["u"] = ConditionalFlow.sample(flow, y, generator)
+        return seen["h"], seen["u"]
+
+    def spy(v, *args):
+        seen["v"] = v
+        return credibility(v, *args)
+
+    monkeypatch.setattr(flow, "sample", sample)
+    monkeypatch.setattr(affcl, "credibility", spy)
+    client.step_loss(ctx, model, ctx.x[:8], ctx.y[:8])
+    assert seen["v"] is seen["u" if choice == "latent" else "h"]
+
+
+def test_cnn_leaky_is_the_codes_feature_space_and_what_auto_gives_affcl():
+    model = build_model("cnn_leaky", SHAPE, 3)
+    backbone = model.backbone
+    assert isinstance(backbone, SmallCNNLeaky) and isinstance(backbone, SplitBackbone)
+    assert flow_dim(model) == backbone.embed_dim == model.feature_dim == 512
+    assert resolve_model("auto", SHAPE) == "cnn" and flow_dim(build_model("cnn", SHAPE, 3)) == 256
+    small = methods.get("affcl").server.small_model
+    assert resolve_model("auto", SHAPE, small=small) == "cnn_leaky"  # AF-FCL's own choice on small images
+    assert resolve_model("auto", (3, 32, 32), small=small) == "resnet18"
+    torch.manual_seed(0)
+    x = torch.randn(4, *SHAPE)
+    with torch.no_grad():
+        h = backbone.embed(x)
+        assert (h < 0).any() and (h != 0).all()  # LeakyReLU: negatives, no exact zeros
+        assert torch.equal(backbone(x), backbone.from_embedding(h))
+        assert torch.equal(affcl.classify(model, h), model(x))
+        assert torch.equal(affcl.embed(model, x), h)
+    assert [p for p in affcl.replay_parameters(model)] == list(backbone.neck.parameters())
+    assert sum(p.numel() for p in backbone.parameters()) == 806_272
 
 
 # ------------------------------------------------------------- real processes

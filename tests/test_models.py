@@ -81,7 +81,7 @@ def test_resolve_model(name, shape, concrete):
 
 
 def test_models_names():
-    assert set(MODELS) == {"cnn", "cnn_bn", "resnet18", "resnet32", "auto"}
+    assert set(MODELS) == {"cnn", "cnn_bn", "resnet18", "resnet32", "cnn_leaky", "auto"}
 
 
 @pytest.mark.parametrize("name,shape,backbone", [
@@ -108,7 +108,7 @@ def test_build_model_auto_resnet18():
 
 
 @pytest.mark.parametrize("name,shape,num_classes,match", [
-    ("vgg", (3, 32, 32), 10, "unknown model 'vgg'; choose one of cnn, cnn_bn, resnet18, resnet32, auto"),
+    ("vgg", (3, 32, 32), 10, "unknown model 'vgg'; choose one of cnn, cnn_bn, resnet18, resnet32, cnn_leaky, auto"),
     ("", (3, 32, 32), 10, "unknown model"),
     ("cnn", (28, 28), 10, r"input_shape must be \(channels, height, width\)"),
     ("cnn", (0, 28, 28), 10, "input_shape must be"),

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Backbone", "SmallCNN", "SmallCNNBN", "ResNet18Cifar", "ResNet32", "BasicBlock"]
+__all__ = ["Backbone", "SplitBackbone", "SmallCNN", "SmallCNNBN", "SmallCNNLeaky", "ResNet18Cifar", "ResNet32",
+           "BasicBlock"]
 
 
 class Backbone(nn.Module):
@@ -92,6 +93,60 @@ class SmallCNNBN(SmallCNN):
 
     def _norm(self, channels: int) -> nn.Module:
         return nn.BatchNorm2d(channels)
+
+
+class SplitBackbone(Backbone):
+    """A backbone whose output is ``from_embedding(embed(x))``: an intermediate *embedding* (``embed_dim``)
+    and a ``neck`` (the layers between it and the head).
+
+    For methods that model features below the classifier's last layers: AF-FCL's flow models the
+    embedding, and its replay step trains the neck (the code's ``fc2``).
+    """
+
+    embed_dim: int
+    neck: nn.Module
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def from_embedding(self, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_embedding(self.embed(x))
+
+
+class SmallCNNLeaky(SplitBackbone):
+    """:class:`SmallCNN`'s convolutions with LeakyReLU, a 512-d LeakyReLU embedding and a 512-d neck.
+
+    ``conv3x3(C->32) - LReLU - pool2 - conv3x3(32->64) - LReLU - pool2 - adaptive-avg-pool(4x4) -
+    fc(1024->512) - LReLU`` is the embedding; ``neck = fc(512->512) - LReLU`` gives the features
+    (``out_dim = 512``). This is the feature space of AF-FCL's code (its ``S_ConvNet``: LeakyReLU
+    everywhere, the flow's 512-d features ``xa`` after ``fc1``, then ``fc2`` and the classifier layer);
+    the convolutions are :class:`SmallCNN`'s (CPU-sized), not the code's three 4x4 stride-2 convolutions
+    of 64/128/256 channels. LeakyReLU (slope 0.01) leaves no exact zeros, over which a density is
+    ill-posed. 806,272 parameters for one input channel; no BatchNorm.
+    """
+
+    min_size = 8
+
+    def __init__(self, in_channels: int = 1, width: int = 32, embed_dim: int = 512):
+        super().__init__(in_channels, embed_dim)
+        self.embed_dim = int(embed_dim)
+        self.conv1 = nn.Conv2d(in_channels, width, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, kernel_size=3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(4)
+        self.fc = nn.Linear(2 * width * 4 * 4, embed_dim)
+        self.neck = nn.Linear(embed_dim, embed_dim)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.leaky_relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.leaky_relu(self.conv2(x)), 2)
+        x = torch.flatten(self.pool(x), 1)
+        return F.leaky_relu(self.fc(x))
+
+    def from_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(self.neck(h))
 
 
 class _PadShortcut(nn.Module):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN
+from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN, SmallCNNLeaky
 
 __all__ = ["IncrementalClassifier", "build_model", "resolve_model", "MODELS", "BACKBONES"]
 
@@ -27,6 +27,7 @@ BACKBONES: dict[str, type[Backbone]] = {
     "cnn_bn": SmallCNNBN,
     "resnet18": ResNet18Cifar,
     "resnet32": ResNet32,
+    "cnn_leaky": SmallCNNLeaky,  # AF-FCL's feature space (LeakyReLU, a 512-d embedding and a neck)
 }
 
 #: Every name :func:`build_model` accepts ("auto" picks one from the input shape).
@@ -154,13 +155,14 @@ def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 #: Models without BatchNorm layers (the data-free generative methods cannot use them).
-NO_BATCHNORM = frozenset({"cnn"})
+NO_BATCHNORM = frozenset({"cnn", "cnn_leaky"})
 
 
-def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False) -> str:
+def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False, small: str = "cnn") -> str:
     """The concrete model ``name`` stands for with these inputs (resolves ``auto``).
 
-    ``auto`` is ``cnn`` when height and width are both at most 28 pixels
+    ``auto`` is ``small`` (default ``cnn``; a method may name its own, such as
+    AF-FCL's ``cnn_leaky``) when height and width are both at most 28 pixels
     (MNIST, Fashion-MNIST, EMNIST: small images, CPU-friendly), ``cnn_bn``
     there when the method needs BatchNorm statistics (``batchnorm``), and
     ``resnet18`` otherwise (CIFAR, Tiny-ImageNet), the backbone most FCIL
@@ -172,7 +174,7 @@ def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     _, h, w = _check_input_shape(input_shape)
     if name == "auto":
-        name = ("cnn_bn" if batchnorm else "cnn") if max(h, w) <= AUTO_CNN_MAX_SIZE else "resnet18"
+        name = ("cnn_bn" if batchnorm else small) if max(h, w) <= AUTO_CNN_MAX_SIZE else "resnet18"
     if batchnorm and name in NO_BATCHNORM:
         raise ValueError(f"model {name!r} has no BatchNorm layers, which this method needs; use cnn_bn, "
                          f"resnet32 or resnet18")

@@ -7,25 +7,42 @@
 
 and a sample of class ``y`` is ``f^{-1}(z; y)`` with ``z ~ N(0, I)``.
 
-Each layer first permutes the dimensions (a fixed permutation: the reversal
-in the first half of the layers, a seeded random one in the second half, as
-in AF-FCL's code), then applies an affine coupling (Dinh et al., "Density
-estimation using Real NVP", ICLR 2017): the first ``d = D // 2`` dimensions
-pass unchanged and condition the others,
+The structure follows AF-FCL's code (zaocan666/AF-FCL, ``model.py`` with its
+vendored ``nflows``). Each layer first permutes the dimensions (a fixed
+permutation: the reversal in the first half of the layers, a seeded random
+one in the second half), then applies an affine coupling (Dinh et al.,
+"Density estimation using Real NVP", ICLR 2017): the first ``d = D // 2``
+dimensions pass unchanged and condition the others,
 
-    (s_raw, t) = net([x_a, onehot(y)]),   s = tanh(s_raw),
-    z_a = x_a,   z_b = x_b * exp(s) + t,   log |det| = sum(s).
+    (t, s_raw) = net(x_a, onehot(y)),   s = sigmoid(s_raw + 2) + 1e-3,
+    z_a = x_a,   z_b = x_b * s + t,   log |det| = sum(log s).
 
-``tanh`` bounds each layer's log-scale to [-1, 1], so a layer can neither
-blow up nor collapse a dimension (features after a ReLU hold exact zeros).
-The last layer of each conditioner starts at zero: a fresh flow only
-permutes (log-det 0). Permutations are non-persistent buffers, so the state dict (what
-travels on the wire) holds the conditioners' weights only.
+The scale is nflows' default ``scale_activation`` (the code's): it lies in
+``(0.001, 1.001)``, so in the direction features -> latents a layer can
+shrink a dimension up to 1000-fold but hardly stretch it. The density of the
+features is thus bounded (at most about the standard normal's peak per
+dimension): it cannot blow up on features with exact zeros (ReLU), and a
+sample ``f^{-1}(z)`` is at most 1000-fold wider per layer than ``z``.
+
+The conditioner ``net`` is the code's residual net (nflows'
+``ResidualNet``): a linear layer from ``[x_a, onehot(y)]`` to ``hidden``
+units, ``blocks`` residual blocks, a linear layer to ``(t, s_raw)``. A block
+adds to its input
+
+    linear_1(act(linear_0(act(v)))) * sigmoid(context(onehot(y)))
+
+(``act`` LeakyReLU; the product is the code's GLU gate on the class). As in
+nflows, ``linear_1`` of every block starts uniform in ``+-1e-3``; the last
+layer of the conditioner starts at zero here (nflows: PyTorch's default), so
+a fresh flow permutes and scales every transformed dimension by
+``sigmoid(2) + 1e-3`` with no shift. Permutations are non-persistent
+buffers, so the state dict (what travels on the wire) holds the
+conditioners' weights only.
 
 Why not a library: ``zuko`` and ``nflows`` install from PyPI and run on the
 CPU, but this module needs stable state-dict names that travel as model
-state, weights a test can set by hand, and a bounded scale for ReLU
-features; the whole flow is some sixty lines, so no dependency is added.
+state and weights a test can set by hand; the flow is a hundred lines, so
+no dependency is added.
 """
 
 from __future__ import annotations
@@ -36,51 +53,75 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AffineCoupling", "ConditionalFlow"]
+__all__ = ["AffineCoupling", "ConditionalFlow", "ResidualBlock", "SCALE_SHIFT", "SCALE_FLOOR"]
 
 LOG_2PI = math.log(2 * math.pi)
+SCALE_SHIFT = 2.0  # s = sigmoid(s_raw + SCALE_SHIFT) + SCALE_FLOOR (nflows' default scale activation)
+SCALE_FLOOR = 1e-3
+
+
+class ResidualBlock(nn.Module):
+    """``v + linear_1(act(linear_0(act(v)))) * sigmoid(context(c))``: nflows' residual block with its GLU
+    gate on the context (no batch norm, no dropout: the code's settings)."""
+
+    def __init__(self, hidden: int, num_classes: int):
+        super().__init__()
+        self.linear_0 = nn.Linear(hidden, hidden)
+        self.linear_1 = nn.Linear(hidden, hidden)
+        self.context = nn.Linear(num_classes, hidden)
+        nn.init.uniform_(self.linear_1.weight, -1e-3, 1e-3)
+        nn.init.uniform_(self.linear_1.bias, -1e-3, 1e-3)
+
+    def forward(self, v: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        branch = self.linear_1(F.leaky_relu(self.linear_0(F.leaky_relu(v))))
+        return v + branch * torch.sigmoid(self.context(context))
 
 
 class AffineCoupling(nn.Module):
-    """``z_b = x_b * exp(tanh(s_raw)) + t`` with ``(s_raw, t)`` from the first ``dim // 2`` dimensions
-    and the one-hot class; the first half passes unchanged."""
+    """``z_b = x_b * (sigmoid(s_raw + 2) + 1e-3) + t`` with ``(t, s_raw)`` from the first ``dim // 2``
+    dimensions and the one-hot class; the first half passes unchanged."""
 
-    def __init__(self, dim: int, num_classes: int, hidden: int):
+    def __init__(self, dim: int, num_classes: int, hidden: int, blocks: int):
         super().__init__()
         self.split = dim // 2
-        out = dim - self.split
-        self.net = nn.Sequential(nn.Linear(self.split + num_classes, hidden), nn.LeakyReLU(),
-                                 nn.Linear(hidden, hidden), nn.LeakyReLU(), nn.Linear(hidden, 2 * out))
-        nn.init.zeros_(self.net[-1].weight)
-        nn.init.zeros_(self.net[-1].bias)
+        self.initial = nn.Linear(self.split + num_classes, hidden)
+        self.blocks = nn.ModuleList(ResidualBlock(hidden, num_classes) for _ in range(blocks))
+        self.final = nn.Linear(hidden, 2 * (dim - self.split))
+        nn.init.zeros_(self.final.weight)
+        nn.init.zeros_(self.final.bias)
 
-    def _scale_shift(self, x_a: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s_raw, t = self.net(torch.cat([x_a, context], dim=1)).chunk(2, dim=1)
-        return torch.tanh(s_raw), t
+    def _log_scale_shift(self, x_a: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.initial(torch.cat([x_a, context], dim=1))
+        for block in self.blocks:
+            v = block(v, context)
+        t, s_raw = self.final(v).chunk(2, dim=1)
+        return torch.log(torch.sigmoid(s_raw + SCALE_SHIFT) + SCALE_FLOOR), t
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(z, log|det J|)`` per sample."""
         x_a, x_b = x[:, :self.split], x[:, self.split:]
-        s, t = self._scale_shift(x_a, context)
-        return torch.cat([x_a, x_b * torch.exp(s) + t], dim=1), s.sum(dim=1)
+        log_s, t = self._log_scale_shift(x_a, context)
+        return torch.cat([x_a, x_b * torch.exp(log_s) + t], dim=1), log_s.sum(dim=1)
 
     def inverse(self, z: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         z_a, z_b = z[:, :self.split], z[:, self.split:]
-        s, t = self._scale_shift(z_a, context)
-        return torch.cat([z_a, (z_b - t) * torch.exp(-s)], dim=1)
+        log_s, t = self._log_scale_shift(z_a, context)
+        return torch.cat([z_a, (z_b - t) * torch.exp(-log_s)], dim=1)
 
 
 class ConditionalFlow(nn.Module):
     """``layers`` (permutation, affine coupling) pairs over ``dim``-d features, conditioned on one of
-    ``num_classes`` classes (class indices, one-hot inside)."""
+    ``num_classes`` classes (class indices, one-hot inside); each conditioner has ``hidden`` units and
+    ``blocks`` residual blocks."""
 
-    def __init__(self, dim: int, num_classes: int, layers: int = 4, hidden: int = 128):
+    def __init__(self, dim: int, num_classes: int, layers: int = 4, hidden: int = 128, blocks: int = 2):
         super().__init__()
-        if dim < 2 or num_classes < 1 or layers < 1 or hidden < 1:
-            raise ValueError(f"a flow needs dim >= 2, num_classes, layers and hidden >= 1; got dim={dim}, "
-                             f"num_classes={num_classes}, layers={layers}, hidden={hidden}")
+        if dim < 2 or num_classes < 1 or layers < 1 or hidden < 1 or blocks < 0:
+            raise ValueError(f"a flow needs dim >= 2, num_classes, layers and hidden >= 1, blocks >= 0; got "
+                             f"dim={dim}, num_classes={num_classes}, layers={layers}, hidden={hidden}, "
+                             f"blocks={blocks}")
         self.dim, self.num_classes = dim, num_classes
-        self.couplings = nn.ModuleList(AffineCoupling(dim, num_classes, hidden) for _ in range(layers))
+        self.couplings = nn.ModuleList(AffineCoupling(dim, num_classes, hidden, blocks) for _ in range(layers))
         for i in range(layers):
             perm = (torch.arange(dim - 1, -1, -1) if i < layers // 2
                     else torch.randperm(dim, generator=torch.Generator().manual_seed(i)))
@@ -121,5 +162,5 @@ class ConditionalFlow(nn.Module):
 
     def sample(self, y: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, z)``: one feature vector per label in ``y``, and the latent it came from."""
-        z = torch.randn(len(y), self.dim, generator=generator).to(self.couplings[0].net[0].weight.device)
+        z = torch.randn(len(y), self.dim, generator=generator).to(self.couplings[0].final.weight.device)
         return self.inverse(z, y.to(z.device)), z
