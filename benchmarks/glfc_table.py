@@ -91,14 +91,14 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
     import yaml
 
     from coordinator import checkpoint
-    from methods.glfc import (GLFCOptions, GradientEncoder, _denormalize, label_from_gradients,
+    from methods.glfc import (GLFCOptions, GradientEncoder, label_from_gradients,
                               perturb_prototype, prototype_index, reconstruct)
     from methods.models.classifier import build_model
     from methods.models.state import load_arrays
     from scenario.datasets import load_dataset
     from scenario.scenario import build_scenario
     from scenario.spec import ScenarioSpec
-    from scenario.transforms import to_tensor
+    from scenario.transforms import denormalize, to_tensor
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     o = GLFCOptions(**config["method_options"])
@@ -134,7 +134,7 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
             recovered = label_from_gradients(target)
             images, loss = reconstruct(encoder, target, recovered, ds.input_shape, o.proxy_iterations,
                                        o.proxy_lr, o.proxy_keep, gen)
-            pixels = [_denormalize(v, ds.mean, ds.std).clamp(0, 1) for v in (proto, perturbed, images[-1:])]
+            pixels = [denormalize(v, ds.mean, ds.std).clamp(0, 1) for v in (proto, perturbed, images[-1:])]
             out.append({"class": int(c), "label_ok": recovered == int(c), "match_loss": loss,
                         "psnr_reconstruction_vs_perturbed": _psnr(pixels[2], pixels[1]),
                         "psnr_perturbed_vs_prototype": _psnr(pixels[1], pixels[0])})

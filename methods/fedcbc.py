@@ -116,7 +116,7 @@ from methods.models.classifier import build_model
 from methods.models.state import load_arrays, state_to_arrays
 from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
 from methods.registry import MethodSpec, register
-from scenario.transforms import to_tensor
+from scenario.transforms import denormalize, to_tensor
 
 NAME = "fedcbc"
 VAES = f"{NAME}/vae/"  # uploads, round tensors, checkpoint: fedcbc/vae/<class>/<param>
@@ -158,11 +158,10 @@ class PixelFeatures(nn.Module):
 
     def __init__(self, mean, std):
         super().__init__()
-        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        self.mean, self.std = tuple(mean), tuple(std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x * self.std + self.mean).flatten(1)
+        return denormalize(x, self.mean, self.std).flatten(1)
 
 
 # ------------------------------------------------------------------ VAE tools
@@ -521,8 +520,7 @@ class FedCBCClient(ClientPart):
 SPEC = register(MethodSpec(
     name=NAME,
     description="FedCBC: one VAE per class over pixels (grey images) or a frozen server-pretrained extractor; "
-                "clients distil the "
-                "global VAEs into theirs, the server fuses each class's VAEs from pseudo-features; predicts "
+                "clients distil the global VAEs into theirs, the server fuses each class's VAEs from pseudo-features; predicts "
                 "the class whose VAE reconstructs best",
     options=FedCBCOptions, server=FedCBCServer, client=FedCBCClient,
 ))

@@ -99,6 +99,7 @@ from methods import jobs
 from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.datafree import frozen_classifier, from_uint8, to_uint8
 from methods.registry import MethodSpec, register
+from scenario.transforms import denormalize
 
 NAME = "glfc"
 OLD = f"{NAME}/old/"  # asset / checkpoint prefix of the proxy's best model of the previous task
@@ -235,12 +236,6 @@ def merge_memory(memory: Mapping[str, np.ndarray] | None, candidates: Mapping[st
     quota = max(1, size // len(classes))
     keep = np.concatenate([np.flatnonzero(y == c)[:quota] for c in classes])
     return {"x": x[keep], "y": y[keep]}
-
-
-def _denormalize(x: torch.Tensor, mean, std) -> torch.Tensor:
-    m = torch.tensor(mean, dtype=x.dtype).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=x.dtype).view(1, -1, 1, 1)
-    return x * s + m
 
 
 # ------------------------------------------------------ gradient-encoding network
@@ -544,7 +539,7 @@ class GLFCClient(ClientPart):
         quota = max(1, o.memory_size // max(len(classes), 1))
         keep = torch.cat([torch.nonzero(y == c).flatten()[herding(features[y == c], quota)]
                           for c in sorted(set(y.tolist()))])
-        ctx.store.save(CANDIDATES, {"x": to_uint8(_denormalize(x[keep], ctx.mean, ctx.std)),
+        ctx.store.save(CANDIDATES, {"x": to_uint8(denormalize(x[keep], ctx.mean, ctx.std)),
                                     "y": y[keep].numpy()})
         if job["detected"] and job["new_classes"]:
             tensors = self._prototype_gradients(ctx, model, x, y, features, job["new_classes"])

@@ -1,4 +1,4 @@
-"""Turning stored uint8 images into normalised float tensors, and train-time augmentation."""
+"""Turning stored uint8 images into normalised float tensors and back, and train-time augmentation."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ def to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
     return x.sub_(m).div_(s)
+
+
+def denormalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """The inverse of :func:`to_tensor`'s normalisation: (N, C, H, W) back to [0, 1] pixel values."""
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return x * s + m
 
 
 def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4, flip: bool = True) -> torch.Tensor:
