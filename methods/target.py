@@ -133,7 +133,11 @@ class SynthesisOptions(Options):
             w_oh=self.w_oh, w_adv=self.w_adv, bn_momentum=self.bn_momentum, student_steps=self.student_steps,
             student_lr=self.student_lr, student_temperature=self.student_temperature,
             student_batch=self.synthesis_batch, keep_warmup=keep_warmup,
-            flip=channels > 1 if self.flip is None else self.flip)
+            flip=self.flips(channels))
+
+    def flips(self, channels: int) -> bool:
+        """Whether augmentation flips images of ``channels`` channels (``flip``; default: colour images only)."""
+        return channels > 1 if self.flip is None else self.flip
 
 
 class TargetOptions(SynthesisOptions):
@@ -273,8 +277,7 @@ class SyntheticReplayClient(ClientPart):
         idx = torch.randint(0, len(job["synthetic"]), (self.options.synthetic_batch,), generator=job["draw"])
         x = job["synthetic"][idx]
         if self.options.synthetic_augment:  # reflect padding: the same on normalised images as before it
-            flip = x.shape[1] > 1 if self.options.flip is None else self.options.flip
-            x = random_crop_flip(x, job["draw"], flip=flip)
+            x = random_crop_flip(x, job["draw"], flip=self.options.flips(x.shape[1]))
         return x.to(ctx.device)
 
     def record(self, ctx: ClientContext, **terms: torch.Tensor) -> None:
