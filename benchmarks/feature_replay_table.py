@@ -8,7 +8,8 @@ limitless task pool with and without noisy clients.
 Every row is one real ``fcl-emu up`` per seed (coordinator, edge-node process and one GPU-worker process over
 ZeroMQ) of the table's scenario with one method; the table gives mean ± sample standard deviation over the
 seeds (``--seeds``, default 0,1,2) of the accuracy measures and the means of the costs. GA is FedCBC's global
-accuracy, over the whole test set (``accuracy_all``).
+accuracy, over the whole test set (``accuracy_all``); "clients' own test sets" is AF-FCL's measure
+(``accuracy_clients``, mean over the tasks).
 
 - ``fedcbc``: FedCBC's MNIST protocol (scenario partition ``accessible_classes``: 3 clients, each with 6
   accessible classes of which 2 are private, 5 tasks of 3 classes drawn afresh from them, 5 rounds per
@@ -82,6 +83,8 @@ def row(name: str, seed: int, s: dict, paper: dict) -> dict:
         "ga_per_task": s["accuracy_all"], "ga_mean": float(np.mean(s["accuracy_all"])) if s["accuracy_all"] else None,
         "paper_ga_mean": paper.get(s["method"]),
         "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
+        # AF-FCL's measure: every client on its own tasks' test sets, mean over the tasks (absent before it existed)
+        "client_accuracy": float(np.mean(s["accuracy_clients"])) if s.get("accuracy_clients") else None,
         "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),
         "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
         "mb_sent": sum(sent.values()), "mb_received": sum(received.values()), "mb_workers": to_workers / 1e6,
@@ -93,17 +96,19 @@ def row(name: str, seed: int, s: dict, paper: dict) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| run | seeds | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % "
-             "| KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB | server jobs s | wall s |",
-             "| --- | ---: | --- |" + " ---: |" * 11]
+             "| clients' own test sets % | KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB "
+             "| server jobs s | wall s |",
+             "| --- | ---: | --- |" + " ---: |" * 12]
     for name, runs, failed in grouped(rows):
         if not runs:
-            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 11)
+            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 12)
             continue
         ga = ", ".join(f"{a:.1f}" for a in np.mean([r["ga_per_task"] for r in runs], axis=0))
         paper = runs[0]["paper_ga_mean"]
         lines.append(f"| {name} | {len(runs)} | {ga} | {pm([r['ga_mean'] for r in runs], 2)} | "
                      f"{'-' if paper is None else f'{paper:.2f}'} | {pm([r['avg_accuracy'] for r in runs], 2)} | "
-                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {pm([r['kr_t'] for r in runs])} | "
+                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {pm([r['client_accuracy'] for r in runs])} | "
+                     f"{pm([r['kr_t'] for r in runs])} | "
                      f"{pm([r['kr_s'] for r in runs])} | {pm([r['private_accuracy'] for r in runs])} | "
                      f"{mean_of(runs, 'mb_sent')} / {mean_of(runs, 'mb_received')} | {mean_of(runs, 'mb_workers')} | "
                      f"{mean_of(runs, 'server_jobs_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")

@@ -129,6 +129,7 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         # control messages per peer: room for twice the heartbeat rate on top of the rest
         self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s)
         self.late_updates = 0
+        self.client_accuracy: list[float | None] = []  # accuracy_clients after each task (AF-FCL's measure)
         self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
         self._stale_task = -1
@@ -251,10 +252,12 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
                 with self._spent("task_evaluation"):
                     class_hits = self.evaluator.class_hits(self.server.eval_model(), task)
                     row = self.evaluator.accuracy_per_task(*class_hits, task)
+                    self.client_accuracy.append(self.evaluator.client_accuracy(*class_hits, task))
                 t_evaluate = time.perf_counter() - t0 - t_end_task
                 matrix.append(row + [None] * (self.scenario.num_tasks - task - 1))
                 seen = self._seen_accuracy(row, task)
-                recorder.event("task_end", task=task, accuracy=row, accuracy_seen=seen)
+                recorder.event("task_end", task=task, accuracy=row, accuracy_seen=seen,
+                               accuracy_clients=self.client_accuracy[-1])
                 self.metrics.task_ended(
                     task=task, matrix=matrix, accuracy_seen_percent=seen,
                     average_accuracy=average_accuracy(matrix), average_forgetting=average_forgetting(matrix),

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from monitoring.results import client_test_accuracy
 from scenario.transforms import to_tensor
 
 
@@ -58,6 +59,16 @@ class Evaluator:
             total = int(totals[classes].sum())
             accs.append(100.0 * float(hits[classes].sum()) / total if total else None)
         return accs
+
+    def client_task_classes(self, task: int) -> list[list[np.ndarray]]:
+        """For every client that has joined by ``task``: the classes of its data at each task ``0..task``."""
+        return [[self.scenario.client_classes(k, t) for t in range(task + 1)]
+                for k in self.scenario.active_clients(task)]
+
+    def client_accuracy(self, hits: np.ndarray, totals: np.ndarray, task: int) -> float | None:
+        """AF-FCL's accuracy on every client's own test sets after ``task`` (``accuracy_clients``,
+        :func:`monitoring.results.client_test_accuracy`) from :meth:`class_hits`."""
+        return client_test_accuracy(hits, totals, self.client_task_classes(task))
 
     def accuracy_seen(self, model: nn.Module, task: int) -> float:
         """Accuracy (percent) on all test samples of the classes seen up to ``task``."""

@@ -71,6 +71,7 @@ class Checkpointing:
                 "messages": [[t, d, n] for (t, d), n in self.counters.messages.items()],
                 "rejected": dict(self.rejected), "handling_s": dict(self.handling_s),
                 "late_updates": self.late_updates, "late_side_channel": self.late_side_channel,
+                "client_accuracy": self.client_accuracy,
             },
             "resumes": self._resumes,
             "checkpoints": {**self._checkpoints, "saved": self._checkpoints["saved"] + 1},  # this one included
@@ -106,6 +107,8 @@ class Checkpointing:
             self.handling_s.update(res["handling_s"])
             self.late_updates = res["late_updates"]
             self.late_side_channel = res["late_side_channel"]
+            # a checkpoint written before accuracy_clients existed: unknown for its finished tasks
+            self.client_accuracy = res.get("client_accuracy", [None] * len(res["matrix"]))
             self._global_round = s["global_round"]
             self._task = min(s["next"]["task"], self.scenario.num_tasks - 1)
             self._clock0 = time.monotonic() - s["run_clock_s"]

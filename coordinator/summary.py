@@ -40,6 +40,7 @@ class RunSummary:
             "accuracy_matrix": matrix,
             "accuracy_seen": [self._seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
             "accuracy_all": [self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            "accuracy_clients": list(self.client_accuracy),
             "average_accuracy": average_accuracy(matrix) if complete else None,
             "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
             "average_forgetting": average_forgetting(matrix) if complete else None,
@@ -102,9 +103,8 @@ class RunSummary:
         final model's per-class hits, which a run resumed after its last task no longer has."""
         out = {"temporal": temporal_retention(matrix) if matrix else None, "spatial": None, "private": None}
         if class_hits is not None and len(matrix) == self.scenario.num_tasks:
-            clients = range(self.config.scenario.num_clients)
-            trained = [np.unique(np.concatenate([self.scenario.client_classes(k, t) for t in range(len(matrix))]))
-                       for k in clients]
+            per_task = self.evaluator.client_task_classes(len(matrix) - 1)
+            trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
             out.update(spatial_retention(*class_hits, trained))
         return out
 

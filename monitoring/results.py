@@ -20,6 +20,11 @@ identity at test time). Entries with ``i > t`` are ``null``.
   ``k`` trained on: how much of every client's knowledge the global model
   holds; ``knowledge_retention.private`` is the final accuracy on the
   classes only one client trained on (``None`` if there are none).
+- ``accuracy_clients[t]`` (AF-FCL's accuracy, its code's ``evaluate_all_``):
+  every client that has joined by ``t`` scores the global model on the test
+  samples of each of its tasks ``0..t``'s classes; correct predictions over
+  samples summed over all those (client, task) test sets, so a class held by
+  more clients weighs more.
 
 Entries of ``A`` for a task that introduced no class (clients on their own
 task sequences) are ``None`` and left out of every mean. FedCBC's paper
@@ -85,6 +90,19 @@ def spatial_retention(hits: np.ndarray, totals: np.ndarray,
     private = np.flatnonzero((owners == 1) & (totals > 0))
     return {"spatial": float(np.mean([accuracy(c) for c in held if len(c)])) if held else None,
             "private": accuracy(private) if len(private) else None}
+
+
+def client_test_accuracy(hits: np.ndarray, totals: np.ndarray,
+                         client_task_classes: list[list[np.ndarray]]) -> float | None:
+    """``accuracy_clients`` (percent) from the model's correct predictions and test samples per class (``hits``,
+    ``totals``, index = incremental label) and, per client, the classes of each of its tasks so far: correct over
+    samples summed over every (client, task) test set. ``None`` when no client has trained on a class yet."""
+    correct = samples = 0
+    for tasks in client_task_classes:
+        for classes in tasks:
+            correct += int(hits[classes].sum())
+            samples += int(totals[classes].sum())
+    return 100.0 * correct / samples if samples else None
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

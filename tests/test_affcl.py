@@ -435,6 +435,8 @@ def test_affcl_end_to_end(tmp_path, mnist_root):
     assert summary["status"] == "completed" and summary["method"] == "affcl"
     matrix = summary["accuracy_matrix"]
     assert len(matrix) == 2 and all(len(row) == 2 for row in matrix)
+    # AF-FCL's own measure: every client on its own tasks' test sets, one value per task
+    assert len(summary["accuracy_clients"]) == 2 and all(0 <= a <= 100 for a in summary["accuracy_clients"])
     flow_bytes = 4 * sum(v.numel() for v in ConditionalFlow(256, 10, 2, 8).state_dict().values())
     model_bytes = 4 * sum(v.numel() for v in build_model("cnn", SHAPE, 10).state_dict().values())
     sent = summary["messages"]

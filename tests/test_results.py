@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from monitoring.results import (average_accuracy, average_forgetting, average_incremental_accuracy,
-                                 spatial_retention, temporal_retention)
+                                 client_test_accuracy, spatial_retention, temporal_retention)
 
 # After task 0: 90 on task 0. After task 1: 60 on task 0, 80 on task 1.
 # After task 2: 30 on task 0, 50 on task 1, 70 on task 2.
@@ -49,3 +49,12 @@ def test_spatial_retention_per_client_and_private_classes():
     assert kr["spatial"] == pytest.approx(100 * (14 / 20 + 5 / 20 + 13 / 20) / 3)
     assert kr["private"] == pytest.approx(100 * (9 + 0 + 8) / 30)  # classes 0, 2, 3 have one owner each
     assert spatial_retention(hits, totals, [np.array([0, 1])] * 2)["private"] is None
+
+
+def test_client_test_accuracy_sums_every_clients_task_test_sets():
+    hits, totals = np.array([9, 5, 0, 8]), np.array([10, 10, 10, 20])
+    # client 0: task 0 classes {0, 1}, task 1 class {3}; client 1: task 0 {1}, task 1 nothing new
+    clients = [[np.array([0, 1]), np.array([3])], [np.array([1]), np.array([], dtype=np.int64)]]
+    # correct: 9 + 5 + 8 + 5 = 27 of 10 + 10 + 20 + 10 = 50 (class 1 counted once per holder)
+    assert client_test_accuracy(hits, totals, clients) == pytest.approx(100 * 27 / 50)
+    assert client_test_accuracy(hits, totals, [[np.array([], dtype=np.int64)]]) is None

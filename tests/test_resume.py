@@ -242,7 +242,9 @@ def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_
     assert sorted(set(numbers)) == list(range(1, 7))
     assert len(numbers) - len(set(numbers)) <= 1  # at most the round in flight is repeated
     assert [e["task"] for e in log if e["event"] == "task_end"] == [0, 1]
-    assert json.loads((reference / "summary.json").read_text())["accuracy_matrix"] == summary["accuracy_matrix"]
+    expected = json.loads((reference / "summary.json").read_text())
+    assert expected["accuracy_matrix"] == summary["accuracy_matrix"]
+    assert expected["accuracy_clients"] == summary["accuracy_clients"] and len(summary["accuracy_clients"]) == 2
     ours, theirs = _final_model(run_dir), _final_model(reference)
     assert ours.keys() == theirs.keys()
     for name in ours:
