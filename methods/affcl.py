@@ -133,6 +133,11 @@ Deviations, on purpose:
   class seen is some client's).
 - The credibility's variance floor is 1e-6 (code: 1e-30); both leave a
   one-sample class (variance 0) with weight ~0 away from its mean.
+- Evaluation: the code's accuracy (``evaluate_all_``: every client scores
+  the global model on each of its tasks' test sets) is the run's
+  ``accuracy_clients``; a client's test set for a task is the data set's
+  test samples of that task's classes (the code splits each client's own
+  data into train and test).
 - Not implemented: the code's distillation from the current global
   classifier (``k_kd_global_cls``, 0 by default and in every README command)
   and its ``classifier_global_mode`` variants (the whole classifier is
