@@ -2,7 +2,8 @@
 and lander over several seeds, each generator at the same fraction of its official budget.
 
     python benchmarks/generative_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/generative
-    python benchmarks/generative_table.py --dataset fashion-mnist --methods fedavg,mfcl --out runs/gen-fmnist
+    python benchmarks/generative_table.py --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
+        --out runs/generative-cifar10
 
 Every method runs the same scenario (``BASE`` below: 5 tasks of 2 classes, 10 clients, 5 per round, the
 ``cnn_bn`` model) as one real ``fcl-emu up`` per seed (coordinator and two edge-node processes over ZeroMQ,
@@ -10,7 +11,9 @@ server jobs on one GPU-worker process). Each method trains with its official cod
 momentum, weight decay: ``MethodSpec.training``) and its own loss weights; batch size and local epochs are
 the scenario's, the same for all. The generators get ``--budget`` (default 1/8) of their official synthesis
 budget (:func:`budget`: MFCL's generator iterations, TARGET's and LANDER's synthesis rounds and warm-up, at
-the official steps per round, images per round and student steps). A run whose directory already holds a
+the official steps per round, images per round and student steps); ``glfc`` (exemplar replay, the reference the
+data-free papers compare with) keeps 200 exemplars per client and gets the same fraction of its proxy's
+reconstruction steps. A run whose directory already holds a
 ``summary.json`` is read, not run again. The Markdown table (mean ± sample standard deviation over the
 seeds) goes to stdout and ``--out/table.md``, every run's numbers to ``--out/table.json``.
 """
@@ -37,12 +40,17 @@ BASE = {
     "device": "cpu",
 }
 CPU = {"generator_width": 64, "synthetic_batch": 64}  # for every generative method: half-width generators
+GENERATIVE = ("mfcl", "target", "lander")
+# GLFC, the exemplar-replay reference: the GLFC table's 200 exemplars per client (paper: 2,000) and the task start
+# as its transition signal (this scenario has no clients that keep only old classes)
+GLFC = {"memory_size": 200, "task_detection": "oracle"}
 
 
 def budget(method: str, fraction: float) -> dict:
     """The synthesis budget options of ``method`` at ``fraction`` of its official code's (rounded up): MFCL 100 generator
     iterations per task; TARGET 10 rounds (2 of warm-up here) of 10 steps; LANDER 50 rounds (10 of warm-up)
-    of 40 steps; 256 images per round and the student steps per round stay the code's."""
+    of 40 steps; 256 images per round and the student steps per round stay the code's. GLFC's proxy: 250
+    reconstruction steps per prototype gradient, the last 20 kept."""
     if method == "mfcl":
         return {"generator_iterations": max(1, math.ceil(100 * fraction))}
     if method == "target":
@@ -51,11 +59,14 @@ def budget(method: str, fraction: float) -> dict:
     if method == "lander":
         rounds = max(2, math.ceil(50 * fraction))
         return {"synthesis_rounds": rounds, "warmup": min(rounds - 1, max(1, math.ceil(10 * fraction)))}
+    if method == "glfc":
+        iterations = math.ceil(250 * fraction)
+        return {**GLFC, "proxy_iterations": iterations, "proxy_keep": min(iterations, math.ceil(20 * fraction))}
     return {}
 
 
 def config(method: str, dataset: str, fraction: float, seed: int) -> dict:
-    options = {**CPU, **budget(method, fraction)} if method != "fedavg" else {}
+    options = {**(CPU if method in GENERATIVE else {}), **budget(method, fraction)}
     return seeded({**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
                    "method_options": options}, seed)
 
