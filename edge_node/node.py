@@ -63,6 +63,7 @@ from methods import registry as methods
 from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
+from methods.optim import LocalSGD
 from monitoring.metrics import EdgeNodeMetrics
 from scenario.datasets import DatasetNotFoundError, load_dataset
 from scenario.scenario import Scenario, build_scenario
@@ -310,13 +311,12 @@ class EdgeNode:
 
     def _warm_up(self) -> None:
         """One optimiser step of the run's model on a tiny batch before the first client's job: one-time costs
-        (torch imports its compiler stack on the first optimiser, about 0.9 s of CPU here; kernels' first use)
-        are the node's, not charged to whichever client trains first (the emulated clock scales its CPU time).
-        Torch's global generator is left as it was."""
+        (kernels' and autograd's first use) are the node's, not charged to whichever client trains first (the
+        emulated clock scales its CPU time). Torch's global generator is left as it was."""
         s = self.setup
         with torch.random.fork_rng(devices=[]):
             model = self.build_model(s.scenario.dataset.num_classes).to(s.device)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            optimizer = LocalSGD(model.parameters(), lr=0.0)
             model(torch.zeros((2, *s.scenario.dataset.input_shape), device=s.device)).sum().backward()
             optimizer.step()
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from methods.models.classifier import IncrementalClassifier
 from methods.models.state import delta_arrays, load_arrays, state_to_arrays
+from methods.optim import LocalSGD
 
 Arrays = dict[str, np.ndarray]
 
@@ -380,9 +381,9 @@ class ClientPart:
         """Extra tensors to upload, and the place to update client state (default: none)."""
         return {}
 
-    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> torch.optim.Optimizer:
+    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
         s = ctx.settings
-        return torch.optim.SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        return LocalSGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
 
     def train(self, ctx: ClientContext, model: IncrementalClassifier | None) -> tuple[Arrays, dict[str, float]]:
         """One round of local training; returns the upload tensors and metrics."""

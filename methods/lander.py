@@ -92,6 +92,7 @@ from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_cop
 from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from methods.models.generators import TextConditionedGenerator
 from methods.models.state import load_arrays
+from methods.optim import LocalSGD
 from methods.registry import MethodSpec, register
 from methods.target import SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, prepare_synthesis
 
@@ -361,10 +362,10 @@ class LanderClient(SyntheticReplayClient):
                 p.requires_grad_(False)
             ctx.job["old_projector"] = old_proj
 
-    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> torch.optim.Optimizer:
+    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
         s = ctx.settings
-        return torch.optim.SGD([*model.parameters(), *ctx.job["projector"].parameters()], lr=s.lr,
-                               momentum=s.momentum, weight_decay=s.weight_decay)
+        return LocalSGD([*model.parameters(), *ctx.job["projector"].parameters()], lr=s.lr, momentum=s.momentum,
+                        weight_decay=s.weight_decay)
 
     def _bounding(self, ctx: ClientContext, features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mask = ctx.job["has_anchor"][y]
