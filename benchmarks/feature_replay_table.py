@@ -15,7 +15,8 @@ accuracy, over the whole test set (``accuracy_all``); "clients' own test sets" i
   accessible classes of which 2 are private, 5 tasks of 3 classes drawn afresh from them, 5 rounds per
   task, all clients every round), ``fedcbc``, ``fedavg``, ``fedprox`` and ``glfc`` (2,000 exemplars per
   client, the paper's default; the emulator's task start as its transition signal: in this protocol classes
-  come back, so an entropy rise does not separate new from old). The paper's Table 1 is printed beside:
+  come back, so an entropy rise does not separate new from old), and ``glfc-m200`` with 200. The paper's
+  Table 1 is printed beside:
   average global accuracy FedCBC 81.08, GLFC 55.58, FedAvg 25.28, FedProx 12.73.
 - ``fedcbc-cifar10``: the same on CIFAR-10 (the paper's Table 2: FedCBC 57.93, GLFC 42.66, FedAvg 21.92).
 - ``affcl``: AF-FCL's limitless task pool on MNIST (4 clients, 5 pool tasks of 2 classes, each client its
@@ -44,7 +45,9 @@ COMMON = {
 }
 FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}
 GLFC = {"memory_size": 2000, "task_detection": "oracle", "proxy_iterations": 40, "proxy_keep": 10}
-FEDCBC_ROWS = {"fedcbc": ("fedcbc", {}), "fedavg": ("fedavg", {}), "fedprox": ("fedprox", {}), "glfc": ("glfc", GLFC)}
+FEDCBC_ROWS = {"fedcbc": ("fedcbc", {}), "fedavg": ("fedavg", {}), "fedprox": ("fedprox", {}), "glfc": ("glfc", GLFC),
+               # diagnosis: 2,000 exemplars hold a third of each MNIST class a client has; a tenth of that
+               "glfc-m200": ("glfc", {**GLFC, "memory_size": 200})}
 POOL_SCENARIO = {"num_tasks": 3, "num_clients": 4, "partition": "task_pool", "task_pool_size": 5}
 NOISY = {"noisy_client_fraction": 0.5, "noisy_tasks": 1}
 # affcl-strong: every old-knowledge term at weight 1 and no p_bar scaling of the replay (theta = 1)
