@@ -3,10 +3,15 @@
 :func:`load_dataset` looks in every data root for every on-disk layout a
 dataset may come in (the original release files, torchvision's layout, an
 image-folder tree or tarball) and returns an :class:`ImageDataset`: uint8
-images ``(N, H, W, C)`` and int64 labels, in memory. Layouts made of JPEGs are
-slow to decode, so their decoded arrays are cached as an uncompressed ``.npz``
-under ``$FCL_EMU_CACHE_DIR`` (default ``~/.cache/fcl-emu``), keyed by the
-source files' paths, sizes and modification times.
+images ``(N, H, W, C)`` and int64 labels. The decoded arrays of every layout
+are cached as ``.npy`` files under ``$FCL_EMU_CACHE_DIR`` (default
+``~/.cache/fcl-emu``), keyed by the source files' paths, sizes and
+modification times, and memory-mapped read-only from there: a JPEG tree is
+decoded once, and the coordinator, the edge nodes and the GPU workers of one
+host share one copy of a dataset's pages instead of each holding its own
+(MNIST: 52 MB a process; a CIFAR-10 training set 150 MB). To clear the cache,
+delete its directories; never edit its files in place (a process mapping a
+truncated file faults).
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import string
 import tarfile
 import tempfile
-import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 
 DATA_ROOT_ENV = "FCL_EMU_DATA_ROOT"
 CACHE_DIR_ENV = "FCL_EMU_CACHE_DIR"
-_CACHE_FORMAT = 1  # bump when the cached arrays change meaning
+_CACHE_FORMAT = 2  # bump when the cached arrays change meaning (2: .npy files, memory-mapped)
 
 _DIGITS = tuple(string.digits)
 _UPPER = tuple(string.ascii_uppercase)
@@ -91,7 +96,7 @@ class DatasetFormatError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class ImageDataset:
-    """A labelled image dataset held in memory.
+    """A labelled image dataset: arrays in memory, or memory-mapped read-only from the cache.
 
     Images are uint8 ``(N, H, W, C)`` (``C == 1`` for grey), labels int64 with
     the dataset's own class ids. ``mean`` and ``std`` are per-channel
@@ -191,7 +196,7 @@ def _layouts(name: str, root: Path) -> list[_Layout]:
     if name in _TORCHVISION_DIRS:
         dirs = [root / name, root / _TORCHVISION_DIRS[name] / "raw"]
         classes = _DIGITS if name == "mnist" else FASHION_MNIST_CLASSES
-        return [_idx_layout(d, _MNIST_FILES, classes) for d in dirs]
+        return [_idx_layout(name, d, _MNIST_FILES, classes) for d in dirs]
     if name.startswith("emnist-"):
         split = name.removeprefix("emnist-")
         files = tuple(
@@ -200,19 +205,19 @@ def _layouts(name: str, root: Path) -> list[_Layout]:
             for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")
         )
         dirs = [root / "emnist", root / "EMNIST" / "raw"]
-        return [_idx_layout(d, files, EMNIST_CLASSES[split], emnist_split=split) for d in dirs]
+        return [_idx_layout(name, d, files, EMNIST_CLASSES[split], emnist_split=split) for d in dirs]
     if name == "cifar10":
         return [
             _image_tar_layout(name, root / "cifar10" / "cifar10-jpeg.tar.gz"),
             _image_folder_layout(name, root / "cifar10"),
             _cifar_pickle_layout(
-                root / "cifar-10-batches-py", _CIFAR10_BATCHES, "test_batch", "batches.meta", b"labels", b"label_names"
+                name, root / "cifar-10-batches-py", _CIFAR10_BATCHES, "test_batch", "batches.meta", b"labels", b"label_names"
             ),
         ]
     if name == "cifar100":
         return [
             _cifar_pickle_layout(
-                root / "cifar-100-python", ("train",), "test", "meta", b"fine_labels", b"fine_label_names"
+                name, root / "cifar-100-python", ("train",), "test", "meta", b"fine_labels", b"fine_label_names"
             )
         ]
     if name == "tiny-imagenet":
@@ -228,12 +233,12 @@ def _find_file(directory: Path, base: str) -> Path | None:
 
 
 def _idx_layout(
-    directory: Path, files: Sequence[str], classes: tuple[str, ...], emnist_split: str | None = None
+    name: str, directory: Path, files: Sequence[str], classes: tuple[str, ...], emnist_split: str | None = None
 ) -> _Layout:
     paths = [_find_file(directory, f) for f in files]
     if any(p is None for p in paths):
         return _Layout(directory, None)
-    return _Layout(directory, lambda: _read_idx_set(paths, classes, emnist_split))
+    return _Layout(directory, lambda: _cached(name, "idx", paths, lambda: _read_idx_set(paths, classes, emnist_split)))
 
 
 def _image_tar_layout(name: str, tarball: Path) -> _Layout:
@@ -254,12 +259,13 @@ def _image_folder_layout(name: str, directory: Path) -> _Layout:
 
 
 def _cifar_pickle_layout(
-    directory: Path, train: Sequence[str], test: str, meta: str, label_key: bytes, names_key: bytes
+    name: str, directory: Path, train: Sequence[str], test: str, meta: str, label_key: bytes, names_key: bytes
 ) -> _Layout:
-    if not all((directory / f).is_file() for f in (*train, test, meta)):
+    files = [directory / f for f in (*train, test, meta)]
+    if not all(f.is_file() for f in files):
         return _Layout(directory, None)
 
-    def load() -> _Arrays:
+    def decode() -> _Arrays:
         train_x, train_y = _read_cifar_batches([directory / f for f in train], label_key)
         test_x, test_y = _read_cifar_batches([directory / test], label_key)
         meta_dict = _unpickle(directory / meta)
@@ -268,7 +274,7 @@ def _cifar_pickle_layout(
         names = tuple(n.decode() for n in meta_dict[names_key])
         return _Arrays(train_x, train_y, test_x, test_y, names)
 
-    return _Layout(directory, load)
+    return _Layout(directory, lambda: _cached(name, "pickle", files, decode))
 
 
 def _tiny_imagenet_layout(directory: Path) -> _Layout:
@@ -484,30 +490,55 @@ def _read_tiny_imagenet(directory: Path) -> _Arrays:
 
 
 def _cached(name: str, layout: str, sources: Sequence[Path], build: Callable[[], _Arrays]) -> _Arrays:
-    """``build()``, memoised on disk under a key of the sources' paths, sizes and mtimes."""
+    """``build()``, memoised on disk under a key of the sources' paths, sizes and mtimes, and memory-mapped
+    read-only from there: the processes of one host that load the dataset share one copy of its pages (the
+    page cache) instead of each holding its own. Where the cache cannot be written the arrays stay in memory."""
     stats = [(str(p.resolve()), (st := p.stat()).st_size, st.st_mtime_ns) for p in sources]
     key = hashlib.sha256(json.dumps([_CACHE_FORMAT, name, layout, stats]).encode()).hexdigest()[:24]
-    path = cache_dir() / f"{name}-{layout}-{key}.npz"
-    if path.is_file():
+    path = cache_dir() / f"{name}-{layout}-{key}"
+    if path.is_dir():
         try:
-            with np.load(path, allow_pickle=False) as z:
-                return _Arrays(*(z[f] for f in _Arrays._fields[:4]), tuple(str(n) for n in z["class_names"]))
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
-            log.warning("ignoring unreadable cache file %s (%s)", path, e)
+            return _read_cache(path)
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable dataset cache %s (%s)", path, e)
     arrays = build()
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-            tmp = Path(f.name)
-            np.savez(f, **arrays._replace(class_names=np.array(arrays.class_names))._asdict())
-        tmp.chmod(0o644)
-        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-    except OSError as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        _write_cache(path, arrays)
+        return _read_cache(path)
+    except (OSError, ValueError) as e:
         log.warning("could not write dataset cache %s (%s)", path, e)
-    return arrays
+        return arrays
+
+
+def _read_cache(path: Path) -> _Arrays:
+    names = json.loads((path / "class_names.json").read_text())
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("class_names.json is not a list of names")
+    arrays = [np.load(path / f"{field}.npy", mmap_mode="r", allow_pickle=False) for field in _Arrays._fields[:4]]
+    return _Arrays(*arrays, tuple(names))
+
+
+def _write_cache(path: Path, arrays: _Arrays) -> None:
+    """One ``.npy`` per array and the class names, written beside ``path`` and renamed into place: a reader
+    sees no cache or a whole one. Files are never rewritten in place (a process mapping them would fault);
+    an unreadable cache is unlinked and replaced, a whole one written meanwhile by another process kept."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        for field in _Arrays._fields[:4]:
+            np.save(tmp / f"{field}.npy", getattr(arrays, field), allow_pickle=False)
+        (tmp / "class_names.json").write_text(json.dumps(list(arrays.class_names)))
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # the directory is there
+            try:
+                _read_cache(path)
+            except (OSError, ValueError):
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- assembly and download
@@ -519,8 +550,10 @@ def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, 
     means, stds = [], []
     for c in range(images.shape[-1]):
         hist = np.zeros(256, dtype=np.int64)
-        for start in range(0, len(images), 4096):  # chunks keep bincount's int64 copy small
-            hist += np.bincount(images[start : start + 4096, ..., c].ravel(), minlength=256)
+        # chunks keep bincount's int64 copy small: freed 25 MB blocks (4,096 MNIST images) stayed in the
+        # process's heap, larger than the memory-mapped training images themselves
+        for start in range(0, len(images), 256):
+            hist += np.bincount(images[start : start + 256, ..., c].ravel(), minlength=256)
         n = hist.sum()
         mean = float(hist @ values / n)
         means.append(mean)

@@ -258,8 +258,8 @@ def _no_decoding(monkeypatch):
 def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     tarball = write_tar(tmp_path / "cifar10" / "cifar10-jpeg.tar.gz", cifar10_jpeg_entries())
     first = load_dataset("cifar10", [tmp_path])
-    cached = list((tmp_path / "cache").glob("cifar10-*.npz"))
-    assert len(cached) == 1 and not list((tmp_path / "cache").glob(".*"))  # no temp file left
+    cached = list((tmp_path / "cache").glob("cifar10-*"))
+    assert len(cached) == 1 and not list((tmp_path / "cache").glob(".*"))  # no temp directory left
     with monkeypatch.context() as m:
         _no_decoding(m)
         again = load_dataset("cifar10", [tmp_path])
@@ -268,16 +268,52 @@ def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     # A changed source file (new mtime) is decoded again, under a new key.
     os.utime(tarball, ns=(time.time_ns(), tarball.stat().st_mtime_ns + 10**9))
     load_dataset("cifar10", [tmp_path])
-    assert len(list((tmp_path / "cache").glob("cifar10-*.npz"))) == 2
+    assert len(list((tmp_path / "cache").glob("cifar10-*"))) == 2
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_every_layout_is_memory_mapped_read_only_from_the_cache(tmp_path, name):
+    """The decoded arrays are files the processes of a host map and share (the first load included)."""
+    if name == "mnist":
+        write_mnist(tmp_path / "mnist", gz=True)
+    else:
+        batches = {f: {b"data": np.full((2, 3072), i, np.uint8), b"labels": [i, 9 - i]}
+                   for i, f in enumerate((*datasets._CIFAR10_BATCHES, "test_batch"))}
+        for f, batch in batches.items():
+            write_pickle(tmp_path / "cifar-10-batches-py" / f, batch)
+        write_pickle(tmp_path / "cifar-10-batches-py" / "batches.meta",
+                     {b"label_names": [n.encode() for n in CIFAR10_NAMES]})
+    for ds in (load_dataset(name, [tmp_path]), load_dataset(name, [tmp_path])):
+        for array in (ds.train_x, ds.train_y, ds.test_x, ds.test_y):
+            assert isinstance(array.base, np.memmap) or isinstance(array, np.memmap)
+            assert not array.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            ds.train_x[0, 0, 0, 0] = 1
 
 
 def test_corrupt_cache_is_rebuilt(tmp_path):
     write_tar(tmp_path / "cifar10" / "cifar10-jpeg.tar.gz", cifar10_jpeg_entries())
     first = load_dataset("cifar10", [tmp_path])
-    (cache_file,) = (tmp_path / "cache").glob("cifar10-*.npz")
-    cache_file.write_bytes(b"not a zip")
+    (cache,) = (tmp_path / "cache").glob("cifar10-*")
+    # a new file, not the mapped one rewritten in place (truncating a mapped file faults its readers; the
+    # cache itself only ever renames whole directories into place)
+    (cache / "train_x.npy").unlink()
+    (cache / "train_x.npy").write_bytes(b"not an array")
     again = load_dataset("cifar10", [tmp_path])
     np.testing.assert_array_equal(first.train_x, again.train_x)
+    (cache,) = (tmp_path / "cache").glob("cifar10-*")  # replaced by a whole one
+    np.testing.assert_array_equal(np.load(cache / "train_x.npy"), first.train_x)
+    (cache / "class_names.json").write_text('{"not": "a list"}')
+    assert load_dataset("cifar10", [tmp_path]).class_names == CIFAR10_NAMES
+
+
+def test_an_unwritable_cache_keeps_the_arrays_in_memory(tmp_path, monkeypatch):
+    (tmp_path / "cache-file").write_text("a file where the cache directory should be")
+    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache-file"))
+    train_x, *_ = write_mnist(tmp_path / "mnist", gz=False)
+    ds = load_dataset("mnist", [tmp_path])
+    np.testing.assert_array_equal(ds.train_x[..., 0], train_x)
+    assert ds.train_x.flags.writeable  # decoded, in memory
 
 
 # ---------------------------------------------------------------- bad inputs
