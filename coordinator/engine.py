@@ -80,6 +80,8 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         self.config = config
         self.progress = progress or (lambda kind, info: None)
         self.device = resolve_device(config.device)
+        if config.coordinator_threads is not None:
+            torch.set_num_threads(config.coordinator_threads)
         self.dataset = load_dataset(config.scenario.dataset, config.data_root, download=config.download)
         self.scenario = build_scenario(config.scenario, self.dataset)
         self.spec = methods.get(config.method)

@@ -262,6 +262,9 @@ class RunConfig(pydantic.BaseModel):
     containers: ContainersConfig = ContainersConfig()
     nodes: int = pydantic.Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    coordinator_threads: int | None = pydantic.Field(
+        None, ge=1, le=256, description="torch CPU threads of the coordinator (evaluation, aggregation); "
+        "default: torch's, one per core. 1 where other processes train beside its evaluations")
     data_root: list[Path] = pydantic.Field(default_factory=default_data_roots)
     download: bool = False
     seed: int = 0

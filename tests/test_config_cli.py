@@ -52,6 +52,8 @@ def test_bad_config_files_are_reported(tmp_path):
     assert "not valid YAML" in invoke("up", "--config", str(tmp_path / "bad.yaml"))[1]
     (tmp_path / "unknown.yaml").write_text("roundz: {}\n")
     assert "roundz" in invoke("up", "--config", str(tmp_path / "unknown.yaml"))[1]
+    (tmp_path / "threads.yaml").write_text("coordinator_threads: 0\n")
+    assert "coordinator_threads" in invoke("up", "--config", str(tmp_path / "threads.yaml"))[1]
 
 
 def test_flags_override_the_config_file(tmp_path):

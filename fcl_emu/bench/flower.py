@@ -90,7 +90,8 @@ def fcl_emu_config(clients: int, cohort: int, rounds: int, epochs: int, data_roo
         "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients, "partition": "iid", "seed": SEED},
         "rounds": {"clients_per_round": cohort, "rounds_per_task": rounds, "eval_every": 1},
         "training": {"local_epochs": epochs, "batch_size": BATCH, "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
-        "model": "cnn", "device": "cpu", "nodes": 2, "seed": SEED,
+        # one torch thread in every process, as on Flower's side (its driver evaluates with one thread)
+        "model": "cnn", "device": "cpu", "nodes": 2, "seed": SEED, "coordinator_threads": 1,
         "data_root": [str(p) for p in data_root],
     }
 
