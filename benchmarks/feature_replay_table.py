@@ -65,7 +65,7 @@ TABLES = {
                         "rounds": {**COMMON["rounds"], "clients_per_round": 3}}, FEDCBC_ROWS,
                        {"fedcbc": 57.93, "glfc": 42.66, "fedavg": 21.92}),
     "affcl": ({**COMMON, "model": "cnn_leaky", "scenario": {"dataset": "mnist", **POOL_SCENARIO},
-               "rounds": {**COMMON["rounds"], "clients_per_round": 8}}, AFFCL_ROWS, {}),
+               "rounds": {**COMMON["rounds"], "clients_per_round": 4}}, AFFCL_ROWS, {}),
 }
 
 
