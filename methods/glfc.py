@@ -98,6 +98,7 @@ from torch import nn
 from methods import jobs
 from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.datafree import frozen_classifier, from_uint8, to_uint8
+from methods.optim import LocalSGD
 from methods.registry import MethodSpec, register
 from scenario.transforms import denormalize
 
@@ -284,7 +285,7 @@ def perturb_prototype(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps:
     """The prototype after ``steps`` SGD steps (weight decay 1e-5) that lower ``model``'s loss of label ``y``
     (:func:`class_bce` in the run's form), plus Gaussian noise of std ``noise``."""
     x = x.detach().clone().requires_grad_(True)
-    opt = torch.optim.SGD([x], lr=lr, weight_decay=1e-5)
+    opt = LocalSGD([x], lr=lr, weight_decay=1e-5)
     for _ in range(steps):
         logits = model(x)
         loss = class_bce(logits, F.one_hot(y, logits.shape[1]).float(), form).mean()

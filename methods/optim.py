@@ -5,8 +5,9 @@
 Nesterov), over a fixed list of parameters. Why not ``torch.optim.SGD`` itself: the first ``Optimizer``
 built in a process imports torch's compiler stack (``torch._dynamo`` and about 800 modules with it, through
 the ``_disable_dynamo`` wrapper of ``add_param_group``), 68 MB of private memory and about 0.9 s of CPU in
-every edge-node process, for a client's local steps that never compile anything. Server-side jobs (the
-generators' Adam on the GPU workers) keep ``torch.optim``.
+every edge-node process, for a client's local steps that never compile anything. The clients' SGD (local
+training, GLFC's prototype perturbation) uses it; Adam (AF-FCL's flow and replay steps on the clients, the
+generators and VAEs of the server jobs) stays ``torch.optim``'s.
 """
 
 from __future__ import annotations
