@@ -7,9 +7,12 @@ import torch
 
 
 def to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """uint8 (N, H, W, C) -> float32 (N, C, H, W), scaled to [0, 1] and normalised per channel. ``images`` may
-    be read-only (a memory-mapped dataset): they are copied, never written."""
-    x = torch.from_numpy(np.array(images, copy=True, order="C")).permute(0, 3, 1, 2).float().div_(255.0)
+    """uint8 (N, H, W, C) -> float32 (N, C, H, W), scaled to [0, 1] and normalised per channel. ``images`` are
+    never written; read-only ones (a memory-mapped dataset) are copied first, as torch wants writable memory."""
+    images = np.ascontiguousarray(images)
+    if not images.flags.writeable:
+        images = images.copy()
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255.0)
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
     return x.sub_(m).div_(s)
