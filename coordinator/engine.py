@@ -131,8 +131,8 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         # control messages per peer: room for twice the heartbeat rate on top of the rest
         self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s)
         self.late_updates = 0
-        self.client_accuracy: list[float | None] = []  # accuracy_clients after each task (AF-FCL's measure)
         self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
+        self.client_accuracy: list[float | None] = []  # accuracy_clients after each task (AF-FCL's measure)
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)
         self._stale_task = -1
         self._round: OpenRound | None = None

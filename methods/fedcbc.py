@@ -520,7 +520,7 @@ class FedCBCClient(ClientPart):
 SPEC = register(MethodSpec(
     name=NAME,
     description="FedCBC: one VAE per class over pixels (grey images) or a frozen server-pretrained extractor; "
-                "clients distil the global VAEs into theirs, the server fuses each class's VAEs from pseudo-features; predicts "
-                "the class whose VAE reconstructs best",
+                "clients distil the global VAEs into theirs, the server fuses each class's VAEs from "
+                "pseudo-features; predicts the class whose VAE reconstructs best",
     options=FedCBCOptions, server=FedCBCServer, client=FedCBCClient,
 ))

@@ -211,7 +211,8 @@ def _layouts(name: str, root: Path) -> list[_Layout]:
             _image_tar_layout(name, root / "cifar10" / "cifar10-jpeg.tar.gz"),
             _image_folder_layout(name, root / "cifar10"),
             _cifar_pickle_layout(
-                name, root / "cifar-10-batches-py", _CIFAR10_BATCHES, "test_batch", "batches.meta", b"labels", b"label_names"
+                name, root / "cifar-10-batches-py", _CIFAR10_BATCHES, "test_batch", "batches.meta", b"labels",
+                b"label_names",
             ),
         ]
     if name == "cifar100":
@@ -238,7 +239,8 @@ def _idx_layout(
     paths = [_find_file(directory, f) for f in files]
     if any(p is None for p in paths):
         return _Layout(directory, None)
-    return _Layout(directory, lambda: _cached(name, "idx", paths, lambda: _read_idx_set(paths, classes, emnist_split)))
+    return _Layout(directory,
+                   lambda: _cached(name, "idx", paths, lambda: _read_idx_set(paths, classes, emnist_split)))
 
 
 def _image_tar_layout(name: str, tarball: Path) -> _Layout:
