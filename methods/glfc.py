@@ -58,8 +58,10 @@ client identity, each give their label by the sign of the last layer's
 gradient (the row of the classifier weight whose gradient sums lowest) and a
 reconstruction by gradient matching (DLG): L-BFGS (lr ``proxy_lr``) on a
 random image so that the encoder's gradient at it matches, for
-``proxy_iterations`` steps; the last ``proxy_keep`` iterates (code: 20 of
-250) join the task's monitoring set. The proxy scores each new global model
+``proxy_iterations`` steps (torch's default 20 evaluations each, as the
+code's); the last ``proxy_keep`` iterates (code: 20 of 250) join the task's
+monitoring set. The reconstruction runs on the CPU at one thread (one image:
+a GPU or more threads would only add overhead). The proxy scores each new global model
 by its accuracy on that set and keeps the best model of the task (on a tie,
 the later one); at the next task that model is the clients' old model (the
 ``old_model`` asset, once per task).
@@ -344,7 +346,9 @@ def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], dev
     for group in grads:
         target = {n: torch.from_numpy(np.asarray(group[n], np.float32)) for n in names}
         label = label_from_gradients(target)
-        images, loss = reconstruct(encoder, target, label, shape, o.proxy_iterations, o.proxy_lr, o.proxy_keep, gen)
+        with jobs.single_thread():  # a 1-image problem on the CPU (on any worker): threads only cost
+            images, loss = reconstruct(encoder, target, label, shape, o.proxy_iterations, o.proxy_lr,
+                                       o.proxy_keep, gen)
         xs.append(images)
         ys.append(torch.full((len(images),), label, dtype=torch.long))
         losses.append(loss)
