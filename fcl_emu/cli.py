@@ -42,8 +42,10 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
         raise typer.BadParameter(str(exc).strip("'\"")) from None
 
 
-def _finish(runner, cfg: RunConfig) -> None:
-    """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed."""
+def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
+    """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed.
+    ``fork_nodes`` (``up`` with process nodes): fork the zygote that forks the edge nodes first, while this
+    process has no other thread (fcl_emu/launchers/zygote.py)."""
     from containers.engine import EngineError
     from containers.image import ImageError
     from coordinator.checkpoint import CheckpointError
@@ -52,6 +54,9 @@ def _finish(runner, cfg: RunConfig) -> None:
     from scenario.datasets import DatasetNotFoundError
     from wire.auth import KeyFileError
 
+    from fcl_emu.launchers import zygote
+
+    forks = zygote.start() if fork_nodes and cfg.containers.backend == "process" else None
     try:
         summary = runner(cfg, console)
     except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError) as exc:
@@ -60,10 +65,14 @@ def _finish(runner, cfg: RunConfig) -> None:
     except PortInUseError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
+    finally:
+        if forks is not None:
+            forks.close()
     raise typer.Exit(0 if summary.get("status") == "completed" else 1)
 
 
-def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any]) -> None:
+def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],
+            fork_nodes: bool = False) -> None:
     """``up --resume`` / ``coordinator --resume``: refuse flags that would change the run, load and check
     RUN_DIR's config and checkpoint (exit 1 with one line if unusable), then continue the run."""
     import functools
@@ -79,7 +88,7 @@ def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags:
     except run.ResumeError as exc:
         console.print(f"error: cannot resume {run_dir}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
-    _finish(functools.partial(getattr(run, runner_name), resume=ckpt), cfg)
+    _finish(functools.partial(getattr(run, runner_name), resume=ckpt), cfg, fork_nodes)
 
 
 def _logging(verbose: bool) -> None:
@@ -100,12 +109,12 @@ def up(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dic
     """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
     if resume is not None:
         _logging(verbose)
-        return _resume("run_local", resume, config, flags)
+        return _resume("run_local", resume, config, flags, fork_nodes=True)
     cfg = build_config(config, **flags)
     _logging(verbose)
     from fcl_emu.run import run_local
 
-    _finish(run_local, cfg)
+    _finish(run_local, cfg, fork_nodes=True)
 
 
 @app.command()

@@ -267,12 +267,12 @@ def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_pat
     resumed = None
     try:
         wait_for(lambda: any(e["event"] == "round" for e in events(run_dir)), 120, "the first round")
-        nodes = psutil.Process(up.pid).children()
-        assert len(nodes) == 2
+        family = psutil.Process(up.pid).children(recursive=True)  # the zygote and the nodes it forked
+        assert sum(" ".join(p.cmdline()).startswith("fcl-emu node ") for p in family) == 2
         os.kill(up.pid, signal.SIGKILL)
         up.wait(timeout=10)
-        gone, alive = psutil.wait_procs(nodes, timeout=10)
-        assert not alive, "edge nodes outlived their killed `fcl-emu up`"
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, "edge nodes (or their zygote) outlived their killed `fcl-emu up`"
         resumed = fcl_emu("up", "--resume", str(run_dir), *common)
         assert resumed.wait(timeout=120) == 0
     finally:

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from coordinator.engine import NodeExit
+from fcl_emu.launchers import zygote
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs
+from fcl_emu.launchers.zygote import ForkedProcess
 from runconfig import RunConfig
 
 
@@ -22,14 +24,15 @@ def node_command(address: str, indices: list[int], config: RunConfig, name: str,
     return [sys.executable, "-m", "fcl_emu", *node_args(address, indices, config, name, n, parent_pid)]
 
 
-def node_env() -> dict[str, str]:
-    """Environment of an edge-node process: one torch thread (nodes are the unit of parallelism).
+# Added to an edge-node process's environment: one torch thread (nodes are the unit of parallelism).
+# (glibc's MALLOC_MMAP_THRESHOLD_ was tried to return freed message buffers to the system: it makes every large
+# torch temporary an mmap/munmap pair and slowed local training about 20-fold.)
+NODE_ENV = {"OMP_NUM_THREADS": "1"}
 
-    (glibc's MALLOC_MMAP_THRESHOLD_ was tried to return freed message buffers
-    to the system: it makes every large torch temporary an mmap/munmap pair and
-    slowed local training about 20-fold.)
-    """
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+def node_env() -> dict[str, str]:
+    """The environment of an edge-node process started afresh."""
+    return {**os.environ, **NODE_ENV}
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -63,23 +66,27 @@ def exit_with_parent(parent_pid: int) -> None:
 
 
 class ProcessLauncher(NodeLauncher):
-    """The edge nodes as child processes of ``fcl-emu up``; stopped for sure on exit, and ending with it even
-    if it is killed (``--parent-pid``, :func:`exit_with_parent`)."""
+    """The edge nodes as processes of this machine, forked by ``up``'s zygote where it has one
+    (:mod:`fcl_emu.launchers.zygote`), else children started with ``python -m fcl_emu node``; stopped for sure
+    on exit, and ending with ``up`` even if it is killed (``--parent-pid``, :func:`exit_with_parent`)."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedProcess] = []
         self._nodes: list[tuple[NodeSpec, Path]] = []
 
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = node_env()
+        forks = zygote.current()
         for node in node_specs(config):
-            log_file = log_dir / f"{node.name}.log"
-            log = open(log_file, "ab")  # appended to by `up --resume`
-            command = node_command(address, node.clients, config, node.name, node.number, os.getpid())
-            self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+            log_file = log_dir / f"{node.name}.log"  # appended to by `up --resume`
+            if forks is not None:
+                args = node_args(address, node.clients, config, node.name, node.number, forks.pid)
+                self.procs.append(forks.spawn(args, log_file, NODE_ENV))
+            else:
+                command = node_command(address, node.clients, config, node.name, node.number, os.getpid())
+                with open(log_file, "ab") as log:
+                    self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=node_env()))
             self._nodes.append((node, log_file))
-            log.close()
 
     @property
     def count(self) -> int:

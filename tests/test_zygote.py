@@ -1,0 +1,113 @@
+"""The zygote that forks ``up``'s edge nodes (fcl_emu/launchers/zygote.py): real forks in a fresh process (a
+pytest process runs threads, where :func:`zygote.start` rightly refuses to fork)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import psutil
+
+from conftest import wait_for
+from fcl_emu.launchers import zygote
+
+# run in a fresh interpreter: fork the zygote, then act on the children it forks
+SCRIPT = textwrap.dedent("""
+    import json, signal, subprocess, sys, time
+    from pathlib import Path
+    from fcl_emu.launchers import zygote
+    logs = Path(sys.argv[1])
+    z = zygote.start()
+    out = {"zygote": z.pid}
+    ok = z.spawn(["methods"], logs / "ok.log", {})
+    bad = z.spawn(["node", "--connect", "nowhere", "--clients", "0", "--insecure"], logs / "bad.log", {})
+    out["ok"], out["bad"] = ok.wait(timeout=60), bad.wait(timeout=60)
+    # a node that waits for a coordinator that never comes: ended by a signal, as `up` ends a stuck node
+    stuck = z.spawn(["node", "--connect", "tcp://127.0.0.1:9", "--clients", "0-3", "--insecure",
+                     "--data-root", sys.argv[2]], logs / "stuck.log", {"OMP_NUM_THREADS": "1"})
+    out["stuck_pid"] = stuck.pid
+    try:
+        stuck.wait(timeout=0.5)
+        out["stuck_waited"] = "exited"
+    except subprocess.TimeoutExpired:
+        out["stuck_waited"] = "timeout"
+    out["stuck_running"] = stuck.poll()
+    if sys.argv[3] == "orphan":  # leave it running, tell the test, and wait to be killed
+        print(json.dumps(out), flush=True)
+        time.sleep(120)
+    stuck.send_signal(signal.SIGTERM)
+    out["stuck"] = stuck.wait(timeout=30)
+    z.close()
+    out["zygote_after_close"] = z.returncode(12345)
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _script(tmp_path, mnist_root, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), str(mnist_root), mode],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_forked_commands_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
+    proc = _script(tmp_path, mnist_root, "close")
+    out = json.loads(proc.communicate(timeout=180)[0])
+    assert proc.returncode == 0
+    assert out["ok"] == 0 and "fedavg" in (tmp_path / "ok.log").read_text()
+    assert out["bad"] == 2 and "--connect" in (tmp_path / "bad.log").read_text()  # typer's usage error
+    assert out["stuck_waited"] == "timeout" and out["stuck_running"] is None
+    assert out["stuck"] == 0  # SIGTERM: the node's handler stops it cleanly
+    assert out["zygote_after_close"] == -signal.SIGKILL  # its children are gone with it
+    assert not psutil.pid_exists(out["zygote"])
+
+
+def test_nodes_die_with_up(tmp_path, mnist_root):
+    """``up`` SIGKILLed: the zygote and the nodes it forked end too (their parents' death signals)."""
+    proc = _script(tmp_path, mnist_root, "orphan")
+    try:
+        out = json.loads(proc.stdout.readline())
+        assert " ".join(psutil.Process(out["stuck_pid"]).cmdline()).startswith("fcl-emu node ")  # not up's command
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: gone(out["stuck_pid"]), 10, "the forked node to end with up")
+    wait_for(lambda: gone(out["zygote"]), 10, "the zygote to end with up")
+
+
+def gone(pid: int) -> bool:
+    """Ended (a zombie where nothing reaps orphans counts)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_no_zygote_beside_other_threads():
+    """A process with other threads does not fork (a fork copies one thread; their locks would be broken):
+    nodes are then started afresh."""
+    halt = threading.Event()
+    helper = threading.Thread(target=halt.wait)
+    helper.start()
+    try:
+        assert zygote.start() is None and zygote.current() is None
+    finally:
+        halt.set()
+        helper.join()
+
+
+def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, signal, sys
+        from fcl_emu.launchers import zygote
+        z = zygote.start()
+        os.kill(z.pid, signal.SIGKILL)
+        os.waitpid(z.pid, 0)
+        try:
+            z.spawn(["methods"], sys.argv[1], {})
+        except zygote.ZygoteGone as exc:
+            print("gone:", exc)
+    """), str(tmp_path / "x.log")], capture_output=True, text=True, timeout=120)
+    assert "gone: the zygote process" in proc.stdout, proc.stderr
