@@ -31,6 +31,15 @@ image_app = typer.Typer(no_args_is_help=True, help="The container image of edge 
 app.add_typer(image_app, name="image")
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a log
 
+
+@app.callback()
+def _process_setup() -> None:
+    """Before every command: glibc's malloc thresholds fixed for torch's batch-sized temporaries."""
+    from fcl_emu.allocator import fix_malloc_thresholds
+
+    fix_malloc_thresholds()
+
+
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     """Resolve file + flags, turning validation errors into messages that name the flag."""
     try:
