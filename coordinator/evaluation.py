@@ -39,12 +39,13 @@ class Evaluator:
         predictions); the model itself is left as it is."""
         model.to(self.device).eval()
         model = copy.deepcopy(model).to(memory_format=torch.channels_last)
-        ds, out = self.dataset, []
+        ds = self.dataset
+        predicted = torch.empty(len(indices), dtype=torch.long)  # allocated first: nothing small outlives a batch
         for i in range(0, len(indices), self.batch_size):
             batch = to_tensor(ds.test_x[indices[i:i + self.batch_size]], ds.mean, ds.std)
             batch = batch.to(self.device).contiguous(memory_format=torch.channels_last)
-            out.append(model(batch).argmax(1).cpu())
-        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+            predicted[i:i + len(batch)] = model(batch).argmax(1).cpu()
+        return predicted
 
     def class_hits(self, model: nn.Module, task: int) -> tuple[np.ndarray, np.ndarray]:
         """Correct predictions and test samples of each class seen up to ``task`` (index = incremental label),

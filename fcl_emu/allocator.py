@@ -10,6 +10,11 @@ one thread, took 1.2-1.5 s before and 0.57-0.63 s after (five in a row, each set
 an epoch of a client's training (600 samples, batch 32) 0.20-0.23 s before and 0.18 s after; the process
 holds at most about 15 MB more (freed memory below the trim threshold stays in the heap).
 
+In the heap, a small block that outlives a batch pins the freed temporaries around it: the evaluation once
+kept each batch's 1 KB of predictions in a list, and the coordinator grew by up to 400 MB within one
+evaluation in about every other run (all of it freed at its end). Loops over batches write their small
+results into a buffer allocated before the loop (``coordinator/evaluation.py``).
+
 (The opposite setting, a low mmap threshold to give freed message buffers back to the system, made every
 torch temporary an mmap/munmap pair and slowed local training about 20-fold.)
 """
