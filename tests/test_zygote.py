@@ -12,7 +12,7 @@ import threading
 
 import psutil
 
-from conftest import wait_for
+from conftest import events, small_config, wait_for
 from fcl_emu.launchers import zygote
 
 # run in a fresh interpreter: fork the zygote, then act on the children it forks
@@ -111,3 +111,44 @@ def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
             print("gone:", exc)
     """), str(tmp_path / "x.log")], capture_output=True, text=True, timeout=120)
     assert "gone: the zygote process" in proc.stdout, proc.stderr
+
+
+def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_root):
+    """`up`'s path with a zygote: node-1 cannot read its key file and exits; the coordinator reports it with the
+    node's own error line (the zygote's exit report) and goes on with node-0's clients."""
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+                          rounds={"clients_per_round": 2, "rounds_per_task": 1})
+    script = textwrap.dedent("""
+        import io, json, sys, time
+        from rich.console import Console
+        from fcl_emu.launchers import process, zygote
+        forks = zygote.start()  # as `fcl-emu up` does, before anything else
+        from fcl_emu import run
+        from runconfig import load_config
+
+        original = process.node_args
+
+        def node_args(address, indices, config, name, n=0, parent_pid=None, metrics_host=None):
+            args = original(address, indices, config, name, n, parent_pid, metrics_host)
+            if n == 1:
+                args[args.index("--key") + 1] = sys.argv[3]
+            return args
+
+        process.node_args = node_args
+        config = load_config(sys.argv[1], {"data_root": [sys.argv[2]], "run_dir": sys.argv[4]})
+        out = io.StringIO()
+        started = time.monotonic()
+        summary = run.run_local(config, Console(file=out, width=200))
+        forks.close()
+        print(json.dumps({"s": time.monotonic() - started, "status": summary["status"],
+                          "joined": summary["clients"]["joined"], "out": out.getvalue()}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(config), str(mnist_root),
+                           str(tmp_path / "stolen.key_secret"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["s"] < 50 and out["status"] == "completed" and out["joined"] == 4
+    assert "edge node node-1 exited (code 1): error: cannot read key file" in out["out"]
+    exits = [e for e in events(tmp_path / "run") if e["event"] == "node_exit"]
+    assert len(exits) == 1 and exits[0]["node"] == "node-1" and exits[0]["code"] == 1
