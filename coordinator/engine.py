@@ -148,6 +148,9 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         ) if config.emulated_clock else None
         self._task = 0
         self._global_round = 0
+        # conditions the first round waits for once the clients are in, each (what, condition, timeout):
+        # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
+        self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
         self._welcome_template = dict(
             run_id=self.run_id,
             scenario=config.scenario.model_dump(mode="json"),
@@ -194,6 +197,15 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
                              f"at least {self.config.rounds.min_participants} are needed")
         self.progress("ready", {"online": len(self.registry.online()), "expected": expected})
 
+    def _wait_before_rounds(self) -> None:
+        """Serve the clients until each of :attr:`before_rounds` holds or its timeout passes (then go on,
+        saying so in the log: these are conveniences, never a reason to stop the run)."""
+        for what, condition, timeout_s in self.before_rounds:
+            self.serve(condition, time.monotonic() + timeout_s)
+            if not condition():
+                logging.getLogger("fcl_emu.coordinator").warning(
+                    "starting the rounds without %s (waited %.0f s)", what, timeout_s)
+
     def run(self, run_dir: Path) -> dict:
         """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round."""
         resumed, self._resumed = self._resumed, None
@@ -224,11 +236,13 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
             if resumed is None:
                 with self._spent("join"):
                     self._wait_for_clients()
+                    self._wait_before_rounds()
                 recorder.event("start", run_id=self.run_id, address=self.address, online=len(self.registry.online()))
                 save(0, 0)
             else:
                 with self._spent("join"):
                     missing = self._wait_for_rejoin()
+                    self._wait_before_rounds()
                 recorder.event("resume", run_id=self.run_id, address=self.address, task=first_task,
                                task_round=first_round, after_round=self._global_round, resumes=self._resumes,
                                online=len(self.registry.online()), missing=len(missing))

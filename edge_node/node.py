@@ -570,6 +570,8 @@ class EdgeNode:
                 client.transitions = transitions(edge.availability)
                 profile = None if edge.profile is None else DeviceProfile.from_wire(edge.profile)
                 client.link = None if profile is None or edge.clock == "emulated" else Link(profile)
+                if client.link is not None:
+                    self.metrics.link_profile(profile.name)
             except ValueError as exc:
                 log.error("%s: %s; it stays always available on an ideal link", client.id, exc)
                 client.transitions = iter(())

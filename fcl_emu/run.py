@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -139,7 +141,24 @@ def _start_metrics(config: RunConfig, coordinator: Coordinator, run_dir: Path, s
         console.print(f"warning: {exc}", style="yellow", markup=False, highlight=False)
         return None
     console.print(f"prometheus: {prometheus.url} (data in {prometheus.data_dir})", markup=False, highlight=False)
+    # the first round waits for a first scrape of every process, so that rate() sees the run from its first
+    # round (a histogram observed before a series' first sample is invisible to it): at most 2 intervals
+    first_scrape = _cached_true(lambda: prometheus.scraped(len(targets)), every_s=0.25)
+    coordinator.before_rounds.append(("the local Prometheus's first scrape of every process", first_scrape,
+                                      2 * m.scrape_interval_s + 10.0))
     return prometheus
+
+
+def _cached_true(check: Callable[[], bool], every_s: float) -> Callable[[], bool]:
+    """``check`` asked at most every ``every_s`` seconds, and never again once it held."""
+    asked, held = -math.inf, False
+
+    def cached() -> bool:
+        nonlocal asked, held
+        if not held and time.monotonic() - asked >= every_s:
+            asked, held = time.monotonic(), check()
+        return held
+    return cached
 
 
 def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, console: Console) -> None:

@@ -94,6 +94,9 @@ class ProcessMetrics:
             "fcl_secagg_phase_duration_seconds", "Time of one SecAgg+ phase: on the coordinator the phase's "
             "wall-clock time (waiting for replies included), on an edge node one client's computation for it.",
             ["role", "phase"], buckets=PHASE_BUCKETS, registry=r)
+        if role != ROLE_GPU_WORKER:
+            for phase in SECAGG_PHASES:  # at 0 from the start: rate() sees a run's first observations too
+                self.secagg_phase_duration.labels(role, phase)
         # fcl_process_cpu_seconds_total, fcl_process_resident_memory_bytes, ... (Linux /proc)
         ProcessCollector(namespace="fcl", registry=r)
         self._wire: dict[tuple[str, str], tuple[Callable[[float], None], Callable[[float], None]]] = {}
@@ -246,6 +249,10 @@ class CoordinatorMetrics(ProcessMetrics):
             self.client_drops.labels(reason)
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome)
+        for phase in ROUND_PHASES:
+            self.phase_duration.labels(phase)
+        for phase in TASK_END_PHASES:
+            self.task_end_duration.labels(phase)
         self._handling: dict[str, Callable[[float], None]] = {}
         self._joins = {kind: self.client_joins.labels(kind).inc for kind in JOIN_KINDS}
         self._drops = {reason: self.client_drops.labels(reason).inc for reason in DROP_REASONS}
@@ -403,6 +410,11 @@ class EdgeNodeMetrics(ProcessMetrics):
 
     def client_event(self, event: str) -> None:
         self._client_event[event]()
+
+    def link_profile(self, profile: str) -> None:
+        """A client of this node got a link of ``profile``: its delay series exist from now on, at 0."""
+        for direction in LINK_DIRECTIONS:
+            self.link_delay_seconds.labels(direction, profile)
 
     def link_delay(self, direction: str, profile: str, seconds: float) -> None:
         self.link_delay_seconds.labels(direction, profile).observe(seconds)

@@ -188,6 +188,16 @@ class LocalPrometheus:
         except (urllib.error.URLError, OSError):
             return False
 
+    def scraped(self, targets: int) -> bool:
+        """Whether this server knows ``targets`` targets and its last scrape of every one succeeded (health
+        "up": each has been scraped at least once). False while it cannot be asked."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=1) as response:
+                active = json.loads(response.read())["data"]["activeTargets"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+            return False
+        return len(active) >= targets and all(t.get("health") == "up" for t in active)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:

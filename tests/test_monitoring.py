@@ -301,6 +301,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
         up = query_range(prometheus.url, f'up{{run_id="{run_id}"}}', started, ended)
         assert {s["metric"]["process"] for s in up if has_data(up)} == {"coordinator", "node-0", "node-1",
                                                                          "gpu-worker-0"}
+        # `up --prometheus` holds the first round until every process was scraped once (fcl_emu/run.py)
+        rounds = query_range(prometheus.url, f'fcl_round{{run_id="{run_id}"}}', started, ended)
+        assert rounds and float(rounds[0]["values"][0][1]) == 0, f"a round ran before the first scrape: {rounds}"
         rate_interval = f"{int(4 * scrape_s)}s"  # Grafana's $__rate_interval: max(step + scrape, 4 scrapes)
         empty = []
         queries = [q for q in dashboard_queries() if q[0] != CONTAINERS_BOARD]  # its own test: test_containers
