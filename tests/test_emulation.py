@@ -186,6 +186,39 @@ def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
 
 
 
+def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tmp_path, mnist_root, caplog):
+    """A condition that never holds delays the first round by its timeout, longer than the liveness timeout,
+    and the run goes on with a warning: no client is dropped meanwhile (heartbeats are served), and the wait
+    counts as join time. (`up --prometheus` waits like this for its Prometheus's first scrape.)"""
+    from coordinator.engine import Coordinator
+    from runconfig import load_config
+
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "num_tasks": 1}),
+                         {"data_root": [str(mnist_root)]})
+    config, node_keys = keyed(config, tmp_path / "keys")
+    coordinator = Coordinator(config)
+    asked = []
+    coordinator.before_rounds = [("a condition that never holds", lambda: False, 3.0),
+                                 ("a condition that holds on its third asking", lambda: len(asked.append(1) or asked) >= 3,
+                                  60.0)]
+    node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-7", "--data-root", str(mnist_root),
+                   *node_keys)
+    try:
+        with caplog.at_level("WARNING", logger="fcl_emu.coordinator"):
+            summary = coordinator.run(tmp_path / "run")
+        assert node.wait(timeout=60) == 0
+    finally:
+        if node.poll() is None:
+            node.kill()
+        coordinator.close()
+    assert summary["status"] == "completed" and summary["clients"]["dropped"] == 0
+    assert config.network.liveness_timeout_s < 3.0 <= summary["time"]["parts_s"]["join"]
+    assert len(asked) >= 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "starting the rounds without a condition that never holds (waited 3 s)" in warnings
+    assert not any("third asking" in w for w in warnings)
+
+
 def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_root, monkeypatch):
     """`up` with two nodes, one of which cannot start (its key file is unreadable): the coordinator reports it
     with the node's own error line and goes on with the other node's clients, without waiting out its 60 s
