@@ -1,5 +1,6 @@
-"""The data-free generative replay table of docs/experiments.md and docs/reproduction.md: fedavg, mfcl, target
-and lander over several seeds, each generator at the same fraction of its official budget.
+"""The data-free generative replay table of docs/experiments.md and docs/reproduction.md: mfcl, target and lander
+against fedavg, fedlwf2t and fedewc (the baselines of TARGET's tables) over several seeds, each generator at the
+same fraction of its official budget.
 
     python benchmarks/generative_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/generative
     python benchmarks/generative_table.py --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
@@ -119,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--data-root", default="../shared/data")
-    ap.add_argument("--methods", default="fedavg,mfcl,target,lander")
+    ap.add_argument("--methods", default="fedavg,fedlwf2t,fedewc,mfcl,target,lander")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=0.125, help="fraction of each generator's official budget")
     ap.add_argument("--out", type=Path, default=Path("runs/generative"))
