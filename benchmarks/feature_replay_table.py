@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import grouped, mean_of, pm, run_up, seeded, seeds
+from runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
 
 COMMON = {
     "rounds": {"rounds_per_task": 5, "deadline_s": 1800, "eval_every": 5},
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2],
                     help="the runs' seeds (class order, partition, noisy clients, initial weights)")
+    add_report_only(ap)
     args = ap.parse_args()
     base, rows_spec, paper = TABLES[args.table]
     out = args.out or Path("runs") / args.table
@@ -133,8 +134,10 @@ def main() -> None:
     for seed in args.seeds:
         for name in (args.rows.split(",") if args.rows else rows_spec):
             method, options = rows_spec[name]
-            summary = run_up(f"{name}-s{seed}", seeded(config(base, name, method, options), seed), args.data_root, out)
-            rows.append(row(name, seed, summary, paper))
+            summary = run_up(f"{name}-s{seed}", seeded(config(base, name, method, options), seed), args.data_root, out,
+                             args.report_only)
+            if summary is not None:
+                rows.append(row(name, seed, summary, paper))
     table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
     (out / "table.json").write_text(json.dumps({"table": args.table, "rows": rows}, indent=1))

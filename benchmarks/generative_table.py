@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import events, pm, run_up, seeded, seeds
+from runs import add_report_only, events, pm, run_up, seeded, seeds
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 10},
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=0.125, help="fraction of each generator's official budget")
     ap.add_argument("--out", type=Path, default=Path("runs/generative"))
+    add_report_only(ap)
     args = ap.parse_args()
     if not 0 < args.budget <= 1:
         raise SystemExit(f"--budget is a fraction in (0, 1], got {args.budget}")
@@ -132,8 +133,10 @@ def main() -> None:
     for seed in args.seeds:  # seed by seed: a partial sweep already has every method at its first seeds
         for m in methods:
             name = f"{m}-s{seed}"
-            summary = run_up(name, config(m, args.dataset, args.budget, seed), args.data_root, args.out)
-            rows.append(run_row(m, seed, summary, events(args.out, name)))
+            summary = run_up(name, config(m, args.dataset, args.budget, seed), args.data_root, args.out,
+                             args.report_only)
+            if summary is not None:
+                rows.append(run_row(m, seed, summary, events(args.out, name)))
     table = markdown(rows, methods)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "table.json").write_text(json.dumps(rows, indent=1))

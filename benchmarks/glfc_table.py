@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runs import events, grouped, mean_of, pm, run_up, seeded, seeds
+from runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
+    add_report_only(ap)
     args = ap.parse_args()
     rows = []
     for seed in args.seeds:
@@ -179,8 +180,9 @@ def main() -> None:
             method, options = ROWS[name]
             run = f"{name}-s{seed}"
             summary = run_up(run, seeded({**BASE, "method": method, "method_options": options}, seed),
-                             args.data_root, args.out)
-            rows.append(row(name, seed, summary, events(args.out, run)))
+                             args.data_root, args.out, args.report_only)
+            if summary is not None:
+                rows.append(row(name, seed, summary, events(args.out, run)))
     table = markdown(rows)
     glfc_runs = [f"{r['row']}-s{r['seed']}" for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)

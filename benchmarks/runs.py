@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import subprocess
@@ -12,20 +13,37 @@ import numpy as np
 import yaml
 
 
-def run_up(name: str, config: dict, data_root: str, out: Path) -> dict:
+def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool = False) -> dict | None:
     """Run ``config`` into ``out/<name>`` (coordinator, edge-node processes and GPU workers over ZeroMQ) and
-    return its summary; a directory that already holds a ``summary.json`` is read, not run again."""
-    run_dir = out / name
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        cmd = [sys.executable, "-m", "fcl_emu", "up", "--config", str(path), "--data-root", data_root,
-               "--run-dir", str(run_dir)]
-        print("$", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    return its summary; a directory that already holds a ``summary.json`` is read, not run again. None, and the
+    run left out of the table: ``report_only`` and no summary yet, or another process is running it now (an
+    exclusive lock on ``out/.<name>.lock``: several table commands may share ``out``, one run each at a time)."""
+    summary = out / name / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text())
+    if report_only:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f".{name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{name}: being run by another process; left out of this table", file=sys.stderr, flush=True)
+            return None
+        if not summary.exists():  # not finished by that other process meanwhile
+            path = out / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            cmd = [sys.executable, "-m", "fcl_emu", "up", "--config", str(path), "--data-root", data_root,
+                   "--run-dir", str(out / name)]
+            print("$", " ".join(cmd), file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     return json.loads(summary.read_text())
+
+
+def add_report_only(parser) -> None:
+    """The tables' ``--report-only`` flag (see :func:`run_up`)."""
+    parser.add_argument("--report-only", action="store_true",
+                        help="build the table from the runs already in --out; start none")
 
 
 def events(out: Path, name: str) -> list[dict]:
