@@ -70,7 +70,11 @@ class MessageDispatch:
         try:
             peer, msg = self.endpoint.recv()
             msg_type = msg.type
-            self._handle(peer, msg)
+            try:
+                self._handle(peer, msg)
+            finally:
+                if self.endpoint.switched:
+                    self._on_new_connection(peer, msg.type)
         except WireError as exc:
             self._reject(exc)
         elapsed = time.perf_counter() - started
@@ -135,6 +139,22 @@ class MessageDispatch:
                 self._arrived(r, peer, msg.nbytes, 0.0, 0)
             self.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}")
+
+    def _on_new_connection(self, peer: str, msg_type: str) -> None:
+        """``peer`` spoke over another connection than before (its message is handled already): what was sent
+        to it over the old one may be lost, so the open round stops waiting for it unless it has answered, and
+        its next round starts with the task's start and assets again (a join says itself which assets the
+        client holds). Two connections taking turns mean two holders of one key."""
+        r = self._round
+        if r is not None and peer in r.selected and peer not in r.answered():
+            r.lost.add(peer)
+        record = self.registry.records.get(peer)
+        if record is not None and msg_type != "join":
+            record.assets_task = -1
+        self.connection_switches += 1
+        self.log_once(peer, "new connection", f"client {peer} now speaks over another connection (a restart, a "
+                                              f"reconnect, or a second holder of its key): messages sent over "
+                                              f"the old one may be lost")
 
     def _not_joined(self, peer: str) -> None:
         """Tell a peer that is not online to join (again): after a coordinator restart, or once declared dead.

@@ -131,6 +131,7 @@ class Coordinator(MessageDispatch, RoundEngine, Checkpointing, RunSummary, NodeW
         # control messages per peer: room for twice the heartbeat rate on top of the rest
         self.rate_limiter = RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s)
         self.late_updates = 0
+        self.connection_switches = 0  # messages from a client over another connection than its last one
         self.late_side_channel = 0  # side-channel messages from outside the open round, dropped
         self.client_accuracy: list[float | None] = []  # accuracy_clients after each task (AF-FCL's measure)
         self._stale: list[ClientUpdate] = []  # late updates kept for the next round (rounds.late_updates)

@@ -68,6 +68,7 @@ class RunSummary:
                 "left": counts.left,
                 "dropped": counts.dropped,
                 "online_at_end": len(self.registry.online()),
+                "switched_connection": self.connection_switches,
             },
             "missed_deadline": sum(r.late for r in rounds),
             "late_updates": self.late_updates,

@@ -34,10 +34,15 @@ console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a l
 
 @app.callback()
 def _process_setup() -> None:
-    """Before every command: glibc's malloc thresholds fixed for torch's batch-sized temporaries."""
+    """Before every command: glibc's malloc thresholds fixed for torch's batch-sized temporaries, and
+    ``kill -USR1 PID`` prints the stack of every thread of the process to its stderr (a run that seems stuck
+    says where it waits, and goes on)."""
+    import faulthandler
+
     from fcl_emu.allocator import fix_malloc_thresholds
 
     fix_malloc_thresholds()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -112,6 +113,17 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def exit_code(proc: subprocess.Popen, timeout: float, log: Path) -> int:
+    """``proc``'s exit code; if it is still running after ``timeout`` s, fail with the end of its ``log`` and the
+    stacks of its threads (the fcl-emu commands print them on SIGUSR1)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        raise AssertionError(f"still running after {timeout} s; its log ends:\n{log.read_text()[-12000:]}") from None
 
 
 def events(run_dir: Path) -> list[dict]:

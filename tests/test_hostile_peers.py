@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.conftest import device_keys, events, fcl_emu, free_port, raw_header, small_config, wait_for
+from tests.conftest import device_keys, events, exit_code, fcl_emu, free_port, raw_header, small_config, wait_for
 from wire.auth import ClientKeyring
 from wire.framing import encode
 from wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update
@@ -77,6 +77,15 @@ class MaliciousClient(threading.Thread):
                                        round=msg.round, task=msg.task, tensors=delta)
 
 
+def _queue(sock: zmq.Socket, frames: list) -> None:
+    """Queue a stranger's message without waiting: once the coordinator has refused its handshake, a socket may
+    have no connection to queue on until it reconnects, and a blocking send would wait for ever."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        pass
+
+
 def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 1e6
 
@@ -113,11 +122,9 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
         big = np.zeros(600_000_000, np.uint8)
         for sock in strangers:
             for i in range(10):
-                sock.send_multipart(encode("join", Join(node="fake", pid=1, client_index=i), sender=f"fake-{i}",
-                                           seq=i))
-            sock.send_multipart([raw_header(type="update", sender="client-0001", tensors=[
-                TensorSpec(f"delta/{i}", "uint8", [big.size], big.size) for i in range(3)]), big, big, big],
-                copy=False)
+                _queue(sock, encode("join", Join(node="fake", pid=1, client_index=i), sender=f"fake-{i}", seq=i))
+            _queue(sock, [raw_header(type="update", sender="client-0001", tensors=[
+                TensorSpec(f"delta/{i}", "uint8", [big.size], big.size) for i in range(3)]), big, big, big])
         attacker.start()
         node = fcl_emu("node", "--connect", address, "--clients", f"0-{CLIENTS - 2}", "--data-root",
                        str(mnist_root), *node_keys)
@@ -138,14 +145,15 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
             Update(num_samples=1, train_time_s=0, loss=0))), tensors=[
             TensorSpec(f"delta/{i}", "uint8", [oversized.size], oversized.size) for i in range(3)]),
             oversized, oversized, oversized])
-        thief.send("heartbeat", Heartbeat())
+        thief.send("heartbeat", Heartbeat())  # as client-0004 itself: its route moves to the copy of the key
         thief.sock.send_multipart(encode("leave", Leave(reason="stolen"), sender="client-0001", seq=2))
         thief.sock.send_multipart(encode("update", Update(num_samples=1, train_time_s=0, loss=0),
                                          sender="client-0002", seq=3))
 
         time.sleep(2)
         rss_after = _rss_mb(coordinator.pid)  # every attack sent and handled by now
-        assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        assert exit_code(coordinator, 180, tmp_path / "coordinator.log") == 0, \
+            (tmp_path / "coordinator.log").read_text()[-3000:]
         assert node.wait(timeout=60) == 0
     finally:
         attacker.stop.set()
@@ -172,7 +180,11 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
     # nothing from the strangers arrived: no fake joins, and the honest clients never left
     assert summary["clients"]["joined"] == CLIENTS and summary["clients"]["left"] == 0
     rounds = [e for e in events(run_dir) if e["event"] == "round"]
-    assert all(r["participants"] >= 4 for r in rounds)  # the honest clients, every round
+    # the honest clients, every round; but the thief's heartbeat moved client-0004's route to the copy of its
+    # key, so the round open then stopped waiting for client-0004 (its request may have gone to the copy)
+    participants = sorted(r["participants"] for r in rounds)
+    assert participants[0] >= 3 and participants[1] >= 4, participants
+    assert summary["clients"]["switched_connection"] >= 2  # to the copy and back
     assert summary["average_accuracy"] > 40  # two MNIST tasks learnt despite the poison
     # bounded: memory (the strangers' 1.8 GB never arrived; the 1.8 MB one was dropped), log lines, records
     assert rss_after - rss_before < 200, (rss_before, rss_after)

@@ -209,14 +209,16 @@ def test_endpoints_count_bytes_and_route_by_the_latest_connection():
     try:
         sent = client.send("join", Join(node="n", pid=1, client_index=7))
         peer, msg = server.recv()
-        assert peer == "client-0007" and msg.nbytes == sent
+        assert peer == "client-0007" and msg.nbytes == sent and not server.switched  # its first connection
         assert counts.nested() == {"join": {"received": sent}}
         server.send("client-0007", "heartbeat", Heartbeat())
         assert client.recv().type == "heartbeat"
         again.send("heartbeat", Heartbeat())
-        assert server.recv()[0] == "client-0007"
+        assert server.recv()[0] == "client-0007" and server.switched
         server.send("client-0007", "heartbeat", Heartbeat())  # goes to the connection heard from last
         assert again.recv().type == "heartbeat" and not client.sock.poll(200)
+        again.send("heartbeat", Heartbeat())
+        assert server.recv()[0] == "client-0007" and not server.switched  # the same connection again
         with pytest.raises(zmq.ZMQError):
             server.send("nobody", "heartbeat", Heartbeat())  # never heard from: fails loudly
     finally:

@@ -108,6 +108,7 @@ class ServerEndpoint:
         self._routes: dict[str, bytes] = {}  # identity -> routing id of its latest connection
         self._identities: dict[bytes, str] = {}  # and back
         self._seq = 0
+        self.switched = False  # the last message received moved its sender to another connection
 
     def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
              tensors: Mapping[str, Any] | None = None) -> int:
@@ -124,7 +125,12 @@ class ServerEndpoint:
 
     def recv(self) -> tuple[str, Message]:
         """Receive one message (blocking); returns its sender's identity. A bad one raises WireError with
-        ``.peer`` set to the identity it claimed (or, for a key speaking for another, the key's name)."""
+        ``.peer`` set to the identity it claimed (or, for a key speaking for another, the key's name).
+
+        Messages to an identity go over the connection it last spoke on: after it spoke on another one (a
+        restart, a reconnect after a network break, or a second holder of its key), :attr:`switched` is True
+        until the next message, and what was sent over the old connection may never arrive."""
+        self.switched = False
         frames = self.sock.recv_multipart(copy=False)
         try:
             msg = decode(frames[1:], self.limits)
@@ -150,6 +156,7 @@ class ServerEndpoint:
         if old is not None:
             del routes[identity]
             identities.pop(old, None)
+            self.switched = True
         if len(routes) >= MAX_ROUTES:
             forgotten = next(iter(routes))
             identities.pop(routes.pop(forgotten), None)
