@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,7 +43,8 @@ def _process_setup() -> None:
     from fcl_emu.allocator import fix_malloc_thresholds
 
     fix_malloc_thresholds()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if sys.__stderr__ is not None:  # the process's own stderr (a test runner may have replaced sys.stderr)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
