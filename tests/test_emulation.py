@@ -37,6 +37,7 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
         assert msg_type in summary["bytes"], msg_type
     assert summary["bytes"]["train_request"]["sent"] > 4 * 100_000  # a model per request
     assert summary["average_forgetting"] >= 0
+    assert summary["time"]["accounted"] >= 0.95, summary["time"]  # the wall clock, by named part of the run
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds.count("round") == 4 and kinds.count("task_end") == 2
     assert (run_dir / "config.yaml").exists()
