@@ -1,6 +1,6 @@
 """Message dispatch: how the coordinator serves its ROUTER socket.
 
-:meth:`MessageDispatch.serve` handles every message that arrives (clients', and the GPU pool's) while the
+:meth:`Dispatcher.serve` handles every message that arrives (clients', and the GPU pool's) while the
 coordinator waits, for joins, for updates or for a server-side job, so joins, heartbeats and leaves are served
 during rounds. Each client message is received, validated by the wire layer, then handled by its type:
 ``join`` (registers the client and answers ``welcome``), ``heartbeat``, ``leave``, ``error``, ``update`` (into
@@ -8,25 +8,28 @@ the open round, or late), the secure-aggregation replies (into the open :class:`
 SecureRound`) and a method's side-channel messages. A bad message is rejected: counted under its reason, logged
 once per reason, answered with an ``error`` where the peer is online; it never stops the loop.
 
-A mixin of :class:`coordinator.engine.Coordinator`: it uses the coordinator's ``config``, ``endpoint``,
-``registry``, ``metrics``, ``server``, ``scenario``, ``pool`` and the open round (``_round``, ``_secure``).
+The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`,
+:attr:`Dispatcher.secure`); where a client's answer lands in time is the clock's (:mod:`coordinator.clock`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
-from coordinator.guard import delta_norm
+from coordinator.clock import RunClock
+from coordinator.guard import RateLimiter, delta_norm
+from coordinator.open_round import OpenRound, StaleUpdates
+from coordinator.secure_round import SecureRound
+from coordinator.state import RunState
 from methods.base import DELTA, ClientUpdate
-from scenario.availability import client_availability
 from scenario.devices import DeviceProfile, assign_profile
 from wire.framing import Message, WireError
-from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, EdgeSettings, Error, Welcome, client_id
+from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Error, Welcome, client_id
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -35,10 +38,24 @@ RATE_LIMITED = frozenset({"join", "heartbeat", "leave", "error"})  # control mes
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
-class MessageDispatch:
-    """Serving the coordinator's socket: receive, validate, handle by type, reject (mixin of Coordinator)."""
+class Dispatcher:
+    """Serving the coordinator's socket: receive, validate, handle by type, reject.
 
-    _next_expiry = 0.0  # monotonic time of the next liveness scan
+    ``endpoint``: the ROUTER (:class:`wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
+    sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome``; ``profiles``: the
+    device profiles clients are assigned at join (None: no profiles); ``on_tick``: called each time the loop
+    wakes (the node watch)."""
+
+    def __init__(self, state: RunState, endpoint, pool, clock: RunClock, stale: StaleUpdates,
+                 rate_limiter: RateLimiter, *, welcome: dict[str, Any],
+                 profiles: list[DeviceProfile] | None = None, on_tick: Callable[[], None] = lambda: None):
+        self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
+        self.endpoint, self.pool, self.clock, self.stale = endpoint, pool, clock, stale
+        self.rate_limiter, self.welcome, self.profiles, self.on_tick = rate_limiter, welcome, profiles, on_tick
+        self.round: OpenRound | None = None  # the open round, set by the round runner
+        self.secure: SecureRound | None = None  # its secure aggregation while the round collects
+        self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
+        self._next_expiry = 0.0  # monotonic time of the next liveness scan
 
     # ------------------------------------------------------------------ the loop
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
@@ -61,7 +78,7 @@ class MessageDispatch:
                     self.pool.on_readable(ready)
             self.pool.tick()
             self._expire()
-            self._check_nodes()
+            self.on_tick()
 
     def _receive_one(self) -> None:
         """Receive, validate and handle one message; time it by message type."""
@@ -76,12 +93,12 @@ class MessageDispatch:
                 if self.endpoint.switched:
                     self._on_new_connection(peer, msg.type)
         except WireError as exc:
-            self._reject(exc)
+            self.reject(exc)
         elapsed = time.perf_counter() - started
-        self.handling_s[msg_type] += elapsed
+        self.state.tally.handling_s[msg_type] += elapsed
         self.metrics.handled(msg_type, elapsed)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Handle every message already waiting, without blocking; then expire silent clients."""
         while self.endpoint.sock.poll(0):
             self._receive_one()
@@ -96,7 +113,7 @@ class MessageDispatch:
         self._next_expiry = now + min(1.0, self.registry.liveness_timeout_s / 10)
         for silent in self.registry.expire(now):
             self.metrics.client_dropped("heartbeat_timeout")
-            self.progress("dead", {"client": silent})
+            self.state.progress("dead", {"client": silent})
 
     # ------------------------------------------------------------ by message type
     def _handle(self, peer: str, msg: Message) -> None:
@@ -124,8 +141,8 @@ class MessageDispatch:
             if self.registry.leave(peer):
                 self.metrics.client_left()
             if msg.body.reason != "unavailable":
-                self.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}")
-            self.progress("leave", {"client": peer})
+                self.state.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}")
+            self.state.progress("leave", {"client": peer})
         elif msg.type == "update":
             self._on_update(peer, msg)
         elif msg.type in SECAGG_REPLIES:
@@ -133,11 +150,11 @@ class MessageDispatch:
         elif msg.type in SIDE_CHANNEL_TYPES:
             self._on_side_channel(peer, msg)
         elif msg.type == "error":
-            r = self._round
+            r = self.round
             if r is not None and peer in r.selected and msg.round == r.number:
                 r.failed.add(peer)
-                self._arrived(r, peer, msg.nbytes, 0.0, 0)
-            self.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
+                self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
+            self.state.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}")
 
     def _on_new_connection(self, peer: str, msg_type: str) -> None:
@@ -145,14 +162,14 @@ class MessageDispatch:
         to it over the old one may be lost, so the open round stops waiting for it unless it has answered, and
         its next round starts with the task's start and assets again (a join says itself which assets the
         client holds). Two connections taking turns mean two holders of one key."""
-        r = self._round
+        r = self.round
         if r is not None and peer in r.selected and peer not in r.answered():
             r.lost.add(peer)
         record = self.registry.records.get(peer)
         if record is not None and msg_type != "join":
             record.assets_task = -1
-        self.connection_switches += 1
-        self.log_once(peer, "new connection", f"client {peer} now speaks over another connection (a restart, a "
+        self.state.tally.connection_switches += 1
+        self.state.log_once(peer, "new connection", f"client {peer} now speaks over another connection (a restart, a "
                                               f"reconnect, or a second holder of its key): messages sent over "
                                               f"the old one may be lost")
 
@@ -166,7 +183,7 @@ class MessageDispatch:
             self._not_joined_at = {p: t for p, t in self._not_joined_at.items()
                                    if now - t < NOT_JOINED_INTERVAL_S}
         self._not_joined_at[peer] = now
-        self._send(peer, "error", Error(code="not_joined", detail="send a join first"))
+        self.send(peer, "error", Error(code="not_joined", detail="send a join first"))
 
     def _on_join(self, peer: str, msg: Message) -> None:
         index = msg.body.client_index
@@ -175,47 +192,34 @@ class MessageDispatch:
                             f"client index {index} outside 0..{self.config.scenario.num_clients - 1}")
         if peer != client_id(index):
             raise WireError("not_authorized", f"{peer} may not join as client index {index}")
-        join_task = self.scenario.join_task(index)
+        join_task = self.state.scenario.join_task(index)
         known = peer in self.registry.records
         was_online = self.registry.is_online(peer)
-        r = self._round
+        r = self.round
         if r is not None and peer in r.selected and peer not in {u.client for u in r.updates}:
             r.lost.add(peer)  # left or crashed and came back: its work for this round is gone
         record = self.registry.join(peer, index, msg.body.node, join_task, msg.body.assets_task)
-        profile = None if self._profiles is None else assign_profile(self._profiles, index, self.config.seed)
+        profile = None if self.profiles is None else assign_profile(self.profiles, index, self.config.seed)
         record.device_class = None if profile is None else profile.name
         record.profile = profile or DeviceProfile()
         if not known:
             self.metrics.client_joined()
         elif not was_online:
             self.metrics.client_joined(rejoin=True)
-        self._send(peer, "welcome", Welcome(join_task=join_task, edge=self._edge_settings(index, profile),
-                                            **self._welcome_template),
-                   task=self._task, round=self._global_round)
-        self.progress("join", {"client": peer, "index": record.index})
-
-    def _edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
-        """What the client's node emulates in host time: everything under the real clock; under the emulated
-        clock nothing (availability, crashes and delays are this coordinator's: coordinator/emulated.py)."""
-        edge, seed = self.config.edge, self.config.seed
-        wire_profile = None if profile is None else profile.to_wire()
-        if self.clock is not None:
-            return EdgeSettings(profile=wire_profile, clock="emulated")
-        return EdgeSettings(
-            availability=client_availability(self._availability, index, seed, slot_s=edge.availability_slot_s,
-                                             trace_time_scale=edge.trace_time_scale),
-            profile=wire_profile, crash_rate=edge.crash_rate, crash_downtime_s=edge.crash_downtime_s,
-            clock_s=time.monotonic() - self._clock0)
+        self.send(peer, "welcome", Welcome(join_task=join_task, edge=self.clock.edge_settings(index, profile),
+                                           **self.welcome),
+                  task=self.state.task, round=self.state.global_round)
+        self.state.progress("join", {"client": peer, "index": record.index})
 
     def _on_update(self, peer: str, msg: Message) -> None:
         if self.config.secagg.enabled:
             raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
-        r = self._round
-        if r is None or msg.round != r.number or peer not in r.selected or peer in r.lost:
-            self.late_updates += 1
+        r = self.round
+        if r is None or not r.is_current(peer, msg.round):
+            self.state.tally.late_updates += 1
             self.metrics.late_update()
-            if (self.config.rounds.late_updates == "next_round" and self.server.accepts_stale_updates
-                    and msg.task == self._task and (r is None or msg.round < r.number)):
+            if (self.config.rounds.late_updates == "next_round" and self.state.server.accepts_stale_updates
+                    and msg.task == self.state.task and (r is None or msg.round < r.number)):
                 self._keep_stale(peer, msg)
             return
         if peer in {u.client for u in r.updates} | r.failed:
@@ -224,64 +228,57 @@ class MessageDispatch:
             self._check_update(peer, msg, r.task)
         except WireError:
             r.failed.add(peer)  # refused: the round does not wait for it
-            self._arrived(r, peer, msg.nbytes, 0.0, 0)
+            self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             raise
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
         r.train_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
-        self._arrived(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
-
-    def _arrived(self, r, peer: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
-        """Emulated clock: place a selected client's answer (update or error) on the round's timeline."""
-        timeline = None if r.timeline is None else r.timeline.get(peer)
-        if timeline is not None:
-            timeline.up_bytes += nbytes
-            timeline.arrival = self.clock.arrival(r.started_at, timeline, cpu_s, samples_trained)
+        self.clock.answered(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
 
     def _keep_stale(self, peer: str, msg: Message) -> None:
-        """Keep a late update for the next round: one per client, at most one round's cohort of them (each
-        holds a model delta)."""
-        cap = math.ceil(self.config.rounds.clients_per_round * self.config.rounds.overcommit)
-        if self._stale_task != msg.task:
-            self._stale, self._stale_task = [], msg.task
-        if len(self._stale) >= cap or any(u.client == peer for u in self._stale):
-            raise WireError("late_cap", f"late update from {peer} beyond the {cap} kept for the next round "
-                                        f"(one per client)")
+        """Keep a late update for the next round (:class:`~coordinator.open_round.StaleUpdates`)."""
+        if not self.stale.has_room_for(peer, msg.task):
+            raise WireError("late_cap", f"late update from {peer} beyond the {self.stale.cap} kept for the next "
+                                        f"round (one per client)")
         self._check_update(peer, msg, msg.task)
-        self._stale.append(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss, msg.body.metrics))
+        self.stale.keep(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss, msg.body.metrics))
 
     def _on_side_channel(self, peer: str, msg: Message) -> None:
         """A method's side-channel message (GLFC's prototype gradients): from a client of the open round, it goes
         to the server part without the sender's identity; one from outside the round is counted late and
         dropped."""
-        if msg.type not in self.spec.server.side_channels:
-            raise WireError("unexpected", f"method {self.spec.name!r} takes no {msg.type!r} messages")
-        r = self._round
-        if r is None or msg.round != r.number or msg.task != r.task or peer not in r.selected or peer in r.lost:
-            self.late_side_channel += 1
+        if msg.type not in self.state.spec.server.side_channels:
+            raise WireError("unexpected", f"method {self.state.spec.name!r} takes no {msg.type!r} messages")
+        r = self.round
+        if r is None or msg.task != r.task or not r.is_current(peer, msg.round):
+            self.state.tally.late_side_channel += 1
             return
-        if r.timeline is not None:  # emulated clock: it counts if the client's update makes the deadline
-            if peer in r.timeline:
-                r.timeline[peer].up_bytes += msg.nbytes
-            r.side.append((peer, msg.type, msg.tensors))
-            return
-        self._side_channel_to_method(r.task, msg.type, msg.tensors)
+        if not self.clock.hold_side_channel(r, peer, msg.type, msg.nbytes, msg.tensors):
+            self._side_channel_to_method(r.task, msg.type, msg.tensors)
+
+    def side_channel(self, client: str, task: int, msg_type: str, tensors) -> None:
+        """A held side-channel message of ``client`` that made its round (the emulated clock's close) to the
+        method; one the method refuses is rejected as the message would have been."""
+        try:
+            self._side_channel_to_method(task, msg_type, tensors)
+        except WireError as exc:
+            exc.peer = client
+            self.reject(exc)
 
     def _side_channel_to_method(self, task: int, msg_type: str, tensors) -> None:
         try:
-            self.server.on_side_channel(task, msg_type, tensors)
+            self.state.server.on_side_channel(task, msg_type, tensors)
         except ValueError as exc:
             raise WireError("bad_shape", str(exc)) from None
 
     def _on_secagg(self, peer: str, msg: Message) -> None:
         """A client's reply in a secure-aggregation phase; a masked input that comes too late counts as late."""
-        sr, r = self._secure, self._round
-        current = sr is not None and r is not None and msg.round == sr.number and peer in r.selected \
-            and peer not in r.lost
+        sr, r = self.secure, self.round
+        current = sr is not None and r is not None and msg.round == sr.number and r.is_current(peer, msg.round)
         if not current or not sr.on_message(peer, msg):
             if msg.type == "secagg_masked":
-                self.late_updates += 1
+                self.state.tally.late_updates += 1
                 self.metrics.late_update()
             return
         if msg.type == "secagg_masked":
@@ -293,7 +290,7 @@ class MessageDispatch:
         the client holds in the task, and stay within the norm bound; the method checks the rest."""
         self._check_delta(msg)
         record = self.registry.records[peer]
-        held = len(self.scenario.client_indices(record.index, task))
+        held = len(self.state.scenario.client_indices(record.index, task))
         if msg.body.num_samples > held:
             raise WireError("implausible", f"{peer} claims {msg.body.num_samples} samples; it holds {held} in "
                                            f"task {task}")
@@ -303,12 +300,12 @@ class MessageDispatch:
             if not norm <= bound:
                 raise WireError("norm_bound", f"{peer}'s model delta has L2 norm {norm:.4g} > {bound:g}")
         try:
-            self.server.check_update(task, msg.tensors)
+            self.state.server.check_update(task, msg.tensors)
         except ValueError as exc:
             raise WireError("bad_shape", str(exc)) from None
 
     def _check_delta(self, msg: Message) -> None:
-        expected = self.server.global_state
+        expected = self.state.server.global_state
         got = {k[len(DELTA):]: v for k, v in msg.tensors.items() if k.startswith(DELTA)}
         if msg.body.num_samples == 0:
             return
@@ -324,14 +321,14 @@ class MessageDispatch:
             raise WireError("bad_body", "negative num_samples")
 
     # ------------------------------------------------------------ refusing, sending
-    def _reject(self, exc: WireError) -> None:
-        self.rejected[exc.reason] += 1
+    def reject(self, exc: WireError) -> None:
+        self.state.tally.rejected[exc.reason] += 1
         self.metrics.rejected(exc.reason)
-        self.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")
+        self.state.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
-            self._send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
+            self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 
-    def _try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
+    def try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
         """Send; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its
         queue is full."""
         try:
@@ -341,9 +338,9 @@ class MessageDispatch:
                 raise
             return 0
 
-    def _send(self, client_id: str, msg_type: str, body, **kw) -> int:
+    def send(self, client_id: str, msg_type: str, body, **kw) -> int:
         """Send (returns the bytes sent); a vanished peer is declared dead (returns 0)."""
-        sent = self._try_send(client_id, msg_type, body, **kw)
+        sent = self.try_send(client_id, msg_type, body, **kw)
         if not sent and self.registry.drop(client_id):
             self.metrics.client_dropped("unreachable")
         return sent

@@ -6,8 +6,8 @@ its join timeout) or that had stopped sending heartbeats (noticed after the live
 have exited; for each new one it logs and records the exit, declares the node's clients dead, stops waiting for
 those that never joined, and ends the run if no node is left and no client is online.
 
-A mixin of :class:`coordinator.engine.Coordinator` (it uses ``registry``, ``metrics``, ``progress`` and the
-run's recorder).
+:class:`NodeWatch` uses the run state's registry, metrics, progress hook and event recorder; the dispatcher calls
+its :meth:`NodeWatch.check` each time it wakes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.errors import RunAborted
+from coordinator.state import RunState
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -38,43 +39,46 @@ class NodeExit:
 
 
 class NodeWatch:
-    """The coordinator's view of the edge-node processes (mixin of Coordinator)."""
+    """The coordinator's view of the edge-node processes."""
 
-    _node_watch: Callable[[], list[NodeExit]] | None = None
-    _nodes_started = 0
-    _exited_nodes: dict[tuple[str, int], NodeExit]  # every exit handled, by (node, seq)
-    _unreachable_clients = 0  # clients of exited nodes that had not joined: never to be waited for
+    def __init__(self, state: RunState):
+        self.state = state
+        self._exited: Callable[[], list[NodeExit]] | None = None
+        self.started = 0
+        self._handled: dict[tuple[str, int], NodeExit] = {}  # every exit handled, by (node, seq)
+        self.unreachable_clients = 0  # clients of exited nodes that had not joined: never to be waited for
 
-    def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
+    def watch(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
         """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
-        self._node_watch, self._nodes_started, self._exited_nodes = exited, started, {}
+        self._exited, self.started, self._handled = exited, started, {}
 
     def record_fault(self, action: str, **fields) -> None:
         """A fault injected into an edge node's container (containers/faults.py): an event and a count. Called
         from the injector's thread."""
         if fields.get("applied", True):
-            self.metrics.container_faults.labels(action).inc()
-        if self._recorder is not None:
-            self._recorder.event("fault", action=action, **fields)
-        self.progress("fault", {"action": action, **fields})
+            self.state.metrics.container_faults.labels(action).inc()
+        self.state.event("fault", action=action, **fields)
+        self.state.progress("fault", {"action": action, **fields})
 
-    def _check_nodes(self) -> None:
-        if self._node_watch is None:
+    def check(self) -> None:
+        """Handle the nodes that exited since the last call; end the run if none is left and no client is
+        online."""
+        if self._exited is None:
             return
-        exits = self._node_watch()
+        state, registry = self.state, self.state.registry
+        exits = self._exited()
         for node in exits:
-            if (node.name, node.seq) in self._exited_nodes:
+            if (node.name, node.seq) in self._handled:
                 continue
-            self._exited_nodes[(node.name, node.seq)] = node
-            hosted = [r for r in self.registry.records.values() if r.node == node.name]
+            self._handled[(node.name, node.seq)] = node
+            hosted = [r for r in registry.records.values() if r.node == node.name]
             for record in hosted:
-                if self.registry.drop(record.client_id):
-                    self.metrics.client_dropped("node_exited")
-            self._unreachable_clients += max(0, node.clients - len(hosted)) if node.seq == 0 else 0
+                if registry.drop(record.client_id):
+                    state.metrics.client_dropped("node_exited")
+            self.unreachable_clients += max(0, node.clients - len(hosted)) if node.seq == 0 else 0
             log.error("%s", node.describe())
-            if self._recorder is not None:
-                self._recorder.event("node_exit", node=node.name, code=node.code, error=node.last_error)
-            self.progress("node_exit", {"node": node.name, "code": node.code, "error": node.last_error})
+            state.event("node_exit", node=node.name, code=node.code, error=node.last_error)
+            state.progress("node_exit", {"node": node.name, "code": node.code, "error": node.last_error})
         down = {node.name: node for node in exits if not node.back}  # a restarted node's clients join again
-        if len(down) >= self._nodes_started > 0 and self.registry.online_count == 0:
+        if len(down) >= self.started > 0 and registry.online_count == 0:
             raise RunAborted("every edge node exited: " + "; ".join(n.describe() for n in down.values()))

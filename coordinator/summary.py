@@ -1,35 +1,45 @@
 """The run summary (``summary.json``): results, costs and counts of a finished or ended run.
 
-A mixin of :class:`coordinator.engine.Coordinator`; the accuracy definitions it uses are in
-:mod:`monitoring.results` and docs/metrics.md.
+:class:`RunSummary` reads the run state, the clock, the server-side jobs, the checkpointer and the time account;
+the accuracy definitions it uses are in :mod:`monitoring.results` and docs/metrics.md.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from coordinator.clock import RunClock
 from coordinator.gpu_pool import Job
+from coordinator.resume import Checkpointer
+from coordinator.server_jobs import ServerJobs
+from coordinator.state import RunState, TimeAccount
 from monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
                                 spatial_retention, temporal_retention)
 
 
 class RunSummary:
-    """``summary.json`` from the run's results and counters (mixin of Coordinator)."""
+    """``summary.json`` from the run's results and counters."""
 
-    def _summary(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
-                 class_hits=None) -> dict:
-        counts = self.registry.counts
+    def __init__(self, state: RunState, clock: RunClock, jobs: ServerJobs, checkpointer: Checkpointer,
+                 time_account: TimeAccount, heartbeat_interval_s: float):
+        self.state, self.config, self.scenario, self.clock = state, state.config, state.scenario, clock
+        self.jobs, self.checkpointer, self.time_account = jobs, checkpointer, time_account
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def build(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
+              class_hits=None) -> dict:
+        st, tally = self.state, self.state.tally
+        counts = st.registry.counts
         complete = bool(matrix)
         phases = Counter()
         for r in rounds:
             phases.update(r.phases_s)
         return {
             "status": status,
-            "run_id": self.run_id,
+            "run_id": st.run_id,
             "run_dir": str(run_dir),
             "method": self.config.method,
             "method_options": self.config.method_options_model().model_dump(mode="json"),
@@ -38,73 +48,60 @@ class RunSummary:
             "scenario": self.config.scenario.model_dump(mode="json"),
             "seed": self.config.seed,
             "accuracy_matrix": matrix,
-            "accuracy_seen": [self._seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            "accuracy_seen": [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
             "accuracy_all": [self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
-            "accuracy_clients": list(self.client_accuracy),
+            "accuracy_clients": list(st.client_accuracy),
             "average_accuracy": average_accuracy(matrix) if complete else None,
             "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
             "average_forgetting": average_forgetting(matrix) if complete else None,
             "knowledge_retention": self._knowledge_retention(matrix, class_hits),
-            "bytes": self.counters.nested(),
-            "messages": {f"{t}/{d}": n for (t, d), n in sorted(self.counters.messages.items())},
-            "bytes_total": sum(self.counters.bytes.values()),
+            "bytes": st.counters.nested(),
+            "messages": {f"{t}/{d}": n for (t, d), n in sorted(st.counters.messages.items())},
+            "bytes_total": sum(st.counters.bytes.values()),
             "rounds": len(rounds),
             "rounds_skipped": sum(r.skipped for r in rounds),
             "wall_clock_s": wall,
-            "clock": "emulated" if self.clock is not None else "real",
+            "clock": self.clock.kind,
             # emulated clock: what the federation would have taken (the host's wall clock is wall_clock_s)
-            "emulated_s": None if self.clock is None else self.clock.now,
+            "emulated_s": self.clock.emulated_now,
             "host_timeouts": sum(r.host_timeout for r in rounds),
             "bytes_discarded": sum(r.bytes_discarded for r in rounds),
-            "time": self._time_accounting(),
+            "time": self.time_account.accounting(),
             "phase_s": dict(phases),
-            "handling_s": dict(self.handling_s),
+            "handling_s": dict(tally.handling_s),
             "liveness": {"heartbeat_interval_s": self.heartbeat_interval_s,
-                         "liveness_timeout_s": self.registry.liveness_timeout_s},
+                         "liveness_timeout_s": st.registry.liveness_timeout_s},
             "clients": {
                 "configured": self.config.scenario.num_clients,
                 "joined": counts.joined,
                 "rejoined": counts.rejoined,
                 "left": counts.left,
                 "dropped": counts.dropped,
-                "online_at_end": len(self.registry.online()),
-                "switched_connection": self.connection_switches,
+                "online_at_end": len(st.registry.online()),
+                "switched_connection": tally.connection_switches,
             },
             "missed_deadline": sum(r.late for r in rounds),
-            "late_updates": self.late_updates,
-            "late_side_channel": self.late_side_channel,
-            "rejected_messages": dict(self.rejected),
+            "late_updates": tally.late_updates,
+            "late_side_channel": tally.late_side_channel,
+            "rejected_messages": dict(tally.rejected),
             "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
-            "gpu_jobs": _jobs_summary(self._jobs, self.config.gpu.workers, self.pool.device),
-            "resumes": self._resumes,
-            "checkpoints": dict(self._checkpoints),  # saved, seconds in total, bytes of the latest
+            "gpu_jobs": _jobs_summary(self.jobs.finished, self.config.gpu.workers, self.jobs.pool.device),
+            "resumes": self.checkpointer.resumes,
+            "checkpoints": dict(self.checkpointer.stats),  # saved, seconds in total, bytes of the latest
         }
-
-    def _time_accounting(self) -> dict:
-        """Where this process's wall clock went (a resumed run: since it resumed): seconds per part of the
-        lifecycle, the rounds' part split by phase as in ``phase_s``, and the fraction the parts account for."""
-        wall = time.perf_counter() - self._session_started
-        parts = {part: round(seconds, 4) for part, seconds in sorted(self.wall_s.items())}
-        return {"wall_s": round(wall, 4), "parts_s": parts,
-                "accounted": round(sum(self.wall_s.values()) / wall, 4) if wall > 0 else None}
-
-    def _seen_accuracy(self, row: list[float | None], task: int) -> float:
-        counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]
-        return float(np.average([a for a in row if a is not None], weights=[n for a, n in zip(row, counts)
-                                                                             if a is not None]))
 
     def _all_accuracy(self, row: list[float | None], task: int) -> float:
         """Accuracy on the test samples of every class of the data set (FedCBC's global accuracy): a class not
         seen yet has no output, so its samples count as wrong."""
         seen = len(self.scenario.test_indices(self.scenario.seen_classes(task)))
-        return self._seen_accuracy(row, task) * seen / len(self.scenario.test_labels)
+        return self.state.seen_accuracy(row, task) * seen / len(self.scenario.test_labels)
 
     def _knowledge_retention(self, matrix, class_hits) -> dict[str, float | None]:
         """KR_t, KR_s and the private classes' accuracy (monitoring.results); the spatial terms need the
         final model's per-class hits, which a run resumed after its last task no longer has."""
         out = {"temporal": temporal_retention(matrix) if matrix else None, "spatial": None, "private": None}
         if class_hits is not None and len(matrix) == self.scenario.num_tasks:
-            per_task = self.evaluator.client_task_classes(len(matrix) - 1)
+            per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
             trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
             out.update(spatial_retention(*class_hits, trained))
         return out

@@ -65,7 +65,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     from containers.engine import EngineError
     from containers.image import ImageError
     from coordinator.checkpoint import CheckpointError
-    from coordinator.engine import BindError
+    from coordinator.lifecycle import BindError
     from monitoring.stack import PortInUseError
     from scenario.datasets import DatasetNotFoundError
     from wire.auth import KeyFileError

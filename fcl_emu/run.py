@@ -18,7 +18,7 @@ from containers.faults import FaultInjector, Target, load_plan
 from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
-from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
+from coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers import NodeLauncher, launcher, node_specs

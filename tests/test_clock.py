@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from coordinator.emulated import ClientRound, EmulatedClock
-from coordinator.registry import ClientRegistry
+from coordinator.clients import ClientRegistry
 from runconfig.config import RunConfig
 from scenario.availability import AvailabilitySpec, parse_availability
 from scenario.devices import DeviceProfile, assign_profile, load_profiles

@@ -158,7 +158,7 @@ def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
 def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
     """An unexpected error inside the run ends it with status "failed: ..." in summary.json and in the clients'
     shutdown, never "completed"."""
-    from coordinator.engine import Coordinator
+    from coordinator.lifecycle import Coordinator
     from runconfig import load_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8}),
@@ -191,7 +191,7 @@ def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tm
     """A condition that never holds delays the first round by its timeout, longer than the liveness timeout,
     and the run goes on with a warning: no client is dropped meanwhile (heartbeats are served), and the wait
     counts as join time. (`up --prometheus` waits like this for its Prometheus's first scrape.)"""
-    from coordinator.engine import Coordinator
+    from coordinator.lifecycle import Coordinator
     from runconfig import load_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "num_tasks": 1}),

@@ -302,7 +302,7 @@ def test_bad_uploads_are_refused(feature_vaes):
 
 def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
     """ServerPart.check_update runs when an update arrives: a misfit VAE is a bad_shape rejection."""
-    from coordinator.engine import Coordinator
+    from coordinator.lifecycle import Coordinator
     from runconfig import load_config
     from wire.framing import WireError, decode, encode
     from wire.messages import Update
@@ -319,7 +319,7 @@ def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
         msg = decode(encode("update", Update(num_samples=5, train_time_s=0.1, loss=0.0), sender="client-0000",
                             seq=1, tensors=bad))
         with pytest.raises(WireError, match="VAE of class 0") as info:
-            coordinator._check_update("client-0000", msg, 0)
+            coordinator.dispatcher._check_update("client-0000", msg, 0)
         assert info.value.reason == "bad_shape"
     finally:
         coordinator.close()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from coordinator.engine import Coordinator, JobFailed
+from coordinator.lifecycle import Coordinator, JobFailed
 from runconfig import load_config
 from methods import jobs
 from tests.conftest import events, fcl_emu, keyed, small_config
@@ -44,12 +44,12 @@ def test_clients_stay_alive_while_a_long_job_runs(tmp_path, mnist_root, workers,
                    *coordinator.node_keys)
     try:
         coordinator._wait_for_clients()
-        beats = coordinator.counters.messages.get(("heartbeat", "received"), 0)
+        beats = coordinator.state.counters.messages.get(("heartbeat", "received"), 0)
         job = coordinator.run_job("device.matmul", {}, {"seconds": seconds, "size": 128})
         assert job.ok and job.run_s >= seconds and job.worker == ("gpu-worker-0" if workers else "coordinator")
         assert job.metrics["products"] > 0 and job.outputs["checksum"].shape == (1,)
         assert coordinator.registry.counts.dropped == 0 and len(coordinator.registry.online()) == 20
-        served = coordinator.counters.messages[("heartbeat", "received")] - beats
+        served = coordinator.state.counters.messages[("heartbeat", "received")] - beats
         assert served >= 20 * seconds / 0.3 * 0.7, served  # every client's heartbeats, all along
     finally:
         coordinator._shutdown("test over")

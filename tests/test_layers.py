@@ -73,5 +73,5 @@ def test_the_table_is_acyclic():
 
 def test_the_reader_catches_function_level_imports(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from coordinator.engine import Coordinator\n    import edge_node.node\n")
+    path.write_text("def f():\n    from coordinator.lifecycle import Coordinator\n    import edge_node.node\n")
     assert imported_packages(path) == {("coordinator", 2), ("edge_node", 3)}

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from coordinator import checkpoint
 from coordinator.checkpoint import CheckpointError
-from coordinator.registry import ClientRegistry, Status
+from coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
 from runconfig import RunConfig
 from methods import registry as methods

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.engine import Coordinator
+from coordinator.lifecycle import Coordinator
 from secagg.server import SecAggConfig
 from coordinator.secure_round import SecureRound, round_id
 from edge_node.node import EdgeNode

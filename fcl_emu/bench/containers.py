@@ -31,7 +31,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.engine import Coordinator
+from coordinator.lifecycle import Coordinator
 from fcl_emu.launchers import launcher
 from fcl_emu.run import with_run_keys
 from runconfig import RunConfig

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.engine import Coordinator
+from coordinator.lifecycle import Coordinator
 from fcl_emu.launchers.process import node_command, node_env
 from runconfig import RunConfig
 

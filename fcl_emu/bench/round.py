@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 from rich.console import Console
 
-from coordinator.engine import Coordinator
+from coordinator.lifecycle import Coordinator
 from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
 from fcl_emu.keys import with_keys

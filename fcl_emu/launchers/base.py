@@ -7,7 +7,7 @@ import abc
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.engine import NodeExit
+from coordinator.lifecycle import NodeExit
 from wire.auth import SERVER_NAME
 from runconfig import RunConfig, node_metrics_port
 from scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from containers.engine import client
 from containers.faults import Target
-from coordinator.engine import NodeExit
+from coordinator.lifecycle import NodeExit
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec
 
 log = logging.getLogger("fcl_emu.launchers")

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from coordinator.engine import NodeExit
+from coordinator.lifecycle import NodeExit
 from fcl_emu.launchers import zygote
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs
 from fcl_emu.launchers.zygote import ForkedProcess

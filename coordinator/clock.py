@@ -1,0 +1,250 @@
+"""The run's clock, one interface with two implementations chosen once per run (:func:`make_clock`).
+
+- :class:`RealTime` (``--clock real``): the federation's time is the host's. The edge nodes emulate
+  availability, crashes, device speed and links in host seconds (their :class:`~wire.messages.EdgeSettings`
+  carry everything); a round waits in host time until enough updates arrived or its deadline passed.
+- :class:`EmulatedTime` (the default): the federation's time is computed (:mod:`coordinator.emulated`) from each
+  client's own work, device and bytes, so the same seed gives the same rounds on a busy or a quiet host. The
+  nodes emulate nothing in host time; a round waits until every selected client answered or is gone, then is
+  closed in emulated time.
+
+The round runner and the dispatcher call the same methods on either; neither asks which one it has.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+
+from coordinator.emulated import ClientRound, EmulatedClock
+from coordinator.open_round import OpenRound
+from coordinator.secure_round import SecureOutcome, SecureRound
+from coordinator.state import RunState
+from scenario.availability import AvailabilitySpec, client_availability, parse_availability
+from scenario.devices import DeviceProfile
+from wire.messages import EdgeSettings
+
+Serve = Callable[[Callable[[], bool], float], None]  # serve(until, monotonic deadline): the dispatcher's loop
+SideChannel = Callable[[str, int, str, dict[str, np.ndarray]], None]  # (client, task, type, tensors) to the method
+
+
+class RunClock(ABC):
+    """What the coordinator's rounds ask of time (see the module docstring)."""
+
+    kind: str  # "real" or "emulated": the summary's ``clock``
+
+    def __init__(self, state: RunState, availability: AvailabilitySpec):
+        self.state = state
+        self.availability = availability
+        self.started = time.monotonic()  # host time since the run started (a resumed run: since it first did)
+
+    @property
+    def emulated_now(self) -> float | None:
+        """The emulated clock's time; None under the real clock."""
+        return None
+
+    def checkpoint_fields(self) -> dict:
+        return {"run_clock_s": time.monotonic() - self.started, "emulated_clock_s": self.emulated_now}
+
+    def restore(self, fields: dict) -> None:
+        """Take a checkpoint's clock fields back (:meth:`checkpoint_fields`)."""
+        self.started = time.monotonic() - fields["run_clock_s"]
+
+    @abstractmethod
+    def edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
+        """What client ``index``'s edge node emulates in host time."""
+
+    @abstractmethod
+    def before_selection(self, task: int, serve: Serve) -> None:
+        """Bring the registry's view of who is online up to the round's start; with fewer than
+        ``min_participants`` eligible, wait (in this clock's time) for clients to come back, within a deadline."""
+
+    def open_round(self, r: OpenRound) -> None:
+        """The round ``r`` opens now."""
+
+    def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
+        """``client`` was sent ``down_bytes`` for round ``r`` (task start, assets, train request)."""
+
+    def answered(self, r: OpenRound, client: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
+        """A selected client's answer (update or error) of ``nbytes`` arrived, after ``cpu_s`` of its work."""
+
+    def hold_side_channel(self, r: OpenRound, client: str, msg_type: str, nbytes: int,
+                          tensors: dict[str, np.ndarray]) -> bool:
+        """Whether a side-channel message of the open round waits for the round's close (True) or goes to the
+        method now (False)."""
+        return False
+
+    @abstractmethod
+    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
+                side_channel: SideChannel) -> SecureOutcome | None:
+        """Serve until round ``r`` is over, close it (late, dropped, the updates that count) and return the secure
+        round's outcome (None in a plain round)."""
+
+
+class RealTime(RunClock):
+    kind = "real"
+
+    def edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
+        edge, seed = self.state.config.edge, self.state.config.seed
+        return EdgeSettings(
+            availability=client_availability(self.availability, index, seed, slot_s=edge.availability_slot_s,
+                                             trace_time_scale=edge.trace_time_scale),
+            profile=None if profile is None else profile.to_wire(), crash_rate=edge.crash_rate,
+            crash_downtime_s=edge.crash_downtime_s, clock_s=time.monotonic() - self.started)
+
+    def before_selection(self, task: int, serve: Serve) -> None:
+        cfg, registry = self.state.config.rounds, self.state.registry
+        if len(registry.eligible(task)) < cfg.min_participants:
+            wait_s = min(cfg.deadline_s, registry.liveness_timeout_s)
+            serve(lambda: registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
+
+    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
+                side_channel: SideChannel) -> SecureOutcome | None:
+        """Serve until the round is done or its deadline passed (a secure round runs its protocol meanwhile);
+        then count who missed the deadline and who dropped out."""
+        cfg, online = self.state.config.rounds, self.state.registry.is_online
+        deadline = time.monotonic() + cfg.deadline_s
+        if isinstance(secure, SecureRound):
+            secure = secure.collect(serve, online, lambda c: online(c) and c not in r.failed and c not in r.lost,
+                                    r.wanted, deadline, cfg.min_participants)
+        elif secure is None:
+            serve(lambda: r.done(online), deadline)
+        r.late = len(r.pending(online))
+        r.dropped = len(r.selected - r.answered() - r.pending(online))
+        return secure
+
+
+class EmulatedTime(RunClock):
+    kind = "emulated"
+
+    def __init__(self, state: RunState, availability: AvailabilitySpec, liveness_timeout_s: float):
+        super().__init__(state, availability)
+        edge = state.config.edge
+        self.model = EmulatedClock(availability, seed=state.config.seed, slot_s=edge.availability_slot_s,
+                                   trace_time_scale=edge.trace_time_scale, crash_rate=edge.crash_rate,
+                                   crash_downtime_s=edge.crash_downtime_s, liveness_timeout_s=liveness_timeout_s)
+
+    @property
+    def emulated_now(self) -> float:
+        return self.model.now
+
+    def restore(self, fields: dict) -> None:
+        super().restore(fields)
+        self.model.now = fields.get("emulated_clock_s") or 0.0  # crash downtimes in flight are not kept
+
+    def edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
+        """Nothing in host time: availability, crashes and delays are this clock's."""
+        return EdgeSettings(profile=None if profile is None else profile.to_wire(), clock="emulated")
+
+    def before_selection(self, task: int, serve: Serve) -> None:
+        self._follow_availability(self.model.now)
+        cfg, registry = self.state.config.rounds, self.state.registry
+        if len(registry.eligible(task)) < cfg.min_participants:
+            self._await_quorum(task)
+
+    def open_round(self, r: OpenRound) -> None:
+        r.started_at = self.model.now
+
+    def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
+        r.timeline[client] = ClientRound(profile, down_bytes=down_bytes)
+
+    def answered(self, r: OpenRound, client: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
+        timeline = r.timeline.get(client)
+        if timeline is not None:
+            timeline.up_bytes += nbytes
+            timeline.arrival = self.model.arrival(r.started_at, timeline, cpu_s, samples_trained)
+
+    def hold_side_channel(self, r: OpenRound, client: str, msg_type: str, nbytes: int,
+                          tensors: dict[str, np.ndarray]) -> bool:
+        """It counts if the client's update makes the deadline: held until the close."""
+        if client in r.timeline:
+            r.timeline[client].up_bytes += nbytes
+        r.side.append((client, msg_type, tensors))
+        return True
+
+    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
+                side_channel: SideChannel) -> SecureOutcome | None:
+        """Serve until every selected client answered or is gone (or the host-side safety timeout), then close
+        the round in emulated time. Secure rounds run under the real clock only (the config refuses both)."""
+        assert secure is None, "secure aggregation runs under the real clock"
+        online = self.state.registry.is_online
+        serve(lambda: not r.pending(online), time.monotonic() + self.state.config.rounds.host_timeout_s)
+        self._close(r, side_channel)
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _follow_availability(self, t: float) -> None:
+        """Move the emulated clock to ``t``; mark connected clients away or back by their availability models
+        and crash downtimes."""
+        if not self.model.churns:  # everyone always available: nothing to follow
+            self.model.now = max(self.model.now, t)
+            return
+        registry, metrics = self.state.registry, self.state.metrics
+        connected = registry.connected()
+        states = self.model.availability_at(t, ((r.client_id, r.index) for r in connected))
+        for record in connected:
+            available = states[record.client_id]
+            if registry.set_away(record.client_id, not available):
+                if available:
+                    metrics.client_joined(rejoin=True)
+                else:
+                    metrics.client_left()
+                self.state.progress("join" if available else "leave", {"client": record.client_id})
+
+    def _await_quorum(self, task: int) -> None:
+        """Too few clients online for a round: move the emulated clock to when enough are, within a deadline
+        (or to the deadline: the round that follows is skipped)."""
+        cfg, registry = self.state.config.rounds, self.state.registry
+        until = self.model.now + cfg.deadline_s
+        while len(registry.eligible(task)) < cfg.min_participants:
+            away = [(r.client_id, r.index) for r in registry.connected() if r.away and r.join_task <= task]
+            t = self.model.next_change(away)
+            self._follow_availability(min(t, until))
+            if t >= until:
+                return
+
+    def _close(self, r: OpenRound, side_channel: SideChannel) -> None:
+        """Keep the updates that arrived by the close, hand their side-channel messages to the method, count the
+        late, the gone and the crashed (coordinator.emulated)."""
+        state = self.state
+        cfg, registry, tally = state.config.rounds, state.registry, state.tally
+        r.host_timeout = bool(r.pending(registry.is_online))
+        if r.host_timeout:
+            state.log_once(None, "host timeout", f"round {r.number}: clients still working after the host-side "
+                                                 f"safety timeout of {cfg.host_timeout_s:g} s; they count as late")
+        useful = {u.client for u in r.updates if u.num_samples > 0}
+        indices = {c: registry.records[c].index for c in r.timeline}
+        closing = self.model.close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful, r.number)
+        late = [u for u in r.updates if u.client in closing.arrived_late]
+        r.updates = [u for u in r.updates if u.client in closing.on_time]
+        for client, kind, tensors in r.side:
+            if client in closing.on_time:
+                side_channel(client, r.task, kind, tensors)
+            else:
+                tally.late_side_channel += 1
+        for client in closing.crashed:
+            record = registry.records[client]
+            record.restarted, record.assets_task = True, -1
+            if registry.set_away(client, True, crashed=True):
+                state.metrics.client_dropped("crash")
+        tally.late_updates += len(late)
+        for _ in late:
+            state.metrics.late_update()
+        if cfg.late_updates == "next_round" and state.server.accepts_stale_updates:
+            r.kept_late = [u for u in late if u.num_samples > 0]
+        r.late = len(closing.late - r.failed)
+        r.dropped = len(closing.gone) + len(r.selected - r.timeline.keys())
+        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.lost_uploads)
+        r.emulated_s = closing.closed_at - r.started_at
+        r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+
+
+def make_clock(state: RunState, liveness_timeout_s: float) -> RunClock:
+    """The run's clock, as its config says (``emulated_clock``)."""
+    availability = parse_availability(state.config.edge.availability)
+    if state.config.emulated_clock:
+        return EmulatedTime(state, availability, liveness_timeout_s)
+    return RealTime(state, availability)

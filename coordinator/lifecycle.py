@@ -1,0 +1,362 @@
+"""The coordinator's lifecycle: build a run's parts once, then run it task by task and round by round.
+
+The parts are objects over one :class:`~coordinator.state.RunState`, each receiving what it uses:
+
+- :class:`~coordinator.dispatch.Dispatcher` (:mod:`coordinator.dispatch`): serving the ROUTER socket, each client
+  message by its type;
+- :class:`~coordinator.rounds.RoundRunner` (:mod:`coordinator.rounds`): one round, phase by phase, with
+  :mod:`coordinator.secure_round` for a round's SecAgg+;
+- the run's clock (:mod:`coordinator.clock`): real or emulated time, chosen once;
+- :class:`~coordinator.resume.Checkpointer`: checkpoints after every round, and resuming from one;
+- :class:`~coordinator.summary.RunSummary`: ``summary.json``;
+- :class:`~coordinator.nodes.NodeWatch`: noticing at once that an edge node started by a launcher has exited;
+- :class:`~coordinator.server_jobs.ServerJobs`: server-side jobs on the GPU worker pool while the socket is served.
+
+:meth:`Coordinator.run`: wait for the clients, then for each task: start it, run its rounds, end it (the
+method's task-end work), evaluate and checkpoint; at the end tell every client to shut down and write the
+summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from coordinator.checkpoint import Checkpoint
+from coordinator.clients import ClientRegistry, Status
+from coordinator.clock import make_clock
+from coordinator.dispatch import Dispatcher
+from coordinator.errors import BindError, JobFailed, RunAborted
+from coordinator.evaluation import Evaluator
+from coordinator.gpu_pool import Job, WorkerPool
+from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter
+from coordinator.nodes import NodeExit, NodeWatch
+from coordinator.open_round import StaleUpdates
+from coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
+from coordinator.rounds import RoundRunner
+from coordinator.server_jobs import JobSpec, ServerJobs
+from coordinator.state import ProgressHook, RunState, TimeAccount, no_progress
+from coordinator.summary import RunSummary
+from methods import registry as methods
+from methods.base import ServerContext
+from methods.models.classifier import build_model, resolve_model
+from monitoring.metrics import CoordinatorMetrics
+from monitoring.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
+                                average_incremental_accuracy)
+from runconfig import RunConfig, gpu_worker_metrics_port
+from scenario.datasets import load_dataset
+from scenario.devices import load_profiles
+from scenario.scenario import build_scenario
+from wire.auth import Allowlist, KeyFileError, ServerKeys, load_server_keys
+from wire.framing import Limits
+from wire.messages import Shutdown
+from wire.sockets import ServerEndpoint, tee
+
+__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "JobFailed", "NodeExit", "RunAborted", "run_fingerprint"]
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, *, context: zmq.Context | None = None,
+                 progress: ProgressHook | None = None, resume: Checkpoint | None = None):
+        """Build the run's state and parts. ``resume``: continue from this checkpoint of the same run (same run
+        id and address)."""
+        self.config = config
+        device = resolve_device(config.device)
+        if config.coordinator_threads is not None:
+            torch.set_num_threads(config.coordinator_threads)
+        self.dataset = load_dataset(config.scenario.dataset, config.data_root, download=config.download)
+        scenario = build_scenario(config.scenario, self.dataset)
+        spec = methods.get(config.method)
+        options = config.method_options_model()
+        self.model_name = resolve_model(config.model, self.dataset.input_shape, spec.server.needs_batchnorm,
+                                        spec.server.small_model)
+        torch.manual_seed(config.seed)
+        server = spec.server(ServerContext(
+            options=options, scenario=scenario, build_model=self._build_model, seed=config.seed,
+            run_job=self.run_job, model_name=self.model_name, input_shape=tuple(self.dataset.input_shape),
+            rounds_per_task=config.rounds.rounds_per_task))
+        self.heartbeat_interval_s, liveness_timeout_s = config.network.liveness(config.scenario.num_clients)
+        metrics = CoordinatorMetrics()  # served only when asked: ``metrics.serve``, see fcl_emu/run.py
+        self.state = state = RunState(
+            config=config, scenario=scenario, spec=spec, server=server, model_name=self.model_name,
+            evaluator=Evaluator(scenario, device), registry=ClientRegistry(liveness_timeout_s), metrics=metrics,
+            run_id=uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"],
+            rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
+            progress=progress or no_progress)
+        metrics.watch_online(lambda: state.registry.online_count)
+        self.context = context or zmq.Context.instance()
+        keys, self.allowlist = self._keys()
+        bind = config.network.bind if resume is None else resume.state["address"]
+        count = tee(state.counters, metrics.count_message)
+        try:
+            self.endpoint = ServerEndpoint(self.context, bind,
+                                           limits=Limits(max_total_bytes=config.network.max_message_bytes),
+                                           count=count, keys=keys)
+        except zmq.ZMQError as exc:
+            if self.allowlist is not None:
+                self.allowlist.stop()
+            raise BindError(f"cannot bind {bind}: {exc}") from None
+        self.address = self.endpoint.address
+        first_port = gpu_worker_metrics_port(config, 0)
+        self.pool = WorkerPool(config.gpu, self.context, count=count, keys=keys, key_dir=config.security.keys,
+                               max_message_bytes=config.network.max_message_bytes, metrics=metrics,
+                               worker_metrics=None if first_port is None else (config.metrics.host, first_port,
+                                                                               config.metrics.linger))
+        metrics.watch_gpu_pool(lambda: self.pool.queued, self.pool.worker_states)
+        self.clock = make_clock(state, liveness_timeout_s)
+        self.nodes = NodeWatch(state)
+        stale = StaleUpdates.for_rounds(config.rounds.clients_per_round, config.rounds.overcommit)
+        self.dispatcher = Dispatcher(
+            state, self.endpoint, self.pool, self.clock, stale,
+            # control messages per peer: room for twice the heartbeat rate on top of the rest
+            RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s),
+            welcome=dict(run_id=state.run_id, scenario=config.scenario.model_dump(mode="json"),
+                         method=config.method, method_options=options.model_dump(mode="json"),
+                         model=self.model_name,
+                         training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
+                         heartbeat_interval_s=self.heartbeat_interval_s),
+            profiles=load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None,
+            on_tick=self.nodes.check)
+        self.rounds = RoundRunner(state, self.dispatcher, self.clock, stale)
+        self.jobs = ServerJobs(state, self.pool, self.dispatcher.serve)
+        self.checkpointer = Checkpointer(state, self.clock, self.address)
+        self.time = TimeAccount()
+        self.summary = RunSummary(state, self.clock, self.jobs, self.checkpointer, self.time,
+                                  self.heartbeat_interval_s)
+        # conditions the first round waits for once the clients are in, each (what, condition, timeout):
+        # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
+        self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
+        self._resumed: Resumed | None = None if resume is None else self.checkpointer.restore(resume)
+
+    # ------------------------------------------------------------ what run.py and the benches use
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    @property
+    def progress(self) -> ProgressHook:
+        return self.state.progress
+
+    @progress.setter
+    def progress(self, hook: ProgressHook) -> None:
+        self.state.progress = hook
+
+    @property
+    def metrics(self) -> CoordinatorMetrics:
+        return self.state.metrics
+
+    @property
+    def server(self):
+        return self.state.server
+
+    @property
+    def registry(self) -> ClientRegistry:
+        return self.state.registry
+
+    def serve(self, until: Callable[[], bool], deadline: float) -> None:
+        """Serve the socket until ``until()`` holds or the monotonic ``deadline`` passes."""
+        self.dispatcher.serve(until, deadline)
+
+    def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
+        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
+        self.nodes.watch(exited, started)
+
+    def record_fault(self, action: str, **fields) -> None:
+        """A fault injected into an edge node's container (containers/faults.py). Called from the injector's
+        thread."""
+        self.nodes.record_fault(action, **fields)
+
+    def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
+        """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).
+        Raises :class:`wire.auth.KeyFileError`."""
+        security = self.config.security
+        if security.transport == "plain":
+            return None, None
+        if security.keys is None:
+            raise KeyFileError("CurveZMQ needs the run's key directory: write one with `fcl-emu keys` and pass "
+                               "--keys, or run without authentication with --insecure")
+        keys = load_server_keys(security.keys)
+        return keys, Allowlist(self.context, keys)
+
+    def _build_model(self, num_classes: int):
+        return build_model(self.model_name, self.dataset.input_shape, num_classes)
+
+    # ---------------------------------------------------------------------- run
+    def _wait_for_clients(self) -> None:
+        expected = self.config.scenario.num_clients
+        timeout = self.config.network.join_timeout_s
+        registry = self.state.registry
+        # every configured client has shown up (one that joined and died since is not waited for, nor one
+        # whose node has exited)
+        self.serve(lambda: len(registry.records) + self.nodes.unreachable_clients >= expected,
+                   time.monotonic() + timeout)
+        online = len(registry.eligible(0))
+        if online < self.config.rounds.min_participants:
+            raise RunAborted(f"only {online} clients joined within {timeout:.0f} s; "
+                             f"at least {self.config.rounds.min_participants} are needed")
+        self.progress("ready", {"online": len(registry.online()), "expected": expected})
+
+    def _wait_before_rounds(self) -> None:
+        """Serve the clients until each of :attr:`before_rounds` holds or its timeout passes (then go on,
+        saying so in the log: these are conveniences, never a reason to stop the run)."""
+        for what, condition, timeout_s in self.before_rounds:
+            self.serve(condition, time.monotonic() + timeout_s)
+            if not condition():
+                logging.getLogger("fcl_emu.coordinator").warning(
+                    "starting the rounds without %s (waited %.0f s)", what, timeout_s)
+
+    def run(self, run_dir: Path) -> dict:
+        """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round."""
+        state, config, scenario = self.state, self.config, self.state.scenario
+        resumed, self._resumed = self._resumed, None
+        recorder = RunRecorder(run_dir, config.to_yaml() if resumed is None else None,
+                               elapsed_s=0.0 if resumed is None else resumed.wall_clock_s)
+        started = time.perf_counter() - (0.0 if resumed is None else resumed.wall_clock_s)
+        matrix: list[list[float | None]] = [] if resumed is None else resumed.matrix
+        class_hits = None  # (correct, samples) per seen class after the latest task: spatial retention
+        rounds: list[RoundRecord] = [] if resumed is None else resumed.rounds
+        first_task, first_round = (0, 0) if resumed is None else (resumed.task, resumed.task_round)
+        last_round = config.rounds.rounds_per_task - 1
+        spent = self.time.spent
+
+        def save(task: int, task_round: int) -> None:
+            with spent("checkpoints"):
+                self.checkpointer.save(run_dir, task, task_round, matrix, rounds, time.perf_counter() - started)
+
+        status = "completed"
+        state.recorder = recorder
+        self.time.restart()
+        try:
+            with spent("start"):
+                self._start_pool(run_dir)
+            state.metrics.run_started(
+                run_id=state.run_id, method=config.method, dataset=config.scenario.dataset,
+                model=self.model_name, seed=config.seed, num_clients=config.scenario.num_clients,
+                num_tasks=scenario.num_tasks, rounds_per_task=config.rounds.rounds_per_task,
+                clients_per_round=config.rounds.clients_per_round)
+            if resumed is None:
+                with spent("join"):
+                    self._wait_for_clients()
+                    self._wait_before_rounds()
+                recorder.event("start", run_id=state.run_id, address=self.address,
+                               online=len(state.registry.online()))
+                save(0, 0)
+            else:
+                with spent("join"):
+                    missing = self.checkpointer.wait_for_rejoin(self.serve)
+                    self._wait_before_rounds()
+                recorder.event("resume", run_id=state.run_id, address=self.address, task=first_task,
+                               task_round=first_round, after_round=state.global_round,
+                               resumes=self.checkpointer.resumes, online=len(state.registry.online()),
+                               missing=len(missing))
+                self.progress("resume", {"rounds": len(rounds), "task": first_task, "task_round": first_round})
+            for task in range(first_task, scenario.num_tasks):
+                state.task = task
+                resuming_task = task == first_task and first_round > 0
+                if not resuming_task:  # a task resumed mid-way has its head grown in the checkpoint
+                    with spent("task_start"):
+                        state.server.start_task(task)
+                self.progress("task_start", {"task": task, "classes": len(scenario.task_classes(task))})
+                for task_round in range(first_round if resuming_task else 0, last_round + 1):
+                    with spent("rounds"):
+                        record = self.rounds.run_round(task, task_round)
+                    rounds.append(record)
+                    self.progress("round", asdict(record))
+                    if task_round < last_round:  # after a task's last round: below, once the task has ended
+                        save(task, task_round + 1)
+                class_hits = self._end_task(task, matrix)
+                save(task + 1, 0)
+            if rounds and all(r.skipped for r in rounds):
+                status = "failed: every round was skipped (no usable client update arrived)"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        except RunAborted as exc:
+            status = f"aborted: {exc}"
+            raise
+        except Exception as exc:  # a bug or a broken environment: never recorded as a completed run
+            status = f"failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with spent("shutdown"):
+                self._shutdown(status)
+            summary = self.summary.build(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,
+                                         class_hits)
+            recorder.summary(summary)
+            recorder.event("end", status=status)
+            recorder.close()
+        return summary
+
+    def _end_task(self, task: int, matrix: list[list[float | None]]):
+        """The method's task-end work, then the accuracy row (appended to ``matrix``), its event and metrics.
+        Returns the evaluation's (correct, samples) per seen class."""
+        state, spent = self.state, self.time.spent
+        t0 = time.perf_counter()
+        with spent("task_end"):
+            state.server.end_task(task)
+        t_end_task = time.perf_counter() - t0
+        with spent("task_evaluation"):
+            class_hits = state.evaluator.class_hits(state.server.eval_model(), task)
+            row = state.evaluator.accuracy_per_task(*class_hits, task)
+            state.client_accuracy.append(state.evaluator.client_accuracy(*class_hits, task))
+        t_evaluate = time.perf_counter() - t0 - t_end_task
+        matrix.append(row + [None] * (state.scenario.num_tasks - task - 1))
+        seen = state.seen_accuracy(row, task)
+        state.event("task_end", task=task, accuracy=row, accuracy_seen=seen,
+                    accuracy_clients=state.client_accuracy[-1])
+        state.metrics.task_ended(
+            task=task, matrix=matrix, accuracy_seen_percent=seen,
+            average_accuracy=average_accuracy(matrix), average_forgetting=average_forgetting(matrix),
+            average_incremental_accuracy=average_incremental_accuracy(matrix),
+            phases_s={"end_task": t_end_task, "evaluate": t_evaluate})
+        self.progress("task_end", {"task": task, "accuracy": row})
+        return class_hits
+
+    def _start_pool(self, run_dir: Path) -> None:
+        """Start the GPU worker pool and check every worker's device before the run depends on it."""
+        try:
+            self.pool.start(run_dir / "logs")
+        except RuntimeError as exc:  # --gpu-device cuda without CUDA here
+            raise RunAborted(f"the GPU worker pool cannot start: {exc}") from None
+        if self.config.gpu.workers:
+            self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
+
+    def _shutdown(self, reason: str) -> None:
+        """Tell every client that is reachable, away ones included (their node ends with the run)."""
+        for record in list(self.state.registry.records.values()):
+            if record.status is not Status.DEAD:
+                # a node closes all its clients at the first shutdown: later sends may find them gone
+                self.dispatcher.try_send(record.client_id, "shutdown", Shutdown(reason=reason))
+
+    # ------------------------------------------------------------ server-side jobs
+    def run_job(self, kind: str, inputs: dict[str, np.ndarray], options: dict | None = None) -> Job:
+        """Run a job on the GPU worker pool (methods call it through ``ServerContext.run_job``) and wait for
+        it while serving the clients. Raises :class:`JobFailed` if it failed after its retries."""
+        return self.run_jobs([(kind, inputs, options)])[0]
+
+    def run_jobs(self, specs: list[JobSpec]) -> list[Job]:
+        """Run several jobs side by side (as many at once as there are workers); see :meth:`run_job`."""
+        return self.jobs.run(specs)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.endpoint.close()
+        if self.allowlist is not None:
+            self.allowlist.stop()
+        self.state.metrics.close()

@@ -1,0 +1,38 @@
+"""Server-side jobs (generator training, proxy inversion, VAE fusion...) run on the GPU worker pool while the
+coordinator keeps serving its clients; each finished job is an event and counts in the summary."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from coordinator.clock import Serve
+from coordinator.errors import JobFailed
+from coordinator.gpu_pool import Job, WorkerPool
+from coordinator.state import RunState
+
+JobSpec = tuple[str, dict[str, np.ndarray], dict | None]  # (kind, inputs, options)
+
+
+class ServerJobs:
+    """Submit jobs to ``pool`` and serve the socket (``serve``) until they are done."""
+
+    def __init__(self, state: RunState, pool: WorkerPool, serve: Serve):
+        self.state, self.pool, self.serve = state, pool, serve
+        self.finished: list[Job] = []  # for the summary
+
+    def run(self, specs: list[JobSpec]) -> list[Job]:
+        """Run jobs side by side (as many at once as there are workers) and wait for them while serving the
+        clients. Raises :class:`JobFailed` if any failed after its retries."""
+        submitted = [self.pool.submit(kind, inputs, options) for kind, inputs, options in specs]
+        self.serve(lambda: all(j.done for j in submitted), time.monotonic() + 10**9)  # the pool's timeouts end them
+        for job in submitted:
+            self.finished.append(job)
+            self.state.event("job", id=job.id, job_kind=job.kind, ok=job.ok, worker=job.worker,
+                             attempts=job.attempts, queue_s=job.queue_s, run_s=job.run_s,
+                             error=job.error or None, metrics=job.metrics)
+        failed = [j for j in submitted if not j.ok]
+        if failed:
+            raise JobFailed("; ".join(f"server-side job {j.kind!r} failed: {j.error}" for j in failed))
+        return submitted
