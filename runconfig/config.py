@@ -18,6 +18,7 @@ from scenario.datasets import roots_from_env
 from scenario.devices import load_profiles, memory_limit
 from scenario.faults import load_plan
 from scenario.spec import ScenarioSpec
+from secagg.settings import SecAggSettings
 
 
 def default_data_roots() -> list[Path]:
@@ -115,34 +116,6 @@ class EdgeConfig(pydantic.BaseModel):
         if value is not None:
             load_profiles(value)
         return value
-
-
-class SecAggSettings(pydantic.BaseModel):
-    """Secure aggregation of the model deltas, SecAgg+ (docs/secagg.md)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = pydantic.Field(False, description="sum the clients' deltas under SecAgg+ masks")
-    neighbors: int | None = pydantic.Field(
-        None, ge=2, description="degree k of the neighbour graph (default 2*ceil(log2 n); n-1 or more: SecAgg)")
-    threshold: int | None = pydantic.Field(
-        None, ge=2, description="Shamir threshold t, also the fewest clients any phase may keep "
-                                "(default floor(k/2)+1)")
-    clip: float = pydantic.Field(1.0, gt=0, description="delta values are clipped to [-clip, clip] before "
-                                                        "quantisation")
-    ring_bits: int = pydantic.Field(32, ge=8, le=32, description="the masked sum lives in the ring Z_2^bits")
-    max_weight: int | None = pydantic.Field(
-        None, ge=1, description="sample weights are clipped to this (default: the largest client dataset of "
-                                "the task, which the emulated server knows from the scenario)")
-    phase_timeout_s: float = pydantic.Field(
-        30.0, gt=0, description="how long the key, share and unmasking phases wait for replies (the masked "
-                                "input waits until the round deadline)")
-
-    @pydantic.model_validator(mode="after")
-    def _threshold(self) -> "SecAggSettings":
-        if self.neighbors is not None and self.threshold is not None and self.threshold > self.neighbors:
-            raise ValueError(f"secagg.threshold ({self.threshold}) exceeds secagg.neighbors ({self.neighbors})")
-        return self
 
 
 class GpuSettings(pydantic.BaseModel):

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from coordinator.engine import Coordinator
-from secagg.server import SecAggConfig
 from coordinator.secure_round import SecureRound, round_id
 from edge_node.node import EdgeNode
 from secagg.client import SecAggClient
 from secagg.protocol import Quantizer, SecAggError
+from secagg.settings import SecAggSettings
 from runconfig import RunConfig, load_config
 from methods import registry
 from methods.base import DELTA, DeltaLayout, ServerPart
@@ -221,8 +221,8 @@ def _secure_round(n: int = 4) -> SecureRound:
     layout = DeltaLayout(("w",), ((3,),))
     metrics = types.SimpleNamespace(secagg_phase=lambda *a: None, secagg_round=lambda **k: None)
     sent = []
-    sr = SecureRound([f"c{i}" for i in range(n)], layout, SecAggConfig(neighbors=3), run_id="r", number=1,
-                     seed=0, send=lambda *a: sent.append(a) or True, metrics=metrics, phase_timeout_s=1.0)
+    sr = SecureRound([f"c{i}" for i in range(n)], layout, SecAggSettings(neighbors=3, phase_timeout_s=1.0),
+                     run_id="r", number=1, seed=0, send=lambda *a: sent.append(a) or True, metrics=metrics)
     sr.setup_messages()
     return sr
 
