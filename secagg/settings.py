@@ -33,9 +33,8 @@ class SecAggSettings(pydantic.BaseModel):
                            "(docs/secagg.md)")
     neighbors: int | None = pydantic.Field(
         None, ge=MIN_THRESHOLD,
-        description="neighbours per client k, the degree of the neighbour graph: at most n - 1 for n sampled "
-                    "clients, a larger value is capped there (the complete graph: SecAgg); unset: "
-                    "2*ceil(log2 n), at least 4")
+        description="neighbours per client k, the degree of the neighbour graph (unset: 2*ceil(log2 n), at least "
+                    "4); capped at n - 1 for n sampled clients, the complete graph (SecAgg)")
     threshold: int | None = pydantic.Field(
         None, ge=MIN_THRESHOLD,
         description="Shamir threshold t: shares that rebuild a secret, also the fewest clients any phase may "
