@@ -34,8 +34,8 @@ from secagg.protocol import PHASES, SecAggAbort, SecAggError
 from secagg.server import SecAggServer
 from secagg.settings import SecAggSettings
 from wire.framing import Message, WireError
-from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
-                           SecAggSetup, SecAggUnmaskRequest, plain_body)
+from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggParams, SecAggPeerKeys, SecAggPublicKeys,
+                           SecAggRelay, SecAggSetup, SecAggUnmaskRequest, plain_body)
 
 __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 
@@ -108,7 +108,8 @@ class SecureRound:
             return self.abort(str(exc), [c for c in self.server.roster if online(c)])
 
     def setup_messages(self) -> dict[str, SecAggSetup]:
-        return {c: SecAggSetup(**m) for c, m in self.server.setup().items()}
+        return {c: SecAggSetup(params=SecAggParams(**m["params"]), index=m["index"], neighbors=m["neighbors"])
+                for c, m in self.server.setup().items()}
 
     # ----------------------------------------------------------------- receiving
     def on_message(self, peer: str, msg: Message) -> bool:

@@ -179,6 +179,8 @@ class RoundParams:
         return self.dim + 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The setup message's ``params``: on the wire a ``wire.messages.SecAggParams`` (same names, same
+        order, so the same bytes); :meth:`from_dict` reads it back and checks it."""
         return {"round": int(self.round_id), "n": int(self.n), "dim": int(self.dim),
                 "neighbors": int(self.neighbors), "threshold": int(self.threshold),
                 "ring_bits": int(self.ring_bits), "clip": float(self.clip), "max_weight": int(self.max_weight)}
