@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from methods.base import Arrays, DeltaLayout
-from runconfig import SecAggSettings
 from secagg.protocol import PHASES, SecAggAbort, SecAggError
-from secagg.server import SecAggConfig, SecAggServer
+from secagg.server import SecAggServer
+from secagg.settings import SecAggSettings
 from wire.framing import Message, WireError
-from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
-                           SecAggSetup, SecAggUnmaskRequest, plain_body)
+from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggParams, SecAggPeerKeys, SecAggPublicKeys,
+                           SecAggRelay, SecAggSetup, SecAggUnmaskRequest, plain_body)
 
 __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 
@@ -64,15 +64,15 @@ class SecureOutcome:
 
 
 class SecureRound:
-    def __init__(self, roster: list[str], layout: DeltaLayout, config: SecAggConfig, *, run_id: str, number: int,
-                 seed: int, send: Send, metrics: Any, phase_timeout_s: float):
+    def __init__(self, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, *, run_id: str, number: int,
+                 seed: int, send: Send, metrics: Any, max_weight: int | None = None):
         """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k)."""
         self.number = number
         self.layout = layout
         self.send = send
         self.metrics = metrics
-        self.phase_timeout_s = phase_timeout_s
-        self.server = SecAggServer(roster, layout.dim, config, round_id(run_id, number), seed)
+        self.phase_timeout_s = settings.phase_timeout_s
+        self.server = SecAggServer(roster, layout.dim, settings, round_id(run_id, number), seed, max_weight)
         self.replied: dict[int, set[str]] = {p: set() for p in range(1, len(PHASES))}
         self.reported: dict[str, tuple[float, float]] = {}  # client -> (train_time_s, loss) of its masked input
         self.phase_s: dict[str, float] = {}
@@ -83,13 +83,11 @@ class SecureRound:
     @classmethod
     def open(cls, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, max_weight: int, *, run_id: str,
              number: int, seed: int, send: Send, metrics: Any) -> SecureRound | SecureOutcome:
-        """The round over ``roster`` under the run's ``secagg`` settings; an aborted outcome if it cannot even
-        start (too few clients, t > k)."""
-        config = SecAggConfig(neighbors=settings.neighbors, threshold=settings.threshold,
-                              ring_bits=settings.ring_bits, clip=settings.clip, max_weight=max_weight)
+        """The round over ``roster`` under the run's ``secagg`` settings (``max_weight``: the weight clip where they
+        leave it unset); an aborted outcome if it cannot even start (too few clients, t > k)."""
         try:
-            return cls(roster, layout, config, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
-                       phase_timeout_s=settings.phase_timeout_s)
+            return cls(roster, layout, settings, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
+                       max_weight=max_weight)
         except (SecAggAbort, SecAggError) as exc:
             log.warning("round %d: secure aggregation cannot start: %s", number, exc)
             metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
@@ -110,7 +108,8 @@ class SecureRound:
             return self.abort(str(exc), [c for c in self.server.roster if online(c)])
 
     def setup_messages(self) -> dict[str, SecAggSetup]:
-        return {c: SecAggSetup(**m) for c, m in self.server.setup().items()}
+        return {c: SecAggSetup(params=SecAggParams(**m["params"]), index=m["index"], neighbors=m["neighbors"])
+                for c, m in self.server.setup().items()}
 
     # ----------------------------------------------------------------- receiving
     def on_message(self, peer: str, msg: Message) -> bool:

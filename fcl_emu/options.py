@@ -1,8 +1,9 @@
 """The flags of a run, each declared once: ``fcl-emu up`` and ``fcl-emu coordinator`` are generated from
 :data:`RUN_OPTIONS`, and so are the mapping from flags to :class:`runconfig.RunConfig` fields and the names
-that validation errors give.
+that validation errors give. A flag's help, type, default and bounds are its config field's (the pydantic
+``Field``): here only the field it sets and what the command line alone knows.
 
-A new run option is one :class:`RunOption` here (and its field in :mod:`runconfig.config`).
+A new run option is its field in :mod:`runconfig.config`, with a description, and one :class:`RunOption` here.
 """
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from types import UnionType
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import typer
 import yaml
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from runconfig import RunConfig
 
 UP, COORDINATOR = "up", "coordinator"
 BOTH = frozenset({UP, COORDINATOR})
@@ -34,32 +40,94 @@ def _paths(items: list[Path]) -> list[str]:
     return [str(p) for p in items]
 
 
+def config_field(path: tuple[str, ...]) -> FieldInfo:
+    """The :class:`runconfig.RunConfig` field at ``path`` (through the nested models)."""
+    model: Any = RunConfig
+    for key in path[:-1]:
+        model = model.model_fields[key].annotation
+    return model.model_fields[path[-1]]
+
+
+def value_type(annotation: Any) -> Any:
+    """A field's type as a flag takes it: ``X | None`` is ``X``, a ``Literal`` of strings is ``str``."""
+    if get_origin(annotation) in (Union, UnionType):
+        (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+    return type(get_args(annotation)[0]) if get_origin(annotation) is Literal else annotation
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + "."
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_BOUNDS = {"ge": "at least", "gt": "more than", "le": "at most", "lt": "less than"}
+
+
+def bounds(field: FieldInfo) -> list[str]:
+    """The field's numeric bounds (its constraints ``ge``, ``gt``, ``le``, ``lt``) in words: ``at least 1``."""
+    return [f"{words} {_number(getattr(m, bound))}" for m in field.metadata for bound, words in _BOUNDS.items()
+            if getattr(m, bound, None) is not None]
+
+
 @dataclass(frozen=True)
 class RunOption:
-    """One flag of a run: its parameter name, its config fields, its type and help, where it is offered."""
+    """One flag of a run: its parameter name, the config fields it sets and where it is offered. Its help, type
+    and bounds are the first field's (its ``description``, annotation and constraints: :mod:`runconfig.config`);
+    only what the command line alone knows is said here."""
 
     name: str                                   # the parameter; the flag is --name with dashes
     fields: tuple[tuple[str, ...], ...]         # where its value goes in the config (--seed: two places)
-    type: Any                                   # the value's type (bool: an on-switch)
-    help: str
     commands: frozenset[str] = BOTH
-    convert: Callable[[Any], Any] | None = None  # flag value -> config value
     with_resume: bool = False                   # may go with --resume: it does not change what the run does
+    sets: Any = None                            # an on-switch that sets the field to this value (--insecure)
+    cli_type: Any = None                        # the flag's type where the field's differs (then ``convert``)
+    convert: Callable[[Any], Any] | None = None  # flag value -> config value
+    metavar: str | None = None
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def field(self) -> FieldInfo:
+        return config_field(self.fields[0])
+
+    @property
+    def type(self) -> Any:
+        """The value's type (bool: an on-switch)."""
+        if self.sets is not None:
+            return bool
+        return self.cli_type or value_type(self.field.annotation)
+
+    @property
     def is_switch(self) -> bool:
         return self.type is bool
 
     @property
+    def help(self) -> str:
+        """The field's description as a sentence, then what the field's declaration adds: the value a switch
+        sets, the default, the bounds; a repeatable flag says so."""
+        field, path = self.field, ".".join(self.fields[0])
+        if not field.description:
+            raise ValueError(f"{self.flag}: config field {path} has no description (its help)")
+        notes = []
+        if self.sets is not None:
+            notes.append(f"sets {self.sets}")
+        if get_origin(self.type) is list:
+            notes.append("repeatable")
+        if not self.is_switch and field.default not in (None, PydanticUndefined) and field.default != {}:
+            notes.append(f"default {_number(field.default)}")
+        notes += bounds(field)
+        return " ".join(_sentence(text) for text in (field.description, "; ".join(notes)) if text)
+
+    @property
     def annotation(self) -> Any:
         """The typer declaration of the parameter."""
-        if self.is_switch:
-            return Annotated[bool, typer.Option(self.flag, help=self.help)]
-        return Annotated[Optional[self.type], typer.Option(self.flag, help=self.help)]
+        option = typer.Option(self.flag, help=self.help, metavar=self.metavar)
+        return Annotated[bool if self.is_switch else Optional[self.type], option]
 
     @property
     def default(self) -> Any:
@@ -73,7 +141,10 @@ class RunOption:
         """Put a given value into the nested config overrides."""
         if not self.given(value):
             return
-        value = self.convert(value) if self.convert else value
+        if self.sets is not None:
+            value = self.sets
+        elif self.convert:
+            value = self.convert(value)
         for path in self.fields:
             node = overrides
             for key in path[:-1]:
@@ -81,96 +152,61 @@ class RunOption:
             node[path[-1]] = value
 
 
-def _option(name: str, fields: str | tuple[str, ...], type_: Any, help: str, **kw: Any) -> RunOption:
+def _option(name: str, fields: str | tuple[str, ...], **kw: Any) -> RunOption:
     """``fields``: a dotted config path, or several."""
     paths = (fields,) if isinstance(fields, str) else fields
-    return RunOption(name, tuple(tuple(p.split(".")) for p in paths), type_, help, **kw)
+    return RunOption(name, tuple(tuple(p.split(".")) for p in paths), **kw)
 
 
+UP_ONLY = frozenset({UP})
 RUN_OPTIONS: tuple[RunOption, ...] = (
-    _option("clients", "scenario.num_clients", int, "Number of emulated clients."),
-    _option("clients_per_round", "rounds.clients_per_round", int, "Clients sampled per round (K)."),
-    _option("method", "method", str, "Learning method (see `fcl-emu methods`)."),
-    _option("method_option", "method_options", list[str], "Method hyper-parameter KEY=VALUE (repeatable).",
-            convert=_method_options),
-    _option("dataset", "scenario.dataset", str, "Dataset name."),
-    _option("data_root", "data_root", list[Path],
-            "Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or ./data).",
-            convert=_paths, with_resume=True),
-    _option("download", "download", bool, "Download a missing dataset with torchvision."),
-    _option("tasks", "scenario.num_tasks", int, "Number of class-incremental tasks."),
-    _option("rounds_per_task", "rounds.rounds_per_task", int, "Communication rounds per task."),
-    _option("local_epochs", "training.local_epochs", int, "Local epochs per round."),
-    _option("lr", "training.lr", float, "Local learning rate."),
-    _option("partition", "scenario.partition", str,
-            "iid, dirichlet, class_fraction, private_classes, task_pool, accessible_classes (other scenario "
-            "options: --config YAML)."),
-    _option("beta", "scenario.dirichlet_beta", float, "Dirichlet concentration for --partition dirichlet."),
-    _option("model", "model", str, "Backbone: auto, cnn, cnn_bn, resnet18, resnet32."),
-    _option("nodes", "nodes", int, "Edge nodes to start.", commands=frozenset({UP})),
-    _option("backend", "containers.backend", str,
-            "Where the edge nodes run: process (default), docker (a container each, real limits) or swarm "
-            "(a Swarm service each; docs/containers.md).", commands=frozenset({UP}), with_resume=True),
-    _option("image", "containers.image", str, "Edge-node image for docker/swarm (default: build or reuse "
-                                              "fcl-emu:<content hash>).", commands=frozenset({UP}), with_resume=True),
-    _option("node_cpus", "containers.cpus", float, "CPU limit of each edge-node container (device classes may set "
-                                                   "their own).", commands=frozenset({UP})),
-    _option("faults", "containers.faults", Path, "Fault plan (YAML) on the edge-node containers: kill, pause, "
-                                                 "disconnect, restart (docs/containers.md).", commands=frozenset({UP})),
-    _option("advertise", "containers.advertise", str, "Swarm: address the edge-node services dial the coordinator "
-                                                      "at (default: this manager's swarm address).",
-            commands=frozenset({UP}), with_resume=True),
-    _option("node_memory", "containers.memory", str, "Memory limit of each edge-node container, e.g. 512m (device "
-                                                     "classes may set their own).", commands=frozenset({UP})),
-    _option("device", "device", str, "auto, cpu or cuda."),
-    _option("seed", ("seed", "scenario.seed"), int, "Seed of the scenario, sampling and training."),
-    _option("run_dir", "run_dir", Path, "Run directory (default runs/<time>-...)."),
-    _option("bind", "network.bind", str, "ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555 (up: a fixed port for "
-                                         "a swarm's other hosts)."),
-    _option("round_deadline", "rounds.deadline_s", float, "Seconds before a round closes."),
-    _option("min_participants", "rounds.min_participants", int, "Fewer updates: round skipped."),
-    _option("overcommit", "rounds.overcommit", float,
-            "Select ceil(K x FACTOR) clients, close the round at the first K updates."),
-    _option("late_updates", "rounds.late_updates", str,
-            "drop (count them) or next_round (aggregate stale deltas of the same task)."),
-    _option("clock", "rounds.clock", str, "emulated (deadlines and churn in emulated time, independent of the "
-                                          "host), real (host seconds) or auto (docs/edge.md)."),
-    _option("availability", "edge.availability", str,
-            "always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH (docs/edge.md)."),
-    _option("crash_rate", "edge.crash_rate", float, "Probability that a client selected for a round crashes "
-                                                   "during it."),
-    _option("device_profiles", "edge.device_profiles", Path,
-            "Device profiles file: compute factor, bandwidth, latency (docs/edge.md)."),
-    _option("secagg", "secagg.enabled", bool,
-            "Sum the model deltas under SecAgg+ masks: the coordinator sees only the sum (docs/secagg.md)."),
-    _option("secagg_neighbors", "secagg.neighbors", int,
-            "Neighbours per client k (default 2*ceil(log2 n); n-1 or more: SecAgg)."),
-    _option("secagg_threshold", "secagg.threshold", int,
-            "Shamir threshold t: shares to rebuild a secret (default floor(k/2)+1)."),
-    _option("insecure", "security.transport", bool,
-            "Plain TCP without keys: any peer that reaches the port may join and speak for any client "
-            "(docs/security.md). Default: CurveZMQ with the run's keys.", convert=lambda on: "plain"),
-    _option("keys", "security.keys", Path,
-            "Key directory from `fcl-emu keys` (default for `up`: the run's own keys in RUN_DIR/keys)."),
-    _option("max_update_norm", "security.max_update_norm", float,
-            "Refuse an update whose model delta has a larger L2 norm."),
-    _option("clip_norm", "security.clip_norm", float,
-            "Robust aggregation: scale every model delta down to at most this L2 norm before aggregating."),
-    _option("gpu_workers", "gpu.workers", int, "Worker processes for server-side jobs, one device each (default 0: "
-                                               "a thread of the coordinator; docs/gpu.md)."),
-    _option("gpu_device", "gpu.device", str, "Device of the GPU workers: auto (CUDA if present), cuda or cpu."),
-    _option("metrics_port", "metrics.port", int,
-            "Serve the coordinator's Prometheus /metrics on this port; edge node i of `up` takes PORT+1+i "
-            "(default: no endpoints).", with_resume=True),
-    _option("metrics_host", "metrics.host", str,
-            "Address the /metrics endpoints listen on (default 127.0.0.1; 0.0.0.0 for a Prometheus on another "
-            "host or in a container).", with_resume=True),
-    _option("prometheus", "metrics.prometheus", bool,
-            "Start a local Prometheus server (the `prometheus` binary) scraping this run.", with_resume=True),
-    _option("prometheus_port", "metrics.prometheus_port", int, "Port of the local Prometheus (default 9090, on "
-                                                               "127.0.0.1).", with_resume=True),
-    _option("keep_prometheus", "metrics.keep_prometheus", bool, "Leave the local Prometheus running after the run "
-                                                                "ends.", with_resume=True),
+    _option("clients", "scenario.num_clients"),
+    _option("clients_per_round", "rounds.clients_per_round"),
+    _option("method", "method"),
+    _option("method_option", "method_options", cli_type=list[str], convert=_method_options, metavar="KEY=VALUE"),
+    _option("dataset", "scenario.dataset"),
+    _option("data_root", "data_root", convert=_paths, with_resume=True),
+    _option("download", "download"),
+    _option("tasks", "scenario.num_tasks"),
+    _option("rounds_per_task", "rounds.rounds_per_task"),
+    _option("local_epochs", "training.local_epochs"),
+    _option("lr", "training.lr"),
+    _option("partition", "scenario.partition"),
+    _option("beta", "scenario.dirichlet_beta"),
+    _option("model", "model"),
+    _option("nodes", "nodes", commands=UP_ONLY),
+    _option("backend", "containers.backend", commands=UP_ONLY, with_resume=True),
+    _option("image", "containers.image", commands=UP_ONLY, with_resume=True),
+    _option("node_cpus", "containers.cpus", commands=UP_ONLY),
+    _option("faults", "containers.faults", commands=UP_ONLY),
+    _option("advertise", "containers.advertise", commands=UP_ONLY, with_resume=True),
+    _option("node_memory", "containers.memory", commands=UP_ONLY),
+    _option("device", "device"),
+    _option("seed", ("seed", "scenario.seed")),
+    _option("run_dir", "run_dir"),
+    _option("bind", "network.bind"),
+    _option("round_deadline", "rounds.deadline_s"),
+    _option("min_participants", "rounds.min_participants"),
+    _option("overcommit", "rounds.overcommit"),
+    _option("late_updates", "rounds.late_updates"),
+    _option("clock", "rounds.clock"),
+    _option("availability", "edge.availability"),
+    _option("crash_rate", "edge.crash_rate"),
+    _option("device_profiles", "edge.device_profiles"),
+    _option("secagg", "secagg.enabled"),
+    _option("secagg_neighbors", "secagg.neighbors"),
+    _option("secagg_threshold", "secagg.threshold"),
+    _option("insecure", "security.transport", sets="plain"),
+    _option("keys", "security.keys"),
+    _option("max_update_norm", "security.max_update_norm"),
+    _option("clip_norm", "security.clip_norm"),
+    _option("gpu_workers", "gpu.workers"),
+    _option("gpu_device", "gpu.device"),
+    _option("metrics_port", "metrics.port", with_resume=True),
+    _option("metrics_host", "metrics.host", with_resume=True),
+    _option("prometheus", "metrics.prometheus", with_resume=True),
+    _option("prometheus_port", "metrics.prometheus_port", with_resume=True),
+    _option("keep_prometheus", "metrics.keep_prometheus", with_resume=True),
 )
 OPTIONS = {o.name: o for o in RUN_OPTIONS}
 

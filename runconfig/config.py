@@ -18,6 +18,7 @@ from scenario.datasets import roots_from_env
 from scenario.devices import load_profiles, memory_limit
 from scenario.faults import load_plan
 from scenario.spec import ScenarioSpec
+from secagg.settings import SecAggSettings
 
 
 def default_data_roots() -> list[Path]:
@@ -31,8 +32,10 @@ class TrainingConfig(pydantic.BaseModel):
     # Defaults suit the default scenario (MNIST, 300 clients holding ~40 samples
     # per task): two passes over a few batches are needed to learn a task in
     # 10 rounds of 30 clients. Override for larger local datasets.
-    local_epochs: int = pydantic.Field(2, ge=1)
-    lr: float = pydantic.Field(0.05, gt=0)
+    local_epochs: int = pydantic.Field(
+        2, ge=1, description="local epochs per round (a method may bring its own, `fcl-emu methods`)")
+    lr: float = pydantic.Field(0.05, gt=0, description="local learning rate (a method may bring its own, "
+                                                       "`fcl-emu methods`)")
     batch_size: int = pydantic.Field(16, ge=1)
     momentum: float = pydantic.Field(0.9, ge=0, lt=1)
     weight_decay: float = pydantic.Field(0.0, ge=0)
@@ -41,21 +44,23 @@ class TrainingConfig(pydantic.BaseModel):
 class RoundConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    clients_per_round: int = pydantic.Field(30, ge=1)
-    rounds_per_task: int = pydantic.Field(10, ge=1)
-    deadline_s: float = pydantic.Field(120.0, gt=0, description="a round closes after this long")
+    clients_per_round: int = pydantic.Field(
+        30, ge=1, description="clients sampled per round, K (unset: every client where there are fewer than the "
+                              "default)")
+    rounds_per_task: int = pydantic.Field(10, ge=1, description="communication rounds per task")
+    deadline_s: float = pydantic.Field(120.0, gt=0, description="seconds before a round closes")
     min_participants: int = pydantic.Field(1, ge=1, description="fewer updates than this: the round is skipped")
     eval_every: int = pydantic.Field(5, ge=1, description="evaluate every N rounds (and always at task end)")
     overcommit: float = pydantic.Field(
-        1.0, ge=1.0, le=10.0, description="select ceil(clients_per_round * overcommit) clients and close the "
-                                          "round as soon as clients_per_round updates arrived")
+        1.0, ge=1.0, le=10.0, description="select ceil(K x overcommit) clients and close the round at the first K "
+                                          "updates")
     late_updates: Literal["drop", "next_round"] = pydantic.Field(
         "drop", description="an update that arrives after its round closed: dropped and counted, or (for methods "
                             "that accept stale deltas) aggregated in the next round of the same task")
     clock: Literal["auto", "emulated", "real"] = pydantic.Field(
-        "auto", description="emulated: deadlines, stragglers, availability and crashes in emulated time, "
-                            "independent of the host's load; real: in host seconds; auto: emulated, except real "
-                            "for secure aggregation and container backends (docs/edge.md)")
+        "auto", description="the clock of deadlines, stragglers, availability and crashes: emulated (independent "
+                            "of the host's load), real (host seconds) or auto (emulated, except real for secure "
+                            "aggregation and container backends; docs/edge.md)")
     host_timeout_s: float = pydantic.Field(
         900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
                                  "(a safety net, reported when it fires)")
@@ -64,7 +69,9 @@ class RoundConfig(pydantic.BaseModel):
 class NetworkConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    bind: str = "tcp://127.0.0.1:0"
+    bind: str = pydantic.Field(
+        "tcp://127.0.0.1:0", description="ZeroMQ endpoint the coordinator binds, e.g. tcp://0.0.0.0:5555 (up: a "
+                                         "fixed port for a swarm's other hosts)")
     heartbeat_interval_s: float = pydantic.Field(1.0, gt=0)
     liveness_timeout_s: float = pydantic.Field(10.0, gt=0)
     join_timeout_s: float = pydantic.Field(120.0, gt=0, description="how long to wait for the clients to join")
@@ -92,7 +99,8 @@ class EdgeConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     availability: str = pydantic.Field(
-        "always", description="always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH")
+        "always", description="when each client is online: always, bernoulli:P, onoff:MEAN_ON_S:MEAN_OFF_S or "
+                              "trace:PATH (docs/edge.md)")
     availability_slot_s: float = pydantic.Field(
         10.0, gt=0, description="bernoulli: length of a slot in which a client is on or off")
     trace_time_scale: float = pydantic.Field(
@@ -101,7 +109,8 @@ class EdgeConfig(pydantic.BaseModel):
         0.0, ge=0, le=1, description="probability that a client selected for a round crashes during it")
     crash_downtime_s: float = pydantic.Field(5.0, ge=0, description="a crashed client restarts after this long")
     device_profiles: Path | None = pydantic.Field(
-        None, description="YAML/JSON file of device profiles: compute speed factor, link bandwidth, latency")
+        None, description="YAML/JSON file of device profiles: compute speed factor, link bandwidth, latency "
+                          "(docs/edge.md)")
 
     @pydantic.field_validator("availability")
     @classmethod
@@ -117,43 +126,17 @@ class EdgeConfig(pydantic.BaseModel):
         return value
 
 
-class SecAggSettings(pydantic.BaseModel):
-    """Secure aggregation of the model deltas, SecAgg+ (docs/secagg.md)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = pydantic.Field(False, description="sum the clients' deltas under SecAgg+ masks")
-    neighbors: int | None = pydantic.Field(
-        None, ge=2, description="degree k of the neighbour graph (default 2*ceil(log2 n); n-1 or more: SecAgg)")
-    threshold: int | None = pydantic.Field(
-        None, ge=2, description="Shamir threshold t, also the fewest clients any phase may keep "
-                                "(default floor(k/2)+1)")
-    clip: float = pydantic.Field(1.0, gt=0, description="delta values are clipped to [-clip, clip] before "
-                                                        "quantisation")
-    ring_bits: int = pydantic.Field(32, ge=8, le=32, description="the masked sum lives in the ring Z_2^bits")
-    max_weight: int | None = pydantic.Field(
-        None, ge=1, description="sample weights are clipped to this (default: the largest client dataset of "
-                                "the task, which the emulated server knows from the scenario)")
-    phase_timeout_s: float = pydantic.Field(
-        30.0, gt=0, description="how long the key, share and unmasking phases wait for replies (the masked "
-                                "input waits until the round deadline)")
-
-    @pydantic.model_validator(mode="after")
-    def _threshold(self) -> "SecAggSettings":
-        if self.neighbors is not None and self.threshold is not None and self.threshold > self.neighbors:
-            raise ValueError(f"secagg.threshold ({self.threshold}) exceeds secagg.neighbors ({self.neighbors})")
-        return self
-
-
 class GpuSettings(pydantic.BaseModel):
     """The coordinator's GPU worker pool for server-side jobs (docs/gpu.md)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     workers: int = pydantic.Field(
-        0, ge=0, le=64, description="worker processes, one device each; 0: jobs run in a thread of the coordinator")
+        0, ge=0, le=64, description="worker processes for server-side jobs, one device each; 0: jobs run in a thread "
+                                    "of the coordinator (docs/gpu.md)")
     device: Literal["auto", "cpu", "cuda"] = pydantic.Field(
-        "auto", description="cuda: worker j takes CUDA device j modulo the count; auto: that if CUDA is there")
+        "auto", description="device of the GPU workers: cuda (worker j takes CUDA device j modulo the count), cpu, "
+                            "or auto (cuda if CUDA is there)")
     retries: int = pydantic.Field(0, ge=0, le=10, description="attempts after a job's first failure")
     job_timeout_s: float = pydantic.Field(
         3600.0, gt=0, description="a job running longer is killed with its worker (which is started again) "
@@ -167,8 +150,9 @@ class SecurityConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     transport: Literal["curve", "plain"] = pydantic.Field(
-        "curve", description="curve: CurveZMQ with the run's keys, only listed keys admitted; plain: unauthenticated "
-                             "TCP (any peer may join and claim any client's identity)")
+        "curve", description="how peers connect: curve (CurveZMQ with the run's keys, only listed keys admitted) or "
+                             "plain (TCP without keys: any peer that reaches the port may join and speak for any "
+                             "client; docs/security.md)")
     keys: Path | None = pydantic.Field(
         None, description="key directory written by `fcl-emu keys` (unset: `up` writes the run's keys in "
                           "RUN_DIR/keys; `coordinator` needs one)")
@@ -187,12 +171,16 @@ class MetricsConfig(pydantic.BaseModel):
     port: int | None = pydantic.Field(
         None, ge=1, le=65535,
         description="the coordinator's /metrics port; edge node i of `up` takes port + 1 + i; unset: no endpoints")
-    host: str = pydantic.Field("127.0.0.1", min_length=1, description="address the /metrics endpoints listen on")
+    host: str = pydantic.Field("127.0.0.1", min_length=1,
+                               description="address the /metrics endpoints listen on (0.0.0.0 for a Prometheus on "
+                                           "another host or in a container)")
     linger_s: float | None = pydantic.Field(
         None, ge=0, description="keep /metrics up this long after the run so a last scrape sees the end "
                                 "(default: scrape_interval_s + 1)")
-    prometheus: bool = pydantic.Field(False, description="start a local Prometheus server for the run")
-    prometheus_port: int = pydantic.Field(9090, ge=1, le=65535)
+    prometheus: bool = pydantic.Field(
+        False, description="start a local Prometheus server (the `prometheus` binary) scraping this run")
+    prometheus_port: int = pydantic.Field(9090, ge=1, le=65535, description="port of the local Prometheus (on "
+                                                                            "127.0.0.1)")
     keep_prometheus: bool = pydantic.Field(False, description="leave the local Prometheus running after the run")
     scrape_interval_s: float = pydantic.Field(5.0, gt=0, le=300, description="scrape interval of the local Prometheus")
 
@@ -211,17 +199,18 @@ class ContainersConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     backend: Literal["process", "docker", "swarm"] = pydantic.Field(
-        "process", description="process: child processes of `up`; docker: one container per edge node on a "
-                               "user-defined network; swarm: one Swarm service per edge node")
+        "process", description="where the edge nodes run: process (child processes of `up`), docker (a container "
+                               "each on a user-defined network, real limits) or swarm (a Swarm service each; "
+                               "docs/containers.md)")
     image: str | None = pydantic.Field(
-        None, description="image of the edge nodes (unset: build or reuse fcl-emu:<content hash>, "
-                          "`fcl-emu image build`)")
+        None, description="image of the edge nodes for docker/swarm (unset: build or reuse fcl-emu:<content "
+                          "hash>, `fcl-emu image build`)")
     network: str | None = pydantic.Field(
         None, description="network of the containers (unset: fcl-emu-<run>, made for the run and removed after it)")
     cpus: float | None = pydantic.Field(
         None, gt=0, description="CPU limit of each edge-node container whose device class sets none")
     memory: str | None = pydantic.Field(
-        None, description="memory limit of each edge-node container whose device class sets none (e.g. 512m, 2g)")
+        None, description="memory limit of each edge-node container whose device class sets none, e.g. 512m or 2g")
     advertise: str | None = pydantic.Field(
         None, description="swarm: the address the edge-node services dial the coordinator at (default: this "
                           "manager's swarm address)")
@@ -247,9 +236,10 @@ class ContainersConfig(pydantic.BaseModel):
 class RunConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    method: str = "fedavg"
-    method_options: dict[str, Any] = {}
-    model: str = "auto"
+    method: str = pydantic.Field("fedavg", description="learning method (see `fcl-emu methods`)")
+    method_options: dict[str, Any] = pydantic.Field(
+        {}, description="hyper-parameters of the method by name (its Options: `fcl-emu methods`, methods/<name>.py)")
+    model: str = pydantic.Field("auto", description="backbone: auto, cnn, cnn_bn, resnet18 or resnet32")
     scenario: ScenarioSpec = ScenarioSpec()
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
@@ -260,15 +250,18 @@ class RunConfig(pydantic.BaseModel):
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     containers: ContainersConfig = ContainersConfig()
-    nodes: int = pydantic.Field(2, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nodes: int = pydantic.Field(2, ge=1, description="edge nodes `up` starts")
+    device: Literal["auto", "cpu", "cuda"] = pydantic.Field(
+        "auto", description="device of training and evaluation: auto (CUDA if present), cpu or cuda")
     coordinator_threads: int | None = pydantic.Field(
         None, ge=1, le=256, description="torch CPU threads of the coordinator (evaluation, aggregation); "
         "default: torch's, one per core. 1 where other processes train beside its evaluations")
-    data_root: list[Path] = pydantic.Field(default_factory=default_data_roots)
-    download: bool = False
-    seed: int = 0
-    run_dir: Path | None = None
+    data_root: list[Path] = pydantic.Field(
+        default_factory=default_data_roots,
+        description="where datasets are looked for (default: $FCL_EMU_DATA_ROOT, os.pathsep-separated, or ./data)")
+    download: bool = pydantic.Field(False, description="download a missing dataset with torchvision")
+    seed: int = pydantic.Field(0, description="seed of the scenario, sampling and training")
+    run_dir: Path | None = pydantic.Field(None, description="run directory (unset: runs/<time>-...)")
 
     @pydantic.model_validator(mode="before")
     @classmethod

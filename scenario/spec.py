@@ -67,13 +67,16 @@ class ScenarioSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dataset: str = "mnist"
-    num_tasks: int = Field(5, ge=1)
+    dataset: str = Field("mnist", description="dataset name")
+    num_tasks: int = Field(5, ge=1, description="number of class-incremental tasks")
     classes_first_task: int | None = Field(None, ge=1)
-    num_clients: int = Field(300, ge=1)
+    num_clients: int = Field(300, ge=1, description="number of emulated clients")
     new_clients_per_task: int = Field(0, ge=0)
-    partition: Partition = "iid"
-    dirichlet_beta: float = Field(0.5, gt=0, allow_inf_nan=False)
+    partition: Partition = Field("iid", description="how each task's samples are split among its clients: iid, "
+                                                    "dirichlet, class_fraction, private_classes, task_pool or "
+                                                    "accessible_classes (their options: a --config YAML)")
+    dirichlet_beta: float = Field(0.5, gt=0, allow_inf_nan=False,
+                                  description="Dirichlet concentration of partition dirichlet (smaller: more skew)")
     class_fraction: float = Field(0.6, gt=0, le=1)
     private_fraction: float = Field(0.5, ge=0, le=1)
     task_pool_size: int | None = Field(None, ge=1)

@@ -76,6 +76,7 @@ CHUNK = 1 << 16         # values per chunk of the fused quantise-and-mask loop (
 RING_DTYPE = np.dtype("<u4")   # the ring lives in uint32 (little-endian, as the ChaCha20 keystream is read)
 MAX_RING_BITS = 32
 MIN_RING_BITS = 8
+MIN_THRESHOLD = 2       # t >= 2 shares rebuild a secret, so k >= t neighbours hold them
 MAX_ROUND_ID = 2**64 - 1
 
 
@@ -102,8 +103,8 @@ class SecAggAbort(RuntimeError):
 # --------------------------------------------------------------------------------------------
 
 def default_threshold(neighbors: int) -> int:
-    """t = floor(k/2) + 1 (a majority of each neighbourhood), at least 2."""
-    return max(2, neighbors // 2 + 1)
+    """t = floor(k/2) + 1 (a majority of each neighbourhood), at least :data:`MIN_THRESHOLD`."""
+    return max(MIN_THRESHOLD, neighbors // 2 + 1)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ class RoundParams:
     elements, the last one the sample weight); ``neighbors``: the degree k of the
     graph; ``threshold``: t, shares needed to reconstruct a secret and the minimum
     number of participants in every phase; ``clip``: inputs are clipped to
-    [-clip, clip]; ``max_weight``: sample weights above it are clipped to it.
+    [-clip, clip]; ``max_weight``: sample weights above it are clipped to it. The user-facing settings they
+    are resolved from, with their defaults: :class:`secagg.settings.SecAggSettings`.
     """
 
     round_id: int
@@ -123,9 +125,9 @@ class RoundParams:
     dim: int
     neighbors: int
     threshold: int
-    ring_bits: int = 32
-    clip: float = 1.0
-    max_weight: int = 1 << 16
+    ring_bits: int
+    clip: float
+    max_weight: int
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SecAggError:
@@ -141,10 +143,12 @@ class RoundParams:
             raise bad(f"at least 3 participants are needed, got n={self.n}")
         if self.dim < 1:
             raise bad(f"dim must be >= 1, got {self.dim}")
-        if not 2 <= self.neighbors <= self.n - 1:
-            raise bad(f"neighbors (k) must be in [2, n-1] = [2, {self.n - 1}], got {self.neighbors}")
-        if not 2 <= self.threshold <= self.neighbors:
-            raise bad(f"threshold (t) must be in [2, k] = [2, {self.neighbors}], got {self.threshold}")
+        if not MIN_THRESHOLD <= self.neighbors <= self.n - 1:
+            raise bad(f"neighbors (k) must be in [{MIN_THRESHOLD}, n-1] = [{MIN_THRESHOLD}, {self.n - 1}], "
+                      f"got {self.neighbors}")
+        if not MIN_THRESHOLD <= self.threshold <= self.neighbors:
+            raise bad(f"threshold (t) must be in [{MIN_THRESHOLD}, k] = [{MIN_THRESHOLD}, {self.neighbors}], "
+                      f"got {self.threshold}")
         if not MIN_RING_BITS <= self.ring_bits <= MAX_RING_BITS:
             raise bad(f"ring_bits must be in [{MIN_RING_BITS}, {MAX_RING_BITS}], got {self.ring_bits}")
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float, np.floating)) \
@@ -175,6 +179,8 @@ class RoundParams:
         return self.dim + 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The setup message's ``params``: on the wire a ``wire.messages.SecAggParams`` (same names, same
+        order, so the same bytes); :meth:`from_dict` reads it back and checks it."""
         return {"round": int(self.round_id), "n": int(self.n), "dim": int(self.dim),
                 "neighbors": int(self.neighbors), "threshold": int(self.threshold),
                 "ring_bits": int(self.ring_bits), "clip": float(self.clip), "max_weight": int(self.max_weight)}

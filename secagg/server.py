@@ -9,7 +9,7 @@ A phase that leaves fewer than t participants, or a secret that cannot be
 recovered, raises :class:`SecAggAbort`; the server is then finished and the
 run goes on with the next round.
 
-    server = SecAggServer(roster, dim=D, config=SecAggConfig(neighbors=k), round_id=r, seed=s)
+    server = SecAggServer(roster, dim=D, settings=SecAggSettings(neighbors=k), round_id=r, seed=s)
     out = server.setup()                       # {client: setup message}
     for c, reply in replies: server.receive_keys(c, reply)
     out = server.close_keys()                  # {client: neighbours' public keys}
@@ -27,7 +27,6 @@ Primitives, parameters and guarantees: :mod:`secagg.protocol`, docs/secagg.md.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,41 +36,10 @@ import numpy as np
 
 from secagg.protocol import (CIPHERTEXT_BYTES, COMMIT_BYTES, PHASES, RING_DTYPE, SHARE_BYTES, Quantizer, RoundParams,
                               SecAggAbort, SecAggError, X25519PrivateKey, agree, check_commitment,
-                              default_threshold, harary_neighbors, pair_mask_key, prg_into, public_key,
-                              self_mask_key, shamir_combine)
+                              harary_neighbors, pair_mask_key, prg_into, public_key, self_mask_key, shamir_combine)
+from secagg.settings import SecAggSettings
 
-__all__ = ["SecAggConfig", "SecAggServer", "SecAggResult", "SecAggAbort", "SecAggError", "log_neighbors"]
-
-
-@dataclass(frozen=True)
-class SecAggConfig:
-    """User-facing settings (``--secagg-neighbors``, ``--secagg-threshold``, ...).
-
-    ``neighbors``: degree k of the graph, ``None`` for a size logarithmic in n (see :func:`log_neighbors`);
-    a value >= n - 1 gives the complete graph (SecAgg). ``threshold``: t, ``None`` for floor(k/2) + 1.
-    """
-
-    neighbors: int | None = None
-    threshold: int | None = None
-    ring_bits: int = 32
-    clip: float = 1.0
-    max_weight: int = 1 << 16
-
-    def resolve(self, n: int, dim: int, round_id: int) -> RoundParams:
-        if n < 3:
-            raise SecAggAbort(f"{n} clients sampled: secure aggregation needs at least 3", PHASES[0])
-        k = log_neighbors(n) if self.neighbors is None else min(int(self.neighbors), n - 1)
-        t = default_threshold(k) if self.threshold is None else int(self.threshold)
-        if t > k >= 2:
-            raise SecAggAbort(f"threshold t={t} exceeds the degree k={k} possible with {n} sampled clients",
-                              PHASES[0])
-        return RoundParams(round_id=round_id, n=n, dim=dim, neighbors=k, threshold=t, ring_bits=self.ring_bits,
-                           clip=self.clip, max_weight=self.max_weight)
-
-
-def log_neighbors(n: int) -> int:
-    """A logarithmic degree: 2 * ceil(log2 n), at least 4 (even), at most n - 1."""
-    return min(n - 1, max(4, 2 * math.ceil(math.log2(max(n, 2)))))
+__all__ = ["SecAggServer", "SecAggResult", "SecAggAbort", "SecAggError"]
 
 
 @dataclass
@@ -97,16 +65,17 @@ class SecAggResult:
 class SecAggServer:
     """The server of one SecAgg+ round over ``roster`` (the sampled clients; roster index = position + 1)."""
 
-    def __init__(self, roster: Sequence[str], dim: int, config: SecAggConfig | None = None, round_id: int = 0,
-                 seed: int = 0):
+    def __init__(self, roster: Sequence[str], dim: int, settings: SecAggSettings | None = None, round_id: int = 0,
+                 seed: int = 0, max_weight: int | None = None):
+        """``max_weight``: the sample-weight clip where ``settings`` leave it unset
+        (:meth:`SecAggSettings.resolve`)."""
         roster = list(roster)
         if len(set(roster)) != len(roster):
             raise SecAggError("the roster repeats a client id")
         for c in roster:
             if not isinstance(c, str) or not c:
                 raise SecAggError(f"client ids are non-empty strings, got {c!r}")
-        self.config = config or SecAggConfig()
-        self.params = self.config.resolve(len(roster), dim, round_id)
+        self.params = (settings or SecAggSettings()).resolve(len(roster), dim, round_id, max_weight)
         self.roster = tuple(roster)
         self.index = {c: i + 1 for i, c in enumerate(roster)}
         graph = harary_neighbors(len(roster), self.params.neighbors, np.random.default_rng(seed))

@@ -16,7 +16,8 @@ import numpy as np
 
 from secagg.client import SecAggClient
 from secagg.protocol import PHASES, RING_DTYPE, prg_into
-from secagg.server import SecAggConfig, SecAggResult, SecAggServer
+from secagg.server import SecAggResult, SecAggServer
+from secagg.settings import SecAggSettings
 
 def wire_size(obj: Any) -> int:
     """Approximate bytes of a phase message on the wire: arrays as raw bytes (tensor frames), the rest as
@@ -51,7 +52,7 @@ class PhaseStats:
 
 
 def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tuple[Any, int, np.random.Generator]],
-                   config: SecAggConfig | None = None, round_id: int = 0, seed: int = 0,
+                   settings: SecAggSettings | None = None, round_id: int = 0, seed: int = 0,
                    dropout: Mapping[str, int] | None = None, stats: PhaseStats | None = None,
                    server: SecAggServer | None = None) -> SecAggResult:
     """Runs one round in this process (tests, benchmarks): ``inputs(client)`` gives (vector, weight, rng)
@@ -59,7 +60,7 @@ def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tupl
     2: no shares, 3: no masked input, 4: no unmasking answer). Raises :class:`SecAggAbort` as the server does.
     """
     dropout = dict(dropout or {})
-    server = server or SecAggServer(roster, dim, config, round_id, seed)
+    server = server or SecAggServer(roster, dim, settings, round_id, seed)
     clients = {c: SecAggClient(c) for c in roster}
     st = stats
 
@@ -101,7 +102,7 @@ def measure_masking(dim: int = 1_000_000, neighbors: int = 10, clients: int | No
     """
     n = clients or neighbors + 1
     roster = [f"c{i:04d}" for i in range(n)]
-    server = SecAggServer(roster, dim, SecAggConfig(neighbors=neighbors, clip=clip), round_id=1, seed=seed)
+    server = SecAggServer(roster, dim, SecAggSettings(neighbors=neighbors, clip=clip), round_id=1, seed=seed)
     cls = {c: SecAggClient(c) for c in roster}
     for c, m in server.setup().items():
         server.receive_keys(c, cls[c].on_setup(m))

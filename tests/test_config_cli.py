@@ -1,9 +1,12 @@
 """Configuration and command line: bad values fail early and name the option."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 from typer.testing import CliRunner
 
+from fcl_emu import options
 from fcl_emu.cli import app
 from runconfig import RunConfig, load_config
 from fcl_emu.launchers import format_client_set, node_assignment, parse_client_set
@@ -43,6 +46,28 @@ def test_up_rejects_bad_values_before_starting(args, flag):
     code, output = invoke("up", *args)
     assert code == 2, output
     assert flag in output
+
+
+def test_every_flag_takes_its_help_type_and_bounds_from_its_config_field():
+    for option in options.RUN_OPTIONS:
+        description = option.field.description
+        assert description, f"{option.flag}: its config field has no description"
+        assert option.help.startswith(description[0].upper() + description[1:] + "."), option.flag
+        assert all(words in option.help.lower() for words in options.bounds(option.field)), option.flag
+        assert "[" not in option.help, f"{option.flag}: typer's rich help takes [...] for markup"
+    assert {name: options.OPTIONS[name].type for name in ("clients", "lr", "partition", "faults", "data_root")} == \
+        {"clients": int, "lr": float, "partition": str, "faults": Path, "data_root": list[Path]}
+    neighbors = options.OPTIONS["secagg_neighbors"].help
+    assert "capped at n - 1" in neighbors and neighbors.endswith("At least 2.")
+    assert options.overrides({"insecure": True, "seed": 3}) == {"security": {"transport": "plain"}, "seed": 3,
+                                                                "scenario": {"seed": 3}}
+
+
+def test_a_flag_whose_field_has_no_description_fails(monkeypatch):
+    clients = options.OPTIONS["clients"]
+    monkeypatch.setattr(clients.field, "description", None)
+    with pytest.raises(ValueError, match="--clients: config field scenario.num_clients has no description"):
+        clients.help
 
 
 def test_bad_config_files_are_reported(tmp_path):

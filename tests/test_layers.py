@@ -13,7 +13,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "secagg": set(),
     "methods": {"scenario"},
     "monitoring": {"wire"},
-    "runconfig": {"scenario", "methods"},
+    "runconfig": {"scenario", "methods", "secagg"},
     "edge_node": {"wire", "secagg", "scenario", "methods", "monitoring"},
     "coordinator": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},

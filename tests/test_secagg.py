@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from secagg.client import SecAggClient
 from secagg.protocol import (CIPHERTEXT_BYTES, PHASES, RING_DTYPE, Quantizer, RoundParams, SecAggAbort, SecAggError,
                              harary_neighbors, prg, shamir_combine, shamir_split)
-from secagg.server import SecAggConfig, SecAggResult, SecAggServer, log_neighbors
+from secagg.server import SecAggResult, SecAggServer
+from secagg.settings import SecAggSettings, log_neighbors
 from secagg.simulation import PhaseStats, measure_masking, simulate_round, wire_size
 
 
@@ -119,7 +120,7 @@ def test_round_params_are_validated():
     with pytest.raises(SecAggAbort, match="at least 3"):
         SecAggServer(["a", "b"], dim=3)
     with pytest.raises(SecAggAbort, match="threshold t=5 exceeds the degree k=3"):
-        SecAggServer(["a", "b", "c", "d"], dim=3, config=SecAggConfig(threshold=5))
+        SecAggServer(["a", "b", "c", "d"], dim=3, settings=SecAggSettings(threshold=5))
 
 
 # --- primitives --------------------------------------------------------------------------------
@@ -238,8 +239,8 @@ def assert_holds_no_individual_input(obj, individual):
 
 def run_and_check(n, k, t, dim, bits, dropout, seed, max_weight=100):
     roster = [f"client-{i:03d}" for i in range(n)]
-    config = SecAggConfig(neighbors=k, threshold=t, ring_bits=bits, clip=1.0, max_weight=max_weight)
-    server = SecAggServer(roster, dim, config, round_id=seed, seed=seed)
+    settings = SecAggSettings(neighbors=k, threshold=t, ring_bits=bits, clip=1.0, max_weight=max_weight)
+    server = SecAggServer(roster, dim, settings, round_id=seed, seed=seed)
     vectors, weights, inputs, quantized = make_inputs(roster, dim, seed, max_weight=max_weight)
     want, abort_phase = expected_outcome(roster, server.graph, server.params.threshold, dropout)
     if abort_phase is not None:
@@ -325,7 +326,7 @@ def test_server_never_holds_an_individual_unmasked_input():
     of one client."""
     roster = [f"client-{i:03d}" for i in range(7)]
     _, _, inputs, quantized = make_inputs(roster, 9, seed=4)
-    server = SecAggServer(roster, 9, SecAggConfig(neighbors=4, threshold=2), round_id=4, seed=4)
+    server = SecAggServer(roster, 9, SecAggSettings(neighbors=4, threshold=2), round_id=4, seed=4)
     individual = [quantized(c, server.params) for c in roster]
     checks = 0
     for name in ("receive_keys", "close_keys", "receive_shares", "close_shares", "receive_masked", "close_masked",
@@ -347,7 +348,7 @@ def test_fewer_than_t_survivors_aborts_with_a_clear_reason(phase):
     roster = [f"c{i}" for i in range(6)]
     _, _, inputs, _ = make_inputs(roster, 5, 0)
     dropout = {c: phase for c in roster[:3]}  # 3 left, t = 4
-    server = SecAggServer(roster, 5, SecAggConfig(threshold=4), round_id=1)
+    server = SecAggServer(roster, 5, SecAggSettings(threshold=4), round_id=1)
     with pytest.raises(SecAggAbort) as info:
         simulate_round(roster, 5, inputs, dropout=dropout, server=server)
     assert info.value.phase == PHASES[phase]
@@ -360,7 +361,7 @@ def test_phase_stats_and_wire_sizes():
     roster = [f"c{i}" for i in range(6)]
     _, _, inputs, _ = make_inputs(roster, 50, 0)
     stats = PhaseStats()
-    result = simulate_round(roster, 50, inputs, SecAggConfig(neighbors=4), dropout={"c0": 3}, stats=stats)
+    result = simulate_round(roster, 50, inputs, SecAggSettings(neighbors=4), dropout={"c0": 3}, stats=stats)
     assert isinstance(result, SecAggResult) and len(result.clients) == 5
     assert stats.bytes_up["masked_input"] == 5 * (4 * 51 + wire_size({"y": None}))
     assert stats.bytes_up["share_keys"] > 6 * 4 * CIPHERTEXT_BYTES
@@ -373,7 +374,7 @@ def test_phase_stats_and_wire_sizes():
 def first_phases(n=5, k=4, dim=6, seed=0):
     """A server and its clients after the share exchange; returns (server, clients, masked-input messages)."""
     roster = [f"c{i}" for i in range(n)]
-    server = SecAggServer(roster, dim, SecAggConfig(neighbors=k, threshold=2), round_id=9, seed=seed)
+    server = SecAggServer(roster, dim, SecAggSettings(neighbors=k, threshold=2), round_id=9, seed=seed)
     clients = {c: SecAggClient(c) for c in roster}
     for c, m in server.setup().items():
         server.receive_keys(c, clients[c].on_setup(m))
@@ -429,7 +430,7 @@ def _copy_client(cl):
 
 def test_server_rejects_malformed_replies():
     roster = [f"c{i}" for i in range(5)]
-    server = SecAggServer(roster, 6, SecAggConfig(neighbors=4, threshold=2, ring_bits=24), round_id=2)
+    server = SecAggServer(roster, 6, SecAggSettings(neighbors=4, threshold=2, ring_bits=24), round_id=2)
     clients = {c: SecAggClient(c) for c in roster}
     setup = server.setup()
     keys = {c: clients[c].on_setup(m) for c, m in setup.items()}
@@ -515,7 +516,7 @@ def test_client_rejects_messages_out_of_order_and_malformed_setup():
 def test_a_corrupted_share_is_detected_not_silently_summed(secret):
     roster = [f"c{i}" for i in range(6)]
     _, _, inputs, _ = make_inputs(roster, 4, 0)
-    server = SecAggServer(roster, 4, SecAggConfig(threshold=2), round_id=1)
+    server = SecAggServer(roster, 4, SecAggSettings(threshold=2), round_id=1)
     real = server.receive_unmask
 
     def corrupt(client, reply):

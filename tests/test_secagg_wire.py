@@ -11,23 +11,24 @@ from pathlib import Path
 import threading
 import types
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from coordinator.lifecycle import Coordinator
-from secagg.server import SecAggConfig
 from coordinator.secure_round import SecureRound, round_id
 from edge_node.node import EdgeNode
 from secagg.client import SecAggClient
 from secagg.protocol import Quantizer, SecAggError
+from secagg.settings import SecAggSettings
 from runconfig import RunConfig, load_config
 from methods import registry
 from methods.base import DELTA, DeltaLayout, ServerPart
-from tests.conftest import events, fcl_emu, keyed, small_config
+from tests.conftest import events, fcl_emu, keyed, raw_header, small_config
 from wire.auth import ClientKeyring
-from wire.framing import Message, WireError
-from wire.messages import SecAggKeys, SecAggMasked
+from wire.framing import Message, WireError, decode, encode
+from wire.messages import SecAggKeys, SecAggMasked, plain_body
 
 pytestmark = pytest.mark.slow
 
@@ -217,18 +218,18 @@ def test_a_method_with_individual_uploads_cannot_use_secagg(monkeypatch):
     RunConfig.model_validate({"method": "prototypes"})  # fine without secure aggregation
 
 
-def _secure_round(n: int = 4) -> SecureRound:
+def _secure_round(n: int = 4) -> tuple[SecureRound, dict]:
+    """A round over n clients, opened: its setup messages sent (returned)."""
     layout = DeltaLayout(("w",), ((3,),))
     metrics = types.SimpleNamespace(secagg_phase=lambda *a: None, secagg_round=lambda **k: None)
     sent = []
-    sr = SecureRound([f"c{i}" for i in range(n)], layout, SecAggConfig(neighbors=3), run_id="r", number=1,
-                     seed=0, send=lambda *a: sent.append(a) or True, metrics=metrics, phase_timeout_s=1.0)
-    sr.setup_messages()
-    return sr
+    sr = SecureRound([f"c{i}" for i in range(n)], layout, SecAggSettings(neighbors=3, phase_timeout_s=1.0),
+                     run_id="r", number=1, seed=0, send=lambda *a: sent.append(a) or True, metrics=metrics)
+    return sr, sr.setup_messages()
 
 
 def test_a_malformed_secagg_reply_is_rejected_and_a_late_one_ignored():
-    sr = _secure_round()
+    sr, _ = _secure_round()
     bad = Message("secagg_keys", SecAggKeys(c_pk=b"short", s_pk=b"x" * 32), round=1)
     with pytest.raises(WireError) as info:
         sr.on_message("c0", bad)
@@ -238,6 +239,26 @@ def test_a_malformed_secagg_reply_is_rejected_and_a_late_one_ignored():
         sr.on_message("intruder", stranger)
     late = Message("secagg_masked", SecAggMasked(train_time_s=0.0, loss=0.0), {"y": np.zeros(4, np.uint32)}, round=1)
     assert sr.on_message("c0", late) is False  # the round is still in key advertisement: not its phase
+
+
+def test_setup_parameters_are_a_typed_body_with_the_bytes_of_the_protocols_map():
+    sr, setups = _secure_round()
+    params = sr.server.params
+    assert list(msgspec.structs.asdict(setups["c0"].params)) == list(params.to_dict())
+    for client, body in setups.items():
+        as_map = {"params": params.to_dict(), "index": body.index, "neighbors": body.neighbors}
+        assert msgspec.msgpack.encode(body) == msgspec.msgpack.encode(as_map)  # the bytes a plain map had
+        received = decode(encode("secagg_setup", body, sender="coordinator", seq=1, round=1)).body
+        protocol = SecAggClient(client)
+        protocol.on_setup(plain_body(received))  # what the edge node does with it
+        assert protocol.params == params
+    good = plain_body(setups["c0"])
+    for bad in ({**good["params"], "n": "4"}, {**good["params"], "clip": None}, {**good["params"], "extra": 1},
+                {k: v for k, v in good["params"].items() if k != "dim"}):
+        raw = msgspec.msgpack.encode({**good, "params": bad})
+        with pytest.raises(WireError) as info:
+            decode([raw_header(type="secagg_setup", body=msgspec.Raw(raw))])
+        assert info.value.reason == "bad_body"
 
 
 def test_delta_layout_round_trips_and_names_what_does_not_fit():

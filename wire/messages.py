@@ -159,10 +159,24 @@ class Shutdown(Body):
 # The bodies carry what secagg/server.py and secagg/client.py exchange; the masked input rides in a
 # uint32 tensor frame named "y". Every secagg message names its round in the header.
 
+class SecAggParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One round's SecAgg+ parameters, the map ``secagg.protocol.RoundParams.to_dict()`` writes (in its order,
+    so the bytes are those of that map); the protocol checks their ranges (``RoundParams``)."""
+
+    round: int  # the protocol's 64-bit round id
+    n: int
+    dim: int
+    neighbors: int
+    threshold: int
+    ring_bits: int
+    clip: float
+    max_weight: int
+
+
 class SecAggSetup(Body):
     """Coordinator -> client: opens the protocol for this round (round parameters, roster index, neighbours)."""
 
-    params: dict[str, int | float]
+    params: SecAggParams
     index: int
     neighbors: dict[str, int]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from secagg.protocol import SecAggAbort, default_threshold
-from secagg.server import SecAggConfig, log_neighbors
+from secagg.protocol import SecAggAbort
+from secagg.settings import SecAggSettings
 from secagg.simulation import EXCHANGES, PhaseStats, measure_masking, simulate_round
 from fcl_emu.bench.flower_secagg import measure_flower_masking
 from fcl_emu.bench.report import emit
@@ -44,7 +44,7 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
         raise ValueError("--dropout must be in [0, 1)")
     rng = np.random.default_rng(seed)
     roster = [f"client-{i:04d}" for i in range(clients)]
-    config = SecAggConfig(neighbors=neighbors, threshold=threshold)
+    settings = SecAggSettings(neighbors=neighbors, threshold=threshold)
     stats = PhaseStats()
     pattern = dropout_pattern(roster, dropout, rng)
     status = "ok"
@@ -55,7 +55,7 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
         return (gen.standard_normal(dim, np.float32) * 0.1, 1, gen)
 
     try:
-        result = simulate_round(roster, dim, client_input, config, round_id=1, seed=seed, dropout=pattern,
+        result = simulate_round(roster, dim, client_input, settings, round_id=1, seed=seed, dropout=pattern,
                                 stats=stats)
         survivors = len(result.clients)
     except SecAggAbort as exc:
@@ -68,11 +68,11 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
                      "client_max_ms": 1e3 * max(times) if times else float("nan"),
                      "server_ms": 1e3 * stats.server_s.get(phase, 0.0),
                      "bytes_down": stats.bytes_down[phase], "bytes_up": stats.bytes_up[phase]})
-    k = log_neighbors(clients) if neighbors is None else min(neighbors, clients - 1)
+    k = settings.neighbors_for(clients)
     masking = measure_masking(dim=dim, neighbors=k, repeats=3, seed=seed)
     extra = {"clients": clients, "dim": dim, "dropout": dropout, "dropped": len(pattern), "status": status,
              "survivors": survivors, "neighbors": masking["neighbors"],
-             "threshold": threshold if threshold is not None else default_threshold(masking["neighbors"]),
+             "threshold": settings.threshold_for(masking["neighbors"]),
              "lower_bound_ms": 1e3 * masking["lower_bound_s"],
              "client_masked_input_ms": 1e3 * masking["client_masked_input_s"],
              "client_mask_ms": 1e3 * masking["client_mask_s"],
