@@ -1,0 +1,316 @@
+"""The coordinator's parts alone, with fake collaborators: no sockets, no processes, no data set.
+
+The round runner is driven by a fake dispatcher whose ``serve`` plays the selected clients' answers; the
+dispatcher is fed decoded wire messages by a fake endpoint and answers into it."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import numpy as np
+import pytest
+
+from coordinator.clients import ClientRegistry
+from coordinator.clock import EmulatedTime, RealTime, make_clock
+from coordinator.dispatch import Dispatcher
+from coordinator.guard import LogOnce, RateLimiter
+from coordinator.open_round import OpenRound, StaleUpdates
+from coordinator.rounds import RoundRunner
+from coordinator.state import RunState
+from methods.base import DELTA, ClientUpdate
+from monitoring.metrics import CoordinatorMetrics
+from runconfig import RunConfig
+from wire.framing import decode, encode
+from wire.messages import Heartbeat, Join, Update, client_id
+
+NUM_CLIENTS = 6
+SAMPLES = 50  # each client's samples in every task
+
+
+class FakeScenario:
+    num_tasks = 2
+
+    def task_classes(self, task):
+        return [2 * task, 2 * task + 1]
+
+    def seen_classes(self, task):
+        return list(range(2 * task + 2))
+
+    def client_indices(self, index, task):
+        return list(range(SAMPLES))
+
+    def join_task(self, index):
+        return 0
+
+
+class FakeServer:
+    """A method's server part that records what the round runner asks of it."""
+
+    accepts_stale_updates = True
+    side_channels = frozenset()
+
+    def __init__(self):
+        self.global_state = {"w": np.zeros(3, np.float32)}
+        self.aggregated: list[tuple[int, int, list[ClientUpdate]]] = []
+
+    def task_assets(self, task):
+        return {}
+
+    def round_tensors(self, task, number):
+        return {"global/w": self.global_state["w"]}
+
+    def learning_rate(self, task, task_round, lr):
+        return lr
+
+    def aggregate(self, task, number, updates):
+        self.aggregated.append((task, number, list(updates)))
+
+    def check_update(self, task, tensors):
+        pass
+
+
+class FakeSpec:
+    name = "fake"
+    server = FakeServer
+
+
+def make_state(clock: str = "real", **rounds) -> RunState:
+    config = RunConfig.model_validate({
+        "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": NUM_CLIENTS},
+        "rounds": {"clients_per_round": 3, "rounds_per_task": 2, "min_participants": 2, "deadline_s": 30,
+                   "clock": clock, **rounds},
+        "security": {"transport": "plain"}})
+    return RunState(config=config, scenario=FakeScenario(), spec=FakeSpec(), server=FakeServer(), model_name="fake",
+                    evaluator=None, registry=ClientRegistry(liveness_timeout_s=10.0), metrics=CoordinatorMetrics(),
+                    run_id="test", rng=np.random.default_rng(0), log_once=LogOnce(logging.getLogger("test")))
+
+
+def join_all(state: RunState) -> list[str]:
+    ids = [client_id(i) for i in range(NUM_CLIENTS)]
+    for i, cid in enumerate(ids):
+        state.registry.join(cid, i, "node-0", 0)
+    return ids
+
+
+def update(cid: str, value: float, samples: int = 10) -> ClientUpdate:
+    return ClientUpdate(cid, samples, {DELTA + "w": np.full(3, value, np.float32)}, loss=value)
+
+
+# ------------------------------------------------------------------------------------------- round runner
+class PlayingDispatcher:
+    """Stands in for the dispatcher: records sends; ``serve`` lets every selected client answer at once, except
+    those in ``silent`` (which never answer) and those in ``failing`` (which report an error)."""
+
+    def __init__(self, state: RunState, silent=(), failing=()):
+        self.state, self.silent, self.failing = state, set(silent), set(failing)
+        self.sent: list[tuple[str, str]] = []
+        self.round: OpenRound | None = None
+        self.secure = None
+        self.served = 0
+
+    def drain(self):
+        pass
+
+    def send(self, client, msg_type, body, **kw):
+        self.sent.append((client, msg_type))
+        return 100
+
+    def side_channel(self, client, task, msg_type, tensors):
+        raise AssertionError("no side channel in these rounds")
+
+    def serve(self, until, deadline):
+        self.served += 1
+        r = self.round
+        for cid in sorted(r.selected - r.answered() - self.silent) if r is not None else ():
+            if cid in self.failing:
+                r.failed.add(cid)
+            else:
+                r.updates.append(update(cid, float(int(cid[-4:]))))
+            self.clock.answered(r, cid, 200, 0.5, 10)
+            if until():
+                return
+
+
+def runner(state: RunState, **dispatcher) -> tuple[RoundRunner, PlayingDispatcher]:
+    fake = PlayingDispatcher(state, **dispatcher)
+    fake.clock = make_clock(state, liveness_timeout_s=10.0)
+    stale = StaleUpdates.for_rounds(state.config.rounds.clients_per_round, state.config.rounds.overcommit)
+    return RoundRunner(state, fake, fake.clock, stale), fake
+
+
+@pytest.mark.parametrize("clock", ["real", "emulated"])
+def test_a_round_selects_dispatches_collects_and_aggregates(clock):
+    state = make_state(clock)
+    join_all(state)
+    run, fake = runner(state)
+    record = run.run_round(task=0, task_round=0)
+    chosen = [c for c, t in fake.sent if t == "train_request"]
+    assert len(chosen) == 3 and [t for c, t in fake.sent if c == chosen[0]] == ["task_start", "train_request"]
+    assert state.registry.records[chosen[0]].assets_task == 0
+    (task, number, updates), = state.server.aggregated
+    assert (task, number) == (0, 1) and sorted(u.client for u in updates) == sorted(chosen)
+    assert [u.client for u in updates] == sorted(chosen)  # aggregated in client order, whoever came first
+    assert (record.selected, record.participants, record.skipped, record.late, record.dropped) == \
+        (3, 3, False, 0, 0)
+    assert record.mean_loss == pytest.approx(np.mean([float(int(c[-4:])) for c in chosen]))
+    assert fake.round is None  # closed
+    if clock == "emulated":
+        assert record.emulated_s is not None and record.emulated_s > 0 and record.emulated_clock_s > 0
+    else:
+        assert record.emulated_s is None and record.emulated_clock_s is None
+
+    second = run.run_round(task=0, task_round=1)  # the task's assets are not sent twice
+    assert second.round == 2
+    again = fake.sent[len(chosen) * 2:]
+    assert not [c for c, t in again if t == "task_start" and c in chosen]
+    assert len([t for c, t in again if t == "train_request"]) == 3
+
+
+def test_the_selection_is_seeded():
+    picks = []
+    for _ in range(2):
+        state = make_state()
+        join_all(state)
+        run, fake = runner(state)
+        run.run_round(0, 0)
+        picks.append([c for c, t in fake.sent if t == "train_request"])
+    assert picks[0] == picks[1]
+
+
+def test_a_round_below_quorum_is_skipped_and_not_aggregated():
+    state = make_state(rounds_per_task=2)
+    ids = join_all(state)
+    run, fake = runner(state, silent=set(ids[1:]))  # at most one update can come
+    record = run.run_round(0, 0)
+    assert record.skipped and not state.server.aggregated
+    assert record.participants <= 1 and record.late + record.participants == 3
+
+
+def test_failed_clients_count_and_do_not_block_the_round():
+    state = make_state()
+    ids = join_all(state)
+    run, fake = runner(state, failing={ids[0], ids[1], ids[2]})
+    record = run.run_round(0, 0)
+    assert record.failed + record.participants == 3 and record.late == 0
+
+
+def test_late_updates_kept_for_the_next_round_are_aggregated_there():
+    state = make_state(late_updates="next_round")
+    join_all(state)
+    run, fake = runner(state)
+    assert run.stale.has_room_for("client-0005", task=0)
+    run.stale.keep(update("client-0005", 5.0))
+    record = run.run_round(0, 0)
+    assert record.stale_used == 1
+    assert "client-0005" in [u.client for u in state.server.aggregated[0][2]]
+    assert run.run_round(0, 1).stale_used == 0  # used once
+
+
+# ------------------------------------------------------------------------------------------- dispatcher
+class FakeSocket:
+    def __init__(self, inbox):
+        self.inbox = inbox
+
+    def poll(self, timeout=0):
+        return bool(self.inbox)
+
+
+class FakeEndpoint:
+    """The ROUTER as the dispatcher sees it: messages to receive (peer, wire frames), sends recorded."""
+
+    address = "tcp://fake:1"
+
+    def __init__(self):
+        self.inbox: deque = deque()
+        self.sock = FakeSocket(self.inbox)
+        self.sent: list[tuple[str, str, object]] = []
+        self.switched = False
+        self.seq = 0
+
+    def push(self, peer: str, msg_type: str, body, **kw):
+        self.seq += 1
+        self.inbox.append((peer, decode(encode(msg_type, body, sender=peer, seq=self.seq, **kw))))
+
+    def recv(self):
+        return self.inbox.popleft()
+
+    def send(self, client, msg_type, body, **kw):
+        self.sent.append((client, msg_type, body))
+        return 64
+
+
+def dispatcher(state: RunState) -> tuple[Dispatcher, FakeEndpoint]:
+    endpoint = FakeEndpoint()
+    clock = make_clock(state, liveness_timeout_s=10.0)
+    stale = StaleUpdates.for_rounds(3, 1.0)
+    return Dispatcher(state, endpoint, pool=None, clock=clock, stale=stale, rate_limiter=RateLimiter(),
+                      welcome={"run_id": "test", "scenario": {}, "method": "fake", "method_options": {},
+                               "model": "fake", "training": {}, "heartbeat_interval_s": 1.0}), endpoint
+
+
+def join_msg(index: int) -> Join:
+    return Join(client_index=index, node="node-0", pid=1)
+
+
+def test_a_join_is_registered_and_welcomed_with_the_clocks_edge_settings():
+    for clock, expected in (("emulated", "emulated"), ("real", "real")):
+        state = make_state(clock)
+        d, endpoint = dispatcher(state)
+        endpoint.push(client_id(2), "join", join_msg(2))
+        d.drain()
+        assert state.registry.is_online(client_id(2))
+        (peer, msg_type, body), = endpoint.sent
+        assert (peer, msg_type) == (client_id(2), "welcome") and body.edge.clock == expected
+
+
+def test_an_update_goes_into_the_open_round_and_a_late_one_is_counted():
+    state = make_state()
+    d, endpoint = dispatcher(state)
+    ids = join_all(state)
+    d.round = r = OpenRound(task=0, number=1, chosen=ids[:2], selected=set(ids[:2]), wanted=2)
+    delta = {DELTA + "w": np.ones(3, np.float32)}
+    endpoint.push(ids[0], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors=delta)
+    endpoint.push(ids[3], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors=delta)  # not selected
+    d.drain()
+    assert [u.client for u in r.updates] == [ids[0]] and r.train_s[ids[0]] == pytest.approx(0.1)
+    assert state.tally.late_updates == 1 and state.registry.records[ids[0]].rounds_trained == 1
+
+
+def test_a_refused_update_fails_its_client_at_once_and_is_answered_with_an_error():
+    state = make_state()
+    d, endpoint = dispatcher(state)
+    ids = join_all(state)
+    d.round = r = OpenRound(task=0, number=1, chosen=ids[:2], selected=set(ids[:2]), wanted=2)
+    endpoint.push(ids[1], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors={DELTA + "w": np.ones(4, np.float32)})  # wrong shape
+    endpoint.push(ids[0], "update", Update(num_samples=SAMPLES + 1, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors={DELTA + "w": np.ones(3, np.float32)})  # more samples than it holds
+    d.drain()
+    assert r.failed == {ids[0], ids[1]} and not r.updates and r.done(state.registry.is_online)
+    assert state.tally.rejected == {"bad_shape": 1, "implausible": 1}
+    assert sorted((c, t, b.code) for c, t, b in endpoint.sent) == [(ids[0], "error", "implausible"),
+                                                                   (ids[1], "error", "bad_shape")]
+
+
+def test_strangers_are_told_to_join_and_cannot_join_as_someone_else():
+    state = make_state()
+    d, endpoint = dispatcher(state)
+    endpoint.push(client_id(1), "heartbeat", Heartbeat())
+    endpoint.push(client_id(1), "join", join_msg(4))  # client-0001 may not join as client 4
+    d.drain()
+    assert not state.registry.records
+    assert [(c, b.code) for c, t, b in endpoint.sent] == [(client_id(1), "not_joined")]
+    assert state.tally.rejected == {"unknown_sender": 1, "not_authorized": 1}
+
+
+def test_the_clock_is_chosen_once_from_the_config():
+    assert isinstance(make_clock(make_state("real"), 10.0), RealTime)
+    emulated = make_clock(make_state("emulated"), 10.0)
+    assert isinstance(emulated, EmulatedTime) and emulated.emulated_now == 0.0
+    fields = emulated.checkpoint_fields()
+    emulated.model.now = 99.0
+    emulated.restore(fields)
+    assert emulated.emulated_now == 0.0
