@@ -314,3 +314,28 @@ def test_the_clock_is_chosen_once_from_the_config():
     emulated.model.now = 99.0
     emulated.restore(fields)
     assert emulated.emulated_now == 0.0
+
+
+def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_have():
+    """``Coordinator`` has no mixin bases, and no file of the coordinator outside clock.py compares a clock (or an
+    emulated timeline) with None or asks which kind it is."""
+    import ast
+    from pathlib import Path
+
+    from coordinator.lifecycle import Coordinator
+
+    assert Coordinator.__bases__ == (object,)
+    asking = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "coordinator").glob("*.py")):
+        if path.name in ("clock.py", "emulated.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in ast.walk(node)} \
+                if isinstance(node, (ast.Compare, ast.Call)) else set()
+            is_none = isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value is None
+                                                            for c in node.comparators)
+            kind_check = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and \
+                names & {"RealTime", "EmulatedTime"}
+            if (is_none and names & {"clock", "timeline"}) or kind_check:
+                asking.append(f"{path.name}:{node.lineno}")
+    assert not asking, f"branches on the clock's kind: {asking}"
