@@ -20,9 +20,10 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
-from fcl_emu.keys import with_keys
-from fcl_emu.launchers import NodeLauncher, launcher, node_specs
+from fcl_emu.keys import RunKeys
+from fcl_emu.launchers import NodeLauncher, launcher
 from monitoring import stack
+from scenario.datasets import find_dataset
 
 
 class ProgressView:
@@ -175,21 +176,37 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def with_run_keys(config: RunConfig, run_dir: Path) -> RunConfig:
-    """``up`` under CurveZMQ without a key directory: the run's own keys in RUN_DIR/keys (kept for --resume)."""
-    if config.security.transport != "curve" or config.security.keys is not None:
-        return config
-    return with_keys(config, run_dir / "keys", [node.clients for node in node_specs(config)])
+def check_before_start(config: RunConfig, start_nodes: bool) -> RunConfig:
+    """What can be checked before a run writes anything (its run directory, its keys): the /metrics ports
+    (``--prometheus`` without a port picks a free block) and that the dataset is there (unless it is to be
+    downloaded). The configuration is valid by construction.
+
+    Raises :class:`monitoring.stack.PortInUseError` or :class:`scenario.datasets.DatasetNotFoundError`.
+    """
+    config = resolve_metrics(config, start_nodes)
+    if not config.download:
+        find_dataset(config.scenario.dataset, config.data_root)
+    return config
 
 
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
-    config = resolve_metrics(config, start_nodes)
+    config = check_before_start(config, start_nodes)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:
-        config = with_run_keys(config, run_dir)
+        config = keys.write(config)
     elif config.security.transport == "plain":
         console.print("warning: --insecure: plain TCP, any peer that reaches the port may join and speak for any "
                       "client (docs/security.md)", style="yellow", markup=False, highlight=False)
+    try:
+        return _start_and_run(config, run_dir, console, start_nodes, resume, started=keys.keep)
+    finally:
+        keys.discard()  # unless the run started
+
+
+def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nodes: bool,
+                   resume: Checkpoint | None, started: Callable[[], None]) -> dict:
+    """Start the coordinator, the nodes and the metrics; call ``started`` and run; stop them all."""
     nodes: NodeLauncher | None = None
     if start_nodes:
         nodes = launcher(config.containers.backend)
@@ -221,6 +238,7 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
             if config.metrics.enabled and target is not None:
                 container_stats = ContainerStats(target.containers, target.classes, config.metrics.scrape_interval_s)
                 coordinator.metrics.registry.register(container_stats)
+        started()
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)

@@ -138,6 +138,26 @@ def load_dataset(name: str, roots: Sequence[Path], download: bool = False) -> Im
     naming every path looked at, and :class:`DatasetFormatError` for a corrupt
     file.
     """
+    try:
+        layout = _find_layout(name, roots)
+    except DatasetNotFoundError:
+        if not download:
+            raise
+        if not roots:
+            raise DatasetNotFoundError(name, [], "Downloading needs a data root to download into.") from None
+        root = Path(roots[0]).expanduser()
+        _download(name, root)
+        layout = _find_layout(name, [root])
+    return _to_dataset(name, layout.load())
+
+
+def find_dataset(name: str, roots: Sequence[Path]) -> Path:
+    """Where :func:`load_dataset` would load dataset ``name`` from, without reading it (a check before a run
+    starts). Raises :class:`DatasetNotFoundError` naming every path looked at."""
+    return _find_layout(name, roots).path
+
+
+def _find_layout(name: str, roots: Sequence[Path]) -> _Layout:
     if name not in NUM_CLASSES:
         raise ValueError(f"unknown dataset {name!r}; supported: {', '.join(DATASETS)}")
     roots = [Path(r).expanduser() for r in roots]
@@ -146,13 +166,8 @@ def load_dataset(name: str, roots: Sequence[Path], download: bool = False) -> Im
         for layout in _layouts(name, root):
             looked_at.append(layout.path)
             if layout.load is not None:
-                return _to_dataset(name, layout.load())
-    if not download:
-        raise DatasetNotFoundError(name, looked_at, _how_to_get(name, roots))
-    if not roots:
-        raise DatasetNotFoundError(name, [], "Downloading needs a data root to download into.")
-    _download(name, roots[0])
-    return load_dataset(name, roots[:1])
+                return layout
+    raise DatasetNotFoundError(name, looked_at, _how_to_get(name, roots))
 
 
 # ---------------------------------------------------------------- layouts
