@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.engine import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
+from coordinator.errors import BindError
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
@@ -176,21 +179,42 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def check_before_start(config: RunConfig, start_nodes: bool) -> RunConfig:
+def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None) -> RunConfig:
     """What can be checked before a run writes anything (its run directory, its keys): the /metrics ports
-    (``--prometheus`` without a port picks a free block) and that the dataset is there (unless it is to be
-    downloaded). The configuration is valid by construction.
+    (``--prometheus`` without a port picks a free block), a new run's TCP port, and that the dataset is there
+    (unless it is to be downloaded). The configuration is valid by construction.
 
-    Raises :class:`monitoring.stack.PortInUseError` or :class:`scenario.datasets.DatasetNotFoundError`.
+    Raises :class:`monitoring.stack.PortInUseError`, :class:`coordinator.errors.BindError` or
+    :class:`scenario.datasets.DatasetNotFoundError`.
     """
     config = resolve_metrics(config, start_nodes)
+    if resume is None:
+        _check_bind(config.network.bind)
     if not config.download:
         find_dataset(config.scenario.dataset, config.data_root)
     return config
 
 
+def _check_bind(endpoint: str) -> None:
+    """Raise :class:`BindError` if ``endpoint`` is ``tcp://HOST:PORT`` with a fixed port that cannot be bound now
+    (the coordinator binds it after the run's keys are written). An address by interface name, and other
+    transports, are left to the coordinator."""
+    match = re.fullmatch(r"tcp://\[?(.+?)\]?:(\d+)", endpoint)
+    if match is None or int(match[2]) == 0:
+        return
+    host = "0.0.0.0" if match[1] == "*" else match[1]
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind((host, int(match[2])))
+        except socket.gaierror:  # not a host name: an interface name, say, which ZeroMQ resolves itself
+            return
+        except OSError as exc:
+            raise BindError(f"cannot bind {endpoint}: {exc.strerror}") from None
+
+
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
-    config = check_before_start(config, start_nodes)
+    config = check_before_start(config, start_nodes, resume)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:

@@ -76,15 +76,30 @@ def test_missing_dataset_is_a_clear_error_and_leaves_no_run_directory_nor_keys(t
     assert [p.name for p in tmp_path.iterdir()] == ["data"]
 
 
-def test_a_run_that_does_not_start_takes_its_keys_away(tmp_path, mnist_root):
-    """Its coordinator cannot bind, after ``up`` wrote the run's keys: they go, with the directories made for them."""
+def test_a_taken_port_is_found_before_anything_is_written(tmp_path, mnist_root):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(mnist_root),
                               "--bind", f"tcp://127.0.0.1:{taken.getsockname()[1]}",
                               "--run-dir", str(tmp_path / "runs" / "r"))
-    assert code == 1 and "cannot bind" in output
+    assert code == 1 and "cannot bind" in output and "in use" in output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_does_not_start_takes_its_keys_away(tmp_path, mnist_root, monkeypatch):
+    """Its coordinator fails after ``up`` wrote the run's keys: they go, with the directories made for them."""
+    from coordinator.errors import BindError
+    from fcl_emu import run
+
+    def coordinator_that_cannot_bind(config, **kwargs):
+        assert (tmp_path / "runs" / "r" / "keys" / "coordinator.key_secret").is_file()
+        raise BindError("cannot bind: a test")
+
+    monkeypatch.setattr(run, "Coordinator", coordinator_that_cannot_bind)
+    code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(mnist_root),
+                          "--run-dir", str(tmp_path / "runs" / "r"))
+    assert code == 1 and "a test" in output
     assert list(tmp_path.iterdir()) == []
 
 
