@@ -155,7 +155,10 @@ def file_graph(root: Path = ROOT) -> dict[Path, dict[Path, int]]:
 
 
 def test_every_code_folder_is_in_the_table():
-    assert code_folders() == set(MAY_IMPORT), "add the new folder to MAY_IMPORT and docs/architecture.md"
+    folders = code_folders()
+    assert folders == set(MAY_IMPORT), (f"MAY_IMPORT and docs/architecture.md must name every top-level folder of "
+                                        f"code: add {sorted(folders - set(MAY_IMPORT))}, "
+                                        f"drop {sorted(set(MAY_IMPORT) - folders)}")
 
 
 def test_packages_import_only_downwards():
