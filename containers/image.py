@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from containers.engine import EngineError, client
+from containers.docker_client import EngineError, client
 
 REPOSITORY = "fcl-emu"
 BASE_REPOSITORY = "fcl-emu-base"

@@ -62,7 +62,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed.
     ``fork_nodes`` (``up`` with process nodes): fork the zygote that forks the edge nodes first, while this
     process has no other thread (fcl_emu/launchers/zygote.py)."""
-    from containers.engine import EngineError
+    from containers.docker_client import EngineError
     from containers.image import ImageError
     from coordinator.checkpoint import CheckpointError
     from coordinator.lifecycle import BindError
@@ -152,7 +152,7 @@ def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, f
 def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus) to deploy and edit
     yourself (docs/containers.md)."""
-    from containers.engine import EngineError
+    from containers.docker_client import EngineError
     from containers.image import ImageError, image_ref
     from fcl_emu.deploy import write_deployment
 
@@ -349,7 +349,7 @@ def keys(
 @image_app.command("build")
 def image_build() -> None:
     """Build the image offline (Debian packages + this host's wheels), or reuse it when nothing changed."""
-    from containers.engine import EngineError
+    from containers.docker_client import EngineError
     from containers.image import ImageError, build_image
 
     try:
@@ -510,7 +510,7 @@ def bench_containers(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Edge nodes in containers against host processes: start-up, idle memory, round time, CPU-limit slow-down."""
-    from containers.engine import EngineError
+    from containers.docker_client import EngineError
     from containers.image import ImageError
     from fcl_emu.bench.containers import run
     from runconfig import default_data_roots

@@ -2,17 +2,18 @@
 
 ``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret`` and ``coordinator.key`` to the
 host that runs it), giving node n a contiguous block of clients; ``fcl-emu up`` writes its own into the run
-directory, following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for
+directory (:class:`RunKeys`), following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for
 the clients node n hosts, or, with per-device keys, ``client-<i>`` for client i alone; ``gpu-workers`` for the
 coordinator's GPU workers.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
-from fcl_emu.launchers.base import node_key_name
+from fcl_emu.launchers.base import node_key_name, node_specs
 from wire.auth import write_keys
 from runconfig import RunConfig
 from wire.messages import client_id
@@ -44,3 +45,37 @@ def with_keys(config: RunConfig, directory: Path, assignment: list[list[int]], *
     keys = write_run_keys(directory, assignment, per_device=per_device)
     return config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
 
+
+
+class RunKeys:
+    """The keys a run started by ``up`` without a key directory writes for itself in RUN_DIR/keys, kept there
+    for ``--resume`` once the run has started, and removed if it does not start: no secret keys stay behind from
+    a run that never ran, nor the directories made only for them."""
+
+    def __init__(self, run_dir: Path):
+        self.directory = Path(run_dir) / "keys"
+        self._made: list[Path] = []  # the directories that writing the keys made, deepest (the keys') first
+
+    def write(self, config: RunConfig) -> RunConfig:
+        """``config`` under the run's own keys, written now; unchanged if it has keys or runs without CurveZMQ."""
+        if config.security.transport != "curve" or config.security.keys is not None:
+            return config
+        if not self.directory.exists():
+            self._made = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
+        return with_keys(config, self.directory, [node.clients for node in node_specs(config)])
+
+    def keep(self) -> None:
+        """The run has started: its keys stay."""
+        self._made = []
+
+    def discard(self) -> None:
+        """Remove the keys written (unless kept), and each directory made for them that nothing else is in."""
+        if not self._made:
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
+        for directory in self._made[1:]:
+            try:
+                directory.rmdir()
+            except OSError:  # it holds more than the keys (the nodes' logs, say), or is gone
+                break
+        self._made = []

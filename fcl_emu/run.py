@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -19,10 +21,12 @@ from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
 from coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
+from coordinator.errors import BindError
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
-from fcl_emu.keys import with_keys
-from fcl_emu.launchers import NodeLauncher, launcher, node_specs
+from fcl_emu.keys import RunKeys
+from fcl_emu.launchers import NodeLauncher, launcher
 from monitoring import stack
+from scenario.datasets import find_dataset
 
 
 class ProgressView:
@@ -175,21 +179,58 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def with_run_keys(config: RunConfig, run_dir: Path) -> RunConfig:
-    """``up`` under CurveZMQ without a key directory: the run's own keys in RUN_DIR/keys (kept for --resume)."""
-    if config.security.transport != "curve" or config.security.keys is not None:
-        return config
-    return with_keys(config, run_dir / "keys", [node.clients for node in node_specs(config)])
+def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None) -> RunConfig:
+    """What can be checked before a run writes anything (its run directory, its keys): the /metrics ports
+    (``--prometheus`` without a port picks a free block), a new run's TCP port, and that the dataset is there
+    (unless it is to be downloaded). The configuration is valid by construction.
+
+    Raises :class:`monitoring.stack.PortInUseError`, :class:`coordinator.errors.BindError` or
+    :class:`scenario.datasets.DatasetNotFoundError`.
+    """
+    config = resolve_metrics(config, start_nodes)
+    if resume is None:
+        _check_bind(config.network.bind)
+    if not config.download:
+        find_dataset(config.scenario.dataset, config.data_root)
+    return config
+
+
+def _check_bind(endpoint: str) -> None:
+    """Raise :class:`BindError` if ``endpoint`` is ``tcp://HOST:PORT`` with a fixed port that cannot be bound now
+    (the coordinator binds it after the run's keys are written). An address by interface name, and other
+    transports, are left to the coordinator."""
+    match = re.fullmatch(r"tcp://\[?(.+?)\]?:(\d+)", endpoint)
+    if match is None or int(match[2]) == 0:
+        return
+    host = "0.0.0.0" if match[1] == "*" else match[1]
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind((host, int(match[2])))
+        except socket.gaierror:  # not a host name: an interface name, say, which ZeroMQ resolves itself
+            return
+        except OSError as exc:
+            raise BindError(f"cannot bind {endpoint}: {exc.strerror}") from None
 
 
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
-    config = resolve_metrics(config, start_nodes)
+    config = check_before_start(config, start_nodes, resume)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:
-        config = with_run_keys(config, run_dir)
+        config = keys.write(config)
     elif config.security.transport == "plain":
         console.print("warning: --insecure: plain TCP, any peer that reaches the port may join and speak for any "
                       "client (docs/security.md)", style="yellow", markup=False, highlight=False)
+    try:
+        return _start_and_run(config, run_dir, console, start_nodes, resume, started=keys.keep)
+    finally:
+        keys.discard()  # unless the run started
+
+
+def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nodes: bool,
+                   resume: Checkpoint | None, started: Callable[[], None]) -> dict:
+    """Start the coordinator, the nodes and the metrics; call ``started`` and run; stop them all."""
     nodes: NodeLauncher | None = None
     if start_nodes:
         nodes = launcher(config.containers.backend)
@@ -221,6 +262,7 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
             if config.metrics.enabled and target is not None:
                 container_stats = ContainerStats(target.containers, target.classes, config.metrics.scrape_interval_s)
                 coordinator.metrics.registry.register(container_stats)
+        started()
         try:
             with view.progress:
                 summary = coordinator.run(run_dir)

@@ -1,8 +1,10 @@
-"""Shared fixtures: the data root, free ports, and a real emulation started as processes."""
+"""Shared fixtures: a scratch working directory, the data root, free ports, and a real emulation started as
+processes."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +17,23 @@ import yaml
 
 from runconfig import default_data_roots
 from fcl_emu.launchers.process import node_env
+from scenario.datasets import DATA_ROOT_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory):
+    """The tests run in a scratch directory: nothing that a test, or a command it starts, writes where no path
+    was given (``runs/<time>/``, say) lands in the checkout. The data roots are made absolute first, and the
+    commands started as processes import this checkout as the tests do."""
+    roots = default_data_roots()
+    with pytest.MonkeyPatch.context() as patch:
+        if os.environ.get(DATA_ROOT_ENV) or any(root.exists() for root in roots):
+            patch.setenv(DATA_ROOT_ENV, os.pathsep.join(str(root.resolve()) for root in roots))
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
 
 
 def find_dataset_root(folder: str) -> Path:

@@ -1,5 +1,6 @@
 """Configuration and command line: bad values fail early and name the option."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from typer.testing import CliRunner
 
 from fcl_emu import options
 from fcl_emu.cli import app
+from fcl_emu.keys import RunKeys
 from runconfig import RunConfig, load_config
 from fcl_emu.launchers import format_client_set, node_assignment, parse_client_set
 
@@ -89,10 +91,57 @@ def test_flags_override_the_config_file(tmp_path):
     assert RunConfig.model_validate(yaml.safe_load(config.to_yaml())) == config
 
 
-def test_missing_dataset_is_a_clear_error(tmp_path):
-    code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(tmp_path))
+def test_missing_dataset_is_a_clear_error_and_leaves_no_run_directory_nor_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default run directory, runs/<time>-..., would go
+    (tmp_path / "data").mkdir()
+    code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(tmp_path / "data"))
     assert code == 1
-    assert "mnist" in output.lower() and str(tmp_path / "mnist") in output.replace(" ", "")
+    assert "mnist" in output.lower() and str(tmp_path / "data" / "mnist") in output.replace(" ", "")
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+def test_a_taken_port_is_found_before_anything_is_written(tmp_path, mnist_root):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(mnist_root),
+                              "--bind", f"tcp://127.0.0.1:{taken.getsockname()[1]}",
+                              "--run-dir", str(tmp_path / "runs" / "r"))
+    assert code == 1 and "cannot bind" in output and "in use" in output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_does_not_start_takes_its_keys_away(tmp_path, mnist_root, monkeypatch):
+    """Its coordinator fails after ``up`` wrote the run's keys: they go, with the directories made for them."""
+    from coordinator.errors import BindError
+    from fcl_emu import run
+
+    def coordinator_that_cannot_bind(config, **kwargs):
+        assert (tmp_path / "runs" / "r" / "keys" / "coordinator.key_secret").is_file()
+        raise BindError("cannot bind: a test")
+
+    monkeypatch.setattr(run, "Coordinator", coordinator_that_cannot_bind)
+    code, output = invoke("up", "--clients", "4", "--nodes", "1", "--data-root", str(mnist_root),
+                          "--run-dir", str(tmp_path / "runs" / "r"))
+    assert code == 1 and "a test" in output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_keys_stay_once_the_run_started_and_only_what_was_made_for_them_goes(tmp_path):
+    config = load_config(None, {"scenario": {"num_clients": 4}, "nodes": 2})
+    keys = RunKeys(tmp_path / "a" / "run")
+    assert keys.write(config).security.keys == tmp_path / "a" / "run" / "keys"
+    assert (tmp_path / "a" / "run" / "keys" / "node-1.key_secret").is_file()
+    keys.keep()
+    keys.discard()
+    assert (tmp_path / "a" / "run" / "keys" / "node-1.key_secret").is_file()
+    keys = RunKeys(tmp_path / "b")
+    keys.write(config)
+    (tmp_path / "b" / "logs").mkdir()  # what else the run wrote before it failed to start stays
+    keys.discard()
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["logs"]
+    plain = load_config(None, {"security": {"transport": "plain"}})
+    assert RunKeys(tmp_path / "c").write(plain) == plain and not (tmp_path / "c").exists()
 
 
 def test_methods_lists_the_baselines():

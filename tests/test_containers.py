@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from containers import engine
+from containers import docker_client
 from scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
 from runconfig import load_config
@@ -39,7 +39,7 @@ def up(tmp: Path, *args: str, timeout: float = 600) -> tuple[subprocess.Complete
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    reason = engine.available()
+    reason = docker_client.available()
     if reason:
         pytest.skip(f"needs a Docker engine: {reason}")
     from containers.image import ImageError, build_image
@@ -54,7 +54,7 @@ def image() -> str:
 
 def no_leftovers() -> None:
     """Nothing of a finished run stays on the engine."""
-    client = engine.client()
+    client = docker_client.client()
     assert client.containers.list(all=True, filters={"label": "fcl-emu.run"}) == []
     assert client.networks.list(filters={"label": "fcl-emu.run"}) == []
 
@@ -127,7 +127,7 @@ def test_image_is_reused_when_nothing_changed(image):
 
     again = build_image(log=lambda _msg: None)
     assert again.reused and again.tag == image and again.size_bytes > 0
-    out = engine.client().containers.run(image, ["methods"], remove=True).decode()
+    out = docker_client.client().containers.run(image, ["methods"], remove=True).decode()
     assert "fedavg" in out and "lander" in out
 
 
@@ -237,7 +237,7 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
 @pytest.fixture(scope="module")
 def swarm(image):
     """This engine as a swarm manager; a swarm made here is left again afterwards."""
-    client = engine.client()
+    client = docker_client.client()
     made = client.info()["Swarm"]["LocalNodeState"] != "active"
     if made:
         client.swarm.init(advertise_addr="127.0.0.1" if not _default_route() else None)
@@ -321,10 +321,10 @@ def test_gpu_containers_get_a_cuda_device_request(image):
     """`containers.gpus`: edge-node containers get the host's GPUs through a CUDA device request."""
     import docker
 
-    if "nvidia" not in engine.client().info().get("Runtimes", {}):
+    if "nvidia" not in docker_client.client().info().get("Runtimes", {}):
         pytest.skip("no GPU here: the engine has no NVIDIA container runtime, so a CUDA device request cannot be "
                     "served (the request is made by fcl_emu/launchers/docker.py when containers.gpus is set)")
-    out = engine.client().containers.run(
+    out = docker_client.client().containers.run(
         image, ["-c", "import torch; print(torch.cuda.device_count())"], entrypoint=["python3"], remove=True,
         device_requests=[docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]).decode()
     assert int(out.strip()) >= 1
@@ -338,7 +338,7 @@ def test_a_class_uplink_cap_really_limits_what_a_container_sends(image):
 
     from fcl_emu.launchers.engine import tbf_entrypoint
 
-    client = engine.client()
+    client = docker_client.client()
     network = client.networks.create("fcl-emu-test-uplink", driver="bridge")
     gateway = client.networks.get(network.id).attrs["IPAM"]["Config"][0]["Gateway"]
     listener = socket.create_server(("0.0.0.0", 0))

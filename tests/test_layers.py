@@ -1,12 +1,20 @@
-"""The packages import each other only downwards (docs/architecture.md): read from the code's own imports,
-function-level ones included, so a new arrow against the layering fails here with the file that drew it."""
+"""The project's folders import each other only downwards (docs/architecture.md), no two of its files import
+each other in a circle, and no file of it grows past 600 lines. The imports are read from the code itself,
+function-level ones included, so a new arrow against the layering or a new cycle fails here with the file and
+line that drew it."""
 
 import ast
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Each package and the project packages it may import (besides itself), bottom to top.
+# Top-level folders with .py files that are not the project's code: the tests, setuptools' build outputs.
+NOT_PROJECT = {"tests", "build", "dist"}
+
+# Each top-level folder of code (package or folder of scripts) and the project packages it may import (besides
+# itself), bottom to top.
 MAY_IMPORT: dict[str, set[str]] = {
     "wire": set(),
     "scenario": set(),
@@ -19,34 +27,138 @@ MAY_IMPORT: dict[str, set[str]] = {
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node", "coordinator",
                 "containers"},
+    "benchmarks": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node", "coordinator",
+                   "containers"},
 }
 
+MAX_LINES = 600
 
-def imported_packages(path: Path) -> set[tuple[str, int]]:
-    """(top-level package, line) of every absolute import in ``path``."""
-    out = set()
+
+@dataclass(frozen=True)
+class Import:
+    """One import: the absolute module it names (a relative one resolved) and, for ``from module import a, b``,
+    the names."""
+    module: str
+    names: tuple[str, ...]
+    line: int
+
+
+def imports(path: Path, root: Path = ROOT) -> list[Import]:
+    """Every import in ``path``, function-level ones included."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out.update((alias.name.split(".")[0], node.lineno) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add((node.module.split(".")[0], node.lineno))
-    return out
-
-
-def arrows() -> list[tuple[str, str, str]]:
-    """(importing package, imported package, file:line) for every import between project packages."""
-    found = []
-    for package in MAY_IMPORT:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for target, line in imported_packages(path):
-                if target in MAY_IMPORT and target != package:
-                    found.append((package, target, f"{path.relative_to(ROOT)}:{line}"))
+            found += [Import(alias.name, (), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = ".".join([*package_of(path, node.level, root), *([node.module] if node.module else [])])
+            found.append(Import(module, tuple(alias.name for alias in node.names), node.lineno))
     return found
 
 
-def test_every_package_is_in_the_table():
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    assert packages == set(MAY_IMPORT), "add the new package to MAY_IMPORT and docs/architecture.md"
+def package_of(path: Path, level: int, root: Path) -> tuple[str, ...]:
+    """The package that a ``level``-dots relative import in ``path`` starts from (none for an absolute one)."""
+    if not level:
+        return ()
+    package = path.relative_to(root).parent.parts  # a module's package, or an __init__'s own
+    return package[:len(package) - level + 1]
+
+
+def imported_packages(path: Path) -> set[tuple[str, int]]:
+    """(top-level package, line) of every import in ``path``."""
+    return {(i.module.split(".")[0], i.line) for i in imports(path)}
+
+
+def code_folders(root: Path = ROOT) -> set[str]:
+    """Every top-level folder holding .py files that is the project's code."""
+    return {p.name for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and p.name not in NOT_PROJECT and any(p.rglob("*.py"))}
+
+
+def code_files(root: Path = ROOT) -> list[Path]:
+    """Every .py file of the project's code."""
+    return sorted(path for folder in code_folders(root) for path in (root / folder).rglob("*.py"))
+
+
+def module_file(module: str, search: list[Path]) -> Path | None:
+    """The file that ``import module`` loads from the first folder of ``search`` that has it."""
+    for folder in search:
+        stem = folder.joinpath(*module.split("."))
+        for candidate in (stem.parent / f"{stem.name}.py", stem / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def imported_files(path: Path, root: Path = ROOT) -> dict[Path, int]:
+    """The project files that the imports in ``path`` load, each with its first import's line: ``from pkg import
+    name`` loads ``pkg/name.py`` where that is a module, else ``pkg/__init__.py``; a script (a file outside any
+    package) finds its neighbours by their bare names first."""
+    search = [root] if (path.parent / "__init__.py").is_file() else [path.parent, root]
+    found: dict[Path, int] = {}
+    for imp in imports(path, root):
+        for name in imp.names or [None]:
+            target = ((name and module_file(f"{imp.module}.{name}", search)) or module_file(imp.module, search))
+            if target and target != path:
+                found[target] = min(found.get(target, imp.line), imp.line)
+    return found
+
+
+def arrows() -> list[tuple[str, str, str]]:
+    """(importing folder, imported package, file:line) for every import between the project's folders."""
+    found = []
+    for path in code_files():
+        source = path.relative_to(ROOT).parts[0]
+        for target, line in imported_packages(path):
+            if target in MAY_IMPORT and target != source:
+                found.append((source, target, f"{path.relative_to(ROOT)}:{line}"))
+    return found
+
+
+def import_cycles(graph: dict[Path, dict[Path, int]]) -> list[list[Path]]:
+    """One shortest cycle through each arrow of ``graph`` that lies on a cycle (so every such arrow shows),
+    each cycle once, starting from its first file."""
+    def path_back(start: Path, goal: Path) -> list[Path] | None:
+        came_from: dict[Path, Path | None] = {start: None}
+        queue = deque([start])
+        while queue:
+            node = queue.popleft()
+            if node == goal:
+                chain = [node]
+                while came_from[chain[-1]] is not None:
+                    chain.append(came_from[chain[-1]])
+                return chain[::-1]
+            for nxt in graph.get(node, {}):
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    queue.append(nxt)
+        return None
+
+    found: set[tuple[Path, ...]] = set()
+    for source, targets in graph.items():
+        for target in targets:
+            if back := path_back(target, source):
+                cycle = [source, *back[:-1]]
+                first = cycle.index(min(cycle))
+                found.add(tuple(cycle[first:] + cycle[:first]))
+    return [list(cycle) for cycle in sorted(found)]
+
+
+def describe(cycle: list[Path], graph: dict[Path, dict[Path, int]], root: Path = ROOT) -> str:
+    """``a.py:3 -> b.py:10 -> a.py``: each file with the line of its import of the next."""
+    hops = zip(cycle, cycle[1:] + cycle[:1])
+    return " -> ".join(f"{a.relative_to(root)}:{graph[a][b]}" for a, b in hops) + f" -> {cycle[0].relative_to(root)}"
+
+
+def file_graph(root: Path = ROOT) -> dict[Path, dict[Path, int]]:
+    """Each file of the code and the files it imports, with the line of the first import of each."""
+    return {path: imported_files(path, root) for path in code_files(root)}
+
+
+def test_every_code_folder_is_in_the_table():
+    folders = code_folders()
+    assert folders == set(MAY_IMPORT), (f"MAY_IMPORT and docs/architecture.md must name every top-level folder of "
+                                        f"code: add {sorted(folders - set(MAY_IMPORT))}, "
+                                        f"drop {sorted(set(MAY_IMPORT) - folders)}")
 
 
 def test_packages_import_only_downwards():
@@ -71,7 +183,40 @@ def test_the_table_is_acyclic():
             del pending[p]
 
 
+def test_no_two_files_import_each_other_in_a_circle():
+    graph = file_graph()
+    cycles = [describe(cycle, graph) for cycle in import_cycles(graph)]
+    assert not cycles, "import cycles between files:\n" + "\n".join(cycles)
+
+
+def test_no_file_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in code_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
 def test_the_reader_catches_function_level_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from coordinator.lifecycle import Coordinator\n    import edge_node.node\n")
     assert imported_packages(path) == {("coordinator", 2), ("edge_node", 3)}
+
+
+def test_the_reader_resolves_files_and_finds_their_cycles(tmp_path):
+    files = {
+        "pkg/__init__.py": "from pkg.a import A\n",
+        "pkg/a.py": "from . import b, missing\nA = 1\n",
+        "pkg/b.py": "import json\ndef f():\n    from .sub.c import C\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "from ..a import A\nC = 2\n",
+        "scripts/run.py": "import helpers\nfrom pkg import A\n",
+        "scripts/helpers.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = file_graph(tmp_path)
+    assert graph[tmp_path / "pkg/a.py"] == {tmp_path / "pkg/b.py": 1, tmp_path / "pkg/__init__.py": 1}
+    assert graph[tmp_path / "scripts/run.py"] == {tmp_path / "scripts/helpers.py": 1, tmp_path / "pkg/__init__.py": 2}
+    assert [describe(c, graph, tmp_path) for c in import_cycles(graph)] == [
+        "pkg/__init__.py:1 -> pkg/a.py:1 -> pkg/__init__.py",
+        "pkg/a.py:1 -> pkg/b.py:3 -> pkg/sub/c.py:1 -> pkg/a.py",
+    ]

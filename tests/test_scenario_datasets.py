@@ -18,16 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scenario import datasets
-from scenario.datasets import (
-    DATASETS,
-    EMNIST_CLASSES,
-    DatasetFormatError,
-    DatasetNotFoundError,
-    ImageDataset,
-    load_dataset,
-    read_idx,
-)
+from scenario import dataset_formats, datasets
+from scenario.dataset_cache import CACHE_DIR_ENV
+from scenario.dataset_formats import DatasetFormatError, read_idx
+from scenario.datasets import DATASETS, EMNIST_CLASSES, DatasetNotFoundError, ImageDataset, load_dataset
 
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
@@ -35,7 +29,7 @@ CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):
     """Every test caches into its own directory."""
-    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
 
 
 # ---------------------------------------------------------------- fixture writers
@@ -252,7 +246,7 @@ def _no_decoding(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("decoded although a valid cache exists")
 
-    monkeypatch.setattr(datasets, "_decode_rgb", fail)
+    monkeypatch.setattr(dataset_formats, "_decode_rgb", fail)
 
 
 def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
@@ -309,7 +303,7 @@ def test_corrupt_cache_is_rebuilt(tmp_path):
 
 def test_an_unwritable_cache_keeps_the_arrays_in_memory(tmp_path, monkeypatch):
     (tmp_path / "cache-file").write_text("a file where the cache directory should be")
-    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache-file"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache-file"))
     train_x, *_ = write_mnist(tmp_path / "mnist", gz=False)
     ds = load_dataset("mnist", [tmp_path])
     np.testing.assert_array_equal(ds.train_x[..., 0], train_x)
@@ -448,7 +442,7 @@ def test_real_cifar10_tarball_decoded_once(tmp_path, monkeypatch):
 
     def decode_again(path):
         raise AssertionError(f"{path} decoded a second time instead of read from the cache")
-    monkeypatch.setattr(datasets, "_read_image_tar", decode_again)
+    monkeypatch.setattr(datasets, "read_image_tar", decode_again)
     again = load_real("cifar10")  # from the cache written by the first load
     assert ds.train_x.shape == (50000, 32, 32, 3) and ds.test_x.shape == (10000, 32, 32, 3)
     assert ds.class_names == CIFAR10_NAMES

@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.lifecycle import Coordinator
+from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import launcher
-from fcl_emu.run import with_run_keys
 from runconfig import RunConfig
 
 
@@ -66,7 +66,7 @@ def tree_pss(pid: int) -> int:
 def measure(config: RunConfig, run_dir: Path) -> dict:
     """One run under ``config.containers.backend``: start-up, idle memory, round times, accuracy."""
     nodes = launcher(config.containers.backend)
-    config = with_run_keys(config, run_dir)
+    config = RunKeys(run_dir).write(config)
     config = nodes.prepare(config, run_dir)
     idle: dict[str, float] = {}
 

@@ -134,7 +134,7 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
     if config.security.transport == "plain":
         args.append("--insecure")
     elif config.security.keys is None:
-        raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.run.with_run_keys)")
+        raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.keys.RunKeys)")
     else:
         args += node_key_args(config.security.keys, n)
     if parent_pid is not None:

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from containers.engine import client
+from containers.docker_client import client
 from containers.faults import Target
 from coordinator.lifecycle import NodeExit
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from containers.engine import EngineError
+from containers.docker_client import EngineError
 from containers.image import image_ref
 from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs, replace_option
 from fcl_emu.launchers.engine import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher, node_exit,
