@@ -159,6 +159,11 @@ def roots_from_env() -> list[Path]:
     return [Path(p).expanduser() for p in value.split(os.pathsep) if p]
 
 
+def default_data_roots() -> list[Path]:
+    """``$FCL_EMU_DATA_ROOT`` (os.pathsep-separated) if set, else ``./data``."""
+    return roots_from_env() or [Path("data")]
+
+
 def cache_dir() -> Path:
     """Where decoded arrays are cached: ``$FCL_EMU_CACHE_DIR`` or ``~/.cache/fcl-emu``."""
     return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/fcl-emu").expanduser()

@@ -8,17 +8,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Each package and the project packages it may import (besides itself), bottom to top.
 MAY_IMPORT: dict[str, set[str]] = {
+    "runtime": set(),
     "wire": set(),
     "scenario": set(),
     "secagg": set(),
     "methods": {"scenario"},
     "monitoring": {"wire"},
     "runconfig": {"scenario", "methods"},
-    "edge_node": {"wire", "secagg", "scenario", "methods", "monitoring"},
-    "coordinator": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
+    "edge_node": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring"},
+    "coordinator": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
-    "fcl_emu": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node", "coordinator",
-                "containers"},
+    "fcl_emu": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
+                "coordinator", "containers"},
 }
 
 
