@@ -53,7 +53,7 @@ def _script(tmp_path, mnist_root, mode: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_forked_commands_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
+def test_forked_nodes_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
     proc = _script(tmp_path, mnist_root, "close")
     out = json.loads(proc.communicate(timeout=180)[0])
     assert proc.returncode == 0
