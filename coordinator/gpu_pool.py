@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
+from coordinator.gpu_worker_args import GpuWorkerArgs
 from methods import jobs
 from wire.framing import Limits, WireError
 from wire.messages import JobRequest, Shutdown
@@ -131,15 +132,17 @@ class WorkerPool:
         self.device = self.settings.device
 
     def _spawn(self, worker: _Worker) -> None:
-        cmd = [sys.executable, "-m", "fcl_emu", "gpu-worker", "--connect", self._endpoint.address,
-               "--index", str(worker.index), "--device", self.settings.device, "--parent-pid", str(os.getpid())]
-        if self._keys is not None:
-            cmd += ["--server-key", str(Path(self._key_dir) / f"{SERVER_NAME}.key"),
-                    "--key", str(Path(self._key_dir) / f"{WORKER_KEY_NAME}.key_secret")]
+        metrics = {}
         if self.worker_metrics is not None:
             host, port, linger = self.worker_metrics
-            cmd += ["--metrics-host", host, "--metrics-port", str(port + worker.index),
-                    "--metrics-linger", f"{linger:g}"]
+            metrics = {"metrics_host": host, "metrics_port": port + worker.index, "metrics_linger": linger}
+        keys = {}
+        if self._keys is not None:
+            keys = {"server_key": Path(self._key_dir) / f"{SERVER_NAME}.key",
+                    "key": Path(self._key_dir) / f"{WORKER_KEY_NAME}.key_secret"}
+        args = GpuWorkerArgs(self._endpoint.address, worker.index, self.settings.device, parent_pid=os.getpid(),
+                             **metrics, **keys)
+        cmd = [sys.executable, "-m", "coordinator.gpu_worker", *args.to_argv()]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.settings.threads)}
         with open(self._log_dir / f"{worker.identity}.log", "ab") as out:
             worker.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

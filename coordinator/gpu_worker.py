@@ -6,6 +6,10 @@ at a time and answers each with a ``job_result``: the output arrays, or the
 error. Everything travels in the project's wire framing; nothing received is
 unpickled. A ``shutdown`` ends it; so does its parent's death (the pool starts
 it with ``--parent-pid``).
+
+The pool starts it as ``python -m coordinator.gpu_worker FLAGS`` (the flags of
+:class:`~coordinator.gpu_worker_args.GpuWorkerArgs`); ``fcl-emu gpu-worker``
+takes the same flags.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 import zmq
 
+from coordinator.gpu_worker_args import GpuWorkerArgs
 from methods import jobs
 from monitoring.metrics import GpuWorkerMetrics
+from runtime.process import exit_with_parent, fail, setup_logging, setup_process, warn_insecure
 from wire.framing import Limits, WireError
 from wire.messages import Error, JobResult, WorkerHello
-from wire.auth import ClientKeyring
+from wire.auth import ClientKeyring, KeyFileError
 from wire.sockets import ClientEndpoint
 
 log = logging.getLogger("fcl_emu.gpu_worker")
@@ -47,7 +54,7 @@ def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int
           metrics: GpuWorkerMetrics | None = None, context: zmq.Context | None = None,
           keys: ClientKeyring | None = None) -> None:
     """Run jobs until a ``shutdown`` arrives. ``metrics``: counts the wire and marks the busy time (the
-    caller serves it, see ``fcl-emu gpu-worker --metrics-port``); ``keys``: connect over CurveZMQ."""
+    caller serves it, see :func:`run_worker`); ``keys``: connect over CurveZMQ."""
     dev = worker_device(device, index)
     metrics = metrics or GpuWorkerMetrics(dev)
     identity = worker_identity(index)
@@ -93,3 +100,36 @@ def _run(request, inputs, device: torch.device) -> tuple[JobResult, dict]:
         metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(device))
     return JobResult(job_id=request.job_id, ok=True, run_s=time.perf_counter() - start, metrics=metrics), \
         out.arrays
+
+
+def run_worker(args: GpuWorkerArgs) -> int:
+    """Run the worker of ``args`` until the pool's shutdown; its exit code (1 after one error line for an unreadable
+    key)."""
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
+    keys = None
+    if args.server_key is None:
+        warn_insecure()
+    else:
+        try:
+            keys = ClientKeyring(args.server_key, args.key)
+        except KeyFileError as exc:
+            return fail(str(exc))
+    setup_logging(args.verbose)
+    metrics = GpuWorkerMetrics(worker_device(args.device, args.index))
+    serving = args.metrics_port is not None and metrics.serve_as_aid(args.metrics_port, args.metrics_host, log)
+    serve(args.connect, args.index, args.device, metrics=metrics, keys=keys)
+    if serving:
+        time.sleep(args.metrics_linger)  # a last scrape sees the end
+        metrics.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coordinator.gpu_worker FLAGS``."""
+    setup_process()
+    return run_worker(GpuWorkerArgs.from_argv(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

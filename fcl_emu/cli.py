@@ -8,20 +8,19 @@ benchmarks.
 
 from __future__ import annotations
 
-import logging
-import signal
-import sys
-import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import pydantic
 import typer
 from rich.console import Console
 
+from coordinator.gpu_worker_args import HELP as WORKER_HELP
+from edge_node.args import HELP as NODE_HELP
 from fcl_emu import options
 from runconfig import RunConfig, load_config
+from runtime.process import ArgsError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -31,20 +30,15 @@ image_app = typer.Typer(no_args_is_help=True, help="The container image of edge 
                                                    "Prometheus (docs/containers.md).")
 app.add_typer(image_app, name="image")
 console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a log
+T = TypeVar("T")
 
 
 @app.callback()
 def _process_setup() -> None:
-    """Before every command: glibc's malloc thresholds fixed for torch's batch-sized temporaries, and
-    ``kill -USR1 PID`` prints the stack of every thread of the process to its stderr (a run that seems stuck
-    says where it waits, and goes on)."""
-    import faulthandler
+    """Before every command: what every fcl-emu process sets up (malloc thresholds, stack dumps on SIGUSR1)."""
+    from runtime.process import setup_process
 
-    from fcl_emu.allocator import fix_malloc_thresholds
-
-    fix_malloc_thresholds()
-    if sys.__stderr__ is not None:  # the process's own stderr (a test runner may have replaced sys.stderr)
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    setup_process()
 
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
@@ -108,8 +102,9 @@ def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from runtime.process import setup_logging
+
+    setup_logging(verbose)
 
 
 ClientsOpt = options.OPTIONS["clients"].annotation
@@ -176,145 +171,59 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         highlight=False)
 
 
+def _args(make: Callable[[], T]) -> T:
+    """The arguments object ``make`` builds; a bad value is typer's usage error naming the flag."""
+    try:
+        return make()
+    except ArgsError as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.flag) from None
+
+
 @app.command("gpu-worker", hidden=True)
 def gpu_worker(
-    connect: Annotated[str, typer.Option(help="The GPU pool's endpoint.")],
-    index: Annotated[int, typer.Option(min=0, help="Worker index (its identity and CUDA device).")],
-    device: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
-    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help="Exit when this process is gone.")] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(
-        "--metrics-port", min=1, max=65535, help="Serve this worker's Prometheus /metrics on this port.")] = None,
-    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
-    metrics_linger: Annotated[float, typer.Option(
-        "--metrics-linger", min=0, help="Seconds to keep /metrics up after the shutdown.")] = 0.0,
-    server_key: ServerKeyOpt = None,
-    key: KeyOpt = None,
+    connect: Annotated[str, typer.Option(help=WORKER_HELP["connect"])],
+    index: Annotated[int, typer.Option(help=WORKER_HELP["index"])],
+    device: Annotated[str, typer.Option(help=WORKER_HELP["device"])] = "auto",
+    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help=WORKER_HELP["parent_pid"])] = None,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help=WORKER_HELP["metrics_port"])] = None,
+    metrics_host: Annotated[str, typer.Option("--metrics-host", help=WORKER_HELP["metrics_host"])] = "127.0.0.1",
+    metrics_linger: Annotated[float, typer.Option("--metrics-linger", help=WORKER_HELP["metrics_linger"])] = 0.0,
+    server_key: Annotated[Optional[Path], typer.Option("--server-key", help=WORKER_HELP["server_key"])] = None,
+    key: Annotated[Optional[Path], typer.Option("--key", help=WORKER_HELP["key"])] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
-    from fcl_emu.launchers.process import exit_with_parent
+    from coordinator.gpu_worker import run_worker
+    from coordinator.gpu_worker_args import GpuWorkerArgs
 
-    if parent_pid is not None:
-        exit_with_parent(parent_pid)
-    keys = _keyring(server_key, key, insecure=server_key is None and key is None)
-    _logging(verbose)
-    from coordinator.gpu_worker import serve, worker_device
-    from monitoring.metrics import GpuWorkerMetrics
-
-    metrics = GpuWorkerMetrics(worker_device(device, index))
-    if metrics_port is not None:
-        try:
-            metrics.serve(metrics_port, metrics_host)
-        except OSError as exc:  # metrics are an aid: the worker still runs
-            logging.getLogger("fcl_emu.gpu_worker").error(
-                "cannot serve /metrics on %s:%d (%s); running without it", metrics_host, metrics_port, exc)
-            metrics_port = None
-    serve(connect, index, device, metrics=metrics, keys=keys)
-    if metrics_port is not None:
-        time.sleep(metrics_linger)  # a last scrape sees the end
-        metrics.close()
-
-
-ServerKeyOpt = Annotated[Optional[Path], typer.Option(
-    "--server-key", help="The coordinator's public key file (coordinator.key from `fcl-emu keys`).")]
-KeyOpt = Annotated[Optional[Path], typer.Option(
-    "--key", help="This side's secret key file (<name>.key_secret from `fcl-emu keys`), or a directory of "
-                  "per-device keys (<client>.key_secret).")]
-
-
-def _keyring(server_key: Optional[Path], key: Optional[Path], insecure: bool):
-    """The CurveZMQ keys of a node or worker, or None with --insecure; one line and exit 1 if unusable."""
-    from wire.auth import ClientKeyring, KeyFileError
-
-    if insecure:
-        if server_key is not None or key is not None:
-            raise typer.BadParameter("--insecure connects without keys: drop --server-key / --key",
-                                     param_hint="--insecure")
-        console.print("warning: --insecure: plain TCP, no authentication (docs/security.md)", style="yellow",
-                      markup=False, highlight=False)
-        return None
-    if server_key is None or key is None:
-        raise typer.BadParameter("the coordinator admits only known keys: give --server-key and --key (written by "
-                                 "`fcl-emu keys`), or --insecure for a coordinator started with --insecure",
-                                 param_hint="--key")
-    try:
-        return ClientKeyring(server_key, key)
-    except KeyFileError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+    raise typer.Exit(run_worker(_args(lambda: GpuWorkerArgs(
+        connect, index, device, parent_pid=parent_pid, metrics_port=metrics_port, metrics_host=metrics_host,
+        metrics_linger=metrics_linger, server_key=server_key, key=key, verbose=verbose))))
 
 
 @app.command()
 def node(
-    connect: Annotated[str, typer.Option(help="Coordinator endpoint, e.g. tcp://HOST:5555.")],
-    clients: Annotated[str, typer.Option(help="Client indices hosted here, e.g. 0-149 or 0,5,7-9.")],
+    connect: Annotated[str, typer.Option(help=NODE_HELP["connect"])],
+    clients: Annotated[str, typer.Option(help=NODE_HELP["clients"])],
     data_root: DataRootOpt = None,
-    name: Annotated[Optional[str], typer.Option(help="Node name (default node-<pid>).")] = None,
-    threads: Annotated[int, typer.Option(min=1, help="Torch threads for local training.")] = 1,
-    metrics_port: Annotated[Optional[int], typer.Option(
-        "--metrics-port", min=1, max=65535, help="Serve this node's Prometheus /metrics on this port.")] = None,
-    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address /metrics listens on.")] = "127.0.0.1",
-    metrics_linger: Annotated[float, typer.Option(
-        "--metrics-linger", min=0, help="Seconds to keep /metrics up after the clients shut down.")] = 0.0,
-    parent_pid: Annotated[Optional[int], typer.Option(
-        "--parent-pid", help="Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).")] = None,
-    server_key: ServerKeyOpt = None,
-    key: KeyOpt = None,
-    insecure: Annotated[bool, typer.Option(
-        "--insecure", help="Connect over plain TCP without keys (a coordinator started with --insecure).")] = False,
+    name: Annotated[Optional[str], typer.Option(help=NODE_HELP["name"])] = None,
+    threads: Annotated[int, typer.Option(help=NODE_HELP["threads"])] = 1,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help=NODE_HELP["metrics_port"])] = None,
+    metrics_host: Annotated[str, typer.Option("--metrics-host", help=NODE_HELP["metrics_host"])] = "127.0.0.1",
+    metrics_linger: Annotated[float, typer.Option("--metrics-linger", help=NODE_HELP["metrics_linger"])] = 0.0,
+    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help=NODE_HELP["parent_pid"])] = None,
+    server_key: Annotated[Optional[Path], typer.Option("--server-key", help=NODE_HELP["server_key"])] = None,
+    key: Annotated[Optional[Path], typer.Option("--key", help=NODE_HELP["key"])] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help=NODE_HELP["insecure"])] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
-    from runconfig import default_data_roots
-    from fcl_emu.launchers import parse_client_set
-    from fcl_emu.launchers.process import exit_with_parent
-    from wire.sockets import check_endpoint
+    from edge_node.args import NodeArgs, parse_client_set, run_node
 
-    if parent_pid is not None:
-        exit_with_parent(parent_pid)
-    try:
-        check_endpoint(connect)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--connect") from None
-    try:
-        indices = parse_client_set(clients)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--clients") from None
-    roots = list(data_root or default_data_roots())
-    if not any(Path(root).is_dir() for root in roots):
-        console.print(f"error: no data root exists ({', '.join(map(str, roots))}): give --data-root DIR or set "
-                      f"FCL_EMU_DATA_ROOT", style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
-    keys = _keyring(server_key, key, insecure)
-    _logging(verbose)
-    from edge_node.node import EdgeNode, NodeSetupError
-    from wire.sockets import SocketCapacityError
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        edge = EdgeNode(connect, indices, name=name, data_roots=roots, threads=threads, keys=keys)
-    except SocketCapacityError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
-    serving = False
-    if metrics_port is not None:
-        try:
-            edge.metrics.serve(metrics_port, metrics_host)
-            serving = True
-        except OSError as exc:  # metrics are an aid: the clients still run
-            logging.getLogger("fcl_emu.edge_node").error(
-                "cannot serve /metrics on %s:%d (%s); running without it", metrics_host, metrics_port, exc)
-    try:
-        edge.run(stop)
-        if serving and metrics_linger > 0:
-            stop.wait(metrics_linger)  # a last scrape sees the end
-    except NodeSetupError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
-    finally:
-        edge.metrics.close()
+    raise typer.Exit(run_node(_args(lambda: NodeArgs(
+        connect, parse_client_set(clients), data_roots=data_root or (), name=name, threads=threads,
+        metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger=metrics_linger, parent_pid=parent_pid,
+        server_key=server_key, key=key, insecure=insecure, verbose=verbose))))
 
 
 @app.command()
@@ -327,8 +236,8 @@ def keys(
         "--per-device", help="One key per client instead of one per edge node.")] = False,
 ) -> None:
     """Write a run's CurveZMQ keys for a coordinator and edge nodes on several hosts (docs/security.md)."""
+    from edge_node.args import format_client_set
     from fcl_emu.keys import node_blocks, write_run_keys
-    from fcl_emu.launchers import format_client_set
     from runconfig import RunConfig
 
     count = clients or RunConfig().scenario.num_clients

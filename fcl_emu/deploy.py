@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 
 from fcl_emu.keys import with_keys
-from fcl_emu.launchers.base import node_args, node_key_name, node_specs, replace_option
-from fcl_emu.launchers.engine import LABEL_CLASS, tbf_entrypoint
+from fcl_emu.launchers.base import node_args, node_key_name, node_specs
+from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
 from runconfig import RunConfig, node_metrics_port
 from wire.auth import ROSTER_FILE, SERVER_NAME
 
@@ -112,9 +112,9 @@ def _prometheus(image: str) -> dict:
 def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:
     key_file = f"{node_key_name(spec.number)}.key_secret"
     args = node_args(f"tcp://coordinator:{COORDINATOR_PORT}", spec.clients, inside, spec.name, spec.number)
-    args = replace_option(replace_option(args, "--server-key", f"{SECRETS}/{SERVER_NAME}.key"),
-                          "--key", f"{SECRETS}/{key_file}")
-    service = {**_common(image), "hostname": spec.name, "command": args,
+    args = args.with_paths(server_key=f"{SECRETS}/{SERVER_NAME}.key", key=f"{SECRETS}/{key_file}")
+    service = {**_common(image), "hostname": spec.name, "entrypoint": node_entrypoint(spec.limits.uplink_mbit),
+               "command": args.to_argv(),
                "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro"], "secrets": [f"{SERVER_NAME}.key", key_file],
                "environment": {"OMP_NUM_THREADS": "1"}}
     limits = spec.limits
@@ -127,7 +127,6 @@ def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:
         service["deploy"] = {**service["deploy"],
                              "placement": {"constraints": [f"node.labels.{LABEL_CLASS} == {spec.device_class}"]}}
     if limits.uplink_mbit is not None:
-        service["entrypoint"] = tbf_entrypoint(limits.uplink_mbit)
         service["cap_add"] = ["NET_ADMIN"]
     return service
 

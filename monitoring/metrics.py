@@ -26,6 +26,7 @@ measured numbers in docs/monitoring.md).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -133,6 +134,16 @@ class ProcessMetrics:
         """
         self._server, self._thread = prometheus_client.start_http_server(port, host, registry=self.registry)
         return self._server.server_port
+
+    def serve_as_aid(self, port: int, host: str, log: logging.Logger) -> bool:
+        """:meth:`serve`, except that a port that cannot be bound is logged and the process runs on without
+        ``/metrics`` (metrics are an aid); whether it serves."""
+        try:
+            self.serve(port, host)
+            return True
+        except OSError as exc:
+            log.error("cannot serve /metrics on %s:%d (%s); running without it", host, port, exc)
+            return False
 
     @property
     def port(self) -> int | None:

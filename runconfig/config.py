@@ -14,16 +14,11 @@ import pydantic
 import yaml
 
 from scenario.availability import parse_availability
-from scenario.datasets import roots_from_env
+from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
 from scenario.faults import load_plan
 from scenario.spec import ScenarioSpec
 from secagg.settings import SecAggSettings
-
-
-def default_data_roots() -> list[Path]:
-    """``$FCL_EMU_DATA_ROOT`` (os.pathsep-separated) if set, else ``./data``."""
-    return roots_from_env() or [Path("data")]
 
 
 class TrainingConfig(pydantic.BaseModel):

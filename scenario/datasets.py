@@ -130,6 +130,11 @@ def roots_from_env() -> list[Path]:
     return [Path(p).expanduser() for p in value.split(os.pathsep) if p]
 
 
+def default_data_roots() -> list[Path]:
+    """``$FCL_EMU_DATA_ROOT`` (os.pathsep-separated) if set, else ``./data``."""
+    return roots_from_env() or [Path("data")]
+
+
 def load_dataset(name: str, roots: Sequence[Path], download: bool = False) -> ImageDataset:
     """Load dataset ``name`` from the first root holding it in a known layout.
 

@@ -97,19 +97,25 @@ def device_keys(directory: Path, clients: int) -> tuple[Path, list[str]]:
     """Per-device CurveZMQ keys for ``clients`` clients in ``directory``: (the key directory for `fcl-emu
     coordinator --keys`, the key arguments of any `fcl-emu node` hosting some of them)."""
     from fcl_emu.keys import write_run_keys
-    from fcl_emu.launchers.base import node_key_args
 
     keys = write_run_keys(directory, [list(range(clients))], per_device=True)
-    return keys, node_key_args(keys, 0)
+    return keys, node_key_flags(keys)
 
 
 def keyed(config, directory: Path):
     """``config`` (a RunConfig) with per-device keys written in ``directory``; and the nodes' key arguments."""
     from fcl_emu.keys import with_keys
-    from fcl_emu.launchers.base import node_key_args
 
     config = with_keys(config, directory, [list(range(config.scenario.num_clients))], per_device=True)
-    return config, node_key_args(config.security.keys, 0)
+    return config, node_key_flags(config.security.keys)
+
+
+def node_key_flags(keys: Path) -> list[str]:
+    """The key flags of `fcl-emu node` for the first edge node of a run keyed in ``keys``."""
+    from fcl_emu.launchers.base import node_key_files
+
+    server_key, key = node_key_files(keys, 0)
+    return ["--server-key", str(server_key), "--key", str(key)]
 
 
 def raw_header(**overrides) -> bytes:

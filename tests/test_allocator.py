@@ -1,4 +1,4 @@
-"""glibc's malloc thresholds fixed for torch's batch-sized temporaries (fcl_emu/allocator.py), in a fresh
+"""glibc's malloc thresholds fixed for torch's batch-sized temporaries (runtime/allocator.py), in a fresh
 process so the test process's allocator is left as it is."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import ctypes
-    from fcl_emu.allocator import fix_malloc_thresholds
+    from runtime.allocator import fix_malloc_thresholds
 
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -7,11 +7,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from edge_node.args import format_client_set, parse_client_set
 from fcl_emu import options
 from fcl_emu.cli import app
 from fcl_emu.keys import RunKeys
+from fcl_emu.launchers import node_assignment
 from runconfig import RunConfig, load_config
-from fcl_emu.launchers import format_client_set, node_assignment, parse_client_set
 
 runner = CliRunner()
 

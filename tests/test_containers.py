@@ -336,7 +336,7 @@ def test_a_class_uplink_cap_really_limits_what_a_container_sends(image):
     import socket
     import threading
 
-    from fcl_emu.launchers.engine import tbf_entrypoint
+    from fcl_emu.launchers.engine_launcher import tbf_entrypoint
 
     client = docker_client.client()
     network = client.networks.create("fcl-emu-test-uplink", driver="bridge")

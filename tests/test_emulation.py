@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -232,15 +233,13 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
     from fcl_emu.launchers import process
     from runconfig import load_config
 
-    original = process.node_command
+    original = process.node_args
 
-    def node_command(address, indices, config, name, n=0, parent_pid=None):
-        command = original(address, indices, config, name, n, parent_pid)
-        if n == 1:
-            command[command.index("--key") + 1] = str(tmp_path / "stolen.key_secret")
-        return command
+    def node_args(address, indices, config, name, n=0, parent_pid=None):
+        args = original(address, indices, config, name, n, parent_pid=parent_pid)
+        return dataclasses.replace(args, key=tmp_path / "stolen.key_secret") if n == 1 else args
 
-    monkeypatch.setattr(process, "node_command", node_command)
+    monkeypatch.setattr(process, "node_args", node_args)
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 1}),
                          {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})

@@ -16,19 +16,20 @@ NOT_PROJECT = {"tests", "build", "dist"}
 # Each top-level folder of code (package or folder of scripts) and the project packages it may import (besides
 # itself), bottom to top.
 MAY_IMPORT: dict[str, set[str]] = {
+    "runtime": set(),
     "wire": set(),
     "scenario": set(),
     "secagg": set(),
     "methods": {"scenario"},
     "monitoring": {"wire"},
     "runconfig": {"scenario", "methods", "secagg"},
-    "edge_node": {"wire", "secagg", "scenario", "methods", "monitoring"},
-    "coordinator": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
+    "edge_node": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring"},
+    "coordinator": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
-    "fcl_emu": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node", "coordinator",
-                "containers"},
-    "benchmarks": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node", "coordinator",
-                   "containers"},
+    "fcl_emu": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
+                "coordinator", "containers"},
+    "benchmarks": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
+                   "coordinator", "containers"},
 }
 
 MAX_LINES = 600

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from fcl_emu.bench.metrics import series_count, simulate
 from fcl_emu.cli import app
-from fcl_emu.launchers.process import node_command
+from fcl_emu.launchers import node_args
 from runconfig import gpu_worker_metrics_port, load_config, metrics_ports
 from monitoring import stack
 from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
@@ -137,10 +137,9 @@ def test_nodes_get_the_following_ports(tmp_path):
     plain_tcp = {"security": {"transport": "plain"}}
     config = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "data_root": [str(tmp_path)], **plain_tcp})
     for n in range(3):
-        cmd = node_command("tcp://127.0.0.1:1", [n], config, f"node-{n}", n)
-        assert cmd[cmd.index("--metrics-port") + 1] == str(9301 + n)
+        assert node_args("tcp://127.0.0.1:1", [n], config, f"node-{n}", n).metrics_port == 9301 + n
     plain = load_config(None, {"data_root": [str(tmp_path)], **plain_tcp})
-    assert "--metrics-port" not in node_command("tcp://127.0.0.1:1", [0], plain, "node-0", 0)
+    assert node_args("tcp://127.0.0.1:1", [0], plain, "node-0", 0).metrics_port is None
     workers = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "gpu": {"workers": 2},
                                  "data_root": [str(tmp_path)]})
     assert [gpu_worker_metrics_port(workers, j) for j in (0, 1)] == [9304, 9305]

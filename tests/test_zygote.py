@@ -19,16 +19,17 @@ from fcl_emu.launchers import zygote
 SCRIPT = textwrap.dedent("""
     import json, signal, subprocess, sys, time
     from pathlib import Path
+    from edge_node.args import NodeArgs
     from fcl_emu.launchers import zygote
     logs = Path(sys.argv[1])
     z = zygote.start()
     out = {"zygote": z.pid}
-    ok = z.spawn(["methods"], logs / "ok.log", {})
-    bad = z.spawn(["node", "--connect", "nowhere", "--clients", "0", "--insecure"], logs / "bad.log", {})
-    out["ok"], out["bad"] = ok.wait(timeout=60), bad.wait(timeout=60)
+    bad = z.spawn(NodeArgs("tcp://127.0.0.1:9", [0], data_roots=["/no/such/dir"], insecure=True), logs / "bad.log",
+                  {})
+    out["bad"] = bad.wait(timeout=60)
     # a node that waits for a coordinator that never comes: ended by a signal, as `up` ends a stuck node
-    stuck = z.spawn(["node", "--connect", "tcp://127.0.0.1:9", "--clients", "0-3", "--insecure",
-                     "--data-root", sys.argv[2]], logs / "stuck.log", {"OMP_NUM_THREADS": "1"})
+    stuck = z.spawn(NodeArgs("tcp://127.0.0.1:9", range(4), data_roots=[sys.argv[2]], insecure=True),
+                    logs / "stuck.log", {"OMP_NUM_THREADS": "1"})
     out["stuck_pid"] = stuck.pid
     try:
         stuck.wait(timeout=0.5)
@@ -52,12 +53,11 @@ def _script(tmp_path, mnist_root, mode: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_forked_commands_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
+def test_forked_nodes_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
     proc = _script(tmp_path, mnist_root, "close")
     out = json.loads(proc.communicate(timeout=180)[0])
     assert proc.returncode == 0
-    assert out["ok"] == 0 and "fedavg" in (tmp_path / "ok.log").read_text()
-    assert out["bad"] == 2 and "--connect" in (tmp_path / "bad.log").read_text()  # typer's usage error
+    assert out["bad"] == 1 and "error: no data root exists" in (tmp_path / "bad.log").read_text()
     assert out["stuck_waited"] == "timeout" and out["stuck_running"] is None
     assert out["stuck"] == 0  # SIGTERM: the node's handler stops it cleanly
     assert out["zygote_after_close"] == -signal.SIGKILL  # its children are gone with it
@@ -101,12 +101,13 @@ def test_no_zygote_beside_other_threads():
 def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import os, signal, sys
+        from edge_node.args import NodeArgs
         from fcl_emu.launchers import zygote
         z = zygote.start()
         os.kill(z.pid, signal.SIGKILL)
         os.waitpid(z.pid, 0)
         try:
-            z.spawn(["methods"], sys.argv[1], {})
+            z.spawn(NodeArgs("tcp://127.0.0.1:9", [0], insecure=True), sys.argv[1], {})
         except zygote.ZygoteGone as exc:
             print("gone:", exc)
     """), str(tmp_path / "x.log")], capture_output=True, text=True, timeout=120)
@@ -119,7 +120,7 @@ def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist
     config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
                           rounds={"clients_per_round": 2, "rounds_per_task": 1})
     script = textwrap.dedent("""
-        import io, json, sys, time
+        import dataclasses, io, json, sys, time
         from rich.console import Console
         from fcl_emu.launchers import process, zygote
         forks = zygote.start()  # as `fcl-emu up` does, before anything else
@@ -128,11 +129,9 @@ def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist
 
         original = process.node_args
 
-        def node_args(address, indices, config, name, n=0, parent_pid=None, metrics_host=None):
-            args = original(address, indices, config, name, n, parent_pid, metrics_host)
-            if n == 1:
-                args[args.index("--key") + 1] = sys.argv[3]
-            return args
+        def node_args(address, indices, config, name, n=0, parent_pid=None):
+            args = original(address, indices, config, name, n, parent_pid=parent_pid)
+            return dataclasses.replace(args, key=sys.argv[3]) if n == 1 else args
 
         process.node_args = node_args
         config = load_config(sys.argv[1], {"data_root": [sys.argv[2]], "run_dir": sys.argv[4]})

@@ -1,5 +1,5 @@
-"""What the in-process benchmarks share: a coordinator of this process run with one ``fcl-emu node`` process per
-entry of an assignment, and the round records it wrote."""
+"""What the in-process benchmarks share: a coordinator of this process run with one edge-node process per entry of
+an assignment, and the round records it wrote."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.lifecycle import Coordinator
+from fcl_emu.launchers.base import node_args
 from fcl_emu.launchers.process import node_command, node_env
 from runconfig import RunConfig
 
@@ -22,8 +23,9 @@ def run_with_nodes(coordinator: Coordinator, config: RunConfig, assignment: list
     procs: list[subprocess.Popen] = []
     try:
         for n, indices in enumerate(assignment):
-            procs.append(subprocess.Popen(node_command(coordinator.address, indices, config, f"node-{n}", n),
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=node_env()))
+            args = node_args(coordinator.address, indices, config, f"node-{n}", n)
+            procs.append(subprocess.Popen(node_command(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env=node_env()))
             started(n, procs[-1].pid)
         summary = coordinator.run(run_dir)
     finally:

@@ -1,8 +1,9 @@
 """How ``fcl-emu up`` starts its edge nodes: one small interface (:class:`NodeLauncher`), one file per backend.
 
 A backend gets the coordinator's address, the run configuration and a log directory, and starts one edge node
-per :class:`NodeSpec` of :func:`node_specs`; every node runs ``fcl-emu node --connect ADDRESS --clients ...``
-(:func:`node_args`) and dials out to the coordinator, so a backend only decides *where* that command runs.
+per :class:`NodeSpec` of :func:`node_specs`; every node runs ``python -m edge_node`` with the arguments of
+:func:`node_args` (:meth:`~edge_node.args.NodeArgs.to_argv`; forked by ``up``'s zygote under the process backend)
+and dials out to the coordinator, so a backend only decides *where* that node runs.
 To add a backend (a container engine, an orchestrator), write ``fcl_emu/launchers/<name>.py`` with a
 :class:`NodeLauncher` subclass and add it to :data:`BACKENDS`; nothing in the coordinator changes.
 """
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fcl_emu.launchers.base import (NodeLauncher, NodeSpec, format_client_set, node_args, node_assignment,
-                                    node_specs, parse_client_set)
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec, node_args, node_assignment, node_specs
 from fcl_emu.launchers.process import ProcessLauncher
 
 
@@ -40,5 +40,5 @@ def launcher(backend: str = "process") -> NodeLauncher:
     return make()
 
 
-__all__ = ["BACKENDS", "NodeLauncher", "NodeSpec", "ProcessLauncher", "format_client_set", "launcher", "node_args",
-           "node_assignment", "node_specs", "parse_client_set"]
+__all__ = ["BACKENDS", "NodeLauncher", "NodeSpec", "ProcessLauncher", "launcher", "node_args", "node_assignment",
+           "node_specs"]

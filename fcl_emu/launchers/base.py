@@ -1,5 +1,5 @@
 """The edge-node launcher interface and what every backend shares: which node hosts which clients, and the
-``fcl-emu node`` arguments that start one."""
+arguments (:class:`~edge_node.args.NodeArgs`) that start one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.lifecycle import NodeExit
+from edge_node.args import NodeArgs
 from wire.auth import SERVER_NAME
 from runconfig import RunConfig, node_metrics_port
 from scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles
@@ -22,35 +23,6 @@ def last_error(log_file: Path, max_chars: int = 300) -> str:
     except OSError:
         return ""
     return lines[-1][:max_chars] if lines else ""
-
-
-def parse_client_set(text: str) -> list[int]:
-    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10]."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"bad client set {text!r}: use forms like '0-149' or '0,5,7-9'") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad client range {part!r}")
-        out.extend(range(first, last + 1))
-    if not out:
-        raise ValueError("the client set is empty")
-    return sorted(set(out))
-
-
-def format_client_set(indices: list[int]) -> str:
-    """Inverse of :func:`parse_client_set`, compact."""
-    parts, start = [], None
-    for i, value in enumerate(indices):
-        if start is None:
-            start = value
-        if i + 1 == len(indices) or indices[i + 1] != value + 1:
-            parts.append(f"{start}-{value}" if value != start else str(value))
-            start = None
-    return ",".join(parts)
 
 
 def node_assignment(num_clients: int, nodes: int) -> list[list[int]]:
@@ -118,41 +90,28 @@ def node_key_name(number: int) -> str:
     return f"node-{number}"
 
 
-def node_key_args(keys: Path, number: int) -> list[str]:
-    """The key arguments of ``fcl-emu node`` for edge node ``number`` of a run keyed in ``keys``: its node key,
-    or the directory of per-device keys."""
+def node_key_files(keys: Path, number: int) -> tuple[Path, Path]:
+    """The key files of edge node ``number`` of a run keyed in ``keys``: the coordinator's public key, and its node
+    key or the directory of per-device keys."""
     node_key = Path(keys) / f"{node_key_name(number)}.key_secret"
-    return ["--server-key", str(Path(keys) / f"{SERVER_NAME}.key"),
-            "--key", str(node_key if node_key.is_file() else keys)]
+    return Path(keys) / f"{SERVER_NAME}.key", node_key if node_key.is_file() else Path(keys)
 
 
 def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
-              parent_pid: int | None = None, metrics_host: str | None = None) -> list[str]:
-    """The arguments of ``fcl-emu node`` for edge node ``n`` (its keys, data roots and /metrics port, served on
-    ``metrics_host`` or the run's metrics host)."""
-    args = ["node", "--connect", address, "--clients", format_client_set(indices), "--name", name]
-    if config.security.transport == "plain":
-        args.append("--insecure")
-    elif config.security.keys is None:
-        raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.keys.RunKeys)")
-    else:
-        args += node_key_args(config.security.keys, n)
-    if parent_pid is not None:
-        args += ["--parent-pid", str(parent_pid)]
-    for root in config.data_root:
-        args += ["--data-root", str(root)]
+              parent_pid: int | None = None, metrics_host: str | None = None) -> NodeArgs:
+    """The arguments of edge node ``n`` (its keys, data roots and /metrics port, served on ``metrics_host`` or the
+    run's metrics host)."""
+    keys: dict = {"insecure": True}
+    if config.security.transport != "plain":
+        if config.security.keys is None:
+            raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.keys.RunKeys)")
+        server_key, key = node_key_files(config.security.keys, n)
+        keys = {"server_key": server_key, "key": key}
     port = node_metrics_port(config, n)
-    if port is not None:
-        args += ["--metrics-port", str(port), "--metrics-host", metrics_host or config.metrics.host,
-                 "--metrics-linger", f"{config.metrics.linger:g}"]
-    return args
-
-
-def replace_option(args: list[str], option: str, value: str) -> list[str]:
-    """``args`` with the value after ``option`` replaced (a path as a container sees it)."""
-    out = list(args)
-    out[out.index(option) + 1] = value
-    return out
+    metrics = {} if port is None else {"metrics_port": port, "metrics_host": metrics_host or config.metrics.host,
+                                       "metrics_linger": config.metrics.linger}
+    return NodeArgs(address, indices, data_roots=config.data_root, name=name, parent_pid=parent_pid, **keys,
+                    **metrics)
 
 
 class NodeLauncher(abc.ABC):

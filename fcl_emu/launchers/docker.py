@@ -2,7 +2,7 @@
 node's device class's real CPU, memory and uplink limits.
 
 The coordinator stays a process of ``fcl-emu up`` on the host and binds the network's gateway address; every
-container runs ``fcl-emu node --connect tcp://GATEWAY:PORT ...`` and dials out, so no port is published except
+container runs ``python -m edge_node --connect tcp://GATEWAY:PORT ...`` and dials out, so no port is published except
 the /metrics endpoints (published on the run's metrics host at the same port numbers as under the process
 backend, so Prometheus targets do not change). Data roots and the run's key directory are mounted read-only at
 their host paths. An engine event stream reports each container that dies (with its exit code, and an
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from containers.image import image_ref
 from fcl_emu.launchers.base import NodeSpec, node_args, node_specs
-from fcl_emu.launchers.engine import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher, node_exit,
-                                      run_label, split_endpoint, tbf_entrypoint)
+from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher,
+                                               node_entrypoint, node_exit, run_label, split_endpoint)
 from runconfig import RunConfig, node_metrics_port
 
 log = logging.getLogger("fcl_emu.launchers")
@@ -96,21 +96,21 @@ class DockerLauncher(EngineLauncher):
         options: dict = dict(
             name=f"fcl-emu-{self.label}-{spec.name}", hostname=spec.name, network=self._network.name,
             labels={LABEL_RUN: self.label, LABEL_NODE: spec.name, LABEL_CLASS: spec.device_class or ""},
-            volumes=mounts, environment={"OMP_NUM_THREADS": "1"}, init=True, detach=True)
+            volumes=mounts, environment={"OMP_NUM_THREADS": "1"}, init=True, detach=True,
+            entrypoint=node_entrypoint(spec.limits.uplink_mbit))
         limits = spec.limits
         if limits.cpus is not None:
             options["nano_cpus"] = int(limits.cpus * 1e9)
         if limits.memory is not None:
             options["mem_limit"] = options["memswap_limit"] = limits.memory  # no swap: past it, the OOM killer
         if limits.uplink_mbit is not None:
-            options["entrypoint"] = tbf_entrypoint(limits.uplink_mbit)
             options["cap_add"] = ["NET_ADMIN"]
         if config.containers.gpus:
             options["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
         metrics_port = node_metrics_port(config, spec.number)
         if metrics_port is not None:
             options["ports"] = {f"{metrics_port}/tcp": (config.metrics.host, metrics_port)}
-        return self.engine.containers.run(self.image, args, **options)
+        return self.engine.containers.run(self.image, args.to_argv(), **options)
 
     def _watch_events(self) -> None:
         try:

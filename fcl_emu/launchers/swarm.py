@@ -1,7 +1,7 @@
 """Edge nodes as Docker Swarm services, on as many hosts as the swarm has: one service per edge node.
 
 The coordinator stays a process of ``fcl-emu up`` on a manager and binds all its interfaces; every service runs
-``fcl-emu node --connect tcp://MANAGER_ADDRESS:PORT`` (the manager's swarm address, or ``containers.advertise``)
+``python -m edge_node --connect tcp://MANAGER_ADDRESS:PORT`` (the manager's swarm address, or ``containers.advertise``)
 and dials out over the hosts' network, so only the coordinator's port must be open between hosts (plus Swarm's
 own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). Each service:
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from containers.docker_client import EngineError
 from containers.image import image_ref
-from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs, replace_option
-from fcl_emu.launchers.engine import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher, node_exit,
-                                      remove_when_free, run_label, split_endpoint, tbf_entrypoint)
+from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs
+from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher,
+                                               node_entrypoint, node_exit, remove_when_free, run_label, split_endpoint)
 from runconfig import RunConfig, node_metrics_port
 from scenario.devices import memory_bytes
 from wire.auth import SERVER_NAME
@@ -109,18 +109,16 @@ class SwarmLauncher(EngineLauncher):
         if server_secret is not None:
             key_file = f"{node_key_name(spec.number)}.key_secret"
             secrets = [server_secret, self._secret(config, key_file)]
-            args = replace_option(args, "--server-key", f"{SECRETS_DIR}/{SERVER_NAME}.key")
-            args = replace_option(args, "--key", f"{SECRETS_DIR}/{key_file}")
+            args = args.with_paths(server_key=f"{SECRETS_DIR}/{SERVER_NAME}.key", key=f"{SECRETS_DIR}/{key_file}")
         limits = spec.limits
-        entrypoint = tbf_entrypoint(limits.uplink_mbit) if limits.uplink_mbit is not None else ["fcl-emu"]
         constraints = []
         if spec.device_class and self._class_is_labelled(spec.device_class):
             constraints.append(f"node.labels.{LABEL_CLASS}=={spec.device_class}")
         metrics_port = node_metrics_port(config, spec.number)
         ports = {metrics_port: (metrics_port, "tcp", "host")} if metrics_port is not None else None
         return self.engine.services.create(
-            self.image, command=entrypoint, args=args, name=f"fcl-emu-{self.label}-{spec.name}",
-            hostname=spec.name, networks=[self._network.name],
+            self.image, command=node_entrypoint(limits.uplink_mbit), args=args.to_argv(),
+            name=f"fcl-emu-{self.label}-{spec.name}", hostname=spec.name, networks=[self._network.name],
             labels={LABEL_RUN: self.label, LABEL_NODE: spec.name},
             container_labels={LABEL_RUN: self.label, LABEL_NODE: spec.name, LABEL_CLASS: spec.device_class or ""},
             env=["OMP_NUM_THREADS=1"], init=True, secrets=secrets,

@@ -1,6 +1,6 @@
 """Edge-node processes forked from a pre-loaded copy of ``fcl-emu up`` (a zygote), not started afresh.
 
-An edge node started with ``python -m fcl_emu node`` spends its first seconds importing torch and the
+An edge node started with ``python -m edge_node`` spends its first seconds importing torch and the
 project, and then holds about 160 MB of memory of its own for that (the relocated libraries and the modules'
 objects): two thirds of an idle node. ``up`` forks one zygote process right after importing what a node
 needs and before it starts any thread, socket or torch computation; the zygote forks every edge node. The
@@ -12,10 +12,12 @@ Only a process that has not yet run a thread, a ZeroMQ context or a torch comput
 (:func:`start` checks the threads; ``fcl-emu up`` calls it first thing): a fork copies one thread only, so a
 lock held by another thread, or OpenMP's thread pool, would be broken in the child. Where there is no
 zygote (``run_local`` called from a program that has already done those), :class:`ProcessLauncher` starts
-nodes with ``python -m fcl_emu node`` as before.
+nodes with ``python -m edge_node`` as before.
 
-The zygote answers :meth:`Zygote.spawn` requests over a pipe with the new pid, reaps its children and
-reports their exit statuses on the same pipe; :class:`ForkedProcess` gives ``up`` the
+The zygote answers :meth:`Zygote.spawn` requests (a node's :class:`~edge_node.args.NodeArgs`, its log and
+environment) over a pipe with the new pid; the node runs :func:`edge_node.args.run_node` under the title
+``fcl-emu node FLAGS`` (what ``ps`` shows, the same flags as ``python -m edge_node``). The zygote reaps its
+children and reports their exit statuses on the same pipe; :class:`ForkedProcess` gives ``up`` the
 :class:`subprocess.Popen` methods it uses (``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``).
 The zygote ends when ``up`` closes it or dies (its death signal), and a node when the zygote does.
 """
@@ -34,8 +36,11 @@ import time
 import traceback
 from pathlib import Path
 
+from edge_node.args import NodeArgs, run_node
+from runtime.process import exit_with_parent, setup_process
+
 # what an edge node imports: loaded once in ``up``, shared by every node
-PRELOAD = ("torch", "zmq", "edge_node.node", "methods", "fcl_emu.cli", "wire.sockets")
+PRELOAD = ("torch", "zmq", "edge_node.node", "edge_node.args", "methods", "wire.sockets")
 
 
 class ZygoteGone(RuntimeError):
@@ -52,18 +57,18 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._alive = True
 
-    def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> ForkedProcess:
-        """Fork an ``fcl-emu`` process running ``argv`` (the arguments after ``fcl-emu``), its output appended
-        to ``log``, ``env`` added to its environment."""
+    def spawn(self, args: NodeArgs, log: Path, env: dict[str, str]) -> ForkedProcess:
+        """Fork an edge node running with ``args``, its output appended to ``log``, ``env`` added to its
+        environment."""
         with self._lock:
             if not self._alive:
                 raise ZygoteGone("the zygote process is gone; cannot start an edge node")
             try:
-                self._conn.send((list(argv), str(log), dict(env)))
+                self._conn.send((args, str(log), dict(env)))
                 while True:
                     message = self._conn.recv()
                     if message[0] == "spawned":
-                        return ForkedProcess(self, message[1], argv)
+                        return ForkedProcess(self, message[1], node_title(args))
                     self._record(message)
             except (EOFError, OSError):
                 self._alive = False
@@ -178,8 +183,6 @@ def _serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None
     try:
         import setproctitle
 
-        from fcl_emu.launchers.process import exit_with_parent
-
         setproctitle.setproctitle(f"fcl-emu zygote (forks the edge nodes of fcl-emu up, pid {parent_pid})")
         exit_with_parent(parent_pid)
         zygote_pid = os.getpid()
@@ -209,15 +212,18 @@ def _serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None
     os._exit(code)
 
 
-def _run_child(conn: multiprocessing.connection.Connection, zygote_pid: int, argv: list[str], log: str,
+def node_title(args: NodeArgs) -> list[str]:
+    """The command line a forked node shows (not ``up``'s, which it inherits): the command that runs it."""
+    return ["fcl-emu", "node", *args.to_argv()]
+
+
+def _run_child(conn: multiprocessing.connection.Connection, zygote_pid: int, args: NodeArgs, log: str,
                env: dict[str, str]) -> None:
-    """In a freshly forked node: ends with the zygote, output to ``log``, default signals, then
-    ``fcl-emu ARGV``; exits with its code."""
+    """In a freshly forked node: ends with the zygote, output to ``log``, default signals, then the node of
+    ``args``; exits with its code."""
     code = 1
     try:
         conn.close()
-        from fcl_emu.launchers.process import exit_with_parent
-
         exit_with_parent(zygote_pid)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -229,19 +235,12 @@ def _run_child(conn: multiprocessing.connection.Connection, zygote_pid: int, arg
 
         import setproctitle
         import torch
-        from rich.console import Console
 
-        from fcl_emu import cli
-
-        setproctitle.setproctitle(" ".join(["fcl-emu", *argv]))  # not ``up``'s command line, which it inherits
+        setproctitle.setproctitle(" ".join(node_title(args)))
+        setup_process()  # its stack dumps go to its own log
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
         logging.root.handlers.clear()  # ``up``'s handlers: the node sets up its own
-        cli.console = Console(stderr=True, soft_wrap=True)  # sees its log file, not ``up``'s terminal
-        try:
-            cli.app(args=argv, prog_name="fcl-emu")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = run_node(args)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -35,13 +35,22 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
-def tbf_entrypoint(uplink_mbit: float, program: str = "fcl-emu") -> list[str]:
-    """Cap the container's egress with the kernel's token bucket filter, then run ``program`` with the
-    arguments (exit 3 if the cap cannot be set)."""
+NODE_PROGRAM = "python -m edge_node"  # what an edge-node container runs (the image's Python, on its PATH)
+
+
+def tbf_entrypoint(uplink_mbit: float, program: str = NODE_PROGRAM) -> list[str]:
+    """Cap the container's egress with the kernel's token bucket filter, then run ``program`` (a command line)
+    with the arguments (exit 3 if the cap cannot be set)."""
     burst_kbit = max(32, int(uplink_mbit * 1000 / 250))  # a 4 ms burst at the rate, at least 32 kbit
     script = (f"tc qdisc replace dev eth0 root tbf rate {uplink_mbit:g}mbit burst {burst_kbit}kbit latency 400ms "
               f"|| exit 3; exec {program} \"$@\"")
-    return ["sh", "-c", script, program]
+    return ["sh", "-c", script, program.split()[0]]
+
+
+def node_entrypoint(uplink_mbit: float | None) -> list[str]:
+    """The entrypoint of an edge-node container (its arguments: :meth:`~edge_node.args.NodeArgs.to_argv`):
+    ``python -m edge_node``, behind a cap on its egress where its device class has an uplink rate."""
+    return NODE_PROGRAM.split() if uplink_mbit is None else tbf_entrypoint(uplink_mbit)
 
 
 def last_log_line(container, max_chars: int = 300) -> str:

@@ -1,0 +1,207 @@
+"""An edge-node process's arguments (:class:`NodeArgs`) and its run (:func:`run_node`).
+
+``python -m edge_node FLAGS`` and ``fcl-emu node FLAGS`` take the same flags and run the same node; launchers
+build a :class:`NodeArgs` and start it with :meth:`NodeArgs.to_argv` (a process started afresh, a container) or
+hand it to a forked process (``fcl_emu/launchers/zygote.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.process import (ArgsError, check, check_keys, check_metrics, exit_with_parent, fail, parse_with,
+                             setup_logging, setup_process, warn_insecure)
+from scenario.datasets import default_data_roots
+from wire.sockets import check_endpoint
+
+log = logging.getLogger("fcl_emu.edge_node")
+
+
+def parse_client_set(text: str) -> list[int]:
+    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10]; ArgsError (``--clients``) for anything else."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ArgsError("--clients", f"bad client set {text!r}: use forms like '0-149' or '0,5,7-9'") from None
+        check(0 <= first <= last, "--clients", f"bad client range {part!r}")
+        out.extend(range(first, last + 1))
+    check(bool(out), "--clients", "the client set is empty")
+    return sorted(set(out))
+
+
+def format_client_set(indices: Sequence[int]) -> str:
+    """Inverse of :func:`parse_client_set`, compact."""
+    parts, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            parts.append(f"{start}-{value}" if value != start else str(value))
+            start = None
+    return ",".join(parts)
+
+
+# each flag's help, shared by ``python -m edge_node`` and ``fcl-emu node``
+HELP = {
+    "connect": "Coordinator endpoint, e.g. tcp://HOST:5555.",
+    "clients": "Client indices hosted here, e.g. 0-149 or 0,5,7-9.",
+    "data_root": "Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or ./data).",
+    "name": "Node name (default node-<pid>).",
+    "threads": "Torch threads for local training.",
+    "metrics_port": "Serve this node's Prometheus /metrics on this port.",
+    "metrics_host": "Address /metrics listens on.",
+    "metrics_linger": "Seconds to keep /metrics up after the clients shut down.",
+    "parent_pid": "Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).",
+    "server_key": "The coordinator's public key file (coordinator.key from `fcl-emu keys`).",
+    "key": "This side's secret key file (<name>.key_secret from `fcl-emu keys`), or a directory of per-device "
+           "keys (<client>.key_secret).",
+    "insecure": "Connect over plain TCP without keys (a coordinator started with --insecure).",
+}
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """What one edge-node process runs with; checked when made (:class:`ArgsError` naming the flag)."""
+
+    connect: str
+    clients: tuple[int, ...]
+    data_roots: tuple[Path, ...] = ()  # none: $FCL_EMU_DATA_ROOT or ./data
+    name: str | None = None
+    threads: int = 1
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_linger: float = 0.0
+    parent_pid: int | None = None
+    server_key: Path | None = None
+    key: Path | None = None
+    insecure: bool = False
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        assign = object.__setattr__  # any sequence of clients, sorted; path strings as Paths
+        assign(self, "clients", tuple(sorted(set(self.clients))))
+        assign(self, "data_roots", tuple(Path(p) for p in self.data_roots))
+        for field in ("server_key", "key"):
+            if getattr(self, field) is not None:
+                assign(self, field, Path(getattr(self, field)))
+        try:
+            check_endpoint(self.connect)
+        except ValueError as exc:
+            raise ArgsError("--connect", str(exc)) from None
+        check(bool(self.clients) and min(self.clients) >= 0, "--clients", "give one client index or more, each >= 0")
+        check(self.threads >= 1, "--threads", f"{self.threads}: give 1 or more")
+        check_metrics(self.metrics_port, self.metrics_linger)
+        check_keys(self.server_key, self.key, self.insecure)
+
+    def with_paths(self, server_key: Path | str, key: Path | str) -> NodeArgs:
+        """These arguments with the key files at other paths (where a container sees them)."""
+        return dataclasses.replace(self, server_key=Path(server_key), key=Path(key))
+
+    def to_argv(self) -> list[str]:
+        """The flags of ``python -m edge_node`` (and of ``fcl-emu node``) that give these arguments back."""
+        argv = ["--connect", self.connect, "--clients", format_client_set(self.clients)]
+        if self.name is not None:
+            argv += ["--name", self.name]
+        if self.insecure:
+            argv.append("--insecure")
+        else:
+            argv += ["--server-key", str(self.server_key), "--key", str(self.key)]
+        if self.parent_pid is not None:
+            argv += ["--parent-pid", str(self.parent_pid)]
+        for root in self.data_roots:
+            argv += ["--data-root", str(root)]
+        if self.threads != 1:
+            argv += ["--threads", str(self.threads)]
+        if self.metrics_port is not None:
+            argv += ["--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host,
+                     "--metrics-linger", repr(self.metrics_linger)]
+        if self.verbose:
+            argv.append("--verbose")
+        return argv
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None = None) -> NodeArgs:
+        """The arguments of ``argv`` (default ``sys.argv[1:]``); a bad value exits 2 with the usage and one line
+        naming the flag, as argparse does."""
+        return parse_with(_parser(), argv, lambda ns: cls(
+            connect=ns.connect, clients=parse_client_set(ns.clients), data_roots=ns.data_root, name=ns.name,
+            threads=ns.threads, metrics_port=ns.metrics_port, metrics_host=ns.metrics_host,
+            metrics_linger=ns.metrics_linger, parent_pid=ns.parent_pid, server_key=ns.server_key, key=ns.key,
+            insecure=ns.insecure, verbose=ns.verbose))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m edge_node",
+                                     description="Run one edge node hosting many emulated clients.")
+    parser.add_argument("--connect", required=True, help=HELP["connect"])
+    parser.add_argument("--clients", required=True, help=HELP["clients"])
+    parser.add_argument("--data-root", type=Path, action="append", default=[], help=HELP["data_root"])
+    parser.add_argument("--name", help=HELP["name"])
+    parser.add_argument("--threads", type=int, default=1, help=HELP["threads"])
+    parser.add_argument("--metrics-port", type=int, help=HELP["metrics_port"])
+    parser.add_argument("--metrics-host", default="127.0.0.1", help=HELP["metrics_host"])
+    parser.add_argument("--metrics-linger", type=float, default=0.0, help=HELP["metrics_linger"])
+    parser.add_argument("--parent-pid", type=int, help=HELP["parent_pid"])
+    parser.add_argument("--server-key", type=Path, help=HELP["server_key"])
+    parser.add_argument("--key", type=Path, help=HELP["key"])
+    parser.add_argument("--insecure", action="store_true", help=HELP["insecure"])
+    parser.add_argument("--verbose", "-v", action="store_true")
+    return parser
+
+
+def run_node(args: NodeArgs) -> int:
+    """Run the node of ``args`` until the coordinator's shutdown, SIGTERM or SIGINT; its exit code: 0, or 1 after
+    one error line when it cannot run (no data root, an unreadable key, too few sockets, a failed set-up)."""
+    from edge_node.node import EdgeNode, NodeSetupError
+    from wire.auth import ClientKeyring, KeyFileError
+    from wire.sockets import SocketCapacityError
+
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
+    roots = list(args.data_roots or default_data_roots())
+    if not any(root.is_dir() for root in roots):
+        return fail(f"no data root exists ({', '.join(map(str, roots))}): give --data-root DIR or set "
+                    f"FCL_EMU_DATA_ROOT")
+    keys = None
+    if args.insecure:
+        warn_insecure()
+    else:
+        try:
+            keys = ClientKeyring(args.server_key, args.key)
+        except KeyFileError as exc:
+            return fail(str(exc))
+    setup_logging(args.verbose)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        edge = EdgeNode(args.connect, list(args.clients), name=args.name, data_roots=roots, threads=args.threads,
+                        keys=keys)
+    except SocketCapacityError as exc:
+        return fail(str(exc))
+    serving = args.metrics_port is not None and edge.metrics.serve_as_aid(args.metrics_port, args.metrics_host, log)
+    try:
+        edge.run(stop)
+        if serving and args.metrics_linger > 0:
+            stop.wait(args.metrics_linger)  # a last scrape sees the end
+    except NodeSetupError as exc:
+        return fail(str(exc))
+    finally:
+        edge.metrics.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m edge_node FLAGS``."""
+    setup_process()
+    return run_node(NodeArgs.from_argv(argv))

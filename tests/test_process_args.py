@@ -1,0 +1,130 @@
+"""The arguments of the processes a run starts (edge_node/args.py, coordinator/gpu_worker_args.py): each gives
+itself back through its flags, refuses bad values naming the flag, and is what the launchers build."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from coordinator.gpu_worker_args import GpuWorkerArgs
+from edge_node.args import NodeArgs, format_client_set, parse_client_set
+from fcl_emu.cli import app
+from fcl_emu.launchers import node_args
+from runconfig import load_config
+from runtime.process import ArgsError
+
+KEYED = dict(server_key=Path("/k/coordinator.key"), key=Path("/k/node-0.key_secret"))
+
+
+@pytest.mark.parametrize("args", [
+    NodeArgs("tcp://10.0.0.5:5555", [0, 5, 7, 8, 9], insecure=True),
+    NodeArgs("tcp://h:1", range(150), data_roots=["/a", "/b"], name="node-3", threads=4, metrics_port=9101,
+             metrics_host="0.0.0.0", metrics_linger=2.5, parent_pid=42, verbose=True, **KEYED),
+    NodeArgs("ipc:///tmp/x", [3], metrics_port=65535, metrics_linger=1e-7, key=Path("/k"),
+             server_key=Path("/k/coordinator.key")),
+])
+def test_node_args_come_back_from_their_flags(args):
+    assert NodeArgs.from_argv(args.to_argv()) == args
+
+
+def test_node_args_normalise_what_they_are_given():
+    args = NodeArgs("tcp://h:1", [9, 3, 3, 4], data_roots=["/d"], server_key="/k/s", key="/k/n")
+    assert args.clients == (3, 4, 9) and args.data_roots == (Path("/d"),) and args.key == Path("/k/n")
+    assert args.to_argv()[:4] == ["--connect", "tcp://h:1", "--clients", "3-4,9"]
+    moved = args.with_paths(server_key="/run/secrets/coordinator.key", key="/run/secrets/node-0.key_secret")
+    assert moved == dataclasses.replace(args, server_key=Path("/run/secrets/coordinator.key"),
+                                        key=Path("/run/secrets/node-0.key_secret"))
+    assert moved.to_argv()[moved.to_argv().index("--key") + 1] == "/run/secrets/node-0.key_secret"
+
+
+@pytest.mark.parametrize("fields, flag, message", [
+    (dict(connect="nowhere"), "--connect", "is not a ZeroMQ endpoint"),
+    (dict(connect="tcp://h:70000"), "--connect", "is not a ZeroMQ endpoint"),
+    (dict(clients=[]), "--clients", "give one client index"),
+    (dict(clients=[-1, 2]), "--clients", "give one client index"),
+    (dict(threads=0), "--threads", "give 1 or more"),
+    (dict(metrics_port=0), "--metrics-port", "not a TCP port"),
+    (dict(metrics_port=65536), "--metrics-port", "not a TCP port"),
+    (dict(metrics_linger=-1.0), "--metrics-linger", "0 or more seconds"),
+    (dict(insecure=False), "--key", "give --server-key and --key"),
+    (dict(key=Path("/k")), "--insecure", "drop --server-key / --key"),
+])
+def test_node_args_refuse_bad_values_naming_the_flag(fields, flag, message):
+    with pytest.raises(ArgsError, match=message) as caught:
+        NodeArgs(**{"connect": "tcp://h:1", "clients": [0], "insecure": True, **fields})
+    assert caught.value.flag == flag
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "the client set is empty"), ("3-1", "bad client range"), ("a-b", "bad client set"), ("-2", "bad client"),
+])
+def test_bad_client_sets(text, message):
+    with pytest.raises(ArgsError, match=message) as caught:
+        parse_client_set(text)
+    assert caught.value.flag == "--clients"
+
+
+def test_client_sets_round_trip():
+    for indices in ([0], [0, 1, 2, 3, 7, 9, 10], list(range(0, 300, 2)), [5, 6, 100]):
+        assert parse_client_set(format_client_set(indices)) == indices
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--connect", "nowhere", "--clients", "0", "--insecure"], "argument --connect: 'nowhere' is not a ZeroMQ"),
+    (["--connect", "tcp://h:1", "--clients", "3-1", "--insecure"], "argument --clients: bad client range"),
+    (["--connect", "tcp://h:1", "--clients", "0", "--insecure", "--metrics-port", "99999"], "not a TCP port"),
+    (["--connect", "tcp://h:1", "--clients", "0", "--insecure", "--threads", "x"], "invalid int value"),
+    (["--clients", "0", "--insecure"], "the following arguments are required: --connect"),
+])
+def test_from_argv_reports_a_bad_value_as_a_usage_error(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exited:
+        NodeArgs.from_argv(argv)
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_python_m_edge_node_is_a_node(tmp_path):
+    """`python -m edge_node`: the node's own one-line errors, exit 1 (as under `fcl-emu node`)."""
+    run = subprocess.run([sys.executable, "-m", "edge_node", "--connect", "tcp://127.0.0.1:9", "--clients", "0-3",
+                          "--insecure", "--data-root", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("error: no data root exists")
+    assert "Traceback" not in run.stderr
+
+
+def test_what_launchers_build_is_what_the_command_line_takes(tmp_path):
+    """A launcher's NodeArgs as flags are valid `fcl-emu node` flags (the CLI maps its options onto the same
+    object) and come back equal."""
+    config = load_config(None, {"metrics": {"port": 9300}, "nodes": 3, "data_root": [str(tmp_path)],
+                                "security": {"transport": "plain"}})
+    args = node_args("tcp://127.0.0.1:5555", [1, 4, 7], config, "node-1", 1, parent_pid=77)
+    assert (args.metrics_port, args.parent_pid, args.insecure, args.clients) == (9302, 77, True, (1, 4, 7))
+    assert NodeArgs.from_argv(args.to_argv()) == args
+    # the CLI's mapping: a bad value through `fcl-emu node` is typer's usage error naming the same flag (no parent
+    # to watch: a node that ran would end this process with it)
+    argv = dataclasses.replace(args, parent_pid=None).to_argv()
+    result = CliRunner().invoke(app, ["node", *argv, "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
+
+
+@pytest.mark.parametrize("args", [
+    GpuWorkerArgs("tcp://127.0.0.1:4000", 0),
+    GpuWorkerArgs("tcp://127.0.0.1:4000", 3, "cuda", parent_pid=9, metrics_port=9304, metrics_host="0.0.0.0",
+                  metrics_linger=1.5, verbose=True, **KEYED),
+])
+def test_gpu_worker_args_come_back_from_their_flags(args):
+    assert GpuWorkerArgs.from_argv(args.to_argv()) == args
+
+
+@pytest.mark.parametrize("fields, flag", [
+    (dict(connect="x"), "--connect"), (dict(index=-1), "--index"), (dict(device="tpu"), "--device"),
+    (dict(metrics_port=0), "--metrics-port"), (dict(key=Path("/k")), "--key"),
+])
+def test_gpu_worker_args_refuse_bad_values(fields, flag):
+    with pytest.raises(ArgsError) as caught:
+        GpuWorkerArgs(**{"connect": "tcp://h:1", "index": 0, **fields})
+    assert caught.value.flag == flag
