@@ -26,8 +26,8 @@ what the emulated clock scales.
 
 Timed actions (delayed sends and deliveries) wait in a heap that the main
 loop runs; nothing sleeps, so one slow client never holds up the others.
-Heartbeats are the main loop's too: they are sends on the loop's clock, and
-churn only decides which clients are active to send them.
+Heartbeats are the main loop's too: they are sends on the loop's clock;
+churn only decides which clients are active, and so send them.
 """
 
 from __future__ import annotations
