@@ -2,7 +2,7 @@
 
 Round parameters, phases, errors, sizes, the quantiser and the cryptographic
 primitives that both ends use. The client is :mod:`secagg.client`, the server
-:mod:`secagg.server`; the edge node (:mod:`edge_node.node`) and the coordinator
+:mod:`secagg.server`; the edge node (:mod:`edge_node.secure_session`) and the coordinator
 (:mod:`coordinator.secure_round`) move their messages over the wire.
 
 Everything is pure, synchronous Python + numpy: one round of the protocol is a

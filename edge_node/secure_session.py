@@ -1,0 +1,125 @@
+"""The SecAgg+ client on the wire (docs/secagg.md): each client's session of a secure round.
+
+:class:`SecureSessions` answers the coordinator's ``secagg_*`` messages with
+the replies of the client's :class:`secagg.client.SecAggClient`, and sends
+its masked input once both the relayed shares and its training result are
+there, in whichever order they come. A refused message or an aborted
+protocol ends the client's session and is reported as an ``error`` (code
+``secagg``).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edge_node.client import EmulatedClient
+from edge_node.training import TrainResult
+from monitoring.metrics import EdgeNodeMetrics
+from secagg.client import SecAggClient
+from secagg.protocol import SecAggAbort, SecAggError
+from wire.framing import Message
+from wire.messages import Error, SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
+
+log = logging.getLogger("fcl_emu.edge_node")
+
+SECAGG_DOWN = frozenset({"secagg_setup", "secagg_peer_keys", "secagg_relay", "secagg_unmask_request",
+                         "secagg_abort"})
+
+Send = Callable[..., None]  # (client, msg_type, body, round=, task=): a message to the coordinator
+Upload = Callable[[EmulatedClient, TrainResult, str, Any, dict[str, np.ndarray]], None]  # a training result
+
+
+@dataclass
+class SecAggSession:
+    """A client's side of one round's secure aggregation: the protocol state, and the two things its masked
+    input waits for (the relayed shares, its training result), in whichever order they come."""
+
+    round: int
+    protocol: SecAggClient
+    relay: dict[str, Any] | None = None
+    result: TrainResult | None = None
+
+
+class SecureSessions:
+    """The secure-aggregation side of every client of a node (each client's session is ``client.secagg``).
+
+    ``send`` sends a message now; ``upload`` sends a training result through the client's emulated device;
+    ``seed`` is the run's seed (it seeds the stochastic rounding of each masked input)."""
+
+    def __init__(self, *, send: Send, upload: Upload, seed: Callable[[], int], metrics: EdgeNodeMetrics):
+        self._send = send
+        self._upload = upload
+        self._seed = seed
+        self._metrics = metrics
+
+    def on_message(self, client: EmulatedClient, msg: Message) -> None:
+        """One SecAgg+ message of the coordinator (a type in :data:`SECAGG_DOWN`)."""
+        session = client.secagg
+        if msg.type == "secagg_setup":
+            session = client.secagg = SecAggSession(msg.round, SecAggClient(client.id))
+        elif session is None or session.round != msg.round:
+            if msg.type != "secagg_abort":
+                self._failed(client, msg.round, msg.task, f"{msg.type} for round {msg.round}, but this "
+                                                          f"client has no secure-aggregation session for it")
+            return
+        body = plain_body(msg.body)
+        protocol = session.protocol
+        try:
+            if msg.type == "secagg_setup":
+                self._reply(client, msg, "advertise_keys", "secagg_keys", SecAggKeys, protocol.on_setup(body))
+            elif msg.type == "secagg_peer_keys":
+                self._reply(client, msg, "share_keys", "secagg_shares", SecAggShares, protocol.on_keys(body))
+            elif msg.type == "secagg_relay":
+                session.relay = body
+                self._send_masked(client)
+            elif msg.type == "secagg_unmask_request":
+                self._reply(client, msg, "unmasking", "secagg_unmask", SecAggUnmask, protocol.on_unmask(body))
+            else:  # secagg_abort
+                client.secagg = None
+        except (SecAggError, SecAggAbort) as exc:
+            self._failed(client, msg.round, msg.task, str(exc))
+
+    def on_result(self, client: EmulatedClient, result: TrainResult) -> None:
+        """The client's training result of a secure round; without its round's session (aborted or refused,
+        and the coordinator knows) it is dropped."""
+        session = client.secagg
+        if session is not None and session.round == result.round:
+            session.result = result
+            self._send_masked(client)
+
+    def _reply(self, client: EmulatedClient, msg: Message, phase: str, msg_type: str, body_type,
+               reply: dict[str, Any]) -> None:
+        self._metrics.secagg_phase(phase, client.secagg.protocol.timings[phase])
+        self._send(client, msg_type, body_type(**reply), round=msg.round, task=msg.task)
+
+    def _send_masked(self, client: EmulatedClient) -> None:
+        """Mask and send the training result once both it and the relayed shares are there."""
+        session = client.secagg
+        result = session.result
+        if session.relay is None or result is None:
+            return
+        if result.error is not None:
+            client.secagg = None
+            self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
+                       round=result.round, task=result.task)
+            return
+        rng = np.random.default_rng(zlib.crc32(f"{self._seed()}/secagg/{client.index}/{result.round}".encode()))
+        try:
+            y = session.protocol.on_shares(session.relay, result.vector, result.num_samples, rng)["y"]
+        except (SecAggError, SecAggAbort) as exc:
+            self._failed(client, result.round, result.task, str(exc))
+            return
+        session.relay = session.result = None  # the shares stay in the protocol state; the inputs can go
+        self._metrics.secagg_phase("masked_input", session.protocol.timings["masked_input"])
+        self._upload(client, result, "secagg_masked", SecAggMasked(**result.report()), {"y": y})
+
+    def _failed(self, client: EmulatedClient, round: int, task: int, detail: str) -> None:
+        client.secagg = None
+        log.warning("%s: secure aggregation: %s", client.id, detail)
+        self._send(client, "error", Error(code="secagg", detail=detail[:500]), round=round, task=task)

@@ -1,0 +1,250 @@
+"""Local training on an edge node: one trainer thread for all its clients.
+
+Clients of one node train one after another, as on one device. The main
+thread submits a :class:`TrainJob` per train request; the trainer hands each
+:class:`TrainResult` back through an in-process queue and rings the
+:attr:`Trainer.wake` socket, which the main thread polls with the clients'.
+The trainer keeps the last global classifier's model across jobs while its
+head size stays, warms up once before the first job, and measures each
+client's own CPU time (what the emulated clock scales).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from edge_node.client import EmulatedClient
+from edge_node.store import RoundPayloads
+from methods import registry as methods
+from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays
+from methods.models.classifier import build_model
+from methods.models.state import load_arrays
+from methods.optim import LocalSGD
+from monitoring.metrics import EdgeNodeMetrics
+from scenario.scenario import Scenario, build_scenario
+from scenario.spec import ScenarioSpec
+from scenario.transforms import to_tensor
+from wire.messages import TrainRequest, Welcome
+
+log = logging.getLogger("fcl_emu.edge_node")
+
+
+@dataclass
+class RunSetup:
+    """What a welcome configures; shared by all clients of one run."""
+
+    run_id: str
+    scenario: Scenario
+    client_part: ClientPart
+    settings: TrainingSettings
+    model_name: str
+    seed: int
+    device: torch.device
+
+    @classmethod
+    def from_welcome(cls, body: Welcome, spec: ScenarioSpec, dataset: Any) -> RunSetup:
+        method = methods.get(body.method)
+        training = dict(body.training)
+        device = training.pop("device", "cpu")
+        seed = int(training.pop("seed", 0))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(
+            run_id=body.run_id,
+            scenario=build_scenario(spec, dataset),
+            client_part=method.client(method.options(**body.method_options)),
+            settings=TrainingSettings(**training),
+            model_name=body.model,
+            seed=seed,
+            device=torch.device(device),
+        )
+
+    def build_model(self, num_classes: int):
+        return build_model(self.model_name, self.scenario.dataset.input_shape, num_classes)
+
+
+@dataclass
+class TrainJob:
+    client: EmulatedClient
+    round: int
+    task: int
+    model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
+    generation: int
+    received_at: float
+    request: TrainRequest  # local epochs and learning rate of this round
+
+
+@dataclass
+class TrainResult:
+    client: EmulatedClient
+    round: int
+    task: int
+    uploads: dict[str, np.ndarray] | None
+    num_samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    generation: int = 0
+    received_at: float = 0.0
+    train_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the client's own training (not the wait for the trainer)
+    samples_trained: int = 0  # local samples x local epochs
+    finished_at: float = 0.0  # monotonic time the main thread got it
+    secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
+    side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
+    vector: np.ndarray | None = None
+
+    def report(self) -> dict[str, Any]:
+        """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""
+        metrics = {str(k): float(v) for k, v in self.metrics.items()}  # numpy scalars from a method included
+        return {"train_time_s": metrics.get("train_time_s", 0.0), "loss": metrics.get("loss", float("nan")),
+                "metrics": metrics, "cpu_s": self.cpu_s}
+
+
+class Trainer:
+    """The trainer thread, its job and result queues, and the wake-up socket the main thread polls.
+
+    ``setup`` returns the run's current setup (None before the first welcome)."""
+
+    def __init__(self, context: zmq.Context, *, threads: int, payloads: RoundPayloads, metrics: EdgeNodeMetrics,
+                 setup: Callable[[], RunSetup | None]):
+        self._context = context
+        self._threads = threads
+        self._payloads = payloads
+        self._metrics = metrics
+        self._setup = setup
+        self._jobs: queue.Queue[TrainJob | None] = queue.Queue()
+        self._results: queue.Queue[TrainResult] = queue.Queue()
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self.wake = context.socket(zmq.PAIR)
+        self.wake.bind(self._wake_addr)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread after the jobs already queued."""
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.wake.close(linger=0)
+
+    def submit(self, job: TrainJob) -> None:
+        self._jobs.put(job)
+
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def finished(self) -> Iterator[TrainResult]:
+        """Once :attr:`wake` is readable: the results handed back since the last call."""
+        while self.wake.poll(0):
+            self.wake.recv()
+        while not self._results.empty():
+            yield self._results.get()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        wake = self._context.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        model_cache: dict[int, Any] = {}
+        warm = False
+        try:
+            while (job := self._jobs.get()) is not None:
+                if job.generation != job.client.generation:  # it left or crashed while the job waited
+                    self._payloads.release(job.round, job.model)
+                    self._metrics.trained(0.0, "cancelled")
+                    continue
+                if not warm:
+                    self._warm_up()
+                    warm = True
+                started, cpu_started = time.perf_counter(), self._cpu_time()
+                result = self._train(job, model_cache)
+                result.train_s = time.perf_counter() - started
+                result.cpu_s = self._cpu_time() - cpu_started
+                result.samples_trained = result.num_samples * job.request.local_epochs
+                result.generation, result.received_at = job.generation, job.received_at
+                result.secure = job.request.secure
+                outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
+                self._metrics.trained(result.train_s, outcome, result.num_samples)
+                self._results.put(result)
+                wake.send(b"")
+        finally:
+            wake.close(linger=0)
+
+    def _warm_up(self) -> None:
+        """One optimiser step of the run's model on a tiny batch before the first client's job: one-time costs
+        (kernels' and autograd's first use) are the node's, not charged to whichever client trains first (the
+        emulated clock scales its CPU time). Torch's global generator is left as it was."""
+        s = self._setup()
+        with torch.random.fork_rng(devices=[]):
+            model = s.build_model(s.scenario.dataset.num_classes).to(s.device)
+            optimizer = LocalSGD(model.parameters(), lr=0.0)
+            model(torch.zeros((2, *s.scenario.dataset.input_shape), device=s.device)).sum().backward()
+            optimizer.step()
+
+    def _cpu_time(self) -> float:
+        """The trainer's clock for a client's own work: its thread's CPU time (torch computes in the calling
+        thread with one thread); the process's with more threads; wall time on a GPU, where the work is the
+        device's (the trainer is the only one using it)."""
+        s = self._setup()
+        if s is not None and s.device.type == "cuda":
+            return time.perf_counter()
+        return time.thread_time() if self._threads == 1 else time.process_time()
+
+    def _train(self, job: TrainJob, model_cache: dict[int, Any]) -> TrainResult:
+        client = job.client
+        s = self._setup()
+        try:
+            indices = s.scenario.client_indices(client.index, client.task)
+            if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
+                vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.request.secure else None
+                return TrainResult(client, job.round, job.task, {}, 0, vector=vector)
+            classifier = model_arrays(job.model)  # none for a method without a global classifier (FedCBC):
+            model = self._classifier(s, classifier, model_cache) if classifier else None  # its train gets None
+            ds = s.scenario.dataset
+            ctx = ClientContext(
+                client=client.id, task=client.task,
+                task_classes=np.asarray(client.classes), seen_classes=np.asarray(client.seen_classes),
+                x=to_tensor(ds.train_x[indices], ds.mean, ds.std),
+                y=torch.from_numpy(np.asarray(s.scenario.client_labels(client.index, client.task), dtype=np.int64)),
+                settings=replace(s.settings, lr=job.request.lr, local_epochs=job.request.local_epochs),
+                global_state=job.model, assets=client.assets,
+                state=client.state, store=client.store, build_model=s.build_model, device=s.device,
+                mean=tuple(ds.mean), std=tuple(ds.std), dataset_classes=ds.num_classes,
+                seed=zlib.crc32(f"{s.seed}/{client.index}/{job.round}".encode()),
+                new_task=client.trained_task != client.task,
+            )
+            uploads, metrics = s.client_part.train(ctx, model)
+            client.trained_task = client.task
+            result = TrainResult(client, job.round, job.task, uploads, len(indices), metrics, side=ctx.outbox)
+            if job.request.secure:  # the masked sum carries the float deltas as one vector
+                result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
+            return result
+        except Exception as exc:  # reported to the coordinator, never kills the node
+            log.exception("%s: training failed", client.id)
+            return TrainResult(client, job.round, job.task, None, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._payloads.release(job.round, job.model)
+
+    @staticmethod
+    def _classifier(s: RunSetup, arrays: Mapping[str, np.ndarray], model_cache: dict[int, Any]):
+        """The received global classifier, in a model reused across jobs while its head size stays."""
+        head = int(arrays["head.weight"].shape[0])
+        model = model_cache.get(head)
+        if model is None:
+            model_cache.clear()
+            model = model_cache[head] = s.build_model(head)
+        return load_arrays(model, arrays)
