@@ -382,7 +382,8 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default RUN_DIR/report).")] = None,
 ) -> None:
     """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
-    from monitoring.report import RunDirError, write_report
+    from monitoring.report import write_report
+    from monitoring.run_dir import RunDirError
 
     try:
         path = write_report(run_dir, out)
@@ -399,7 +400,7 @@ def compare(
 ) -> None:
     """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png."""
     from monitoring.compare import compare_runs, format_table
-    from monitoring.report import RunDirError
+    from monitoring.run_dir import RunDirError
 
     try:
         rows, png = compare_runs(run_dirs, out)

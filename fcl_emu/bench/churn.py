@@ -348,7 +348,7 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
     """Four panels against the churn rate (%), one line per method; points of runs not completed are hollow."""
     from matplotlib import colormaps
 
-    from monitoring.report import new_figure, save_figure
+    from monitoring.plots import new_figure, save_figure
 
     lines = list(dict.fromkeys((r["method"], r.get("faults", "emulated")) for r in rows))
     palette = colormaps["tab10"]

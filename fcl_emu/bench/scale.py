@@ -188,7 +188,7 @@ def run(populations: list[int], cohort: int, rounds: int, share: int, clients_pe
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from monitoring.report import new_figure, save_figure
+    from monitoring.plots import new_figure, save_figure
 
     fig = new_figure(11, 7)
     xs = [r["clients"] for r in rows]
