@@ -169,7 +169,10 @@ class RoundRecord:
 
 # ------------------------------------------------------------------ summary.json
 class SummaryPart(msgspec.Struct, frozen=True):
-    """A nested object of ``summary.json``. Fields that older runs lack have defaults, so their files load."""
+    """A nested object of ``summary.json``. Fields that older runs lack have defaults, so their files load.
+
+    msgspec structs, like the wire's messages: reading a file checks every value's type and names the field at
+    fault (``$.clients.joined``), and writing gives the fields in their order with the values as they are."""
 
 
 class KnowledgeRetention(SummaryPart):
