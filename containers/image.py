@@ -142,7 +142,7 @@ def _pip(*args: str, what: str) -> None:
 
 #: Not part of the project's wheel; a stale ``build/`` in the tree would leak deleted modules into it.
 _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "runs", "*.egg-info", "__pycache__",
-                                     "tests", "docs", "benchmarks", "data")
+                                     "tests", "docs", "data")
 
 
 def fetch_wheels(dest: Path) -> None:

@@ -8,7 +8,7 @@ The parts are objects over one :class:`~coordinator.state.RunState`, each receiv
   :mod:`coordinator.secure_round` for a round's SecAgg+;
 - the run's clock (:mod:`coordinator.clock`): real or emulated time, chosen once;
 - :class:`~coordinator.resume.Checkpointer`: checkpoints after every round, and resuming from one;
-- :class:`~coordinator.summary.RunSummary`: ``summary.json``;
+- :class:`~coordinator.summary.SummaryBuilder`: ``summary.json``'s record;
 - :class:`~coordinator.nodes.NodeWatch`: noticing at once that an edge node started by a launcher has exited;
 - :class:`~coordinator.server_jobs.ServerJobs`: server-side jobs on the GPU worker pool while the socket is served.
 
@@ -44,12 +44,12 @@ from coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_finger
 from coordinator.rounds import RoundRunner
 from coordinator.server_jobs import JobSpec, ServerJobs
 from coordinator.state import ProgressHook, RunState, TimeAccount, no_progress
-from coordinator.summary import RunSummary
+from coordinator.summary import SummaryBuilder
 from methods import registry as methods
 from methods.base import ServerContext
 from methods.models.classifier import build_model, resolve_model
 from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import (RoundRecord, RunRecorder, average_accuracy, average_forgetting,
+from monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy)
 from runconfig import RunConfig, gpu_worker_metrics_port
 from scenario.datasets import load_dataset
@@ -137,8 +137,8 @@ class Coordinator:
         self.jobs = ServerJobs(state, self.pool, self.dispatcher.serve)
         self.checkpointer = Checkpointer(state, self.clock, self.address)
         self.time = TimeAccount()
-        self.summary = RunSummary(state, self.clock, self.jobs, self.checkpointer, self.time,
-                                  self.heartbeat_interval_s)
+        self.summary = SummaryBuilder(state, self.clock, self.jobs, self.checkpointer, self.time,
+                                      self.heartbeat_interval_s)
         # conditions the first round waits for once the clients are in, each (what, condition, timeout):
         # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
         self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
@@ -221,7 +221,7 @@ class Coordinator:
                 logging.getLogger("fcl_emu.coordinator").warning(
                     "starting the rounds without %s (waited %.0f s)", what, timeout_s)
 
-    def run(self, run_dir: Path) -> dict:
+    def run(self, run_dir: Path) -> RunSummary:
         """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round."""
         state, config, scenario = self.state, self.config, self.state.scenario
         resumed, self._resumed = self._resumed, None

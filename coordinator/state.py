@@ -23,7 +23,7 @@ from coordinator.guard import LogOnce
 from methods.base import ServerPart
 from methods.registry import MethodSpec
 from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import RunRecorder
+from monitoring.results import RunRecorder, TimeAccounting
 from runconfig import RunConfig
 from scenario.scenario import Scenario
 from wire.sockets import Counters
@@ -66,12 +66,12 @@ class TimeAccount:
         finally:
             self.parts_s[part] += time.perf_counter() - t0
 
-    def accounting(self) -> dict:
+    def accounting(self) -> TimeAccounting:
         """Seconds per part, the session's wall clock and the fraction the parts account for."""
         wall = time.perf_counter() - self.started
         parts = {part: round(seconds, 4) for part, seconds in sorted(self.parts_s.items())}
-        return {"wall_s": round(wall, 4), "parts_s": parts,
-                "accounted": round(sum(self.parts_s.values()) / wall, 4) if wall > 0 else None}
+        return TimeAccounting(wall_s=round(wall, 4), parts_s=parts,
+                              accounted=round(sum(self.parts_s.values()) / wall, 4) if wall > 0 else None)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The run summary (``summary.json``): results, costs and counts of a finished or ended run.
 
-:class:`RunSummary` reads the run state, the clock, the server-side jobs, the checkpointer and the time account;
-the accuracy definitions it uses are in :mod:`monitoring.results` and docs/metrics.md.
+:class:`SummaryBuilder` builds the record :class:`monitoring.results.RunSummary` from the run state, the clock,
+the server-side jobs, the checkpointer and the time account; the accuracy definitions it uses are in
+:mod:`monitoring.results` and docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from coordinator.gpu_pool import Job
 from coordinator.resume import Checkpointer
 from coordinator.server_jobs import ServerJobs
 from coordinator.state import RunState, TimeAccount
+from monitoring import results
 from monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
                                 spatial_retention, temporal_retention)
 
 
-class RunSummary:
-    """``summary.json`` from the run's results and counters."""
+class SummaryBuilder:
+    """``summary.json``'s record from the run's results and counters."""
 
     def __init__(self, state: RunState, clock: RunClock, jobs: ServerJobs, checkpointer: Checkpointer,
                  time_account: TimeAccount, heartbeat_interval_s: float):
@@ -30,65 +32,65 @@ class RunSummary:
         self.heartbeat_interval_s = heartbeat_interval_s
 
     def build(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
-              class_hits=None) -> dict:
+              class_hits=None) -> results.RunSummary:
         st, tally = self.state, self.state.tally
         counts = st.registry.counts
         complete = bool(matrix)
         phases = Counter()
         for r in rounds:
             phases.update(r.phases_s)
-        return {
-            "status": status,
-            "run_id": st.run_id,
-            "run_dir": str(run_dir),
-            "method": self.config.method,
-            "method_options": self.config.method_options_model().model_dump(mode="json"),
-            "dataset": self.config.scenario.dataset,
-            "model": self.config.model,
-            "scenario": self.config.scenario.model_dump(mode="json"),
-            "seed": self.config.seed,
-            "accuracy_matrix": matrix,
-            "accuracy_seen": [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
-            "accuracy_all": [self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
-            "accuracy_clients": list(st.client_accuracy),
-            "average_accuracy": average_accuracy(matrix) if complete else None,
-            "average_incremental_accuracy": average_incremental_accuracy(matrix) if complete else None,
-            "average_forgetting": average_forgetting(matrix) if complete else None,
-            "knowledge_retention": self._knowledge_retention(matrix, class_hits),
-            "bytes": st.counters.nested(),
-            "messages": {f"{t}/{d}": n for (t, d), n in sorted(st.counters.messages.items())},
-            "bytes_total": sum(st.counters.bytes.values()),
-            "rounds": len(rounds),
-            "rounds_skipped": sum(r.skipped for r in rounds),
-            "wall_clock_s": wall,
-            "clock": self.clock.kind,
+        return results.RunSummary(
+            status=status,
+            run_id=st.run_id,
+            run_dir=str(run_dir),
+            method=self.config.method,
+            method_options=self.config.method_options_model().model_dump(mode="json"),
+            dataset=self.config.scenario.dataset,
+            model=self.config.model,
+            scenario=self.config.scenario.model_dump(mode="json"),
+            seed=self.config.seed,
+            accuracy_matrix=matrix,
+            accuracy_seen=[st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            accuracy_all=[self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            accuracy_clients=list(st.client_accuracy),
+            average_accuracy=average_accuracy(matrix) if complete else None,
+            average_incremental_accuracy=average_incremental_accuracy(matrix) if complete else None,
+            average_forgetting=average_forgetting(matrix) if complete else None,
+            knowledge_retention=self._knowledge_retention(matrix, class_hits),
+            bytes=st.counters.nested(),
+            messages={f"{t}/{d}": n for (t, d), n in sorted(st.counters.messages.items())},
+            bytes_total=sum(st.counters.bytes.values()),
+            rounds=len(rounds),
+            rounds_skipped=sum(r.skipped for r in rounds),
+            wall_clock_s=wall,
+            clock=self.clock.kind,
             # emulated clock: what the federation would have taken (the host's wall clock is wall_clock_s)
-            "emulated_s": self.clock.emulated_now,
-            "host_timeouts": sum(r.host_timeout for r in rounds),
-            "bytes_discarded": sum(r.bytes_discarded for r in rounds),
-            "time": self.time_account.accounting(),
-            "phase_s": dict(phases),
-            "handling_s": dict(tally.handling_s),
-            "liveness": {"heartbeat_interval_s": self.heartbeat_interval_s,
-                         "liveness_timeout_s": st.registry.liveness_timeout_s},
-            "clients": {
-                "configured": self.config.scenario.num_clients,
-                "joined": counts.joined,
-                "rejoined": counts.rejoined,
-                "left": counts.left,
-                "dropped": counts.dropped,
-                "online_at_end": len(st.registry.online()),
-                "switched_connection": tally.connection_switches,
-            },
-            "missed_deadline": sum(r.late for r in rounds),
-            "late_updates": tally.late_updates,
-            "late_side_channel": tally.late_side_channel,
-            "rejected_messages": dict(tally.rejected),
-            "secagg": _secagg_summary(rounds) if self.config.secagg.enabled else None,
-            "gpu_jobs": _jobs_summary(self.jobs.finished, self.config.gpu.workers, self.jobs.pool.device),
-            "resumes": self.checkpointer.resumes,
-            "checkpoints": dict(self.checkpointer.stats),  # saved, seconds in total, bytes of the latest
-        }
+            emulated_s=self.clock.emulated_now,
+            host_timeouts=sum(r.host_timeout for r in rounds),
+            bytes_discarded=sum(r.bytes_discarded for r in rounds),
+            time=self.time_account.accounting(),
+            phase_s=dict(phases),
+            handling_s=dict(tally.handling_s),
+            liveness=results.Liveness(heartbeat_interval_s=self.heartbeat_interval_s,
+                                      liveness_timeout_s=st.registry.liveness_timeout_s),
+            clients=results.Clients(
+                configured=self.config.scenario.num_clients,
+                joined=counts.joined,
+                rejoined=counts.rejoined,
+                left=counts.left,
+                dropped=counts.dropped,
+                online_at_end=len(st.registry.online()),
+                switched_connection=tally.connection_switches,
+            ),
+            missed_deadline=sum(r.late for r in rounds),
+            late_updates=tally.late_updates,
+            late_side_channel=tally.late_side_channel,
+            rejected_messages=dict(tally.rejected),
+            secagg=_secagg_summary(rounds) if self.config.secagg.enabled else None,
+            gpu_jobs=_jobs_summary(self.jobs.finished, self.config.gpu.workers, self.jobs.pool.device),
+            resumes=self.checkpointer.resumes,
+            checkpoints=results.Checkpoints(**self.checkpointer.stats),
+        )
 
     def _all_accuracy(self, row: list[float | None], task: int) -> float:
         """Accuracy on the test samples of every class of the data set (FedCBC's global accuracy): a class not
@@ -96,37 +98,35 @@ class RunSummary:
         seen = len(self.scenario.test_indices(self.scenario.seen_classes(task)))
         return self.state.seen_accuracy(row, task) * seen / len(self.scenario.test_labels)
 
-    def _knowledge_retention(self, matrix, class_hits) -> dict[str, float | None]:
+    def _knowledge_retention(self, matrix, class_hits) -> results.KnowledgeRetention:
         """KR_t, KR_s and the private classes' accuracy (monitoring.results); the spatial terms need the
         final model's per-class hits, which a run resumed after its last task no longer has."""
-        out = {"temporal": temporal_retention(matrix) if matrix else None, "spatial": None, "private": None}
-        if class_hits is not None and len(matrix) == self.scenario.num_tasks:
-            per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
-            trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
-            out.update(spatial_retention(*class_hits, trained))
-        return out
+        temporal = temporal_retention(matrix) if matrix else None
+        if class_hits is None or len(matrix) != self.scenario.num_tasks:
+            return results.KnowledgeRetention(temporal=temporal)
+        per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
+        trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
+        return results.KnowledgeRetention(temporal=temporal, **spatial_retention(*class_hits, trained))
 
 
-def _jobs_summary(jobs: list[Job], workers: int, device: str) -> dict:
+def _jobs_summary(jobs: list[Job], workers: int, device: str) -> results.GpuJobs:
     """Server-side jobs over the run, by kind: how many, how many failed, attempts, seconds queued and run."""
-    by_kind: dict[str, dict] = {}
+    by_kind: dict[str, list[Job]] = {}
     for job in jobs:
-        k = by_kind.setdefault(job.kind, {"jobs": 0, "failed": 0, "attempts": 0, "queue_s": 0.0, "run_s": 0.0})
-        k["jobs"] += 1
-        k["failed"] += not job.ok
-        k["attempts"] += job.attempts
-        k["queue_s"] += job.queue_s
-        k["run_s"] += job.run_s
-    return {"workers": workers, "device": device, "by_kind": by_kind}
+        by_kind.setdefault(job.kind, []).append(job)
+    return results.GpuJobs(workers=workers, device=device, by_kind={
+        kind: results.JobTotals(jobs=len(js), failed=sum(not j.ok for j in js), attempts=sum(j.attempts for j in js),
+                                queue_s=sum((j.queue_s for j in js), 0.0), run_s=sum((j.run_s for j in js), 0.0))
+        for kind, js in by_kind.items()})
 
 
-def _secagg_summary(rounds: list[RoundRecord]) -> dict:
+def _secagg_summary(rounds: list[RoundRecord]) -> results.SecAggTotals:
     """Secure aggregation over the run: rounds by outcome, seconds and dropouts per phase (summed)."""
     records = [r.secagg for r in rounds if r.secagg is not None]
     phase_s, dropouts = Counter(), Counter()
     for rec in records:
         phase_s.update(rec.get("phase_s", {}))
         dropouts.update(rec.get("dropouts", {}))
-    return {"completed": sum(rec["outcome"] == "completed" for rec in records),
-            "aborted": sum(rec["outcome"] == "aborted" for rec in records),
-            "phase_s": dict(phase_s), "dropouts": dict(dropouts)}
+    return results.SecAggTotals(completed=sum(rec["outcome"] == "completed" for rec in records),
+                                aborted=sum(rec["outcome"] == "aborted" for rec in records),
+                                phase_s=dict(phase_s), dropouts=dict(dropouts))

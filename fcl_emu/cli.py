@@ -78,7 +78,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     finally:
         if forks is not None:
             forks.close()
-    raise typer.Exit(0 if summary.get("status") == "completed" else 1)
+    raise typer.Exit(0 if summary.completed else 1)
 
 
 def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],
@@ -291,7 +291,8 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default RUN_DIR/report).")] = None,
 ) -> None:
     """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
-    from monitoring.report import RunDirError, write_report
+    from monitoring.report import write_report
+    from monitoring.run_dir import RunDirError
 
     try:
         path = write_report(run_dir, out)
@@ -308,7 +309,7 @@ def compare(
 ) -> None:
     """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png."""
     from monitoring.compare import compare_runs, format_table
-    from monitoring.report import RunDirError
+    from monitoring.run_dir import RunDirError
 
     try:
         rows, png = compare_runs(run_dirs, out)

@@ -26,6 +26,7 @@ from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_p
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from monitoring import stack
+from monitoring.results import RunSummary
 from scenario.datasets import find_dataset
 
 
@@ -72,29 +73,29 @@ class ProgressView:
             self.accuracy = None
 
 
-def summary_table(summary: dict) -> Table:
-    table = Table(title=f"fcl-emu run: {summary['method']} on {summary['dataset']}", show_header=False)
+def summary_table(summary: RunSummary) -> Table:
+    table = Table(title=f"fcl-emu run: {summary.method} on {summary.dataset}", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
 
     def pct(v):
         return "-" if v is None else f"{v:.2f}"
 
-    table.add_row("status", summary["status"])
-    table.add_row("average accuracy (%)", pct(summary["average_accuracy"]))
-    table.add_row("average incremental accuracy (%)", pct(summary["average_incremental_accuracy"]))
-    table.add_row("average forgetting (%)", pct(summary["average_forgetting"]))
-    kr = summary.get("knowledge_retention") or {}
-    table.add_row("knowledge retention KR_t / KR_s (%)", f"{pct(kr.get('temporal'))} / {pct(kr.get('spatial'))}")
-    table.add_row("rounds (skipped)", f"{summary['rounds']} ({summary['rounds_skipped']})")
-    table.add_row("bytes on the wire", f"{summary['bytes_total'] / 1e6:.1f} MB")
-    c = summary["clients"]
-    table.add_row("clients joined / left / dropped", f"{c['joined']} / {c['left']} / {c['dropped']}")
-    table.add_row("rejected messages", str(sum(summary["rejected_messages"].values())))
-    table.add_row("wall clock", f"{summary['wall_clock_s']:.1f} s")
-    if summary.get("emulated_s") is not None:
-        table.add_row("emulated time", f"{summary['emulated_s']:.1f} s")
-    table.add_row("run directory", summary["run_dir"])
+    table.add_row("status", summary.status)
+    table.add_row("average accuracy (%)", pct(summary.average_accuracy))
+    table.add_row("average incremental accuracy (%)", pct(summary.average_incremental_accuracy))
+    table.add_row("average forgetting (%)", pct(summary.average_forgetting))
+    kr = summary.knowledge_retention
+    table.add_row("knowledge retention KR_t / KR_s (%)", f"{pct(kr.temporal)} / {pct(kr.spatial)}")
+    table.add_row("rounds (skipped)", f"{summary.rounds} ({summary.rounds_skipped})")
+    table.add_row("bytes on the wire", f"{summary.bytes_total / 1e6:.1f} MB")
+    c = summary.clients
+    table.add_row("clients joined / left / dropped", f"{c.joined} / {c.left} / {c.dropped}")
+    table.add_row("rejected messages", str(sum(summary.rejected_messages.values())))
+    table.add_row("wall clock", f"{summary.wall_clock_s:.1f} s")
+    if summary.emulated_s is not None:
+        table.add_row("emulated time", f"{summary.emulated_s:.1f} s")
+    table.add_row("run directory", summary.run_dir)
     return table
 
 
@@ -213,7 +214,7 @@ def _check_bind(endpoint: str) -> None:
             raise BindError(f"cannot bind {endpoint}: {exc.strerror}") from None
 
 
-def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> dict:
+def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> RunSummary:
     config = check_before_start(config, start_nodes, resume)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     keys = RunKeys(run_dir)
@@ -315,18 +316,16 @@ def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:
                       f"--resume {run_dir}`", markup=False, highlight=False)
 
 
-def _read_summary(run_dir: Path) -> dict:
-    import json
-
-    return json.loads((run_dir / "summary.json").read_text())
+def _read_summary(run_dir: Path) -> RunSummary:
+    return RunSummary.load(run_dir / "summary.json")
 
 
-def run_local(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> dict:
+def run_local(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> RunSummary:
     """``fcl-emu up``: coordinator in this process, edge nodes as child processes."""
     return _run(config, console, start_nodes=True, resume=resume)
 
 
-def run_coordinator(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> dict:
+def run_coordinator(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> RunSummary:
     """``fcl-emu coordinator``: nodes are started elsewhere by the user."""
     return _run(config, console, start_nodes=False, resume=resume)
 
@@ -367,6 +366,6 @@ def open_resume(run_dir: Path, overrides: dict) -> tuple[RunConfig, Checkpoint]:
 
 def _summary_status(run_dir: Path) -> str | None:
     try:
-        return _read_summary(run_dir).get("status")
-    except (OSError, ValueError, AttributeError):
+        return _read_summary(run_dir).status
+    except (OSError, ValueError):  # ValueError: not JSON, or not a summary (msgspec.ValidationError)
         return None

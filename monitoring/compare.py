@@ -1,6 +1,6 @@
 """Several runs side by side: average accuracy, average forgetting, total bytes and wall clock.
 
-``compare_runs`` loads each run directory (``monitoring.report.load_run``, so
+``compare_runs`` loads each run directory (``monitoring.run_dir.load_run``, so
 a directory that is not a run fails the same way, naming the file), returns
 one row per run and writes one PNG of four bar charts; ``format_table`` turns
 the rows into a rich table for printing.
@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 from rich.table import Table
 
-from monitoring.report import load_run, new_figure, save_figure
+from monitoring.plots import new_figure, save_figure
+from monitoring.run_dir import load_run
 
 COMPARE_PNG = "compare.png"
 
@@ -76,17 +77,17 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str) -> tuple[l
         RunRow(
             label=label,
             run_dir=run.run_dir,
-            method=run.summary["method"],
-            dataset=run.summary["dataset"],
-            seed=run.summary.get("seed"),
-            status=run.summary["status"],
-            tasks_finished=len(run.summary["accuracy_matrix"]),
+            method=run.summary.method,
+            dataset=run.summary.dataset,
+            seed=run.summary.seed,
+            status=run.summary.status,
+            tasks_finished=len(run.summary.accuracy_matrix),
             num_tasks=run.num_tasks,
-            average_accuracy=_number(run.summary["average_accuracy"]),
-            average_forgetting=_number(run.summary["average_forgetting"]),
-            bytes_total=run.summary["bytes_total"],
-            wall_clock_s=run.summary["wall_clock_s"],
-            emulated_s=run.summary.get("emulated_s"),
+            average_accuracy=_number(run.summary.average_accuracy),
+            average_forgetting=_number(run.summary.average_forgetting),
+            bytes_total=run.summary.bytes_total,
+            wall_clock_s=run.summary.wall_clock_s,
+            emulated_s=run.summary.emulated_s,
         )
         for run, label in zip(runs, labels)
     ]

@@ -1,4 +1,5 @@
-"""Run directory, event log and summary, and the FCIL metric definitions.
+"""Run directory, event log and summary (``RunSummary``, the record of summary.json), and the FCIL metric
+definitions.
 
 Definitions (also in docs/metrics.md). ``A[t][i]`` is the accuracy (percent)
 of the global model after task ``t`` on the test samples of task ``i``'s
@@ -42,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 
@@ -165,6 +167,154 @@ class RoundRecord:
     bytes_discarded: int = 0
 
 
+# ------------------------------------------------------------------ summary.json
+class SummaryPart(msgspec.Struct, frozen=True):
+    """A nested object of ``summary.json``. Fields that older runs lack have defaults, so their files load.
+
+    msgspec structs, like the wire's messages: reading a file checks every value's type and names the field at
+    fault (``$.clients.joined``), and writing gives the fields in their order with the values as they are."""
+
+
+class KnowledgeRetention(SummaryPart):
+    """KR_t, KR_s and the accuracy on private classes (percent); None where a run cannot measure them."""
+
+    temporal: float | None = None
+    spatial: float | None = None
+    private: float | None = None
+
+
+class TimeAccounting(SummaryPart):
+    """Where the coordinator's wall clock went (after a resume: since it resumed)."""
+
+    wall_s: float
+    parts_s: dict[str, float] = {}  # start, join, task_start, rounds, task_end, task_evaluation, checkpoints, ...
+    accounted: float | None = None  # the fraction of wall_s the parts cover
+
+
+class Liveness(SummaryPart):
+    """The heartbeat interval the clients were given and the liveness timeout, after stretching."""
+
+    heartbeat_interval_s: float
+    liveness_timeout_s: float
+
+
+class Clients(SummaryPart):
+    """Client counts over the run."""
+
+    configured: int = 0
+    joined: int = 0  # distinct clients
+    rejoined: int = 0
+    left: int = 0  # graceful leave
+    dropped: int = 0  # declared dead
+    online_at_end: int = 0
+    switched_connection: int = 0  # messages from a client over another connection than its last one
+
+
+class SecAggTotals(SummaryPart):
+    """Secure aggregation over the run: rounds by outcome, seconds and dropouts per phase (summed)."""
+
+    completed: int = 0
+    aborted: int = 0
+    phase_s: dict[str, float] = {}
+    dropouts: dict[str, int] = {}
+
+
+class JobTotals(SummaryPart):
+    """Server-side jobs of one kind: how many, how many failed, attempts, seconds queued and run."""
+
+    jobs: int = 0
+    failed: int = 0
+    attempts: int = 0
+    queue_s: float = 0.0
+    run_s: float = 0.0
+
+
+class GpuJobs(SummaryPart):
+    """The GPU worker pool and its jobs by kind."""
+
+    workers: int
+    device: str
+    by_kind: dict[str, JobTotals] = {}
+
+
+class Checkpoints(SummaryPart):
+    """Checkpoints saved, seconds spent on them in total, bytes of the latest."""
+
+    saved: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class RunSummary(SummaryPart, kw_only=True):
+    """``summary.json``: results, costs and counts of a finished or ended run (keys: docs/metrics.md).
+
+    The field order is the file's key order. ``status``, ``method``, ``dataset``, ``accuracy_matrix``,
+    ``bytes_total``, ``rounds`` and ``wall_clock_s`` are in every summary.json ever written; the rest
+    have defaults for the files of older runs."""
+
+    status: str
+    run_id: str | None = None
+    run_dir: str | None = None
+    method: str
+    method_options: dict[str, Any] = {}
+    dataset: str
+    model: str | None = None
+    scenario: dict[str, Any] = {}
+    seed: int | None = None
+    accuracy_matrix: list[list[float | None]]
+    accuracy_seen: list[float] = []
+    accuracy_all: list[float] = []
+    accuracy_clients: list[float | None] = []
+    average_accuracy: float | None = None
+    average_incremental_accuracy: float | None = None
+    average_forgetting: float | None = None
+    knowledge_retention: KnowledgeRetention = KnowledgeRetention()
+    bytes: dict[str, dict[str, int]] = {}  # {message type: {"sent"/"received": bytes}}
+    messages: dict[str, int] = {}  # {"type/direction": count}
+    bytes_total: int
+    rounds: int
+    rounds_skipped: int = 0
+    wall_clock_s: float
+    clock: str | None = None  # "emulated" or "real"; None: a run from before the emulated clock
+    emulated_s: float | None = None  # emulated clock: what the federation would have taken
+    host_timeouts: int = 0
+    bytes_discarded: int = 0
+    time: TimeAccounting | None = None
+    phase_s: dict[str, float] = {}
+    handling_s: dict[str, float] = {}
+    liveness: Liveness | None = None
+    clients: Clients | None = None
+    missed_deadline: int = 0
+    late_updates: int = 0
+    late_side_channel: int = 0
+    rejected_messages: dict[str, int] = {}
+    secagg: SecAggTotals | None = None  # None: a run without --secagg
+    gpu_jobs: GpuJobs | None = None
+    resumes: int = 0
+    checkpoints: Checkpoints | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.status == "completed"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of summary.json (numpy numbers as Python numbers)."""
+        return msgspec.to_builtins(self, enc_hook=_json_default)
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunSummary:
+        """The record of a summary.json object; ``msgspec.ValidationError`` names the field at fault."""
+        return msgspec.convert(data, cls)
+
+    @classmethod
+    def load(cls, path: Path) -> RunSummary:
+        """Read a summary.json (``OSError``, ``ValueError`` for text that is not JSON, ``msgspec.ValidationError``)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
 class RunRecorder:
     """Owns the run directory: config.yaml, events.jsonl, summary.json."""
 
@@ -191,9 +341,9 @@ class RunRecorder:
     def round(self, record: RoundRecord) -> None:
         self.event("round", **asdict(record))
 
-    def summary(self, summary: dict[str, Any]) -> Path:
+    def summary(self, summary: RunSummary) -> Path:
         path = self.run_dir / "summary.json"
-        write_json_atomic(path, summary)
+        summary.write(path)
         return path
 
     def close(self) -> None:

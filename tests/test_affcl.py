@@ -23,6 +23,7 @@ from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, Trai
 from methods.models.backbones import SmallCNNLeaky, SplitBackbone
 from methods.models.classifier import build_model, resolve_model
 from methods.models.flows import ConditionalFlow
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)
@@ -431,19 +432,19 @@ def test_affcl_end_to_end(tmp_path, mnist_root):
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=240) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["method"] == "affcl"
-    matrix = summary["accuracy_matrix"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.method == "affcl"
+    matrix = summary.accuracy_matrix
     assert len(matrix) == 2 and all(len(row) == 2 for row in matrix)
     # AF-FCL's own measure: every client on its own tasks' test sets, one value per task
-    assert len(summary["accuracy_clients"]) == 2 and all(0 <= a <= 100 for a in summary["accuracy_clients"])
+    assert len(summary.accuracy_clients) == 2 and all(0 <= a <= 100 for a in summary.accuracy_clients)
     flow_bytes = 4 * sum(v.numel() for v in ConditionalFlow(256, 10, 2, 8).state_dict().values())
     model_bytes = 4 * sum(v.numel() for v in build_model("cnn", SHAPE, 10).state_dict().values())
-    sent = summary["messages"]
+    sent = summary.messages
     assert 0 < sent["old_model/sent"] <= 3
     # each train request carries the model and the flow; each old_model asset the old pair
-    assert summary["bytes"]["train_request"]["sent"] >= 6 * flow_bytes
-    assert summary["bytes"]["old_model"]["sent"] >= sent["old_model/sent"] * (flow_bytes + model_bytes // 2)
+    assert summary.bytes["train_request"]["sent"] >= 6 * flow_bytes
+    assert summary.bytes["old_model"]["sent"] >= sent["old_model/sent"] * (flow_bytes + model_bytes // 2)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e["event"] == "round"]
     assert all("flow_nll" in r["client_metrics"] for r in rounds)

@@ -11,12 +11,14 @@ import yaml
 from fcl_emu.bench import churn
 from runconfig import RunConfig
 from fcl_emu.launchers.process import node_env
+from monitoring.results import Clients, RunSummary
 
 
-def fake_summary(acc: float, forgetting: float, rounds: int = 12, skipped: int = 0, left: int = 0) -> dict:
-    return {"status": "completed", "average_accuracy": acc, "average_forgetting": forgetting, "rounds": rounds,
-            "rounds_skipped": skipped, "bytes_total": 250_000_000, "wall_clock_s": 30.5,
-            "clients": {"joined": 60, "left": left, "rejoined": left // 2, "dropped": 1}, "missed_deadline": 2}
+def fake_summary(acc: float, forgetting: float, rounds: int = 12, skipped: int = 0, left: int = 0) -> RunSummary:
+    return RunSummary(status="completed", method="fedavg", dataset="mnist", accuracy_matrix=[],
+                      average_accuracy=acc, average_forgetting=forgetting, rounds=rounds, rounds_skipped=skipped,
+                      bytes_total=250_000_000, wall_clock_s=30.5,
+                      clients=Clients(joined=60, left=left, rejoined=left // 2, dropped=1), missed_deadline=2)
 
 
 def test_churn_rate_maps_to_availability():

@@ -17,6 +17,7 @@ from coordinator.clients import ClientRegistry
 from runconfig.config import RunConfig
 from scenario.availability import AvailabilitySpec, parse_availability
 from scenario.devices import DeviceProfile, assign_profile, load_profiles
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 
@@ -158,7 +159,7 @@ def run(tmp_path, mnist_root, name: str, *, hog: bool = False, **overrides):
             h.kill()
             h.wait()
     assert proc.returncode == 0, output
-    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    summary = RunSummary.load(tmp_path / name / "summary.json")
     events = [json.loads(line) for line in (tmp_path / name / "events.jsonl").read_text().splitlines()]
     return summary, [e for e in events if e.get("event") == "round"]
 
@@ -215,7 +216,7 @@ def test_a_4x_slower_device_misses_the_deadline_the_others_make_on_a_quiet_and_a
                               **common)
         assert [(r["participants"], r["late"]) for r in rounds] == [(8, 4)] * 3, name
         assert all(r["emulated_s"] == pytest.approx(deadline) for r in rounds)
-        assert summary["missed_deadline"] == 12 and summary["emulated_s"] == pytest.approx(3 * deadline)
+        assert summary.missed_deadline == 12 and summary.emulated_s == pytest.approx(3 * deadline)
 
 
 @pytest.mark.slow

@@ -21,17 +21,19 @@ from scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
 from runconfig import load_config
 from scenario.devices import memory_bytes, memory_limit
+from monitoring.results import RunSummary
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def up(tmp: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
-    """``fcl-emu up`` as a user runs it; returns (process, summary.json, events.jsonl)."""
+def up(tmp: Path, *args: str,
+       timeout: float = 600) -> tuple[subprocess.CompletedProcess, RunSummary | None, list[dict]]:
+    """``fcl-emu up`` as a user runs it; returns (process, summary.json or None, events.jsonl)."""
     run_dir = tmp / "run"
     done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(run_dir), *args],
                           capture_output=True, text=True, timeout=timeout)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = RunSummary.load(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()] \
         if (run_dir / "events.jsonl").exists() else []
     return done, summary, events
@@ -162,7 +164,7 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
     done, summary, events = up(tmp_path, "--config", str(config), "--backend", "docker", "--image", image,
                                "--faults", str(plan), "--data-root", str(mnist_root))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert summary["status"] == "completed"
+    assert summary.status == "completed"
     faults = [(e["action"], e["node"]) for e in events if e["event"] == "fault"]
     assert faults == [("kill", "node-1"), ("pause", "node-0"), ("unpause", "node-0"), ("disconnect", "node-2"),
                       ("reconnect", "node-2")]
@@ -174,7 +176,7 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
     assert rounds[2]["late"] == 4 and rounds[2]["participants"] == 4  # node-0 frozen, node-2 on time
     assert rounds[3]["participants"] == 8  # node-0 thawed; node-1 is gone
     assert rounds[4]["late"] == 4 and rounds[4]["participants"] == 4  # node-2 cut off, node-0 on time
-    assert summary["clients"]["dropped"] == 4
+    assert summary.clients.dropped == 4
     no_leftovers()
 
 
@@ -206,7 +208,7 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
         "--nodes", "3", "--data-root", str(mnist_root), *metrics)
     ended = time.time()
     assert done.returncode == 0, done.stderr[-2000:]
-    assert summary["status"] == "completed"
+    assert summary.status == "completed"
     exits = [e for e in events if e["event"] == "node_exit"]
     assert len(exits) == 1 and exits[0]["code"] == 137 and "out of memory" in exits[0]["error"]
     train = [e["train_s_by_class"] for e in events if e["event"] == "round"]
@@ -256,7 +258,7 @@ def test_swarm_backend_runs_to_completion(tmp_path, image, swarm, mnist_root):
             "--local-epochs", "1", "--nodes", "2", "--seed", "3", "--data-root", str(mnist_root)]
     done, summary, events = up(tmp_path, *args, "--backend", "swarm", "--image", image)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert summary["status"] == "completed" and summary["clients"]["joined"] == 20
+    assert summary.status == "completed" and summary.clients.joined == 20
     assert swarm.services.list(filters={"label": "fcl-emu.run"}) == []
     assert swarm.secrets.list(filters={"label": "fcl-emu.run"}) == []
     no_leftovers()

@@ -16,6 +16,7 @@ import yaml
 from scenario.availability import client_availability, load_trace, parse_availability, transitions
 from scenario.links import Link
 from scenario.devices import DeviceProfile, assign_profile, load_profiles
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, free_port, small_config
 
 
@@ -176,7 +177,7 @@ def run_up(tmp_path, mnist_root, **overrides):
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunSummary.load(run_dir / "summary.json")
     rounds = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return summary, [r for r in rounds if "task_round" in r]
 
@@ -195,11 +196,11 @@ def test_trace_replay_follows_the_trace(tmp_path, mnist_root):
                              rounds={"clients_per_round": 8, "rounds_per_task": 6, "clock": "real"},
                              training={"local_epochs": 1}, edge={"availability": f"trace:{path}"})
     # (the real clock: the edge nodes follow the trace in host time; the emulated clock: tests/test_clock.py)
-    assert summary["status"] == "completed"
-    clients = summary["clients"]
-    assert clients["left"] >= 4 and clients["rejoined"] >= 2  # 4-5 once; 6-7 at least once each
-    assert clients["left"] - clients["rejoined"] in (2, 3, 4)  # 4-5 stay away; 6-7 end on or off
-    assert 4 <= clients["online_at_end"] <= 6
+    assert summary.status == "completed"
+    clients = summary.clients
+    assert clients.left >= 4 and clients.rejoined >= 2  # 4-5 once; 6-7 at least once each
+    assert clients.left - clients.rejoined in (2, 3, 4)  # 4-5 stay away; 6-7 end on or off
+    assert 4 <= clients.online_at_end <= 6
     # the never-on clients never train (a first round may select them before their leave arrives)
     assert all(r["participants"] <= 6 for r in rounds) and all(r["selected"] <= 6 for r in rounds[1:])
     assert min(r["participants"] for r in rounds) >= 4  # the always-on ones always answer
@@ -217,8 +218,8 @@ def test_stragglers_miss_the_deadline_and_late_updates_feed_the_next_round(tmp_p
                              rounds={"clients_per_round": 6, "rounds_per_task": 4, "deadline_s": 3,
                                      "late_updates": "next_round", "clock": clock},
                              training={"local_epochs": 1}, edge={"device_profiles": str(profiles)})
-    assert summary["status"] == "completed"
-    assert summary["missed_deadline"] > 0 and summary["late_updates"] > 0
+    assert summary.status == "completed"
+    assert summary.missed_deadline > 0 and summary.late_updates > 0
     assert sum(r["stale_used"] for r in rounds) > 0
 
 
@@ -233,9 +234,9 @@ def test_crashes_and_churn_with_overcommit(tmp_path, mnist_root):
                                      "clock": "real"},
                              training={"local_epochs": 1},
                              edge={"availability": "onoff:4:2", "crash_rate": 0.4, "crash_downtime_s": 1.0})
-    assert summary["status"] == "completed"
-    clients = summary["clients"]
-    assert clients["left"] > 0 and clients["rejoined"] > 0
+    assert summary.status == "completed"
+    clients = summary.clients
+    assert clients.left > 0 and clients.rejoined > 0
     assert all(r["selected"] <= 6 and r["overcommitted"] == r["selected"] - min(4, r["selected"])
                for r in rounds)
     assert all(r["participants"] <= r["selected"] for r in rounds)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -16,6 +15,7 @@ import zmq
 from tests.conftest import device_keys, events, fcl_emu, free_port, keyed, raw_header, small_config, wait_for
 from wire.framing import encode
 from wire.messages import Heartbeat, Join, Shutdown, TensorSpec, Update
+from monitoring.results import RunSummary
 
 pytestmark = pytest.mark.slow
 
@@ -26,19 +26,19 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
                    "--method", "fedavg", "--seed", "3")
     assert proc.wait(timeout=240) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed"
-    assert (summary["method"], summary["dataset"], summary["seed"]) == ("fedavg", "mnist", 3)
-    matrix = summary["accuracy_matrix"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed"
+    assert (summary.method, summary.dataset, summary.seed) == ("fedavg", "mnist", 3)
+    matrix = summary.accuracy_matrix
     assert len(matrix) == 2 and matrix[0][1] is None and all(0 <= a <= 100 for a in matrix[1])
     assert matrix[0][0] > 60  # two MNIST classes are easy
-    assert summary["rounds"] == 4 and summary["rounds_skipped"] == 0
-    assert summary["clients"]["joined"] == 100 and summary["clients"]["dropped"] == 0
+    assert summary.rounds == 4 and summary.rounds_skipped == 0
+    assert summary.clients.joined == 100 and summary.clients.dropped == 0
     for msg_type in ("join", "welcome", "task_start", "train_request", "update", "heartbeat"):
-        assert msg_type in summary["bytes"], msg_type
-    assert summary["bytes"]["train_request"]["sent"] > 4 * 100_000  # a model per request
-    assert summary["average_forgetting"] >= 0
-    assert summary["time"]["accounted"] >= 0.95, summary["time"]  # the wall clock, by named part of the run
+        assert msg_type in summary.bytes, msg_type
+    assert summary.bytes["train_request"]["sent"] > 4 * 100_000  # a model per request
+    assert summary.average_forgetting >= 0
+    assert summary.time.accounted >= 0.95, summary.time  # the wall clock, by named part of the run
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds.count("round") == 4 and kinds.count("task_end") == 2
     assert (run_dir / "config.yaml").exists()
@@ -96,14 +96,14 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
                 p.kill()
         stranger.close(0)
         ctx.term()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed"
-    rejected = summary["rejected_messages"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed"
+    rejected = summary.rejected_messages
     for reason in ("bad_header", "unknown_sender", "bad_version", "size_mismatch",
                    "non_finite", "unexpected"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
     assert sum(rejected.values()) >= 200
-    assert summary["rounds"] == 4
+    assert summary.rounds == 4
 
 
 def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
@@ -125,9 +125,9 @@ def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
         for p in (coordinator, survivor, victim):
             if p.poll() is None:
                 p.kill()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed"
-    assert summary["clients"]["dropped"] == 50
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed"
+    assert summary.clients.dropped == 50
     rounds = [e for e in events(run_dir) if e["event"] == "round"]
     assert len(rounds) == 4
     assert all(r["duration_s"] < 60 for r in rounds)  # closed by liveness, not by the 300 s deadline
@@ -143,17 +143,17 @@ def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=240) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["method"] == "fedlwf2t"
-    model_bytes = summary["bytes"]["train_request"]["sent"] / summary["messages"]["train_request/sent"]
-    task_starts = summary["messages"]["task_start/sent"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.method == "fedlwf2t"
+    model_bytes = summary.bytes["train_request"]["sent"] / summary.messages["train_request/sent"]
+    task_starts = summary.messages["task_start/sent"]
     # task 0 has no assets; in task 1 each first-time participant gets the old model once, as its own type
-    old_models = summary["messages"]["old_model/sent"]
+    old_models = summary.messages["old_model/sent"]
     assert 0 < old_models <= task_starts - 6
-    assert summary["bytes"]["old_model"]["sent"] > 0.9 * model_bytes * old_models
-    assert summary["bytes"]["task_start"]["sent"] < 1000 * task_starts
+    assert summary.bytes["old_model"]["sent"] > 0.9 * model_bytes * old_models
+    assert summary.bytes["task_start"]["sent"] < 1000 * task_starts
     assert task_starts <= 4 * 6  # at most once per participant and task, never per round
-    assert summary["clients"]["joined"] == 100
+    assert summary.clients.joined == 100
 
 
 def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
@@ -181,8 +181,8 @@ def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
         if node.poll() is None:
             node.kill()
         coordinator.close()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "failed: RuntimeError: aggregation broke"
+    summary = RunSummary.load(tmp_path / "run" / "summary.json")
+    assert summary.status == "failed: RuntimeError: aggregation broke"
     last = events(tmp_path / "run")[-1]
     assert (last["event"], last["status"]) == ("end", "failed: RuntimeError: aggregation broke")
 
@@ -213,8 +213,8 @@ def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tm
         if node.poll() is None:
             node.kill()
         coordinator.close()
-    assert summary["status"] == "completed" and summary["clients"]["dropped"] == 0
-    assert config.network.liveness_timeout_s < 3.0 <= summary["time"]["parts_s"]["join"]
+    assert summary.status == "completed" and summary.clients.dropped == 0
+    assert config.network.liveness_timeout_s < 3.0 <= summary.time.parts_s["join"]
     assert len(asked) >= 3
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "starting the rounds without a condition that never holds (waited 3 s)" in warnings
@@ -247,7 +247,7 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
     started = time.monotonic()
     summary = run_module.run_local(config, Console(file=out, width=200))
     assert time.monotonic() - started < 50
-    assert summary["status"] == "completed" and summary["clients"]["joined"] == 4
+    assert summary.status == "completed" and summary.clients.joined == 4
     exits = [e for e in events(tmp_path / "run") if e["event"] == "node_exit"]
     assert len(exits) == 1 and exits[0]["node"] == "node-1" and exits[0]["code"] == 1
     assert "cannot read key file" in exits[0]["error"]
@@ -271,9 +271,9 @@ def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_ro
                                       training={"local_epochs": 1}, security={"max_update_norm": 1e-9}),
                          {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})
     summary = run_module.run_local(config, Console(file=io.StringIO()))
-    assert summary["status"].startswith("failed: every round was skipped")
-    assert summary["rounds_skipped"] == summary["rounds"] == 2
-    assert summary["rejected_messages"]["norm_bound"] == 6
+    assert summary.status.startswith("failed: every round was skipped")
+    assert summary.rounds_skipped == summary.rounds == 2
+    assert summary.rejected_messages["norm_bound"] == 6
     assert all(e["duration_s"] < 30 for e in events(tmp_path / "run") if e["event"] == "round")
 
 
@@ -300,5 +300,5 @@ def test_a_node_without_the_dataset_says_so_in_one_line_and_its_clients_leave(tm
     finally:
         if coordinator.poll() is None:
             coordinator.kill()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"].startswith(("aborted", "failed")) and summary["clients"]["left"] == 4
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status.startswith(("aborted", "failed")) and summary.clients.left == 4

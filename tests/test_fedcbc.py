@@ -22,6 +22,7 @@ from methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBC
 from methods.models.classifier import build_model
 from methods.models.state import state_to_arrays
 from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -385,24 +386,24 @@ def test_fedcbc_end_to_end(tmp_path, mnist_root, features):
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=400) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_skipped"] == 0
-    matrix = summary["accuracy_matrix"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.rounds_skipped == 0
+    matrix = summary.accuracy_matrix
     assert len(matrix) == 2 and matrix[0][1] is None and all(a is not None for a in matrix[1])
     assert matrix[0][0] > 50  # 5 classes: chance is 20 %
     # GA as the paper measures it: over the whole test set, the 5 classes not seen at task 0 counting as wrong
-    seen = summary["accuracy_seen"]
-    assert summary["accuracy_all"][1] == pytest.approx(seen[1])  # every class seen
-    assert 0.4 * seen[0] < summary["accuracy_all"][0] < 0.6 * seen[0]  # about half of MNIST's test set
-    jobs_by_kind = summary["gpu_jobs"]["by_kind"]
-    assert jobs_by_kind["fedcbc.fuse"]["failed"] == 0
+    seen = summary.accuracy_seen
+    assert summary.accuracy_all[1] == pytest.approx(seen[1])  # every class seen
+    assert 0.4 * seen[0] < summary.accuracy_all[0] < 0.6 * seen[0]  # about half of MNIST's test set
+    jobs_by_kind = summary.gpu_jobs.by_kind
+    assert jobs_by_kind["fedcbc.fuse"].failed == 0
     # bytes: the VAEs travel in updates and train requests, the extractor once per task and client
     o = FedCBCOptions(**options)
     vae_bytes = sum(a.nbytes for a in state_to_arrays(build_vae(o, D if features == "pretrained" else 784)).values())
     extractor_bytes = sum(a.nbytes for a in state_to_arrays(build_model("cnn", SHAPE, 0).backbone).values())
-    sent, nbytes = summary["messages"], summary["bytes"]
+    sent, nbytes = summary.messages, summary.bytes
     if features == "pretrained":
-        assert jobs_by_kind["fedcbc.pretrain"]["failed"] == 0
+        assert jobs_by_kind["fedcbc.pretrain"].failed == 0
         assert sent["feature_extractor/sent"] == 4 * 2
         assert nbytes["feature_extractor"]["sent"] > 8 * extractor_bytes
     else:

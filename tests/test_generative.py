@@ -24,6 +24,7 @@ from methods.models.classifier import build_model, resolve_model
 from methods.models.generators import Generator, NoisyLayer, TextConditionedGenerator
 from methods.models.state import state_to_arrays
 from methods.target import current_task_ce
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)
@@ -433,15 +434,15 @@ def test_generative_method_end_to_end(tmp_path, mnist_root, method, gpu_workers)
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=300) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["model"] == "cnn_bn"
-    assert summary["rounds_skipped"] == 0
-    kinds = set(summary["gpu_jobs"]["by_kind"])
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.model == "cnn_bn"
+    assert summary.rounds_skipped == 0
+    kinds = set(summary.gpu_jobs.by_kind)
     assert {"mfcl": "mfcl.generator", "target": "target.synthesize", "lander": "lander.synthesize"}[method] in kinds
-    sent = summary["messages"]
+    sent = summary.messages
     asset = {"mfcl": "generator", "target": "synthetic_data", "lander": "synthetic_data"}[method]
     assert 0 < sent[f"{asset}/sent"] == sent["old_model/sent"] <= 4 * 2  # task 1 only, once per participant
-    assert summary["bytes"][asset]["sent"] > 0
+    assert summary.bytes[asset]["sent"] > 0
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e["event"] == "round"]
     term = {"mfcl": "feature_kd", "target": "kd_synthetic", "lander": "projection_mse"}[method]

@@ -22,6 +22,7 @@ from methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServe
                           mean_entropy, merge_memory, prototype_index, reconstruct, relation_distillation)
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays, state_to_arrays
+from monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)
@@ -295,12 +296,12 @@ def test_glfc_end_to_end_with_clients_joining_at_the_boundary(tmp_path, mnist_ro
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=300) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_skipped"] == 0
-    assert summary["clients"]["joined"] == 8
-    sent = summary["messages"]
-    assert sent["prototype_gradients/received"] > 0 and summary["bytes"]["prototype_gradients"]["received"] > 0
-    assert summary["gpu_jobs"]["by_kind"]["glfc.proxy"]["failed"] == 0
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.rounds_skipped == 0
+    assert summary.clients.joined == 8
+    sent = summary.messages
+    assert sent["prototype_gradients/received"] > 0 and summary.bytes["prototype_gradients"]["received"] > 0
+    assert summary.gpu_jobs.by_kind["glfc.proxy"].failed == 0
     assert 0 < sent["old_model/sent"] <= 4 * 2  # task 1 only, once per participant
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e["event"] == "round"]

@@ -6,7 +6,6 @@ ends with its error (after its retries), never in a hang. CUDA workers are exerc
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -20,6 +19,7 @@ import torch
 from coordinator.lifecycle import Coordinator, JobFailed
 from runconfig import load_config
 from methods import jobs
+from monitoring.results import RunSummary
 from tests.conftest import events, fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def up_with_workers(tmp_path, mnist_root, workers: int, **overrides) -> tuple[in
     proc = fcl_emu("up", "--config", str(small_config(tmp_path / "c.yaml", **overrides)), "--data-root",
                    str(mnist_root), "--run-dir", str(run_dir), "--gpu-workers", str(workers), "--gpu-device", "cpu")
     code = proc.wait(timeout=240)
-    return proc.pid, code, json.loads((run_dir / "summary.json").read_text())
+    return proc.pid, code, RunSummary.load(run_dir / "summary.json")
 
 
 def test_a_run_with_workers_records_its_jobs(tmp_path, mnist_root):
@@ -118,10 +118,10 @@ def test_a_run_with_workers_records_its_jobs(tmp_path, mnist_root):
     pid, code, summary = up_with_workers(tmp_path, mnist_root, 2, rounds={"rounds_per_task": 1})
     run_dir = tmp_path / "run"
     assert code == 0
-    gpu = summary["gpu_jobs"]
-    assert (gpu["workers"], gpu["device"]) == (2, "cpu")
-    probe = gpu["by_kind"]["device.matmul"]  # each worker's device is checked before the run
-    assert (probe["jobs"], probe["failed"]) == (2, 0) and probe["run_s"] >= 0.4
+    gpu = summary.gpu_jobs
+    assert (gpu.workers, gpu.device) == (2, "cpu")
+    probe = gpu.by_kind["device.matmul"]  # each worker's device is checked before the run
+    assert (probe.jobs, probe.failed) == (2, 0) and probe.run_s >= 0.4
     recorded = [e for e in events(run_dir) if e["event"] == "job"]
     assert len(recorded) == 2 and all(e["ok"] and e["metrics"]["gflops"] > 0 for e in recorded)
     assert sorted(p.name for p in (run_dir / "logs").glob("gpu-worker-*.log")) == ["gpu-worker-0.log",
@@ -136,8 +136,8 @@ def test_a_failed_job_ends_the_run_cleanly(tmp_path, mnist_root):
     summary, exit code 1, before any client trains."""
     _, code, summary = up_with_workers(tmp_path, mnist_root, 1, gpu={"job_timeout_s": 0.05})
     assert code == 1
-    assert summary["status"].startswith("aborted: server-side job 'device.matmul' failed: attempt 1: timed out")
-    assert summary["rounds"] == 0 and summary["gpu_jobs"]["by_kind"]["device.matmul"]["failed"] == 1
+    assert summary.status.startswith("aborted: server-side job 'device.matmul' failed: attempt 1: timed out")
+    assert summary.rounds == 0 and summary.gpu_jobs.by_kind["device.matmul"].failed == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")

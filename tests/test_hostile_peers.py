@@ -9,7 +9,6 @@ one line per peer and reason.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -24,6 +23,7 @@ from wire.auth import ClientKeyring
 from wire.framing import encode
 from wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update
 from wire.sockets import ClientEndpoint
+from monitoring.results import RunSummary
 
 pytestmark = pytest.mark.slow
 
@@ -167,9 +167,9 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
         ctx.term()
         log.close()
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds"] == 6
-    rejected = summary["rejected_messages"]
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.rounds == 6
+    rejected = summary.rejected_messages
     for reason in ("bad_header", "not_authorized", "rate_limited", "bad_body", "too_large", "implausible",
                    "norm_bound"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
@@ -178,14 +178,14 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
     assert attacker.poisoned >= 2  # selected at least twice with this seed: both poisons refused
     assert rejected["implausible"] + rejected["norm_bound"] == attacker.poisoned
     # nothing from the strangers arrived: no fake joins, and the honest clients never left
-    assert summary["clients"]["joined"] == CLIENTS and summary["clients"]["left"] == 0
+    assert summary.clients.joined == CLIENTS and summary.clients.left == 0
     rounds = [e for e in events(run_dir) if e["event"] == "round"]
     # the honest clients, every round; but the thief's heartbeat moved client-0004's route to the copy of its
     # key, so the round open then stopped waiting for client-0004 (its request may have gone to the copy)
     participants = sorted(r["participants"] for r in rounds)
     assert participants[0] >= 3 and participants[1] >= 4, participants
-    assert summary["clients"]["switched_connection"] >= 2  # to the copy and back
-    assert summary["average_accuracy"] > 40  # two MNIST tasks learnt despite the poison
+    assert summary.clients.switched_connection >= 2  # to the copy and back
+    assert summary.average_accuracy > 40  # two MNIST tasks learnt despite the poison
     # bounded: memory (the strangers' 1.8 GB never arrived; the 1.8 MB one was dropped), log lines, records
     assert rss_after - rss_before < 200, (rss_before, rss_after)
     text = (tmp_path / "coordinator.log").read_text()

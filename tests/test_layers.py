@@ -28,8 +28,6 @@ MAY_IMPORT: dict[str, set[str]] = {
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
                 "coordinator", "containers"},
-    "benchmarks": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
-                   "coordinator", "containers"},
 }
 
 MAX_LINES = 600

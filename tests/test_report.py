@@ -9,7 +9,9 @@ import pytest
 from rich.console import Console
 
 from monitoring.compare import compare_runs, format_table
-from monitoring.report import PLOTS, REPORT, RunDirError, load_run, round_phase_parts, write_report
+from monitoring.plots import round_phase_parts
+from monitoring.report import PLOTS, REPORT, write_report
+from monitoring.run_dir import RunDirError, load_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -172,7 +174,9 @@ def test_missing_summary_is_named(tmp_path):
 @pytest.mark.parametrize("content, why", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "not a JSON object"),
-    (json.dumps({k: v for k, v in summary().items() if k != "accuracy_matrix"}), "accuracy_matrix: Field required"),
+    (json.dumps({k: v for k, v in summary().items() if k != "accuracy_matrix"}),
+     "missing required field `accuracy_matrix`"),
+    (json.dumps({**summary(), "clients": {"joined": "many"}}), "Expected `int`, got `str` - at `\\$.clients.joined`"),
 ])
 def test_malformed_summary_is_named(tmp_path, content, why):
     run_dir = make_run(tmp_path / "run")

@@ -1,10 +1,17 @@
-"""The FCIL metric definitions, against hand-computed values."""
+"""The FCIL metric definitions, against hand-computed values; the summary.json record."""
 
+import json
+import re
+from pathlib import Path
+
+import msgspec
 import numpy as np
 import pytest
 
-from monitoring.results import (average_accuracy, average_forgetting, average_incremental_accuracy,
-                                 client_test_accuracy, spatial_retention, temporal_retention)
+from monitoring.results import (Checkpoints, Clients, GpuJobs, JobTotals, KnowledgeRetention, Liveness, RunRecorder,
+                                RunSummary, SecAggTotals, TimeAccounting, average_accuracy, average_forgetting,
+                                average_incremental_accuracy, client_test_accuracy, spatial_retention,
+                                temporal_retention)
 
 # After task 0: 90 on task 0. After task 1: 60 on task 0, 80 on task 1.
 # After task 2: 30 on task 0, 50 on task 1, 70 on task 2.
@@ -58,3 +65,57 @@ def test_client_test_accuracy_sums_every_clients_task_test_sets():
     # correct: 9 + 5 + 8 + 5 = 27 of 10 + 10 + 20 + 10 = 50 (class 1 counted once per holder)
     assert client_test_accuracy(hits, totals, clients) == pytest.approx(100 * 27 / 50)
     assert client_test_accuracy(hits, totals, [[np.array([], dtype=np.int64)]]) is None
+
+
+# --------------------------------------------------------------------------- summary.json, the RunSummary record
+def full_summary() -> RunSummary:
+    """A record with every part filled in, as the coordinator writes it (numpy numbers included)."""
+    return RunSummary(
+        status="completed", run_id="0123456789ab", run_dir="runs/x", method="glfc", method_options={"w_rd": 0.5},
+        dataset="mnist", model="cnn", scenario={"num_tasks": 3, "num_clients": 20}, seed=3,
+        accuracy_matrix=MATRIX, accuracy_seen=[90.0, 70.0, 50.0], accuracy_all=[18.0, 28.0, 30.0],
+        accuracy_clients=[91.0, None, 52.5], average_accuracy=50.0, average_incremental_accuracy=70.0,
+        average_forgetting=45.0, knowledge_retention=KnowledgeRetention(temporal=47.9, spatial=51.0),
+        bytes={"train_request": {"sent": 6_000_000}, "update": {"received": 5_900_000}},
+        messages={"train_request/sent": 12, "update/received": 12}, bytes_total=np.int64(11_900_000), rounds=6,
+        rounds_skipped=1, wall_clock_s=np.float64(42.5), clock="emulated", emulated_s=120.0, host_timeouts=1,
+        bytes_discarded=1000, time=TimeAccounting(wall_s=43.0, parts_s={"join": 1.0, "rounds": 41.0}, accounted=0.9767),
+        phase_s={"dispatch": 0.1, "collect": 10.0}, handling_s={"update": 0.5},
+        liveness=Liveness(heartbeat_interval_s=1.0, liveness_timeout_s=10.0),
+        clients=Clients(configured=20, joined=20, rejoined=1, left=2, dropped=3, online_at_end=15,
+                        switched_connection=1),
+        missed_deadline=1, late_updates=2, late_side_channel=3, rejected_messages={"too_large": 2},
+        secagg=SecAggTotals(completed=5, aborted=1, phase_s={"keys": 0.2}, dropouts={"masked": 1}),
+        gpu_jobs=GpuJobs(workers=1, device="cpu", by_kind={"glfc.proxy": JobTotals(jobs=3, attempts=3, run_s=4.5)}),
+        resumes=1, checkpoints=Checkpoints(saved=7, seconds=0.07, bytes=1_170_000))
+
+
+def test_summary_round_trips_through_its_json_file(tmp_path):
+    record = full_summary()
+    recorder = RunRecorder(tmp_path, "seed: 3\n")
+    path = recorder.summary(record)
+    recorder.close()
+    data = json.loads(path.read_text())
+    assert data == record.to_dict() and list(data) == list(RunSummary.__struct_fields__)
+    assert type(data["bytes_total"]) is int and data["gpu_jobs"]["by_kind"]["glfc.proxy"]["failed"] == 0
+    loaded = RunSummary.load(path)
+    assert loaded == record and loaded.to_dict() == data
+    assert loaded.clients.joined == 20 and loaded.gpu_jobs.by_kind["glfc.proxy"].run_s == 4.5
+
+
+def test_summary_of_an_older_run_loads_with_defaults():
+    old = {"status": "interrupted", "method": "fedavg", "dataset": "mnist", "accuracy_matrix": [[80.0]],
+           "bytes_total": 10, "rounds": 2, "wall_clock_s": 3.0, "clients": {"configured": 4, "joined": 4}}
+    record = RunSummary.from_dict(old)
+    assert record.clients.switched_connection == 0 and record.time is None and record.clock is None
+    assert record.knowledge_retention == KnowledgeRetention() and record.gpu_jobs is None and not record.completed
+    with pytest.raises(msgspec.ValidationError, match="missing required field `status`"):
+        RunSummary.from_dict({k: v for k, v in old.items() if k != "status"})
+
+
+def test_every_documented_summary_key_is_a_field_and_every_field_is_documented():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    table = text.split("`summary.json` of every run holds", 1)[1].split("\n\n", 2)[1]
+    documented = {key for line in table.splitlines() if line.startswith("| `")
+                  for key in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    assert documented == set(RunSummary.__struct_fields__)

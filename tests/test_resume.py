@@ -20,6 +20,7 @@ from runconfig import RunConfig
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model
+from monitoring.results import RunSummary
 from tests.conftest import device_keys, events, fcl_emu, free_port, small_config, wait_for
 
 SHAPE = (1, 28, 28)
@@ -231,9 +232,9 @@ def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_
             if p is not None and p.poll() is None:
                 p.kill()
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["resumes"] == 1 and summary["rounds"] == 6
-    assert summary["clients"]["joined"] == clients and summary["clients"]["rejoined"] == 0
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 6
+    assert summary.clients.joined == clients and summary.clients.rejoined == 0
     log = events(run_dir)
     resume = [e for e in log if e["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["missing"] == 0 and resume[0]["address"] == address
@@ -242,9 +243,9 @@ def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_
     assert sorted(set(numbers)) == list(range(1, 7))
     assert len(numbers) - len(set(numbers)) <= 1  # at most the round in flight is repeated
     assert [e["task"] for e in log if e["event"] == "task_end"] == [0, 1]
-    expected = json.loads((reference / "summary.json").read_text())
-    assert expected["accuracy_matrix"] == summary["accuracy_matrix"]
-    assert expected["accuracy_clients"] == summary["accuracy_clients"] and len(summary["accuracy_clients"]) == 2
+    expected = RunSummary.load(reference / "summary.json")
+    assert expected.accuracy_matrix == summary.accuracy_matrix
+    assert expected.accuracy_clients == summary.accuracy_clients and len(summary.accuracy_clients) == 2
     ours, theirs = _final_model(run_dir), _final_model(reference)
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -279,9 +280,9 @@ def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_pat
         for p in (up, resumed):
             if p is not None and p.poll() is None:
                 p.kill()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["resumes"] == 1 and summary["rounds"] == 4
-    assert summary["clients"]["joined"] == 40 and summary["clients"]["rejoined"] == 0
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
+    assert summary.clients.joined == 40 and summary.clients.rejoined == 0
 
 
 @pytest.mark.slow
@@ -313,11 +314,11 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
                          {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
     out = io.StringIO()
     summary = run_module.run_local(config, Console(file=out, width=300))
-    assert summary["status"] == "failed: RuntimeError: disk on fire" and summary["rounds"] == 2
+    assert summary.status == "failed: RuntimeError: disk on fire" and summary.rounds == 2
     text = out.getvalue()
     assert "run failed: RuntimeError: disk on fire" in text and f"fcl-emu up --resume {run_dir}" in text
     assert "disk on fire" in (run_dir / "logs" / "failure.txt").read_text()
     monkeypatch.setattr(methods.base, "fedavg", original)
     resumed_config, ckpt = run_module.open_resume(run_dir, {"data_root": [str(mnist_root)]})
     summary = run_module.run_local(resumed_config, Console(file=io.StringIO()), resume=ckpt)
-    assert summary["status"] == "completed" and summary["rounds"] == 4 and summary["resumes"] == 1
+    assert summary.status == "completed" and summary.rounds == 4 and summary.resumes == 1

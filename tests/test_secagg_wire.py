@@ -6,7 +6,6 @@ what the coordinator holds, the run with and without ``--secagg``, and the confi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 import threading
 import types
@@ -27,6 +26,7 @@ from methods import registry
 from methods.base import DELTA, DeltaLayout, ServerPart
 from tests.conftest import events, fcl_emu, keyed, raw_header, small_config
 from wire.auth import ClientKeyring
+from monitoring.results import RunSummary
 from wire.framing import Message, WireError, decode, encode
 from wire.messages import SecAggKeys, SecAggMasked, plain_body
 
@@ -126,7 +126,7 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
 
 def test_secure_rounds_recover_dropouts_and_abort_below_threshold(inspected_run):
     run = inspected_run
-    assert run.summary["status"] == "completed"
+    assert run.summary.status == "completed"
     rounds = [e for e in events(run.run_dir) if e["event"] == "round"]
     outcomes = [r["secagg"]["outcome"] for r in rounds]
     assert outcomes == ["completed", "completed", "aborted", "completed"]
@@ -134,11 +134,11 @@ def test_secure_rounds_recover_dropouts_and_abort_below_threshold(inspected_run)
     assert rounds[1]["secagg"]["recovered"] == 1 and rounds[1]["secagg"]["dropouts"]["masked_input"] == 1
     assert rounds[1]["failed"] == 1 and rounds[1]["participants"] == 5
     assert "3 clients sent masked inputs, threshold t=4" in rounds[2]["secagg"]["reason"]
-    assert run.summary["secagg"]["completed"] == 3 and run.summary["secagg"]["aborted"] == 1
+    assert run.summary.secagg.completed == 3 and run.summary.secagg.aborted == 1
     for name in ("secagg_setup", "secagg_keys", "secagg_peer_keys", "secagg_shares", "secagg_relay",
                  "secagg_masked", "secagg_unmask_request", "secagg_unmask", "secagg_abort"):
-        assert name in run.summary["bytes"], name
-    assert "update" not in run.summary["bytes"]  # no plain update ever travels
+        assert name in run.summary.bytes, name
+    assert "update" not in run.summary.bytes  # no plain update ever travels
 
 
 def test_the_unmasked_sum_is_the_weighted_mean_of_the_survivors(inspected_run):
@@ -181,13 +181,13 @@ def test_secagg_gives_the_accuracy_of_a_plain_run(tmp_path, mnist_root):
         proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
                        "--seed", "5", *flags)
         assert proc.wait(timeout=300) == 0
-        summaries[bool(flags)] = json.loads((run_dir / "summary.json").read_text())
+        summaries[bool(flags)] = RunSummary.load(run_dir / "summary.json")
     plain, secure = summaries[False], summaries[True]
-    assert secure["status"] == plain["status"] == "completed"
-    assert secure["secagg"]["completed"] == 4 and plain["secagg"] is None
+    assert secure.status == plain.status == "completed"
+    assert secure.secagg.completed == 4 and plain.secagg is None
     # the same seed, the same clients, rounds and data; only quantisation noise (~1e-6 per value) differs
-    assert abs(secure["average_accuracy"] - plain["average_accuracy"]) < 2.0
-    for a, b in zip(secure["accuracy_matrix"][-1], plain["accuracy_matrix"][-1]):
+    assert abs(secure.average_accuracy - plain.average_accuracy) < 2.0
+    for a, b in zip(secure.accuracy_matrix[-1], plain.accuracy_matrix[-1]):
         assert abs(a - b) < 3.0
     record = next(e for e in events(tmp_path / "secure") if e["event"] == "round")["secagg"]
     assert (record["neighbors"], record["threshold"]) == (3, 2)

@@ -139,8 +139,8 @@ def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist
         started = time.monotonic()
         summary = run.run_local(config, Console(file=out, width=200))
         forks.close()
-        print(json.dumps({"s": time.monotonic() - started, "status": summary["status"],
-                          "joined": summary["clients"]["joined"], "out": out.getvalue()}))
+        print(json.dumps({"s": time.monotonic() - started, "status": summary.status,
+                          "joined": summary.clients.joined, "out": out.getvalue()}))
     """)
     proc = subprocess.run([sys.executable, "-c", script, str(config), str(mnist_root),
                            str(tmp_path / "stolen.key_secret"), str(tmp_path / "run")],

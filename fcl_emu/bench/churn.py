@@ -30,7 +30,6 @@ or the coordinator skips it, which is what "completed rounds" counts.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import shutil
@@ -45,6 +44,8 @@ from typing import Any, Optional, Sequence
 import yaml
 from rich.console import Console
 from rich.table import Table
+
+from monitoring.results import RunSummary
 
 CSV_NAME = "churn.csv"
 PNG_NAME = "churn.png"
@@ -222,28 +223,26 @@ def run_timeout_s(config: dict) -> float:
 
 # ------------------------------------------------------------------ one point
 def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: int, rounds_total: int,
-                     run_dir: Path, summary: Optional[dict], status: Optional[str] = None,
+                     run_dir: Path, summary: Optional[RunSummary], status: Optional[str] = None,
                      faults: str = "emulated") -> dict[str, Any]:
     """One CSV row; ``summary`` None (no summary.json) leaves the measurements empty."""
-    s = summary or {}
-    clients = s.get("clients", {})
-    rounds = s.get("rounds")
+    row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
+    row.update(method=method, faults=faults, churn_rate=churn_rate, crash_rate=crash_rate, seed=seed,
+               status=status or (summary.status if summary is not None else "failed"), rounds_total=rounds_total,
+               run_dir=str(run_dir))
+    if summary is None:
+        return row
 
-    def num(key: str) -> Optional[float]:
-        v = s.get(key)
-        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+    def num(v: Optional[float]) -> Optional[float]:
+        return None if v is None or math.isnan(v) else float(v)
 
-    return {
-        "method": method, "faults": faults, "churn_rate": churn_rate, "crash_rate": crash_rate, "seed": seed,
-        "status": status or s.get("status", "failed"),
-        "average_accuracy": num("average_accuracy"), "average_forgetting": num("average_forgetting"),
-        "rounds_completed": None if rounds is None else rounds - s.get("rounds_skipped", 0),
-        "rounds_total": rounds_total,
-        "bytes_total": s.get("bytes_total"), "wall_clock_s": num("wall_clock_s"),
-        "clock": s.get("clock"), "emulated_s": num("emulated_s"),
-        "left": clients.get("left"), "rejoined": clients.get("rejoined"), "dropped": clients.get("dropped"),
-        "missed_deadline": s.get("missed_deadline"), "run_dir": str(run_dir),
-    }
+    row.update(average_accuracy=num(summary.average_accuracy), average_forgetting=num(summary.average_forgetting),
+               rounds_completed=summary.rounds - summary.rounds_skipped, bytes_total=summary.bytes_total,
+               wall_clock_s=num(summary.wall_clock_s), clock=summary.clock, emulated_s=num(summary.emulated_s),
+               missed_deadline=summary.missed_deadline)
+    if summary.clients is not None:
+        row.update(left=summary.clients.left, rejoined=summary.clients.rejoined, dropped=summary.clients.dropped)
+    return row
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -260,7 +259,7 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_point(config: dict, run_dir: Path, timeout_s: float) -> tuple[Optional[dict], str]:
+def run_point(config: dict, run_dir: Path, timeout_s: float) -> tuple[Optional[RunSummary], str]:
     """Run ``fcl-emu up`` on ``config`` into ``run_dir``; (summary or None, status)."""
     if run_dir.exists():  # events.jsonl is appended to: a stale run must not mix in
         shutil.rmtree(run_dir)
@@ -286,14 +285,14 @@ def run_point(config: dict, run_dir: Path, timeout_s: float) -> tuple[Optional[d
     summary = None
     if summary_path.exists():
         try:
-            summary = json.loads(summary_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            summary = RunSummary.load(summary_path)
+        except (OSError, ValueError):  # not JSON, or not a summary (msgspec.ValidationError)
             status = status or "failed (unreadable summary.json)"
     if status is None:
         if summary is None:
             status = f"failed (exit {rc}, no summary.json)"
         else:
-            status = summary.get("status", "unknown")
+            status = summary.status
             if rc != 0 and status == "completed":
                 status = f"completed (exit {rc})"
     return summary, status
@@ -348,7 +347,7 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
     """Four panels against the churn rate (%), one line per method; points of runs not completed are hollow."""
     from matplotlib import colormaps
 
-    from monitoring.report import new_figure, save_figure
+    from monitoring.plots import new_figure, save_figure
 
     lines = list(dict.fromkeys((r["method"], r.get("faults", "emulated")) for r in rows))
     palette = colormaps["tab10"]

@@ -89,14 +89,14 @@ def measure(config: RunConfig, run_dir: Path) -> dict:
     clients = config.scenario.num_clients
     by_class = [r["train_s_by_class"] for r in rounds if r.get("train_s_by_class")]
     return {
-        "backend": config.containers.backend, "status": summary["status"], "clients": clients,
+        "backend": config.containers.backend, "status": summary.status, "clients": clients,
         "nodes": nodes.count, "startup_s": idle.get("startup_s"),
         "node_pss_mb": idle.get("node_pss", 0) / 1e6, "mb_per_node": idle.get("node_pss", 0) / 1e6 / nodes.count,
         "mb_per_idle_client": idle.get("node_pss", 0) / 1e6 / clients,
         "round_s": float(np.mean([r["duration_s"] for r in rounds])),
         "train_s_by_class": {c: float(np.mean([b[c] for b in by_class if c in b])) for c in (by_class[0] if by_class
                                                                                             else {})},
-        "accuracy": summary["average_accuracy"],
+        "accuracy": summary.average_accuracy,
     }
 
 

@@ -35,6 +35,7 @@ from rich.console import Console
 
 from fcl_emu.bench.report import emit
 from fcl_emu.launchers.process import node_env
+from monitoring.results import RunSummary
 
 DEFAULT_POINTS = ((100, 10), (300, 30))
 LR, BATCH, SEED = 0.05, 32, 0
@@ -104,7 +105,7 @@ def point(clients: int, cohort: int, rounds: int, epochs: int, data_root: list[P
     run_dir = work / "fcl-emu-run"
     ours = measured([sys.executable, "-m", "fcl_emu", "up", "--config", str(config), "--run-dir", str(run_dir)],
                     work / "fcl-emu.log", 1800)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunSummary.load(run_dir / "summary.json")
     result = work / "flower.json"
     flower_args = ["--clients", str(clients), "--cohort", str(cohort), "--rounds", str(rounds), "--epochs",
                    str(epochs), "--out", str(result), *[a for root in data_root for a in ("--data-root", str(root))]]
@@ -116,8 +117,8 @@ def point(clients: int, cohort: int, rounds: int, epochs: int, data_root: list[P
         "clients": clients, "cohort": cohort, "rounds": rounds,
         "fcl_emu_s": ours[0], "flower_s": theirs[0], "wall_ratio": ours[0] / theirs[0],
         "fcl_emu_pss_gb": ours[1] / 1e9, "flower_pss_gb": theirs[1] / 1e9, "memory_ratio": ours[1] / theirs[1],
-        "fcl_emu_accuracy": summary["accuracy_seen"][-1], "flower_accuracy": flower["accuracy"],
-        "fcl_emu_status": summary["status"],
+        "fcl_emu_accuracy": summary.accuracy_seen[-1], "flower_accuracy": flower["accuracy"],
+        "fcl_emu_status": summary.status,
     }
 
 

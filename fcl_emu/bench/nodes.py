@@ -11,12 +11,13 @@ from pathlib import Path
 from coordinator.lifecycle import Coordinator
 from fcl_emu.launchers.base import node_args
 from fcl_emu.launchers.process import node_command, node_env
+from monitoring.results import RunSummary
 from runconfig import RunConfig
 
 
 def run_with_nodes(coordinator: Coordinator, config: RunConfig, assignment: list[list[int]], run_dir: Path, *,
                    started: Callable[[int, int], None] = lambda n, pid: None,
-                   wait_s: float = 60.0) -> tuple[dict, list[dict]]:
+                   wait_s: float = 60.0) -> tuple[RunSummary, list[dict]]:
     """Start node ``n`` (``node-<n>``, the clients ``assignment[n]``; ``started(n, pid)`` is told), run the
     coordinator into ``run_dir``, wait up to ``wait_s`` for each node to end (then kill it) and close the
     coordinator. Returns the summary and the round records."""

@@ -72,7 +72,7 @@ def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path]
     return emit("round", rows, {
         "clients": clients, "rounds": rounds, "round_wall_clock_s": wall,
         "phases_s_mean": {k: float(np.mean([r["phases_s"][k] for r in records])) for k in records[0]["phases_s"]},
-        "node_rss_bytes": memory, "model_bytes": model_bytes, "status": summary["status"],
+        "node_rss_bytes": memory, "model_bytes": model_bytes, "status": summary.status,
         "baselines": "coordinator CPU vs round wall-clock; idle-client memory vs one model copy",
     }, json_path, console)
 

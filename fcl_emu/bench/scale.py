@@ -125,7 +125,7 @@ def measure_point(clients: int, cohort: int, rounds: int, share: int, clients_pe
     work = [sum(r["phases_s"].get(k, 0.0) for k in ("select", "dispatch", "receive_updates", "aggregate"))
             for r in records]
     return {
-        "clients": clients, "cohort": min(cohort, clients), "nodes": len(assignment), "status": summary["status"],
+        "clients": clients, "cohort": min(cohort, clients), "nodes": len(assignment), "status": summary.status,
         "join_s": idle["join_s"], "idle_cpu_per_s": idle["cpu_per_s"],
         "overhead_per_round_s": float(np.mean(work)), "round_s": float(np.mean([r["duration_s"] for r in records])),
         "coordinator_peak_rss_mb": memory.peak.get("coordinator", 0) / 1e6,
@@ -188,7 +188,7 @@ def run(populations: list[int], cohort: int, rounds: int, share: int, clients_pe
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from monitoring.report import new_figure, save_figure
+    from monitoring.plots import new_figure, save_figure
 
     fig = new_figure(11, 7)
     xs = [r["clients"] for r in rows]

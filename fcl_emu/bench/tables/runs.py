@@ -1,4 +1,4 @@
-"""One real ``fcl-emu up`` per table row, and the seed handling, shared by the experiment tables of this folder."""
+"""One real ``fcl-emu up`` per table row, and the seed handling, shared by the experiment tables of this package."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from monitoring.results import RunSummary
 
-def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool = False) -> dict | None:
+
+def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool = False) -> RunSummary | None:
     """Run ``config`` into ``out/<name>`` (coordinator, edge-node processes and GPU workers over ZeroMQ) and
     return its summary; a directory that already holds a ``summary.json`` is read, not run again. None, and the
     run left out of the table: ``report_only`` and no summary yet, or another process is running it now (an
     exclusive lock on ``out/.<name>.lock``: several table commands may share ``out``, one run each at a time)."""
     summary = out / name / "summary.json"
     if summary.exists():
-        return json.loads(summary.read_text())
+        return RunSummary.load(summary)
     if report_only:
         return None
     out.mkdir(parents=True, exist_ok=True)
@@ -37,7 +39,7 @@ def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool
                    "--run-dir", str(out / name)]
             print("$", " ".join(cmd), file=sys.stderr, flush=True)
             subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
-    return json.loads(summary.read_text())
+    return RunSummary.load(summary)
 
 
 def add_report_only(parser) -> None:

@@ -1,7 +1,7 @@
 """The SecAgg+ cost table of docs/secagg.md: ``fcl-emu bench secagg`` over N, K, D and dropout.
 
-    python benchmarks/secagg_table.py --out runs/secagg-table            # the whole grid (about 20 min here)
-    python benchmarks/secagg_table.py --out runs/secagg-table --quick    # D <= 1M only
+    python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table            # the whole grid (about 20 min here)
+    python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table --quick    # D <= 1M only
 
 Each point is one ``fcl-emu bench secagg`` run in its own process (JSON in ``--out``); the Markdown
 table goes to stdout and to ``--out/table.md``. K is ``log`` (2 ceil(log2 N)) or ``n-1`` (SecAgg);

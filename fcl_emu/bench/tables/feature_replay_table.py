@@ -1,9 +1,10 @@
 """The feature-space replay tables of docs/experiments.md: FedCBC on its paper's protocol, AF-FCL on the
 limitless task pool with and without noisy clients.
 
-    python benchmarks/feature_replay_table.py --data-root ../shared/data --table fedcbc --out runs/fedcbc
-    python benchmarks/feature_replay_table.py --data-root ../shared/data --table fedcbc-cifar10 --out runs/fedcbc-cifar10
-    python benchmarks/feature_replay_table.py --data-root ../shared/data --table affcl --out runs/affcl
+    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc --out runs/fedcbc
+    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc-cifar10 \
+        --out runs/fedcbc-cifar10
+    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table affcl --out runs/affcl
 
 Every row is one real ``fcl-emu up`` per seed (coordinator, edge-node process and one GPU-worker process over
 ZeroMQ) of the table's scenario with one method; the table gives mean ± sample standard deviation over the
@@ -33,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
+from monitoring.results import RunSummary
 
 COMMON = {
     "rounds": {"rounds_per_task": 5, "deadline_s": 1800, "eval_every": 5},
@@ -74,26 +76,26 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
     return {**base, "scenario": scenario, "method": method, "method_options": options}
 
 
-def row(name: str, seed: int, s: dict, paper: dict) -> dict:
-    kr = s.get("knowledge_retention") or {}
-    clients = {kind: b for kind, b in s["bytes"].items() if kind not in WORKER_TYPES}
+def row(name: str, seed: int, s: RunSummary, paper: dict) -> dict:
+    kr = s.knowledge_retention
+    clients = {kind: b for kind, b in s.bytes.items() if kind not in WORKER_TYPES}
     sent = {kind: b.get("sent", 0) / 1e6 for kind, b in clients.items()}
     received = {kind: b.get("received", 0) / 1e6 for kind, b in clients.items()}
-    to_workers = sum(b.get("sent", 0) + b.get("received", 0) for k, b in s["bytes"].items() if k in WORKER_TYPES)
-    jobs = s.get("gpu_jobs", {}).get("by_kind", {})
+    to_workers = sum(b.get("sent", 0) + b.get("received", 0) for k, b in s.bytes.items() if k in WORKER_TYPES)
+    jobs = s.gpu_jobs.by_kind if s.gpu_jobs else {}
     return {
-        "row": name, "seed": seed, "method": s["method"], "status": s["status"],
-        "ga_per_task": s["accuracy_all"], "ga_mean": float(np.mean(s["accuracy_all"])) if s["accuracy_all"] else None,
-        "paper_ga_mean": paper.get(s["method"]),
-        "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
+        "row": name, "seed": seed, "method": s.method, "status": s.status,
+        "ga_per_task": s.accuracy_all, "ga_mean": float(np.mean(s.accuracy_all)) if s.accuracy_all else None,
+        "paper_ga_mean": paper.get(s.method),
+        "avg_accuracy": s.average_accuracy, "avg_forgetting": s.average_forgetting,
         # AF-FCL's measure: every client on its own tasks' test sets, mean over the tasks (absent before it existed)
-        "client_accuracy": float(np.mean(s["accuracy_clients"])) if s.get("accuracy_clients") else None,
-        "kr_t": kr.get("temporal"), "kr_s": kr.get("spatial"), "private_accuracy": kr.get("private"),
-        "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
+        "client_accuracy": float(np.mean(s.accuracy_clients)) if s.accuracy_clients else None,
+        "kr_t": kr.temporal, "kr_s": kr.spatial, "private_accuracy": kr.private,
+        "final_row": s.accuracy_matrix[-1] if s.accuracy_matrix else None,
         "mb_sent": sum(sent.values()), "mb_received": sum(received.values()), "mb_workers": to_workers / 1e6,
         "mb_sent_by_type": sent, "mb_received_by_type": received,
-        "server_jobs_s": sum(j.get("run_s", 0.0) for kind, j in jobs.items() if not kind.startswith("device.")),
-        "wall_s": s["wall_clock_s"],
+        "server_jobs_s": sum(j.run_s for kind, j in jobs.items() if not kind.startswith("device.")),
+        "wall_s": s.wall_clock_s,
     }
 
 

@@ -1,7 +1,7 @@
 """The GLFC table of docs/experiments.md: fedavg, fedlwf2t and glfc from the same scenario, and the proxy's
 reconstruction quality.
 
-    python benchmarks/glfc_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
+    python -m fcl_emu.bench.tables.glfc_table --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
 
 Every row is one real ``fcl-emu up`` of ``BASE`` (MNIST, 5 tasks of 2 classes, 10 clients at the start
 and 2 more joining at every task boundary, 10 % of the earlier clients keeping only their old classes at
@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
+from monitoring.results import RunSummary
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
@@ -55,28 +56,28 @@ ROWS = {
 }
 
 
-def row(name: str, seed: int, s: dict, evs: list[dict]) -> dict:
+def row(name: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
     rounds = [e for e in evs if e["event"] == "round"]
-    tasks = s["scenario"]["num_tasks"]
+    tasks = s.scenario["num_tasks"]
     channel = [sum(r["bytes_by_type"].get("prototype_gradients", {}).get("received", 0)
                    for r in rounds if r["task"] == t) for t in range(tasks)]
     metrics = [r["client_metrics"] or {} for r in rounds]
     detected = [m for m in metrics if "task_detected" in m]
-    jobs = s.get("gpu_jobs", {}).get("by_kind", {})
+    proxy = s.gpu_jobs.by_kind.get("glfc.proxy") if s.gpu_jobs else None
     return {
-        "row": name, "seed": seed, "method": s["method"], "status": s["status"],
-        "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
-        "final_row": s["accuracy_matrix"][-1] if s["accuracy_matrix"] else None,
-        "mb_total": s["bytes_total"] / 1e6,
-        "mb_old_model": s["bytes"].get("old_model", {}).get("sent", 0) / 1e6,
+        "row": name, "seed": seed, "method": s.method, "status": s.status,
+        "avg_accuracy": s.average_accuracy, "avg_forgetting": s.average_forgetting,
+        "final_row": s.accuracy_matrix[-1] if s.accuracy_matrix else None,
+        "mb_total": s.bytes_total / 1e6,
+        "mb_old_model": s.bytes.get("old_model", {}).get("sent", 0) / 1e6,
         "kb_prototype_gradients_per_task": [b / 1e3 for b in channel],
-        "prototype_gradient_messages": s["messages"].get("prototype_gradients/received", 0),
+        "prototype_gradient_messages": s.messages.get("prototype_gradients/received", 0),
         "detected_rate": float(np.mean([m["task_detected"] for m in detected])) if detected else None,
         "transition_rate": float(np.mean([m["transition"] for m in detected])) if detected else None,
         **{f"{k}_rate": float(np.mean([m[f"detection_{k}"] for m in detected]))
            if detected and f"detection_{k}" in detected[0] else None for k in ("missed", "false_alarm")},
-        "proxy_s": jobs.get("glfc.proxy", {}).get("run_s", 0.0),
-        "wall_s": s["wall_clock_s"],
+        "proxy_s": proxy.run_s if proxy else 0.0,
+        "wall_s": s.wall_clock_s,
     }
 
 

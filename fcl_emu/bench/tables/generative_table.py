@@ -2,8 +2,8 @@
 against fedavg, fedlwf2t and fedewc (the baselines of TARGET's tables) over several seeds, each generator at the
 same fraction of its official budget.
 
-    python benchmarks/generative_table.py --data-root ../shared/data --seeds 0,1,2 --out runs/generative
-    python benchmarks/generative_table.py --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
+    python -m fcl_emu.bench.tables.generative_table --data-root ../shared/data --seeds 0,1,2 --out runs/generative
+    python -m fcl_emu.bench.tables.generative_table --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
         --out runs/generative-cifar10
 
 Every method runs the same scenario (``BASE`` below: 5 tasks of 2 classes, 10 clients, 5 per round, the
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import add_report_only, events, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import add_report_only, events, pm, run_up, seeded, seeds
+from monitoring.results import RunSummary
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 10},
@@ -72,22 +73,22 @@ def config(method: str, dataset: str, fraction: float, seed: int) -> dict:
                    "method_options": options}, seed)
 
 
-def run_row(method: str, seed: int, s: dict, evs: list[dict]) -> dict:
-    matrix = s["accuracy_matrix"]
+def run_row(method: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
+    matrix = s.accuracy_matrix
     rounds = [e for e in evs if e["event"] == "round"]
     bounding = [r["client_metrics"]["bounding"] for r in rounds if "bounding" in (r["client_metrics"] or {})]
-    jobs = s.get("gpu_jobs", {}).get("by_kind", {})
+    jobs = s.gpu_jobs.by_kind if s.gpu_jobs else {}
     return {
-        "method": method, "seed": seed, "status": s["status"],
-        "avg_accuracy": s["average_accuracy"], "avg_forgetting": s["average_forgetting"],
+        "method": method, "seed": seed, "status": s.status,
+        "avg_accuracy": s.average_accuracy, "avg_forgetting": s.average_forgetting,
         # mean accuracy on the earlier tasks' classes after each task t > 0 (chance: 1 / classes seen)
         "old_accuracy": [float(np.mean(row[:t])) for t, row in enumerate(matrix) if t > 0],
         "final_row": matrix[-1] if matrix else None,
         "bounding_mean": float(np.mean(bounding)) if bounding else None,
         "bounding_rounds": [sum(b > 0 for b in bounding), len(bounding)],  # non-zero, reported
-        "mb_total": s["bytes_total"] / 1e6,
-        "server_job_s": sum(k["run_s"] for kind, k in jobs.items() if not kind.startswith("device.")),
-        "wall_s": s["wall_clock_s"],
+        "mb_total": s.bytes_total / 1e6,
+        "server_job_s": sum(k.run_s for kind, k in jobs.items() if not kind.startswith("device.")),
+        "wall_s": s.wall_clock_s,
     }
 
 

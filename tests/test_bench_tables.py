@@ -1,0 +1,59 @@
+"""The experiment tables (``python -m fcl_emu.bench.tables.<table>``): a run directory is read, not run again;
+``--report-only`` and another process's lock leave a run out; a table row from a run's summary."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import subprocess
+import sys
+
+from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, runs
+from monitoring.results import RunSummary
+
+SUMMARY = {
+    "status": "completed", "method": "glfc", "dataset": "mnist", "scenario": {"num_tasks": 2},
+    "accuracy_matrix": [[90.0, None], [60.0, 80.0]], "accuracy_all": [45.0, 70.0], "average_accuracy": 70.0,
+    "average_forgetting": 30.0, "knowledge_retention": {"temporal": 66.7, "spatial": 71.0, "private": None},
+    "bytes": {"old_model": {"sent": 2_000_000}, "train_request": {"sent": 3_000_000}, "job": {"sent": 500_000}},
+    "messages": {"prototype_gradients/received": 4}, "bytes_total": 5_500_000, "rounds": 4, "wall_clock_s": 12.0,
+    "gpu_jobs": {"workers": 1, "device": "cpu", "by_kind": {"glfc.proxy": {"jobs": 2, "run_s": 3.5},
+                                                              "device.matmul": {"jobs": 1, "run_s": 0.5}}},
+}
+
+
+def test_a_finished_run_is_read_and_a_missing_one_left_out_with_report_only(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(SUMMARY))
+    summary = runs.run_up("a", {}, "unused", tmp_path)
+    assert isinstance(summary, RunSummary) and summary.average_accuracy == 70.0
+    assert runs.run_up("b", {}, "unused", tmp_path, report_only=True) is None
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_run_locked_by_another_process_is_left_out(tmp_path, capsys):
+    with open(tmp_path / ".b.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert runs.run_up("b", {"seed": 0}, "unused", tmp_path) is None
+    assert "being run by another process" in capsys.readouterr().err
+    assert not (tmp_path / "b.yaml").exists()
+
+
+def test_rows_read_the_summary_record():
+    summary = RunSummary.from_dict(SUMMARY)
+    events = [{"event": "round", "task": t, "bytes_by_type": {"prototype_gradients": {"received": 1000}},
+               "client_metrics": None} for t in (0, 1)]
+    glfc = glfc_table.row("glfc-oracle", 0, summary, events)
+    assert (glfc["mb_old_model"], glfc["proxy_s"], glfc["prototype_gradient_messages"]) == (2.0, 3.5, 4)
+    assert glfc["kb_prototype_gradients_per_task"] == [1.0, 1.0] and glfc["final_row"] == [60.0, 80.0]
+    replay = feature_replay_table.row("glfc", 0, summary, {"glfc": 55.58})
+    assert (replay["ga_mean"], replay["kr_t"], replay["server_jobs_s"]) == (57.5, 66.7, 3.5)
+    generative = generative_table.run_row("glfc", 0, summary, events)
+    assert generative["old_accuracy"] == [60.0] and generative["server_job_s"] == 3.5
+
+
+def test_every_table_runs_as_a_module():
+    for table in ("glfc_table", "feature_replay_table", "generative_table", "secagg_table"):
+        done = subprocess.run([sys.executable, "-m", f"fcl_emu.bench.tables.{table}", "--help"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "--out" in done.stdout, done.stderr
