@@ -1,19 +1,19 @@
-"""One emulated client's state on its edge node: its socket, store, task, and its edge-realism counters."""
+"""One emulated client's state on its edge node (its socket, store, task, edge-realism counters) and the work
+about it: a training job and its result, and its side of a round's secure aggregation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from edge_node.store import ArrayStore
 from scenario.links import Link
+from secagg.client import SecAggClient
+from wire.messages import TrainRequest
 from wire.sockets import ClientEndpoint
-
-if TYPE_CHECKING:
-    from edge_node.secure_session import SecAggSession
 
 
 @dataclass
@@ -60,3 +60,51 @@ class EmulatedClient:
         if not self.available:
             return "away"
         return "active" if self.welcomed else "joining"
+
+
+@dataclass
+class TrainJob:
+    client: EmulatedClient
+    round: int
+    task: int
+    model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
+    generation: int
+    received_at: float
+    request: TrainRequest  # local epochs and learning rate of this round
+
+
+@dataclass
+class TrainResult:
+    client: EmulatedClient
+    round: int
+    task: int
+    uploads: dict[str, np.ndarray] | None
+    num_samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    generation: int = 0
+    received_at: float = 0.0
+    train_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the client's own training (not the wait for the trainer)
+    samples_trained: int = 0  # local samples x local epochs
+    finished_at: float = 0.0  # monotonic time the main thread got it
+    secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
+    side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
+    vector: np.ndarray | None = None
+
+    def report(self) -> dict[str, Any]:
+        """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""
+        metrics = {str(k): float(v) for k, v in self.metrics.items()}  # numpy scalars from a method included
+        return {"train_time_s": metrics.get("train_time_s", 0.0), "loss": metrics.get("loss", float("nan")),
+                "metrics": metrics, "cpu_s": self.cpu_s}
+
+
+@dataclass
+class SecAggSession:
+    """A client's side of one round's secure aggregation: the protocol state, and the two things its masked
+    input waits for (the relayed shares, its training result), in whichever order they come."""
+
+    round: int
+    protocol: SecAggClient
+    relay: dict[str, Any] | None = None
+    result: TrainResult | None = None

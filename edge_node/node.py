@@ -51,7 +51,8 @@ from edge_node.churn import Churn
 from edge_node.client import EmulatedClient
 from edge_node.secure_session import SECAGG_DOWN, SecureSessions
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
-from edge_node.training import RunSetup, TrainJob, Trainer, TrainResult
+from edge_node.client import TrainJob, TrainResult
+from edge_node.training import RunSetup, Trainer
 from monitoring.metrics import EdgeNodeMetrics
 from scenario.datasets import DatasetNotFoundError, load_dataset
 from scenario.spec import ScenarioSpec

@@ -13,13 +13,11 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from edge_node.client import EmulatedClient
-from edge_node.training import TrainResult
+from edge_node.client import EmulatedClient, SecAggSession, TrainResult
 from monitoring.metrics import EdgeNodeMetrics
 from secagg.client import SecAggClient
 from secagg.protocol import SecAggAbort, SecAggError
@@ -33,17 +31,6 @@ SECAGG_DOWN = frozenset({"secagg_setup", "secagg_peer_keys", "secagg_relay", "se
 
 Send = Callable[..., None]  # (client, msg_type, body, round=, task=): a message to the coordinator
 Upload = Callable[[EmulatedClient, TrainResult, str, Any, dict[str, np.ndarray]], None]  # a training result
-
-
-@dataclass
-class SecAggSession:
-    """A client's side of one round's secure aggregation: the protocol state, and the two things its masked
-    input waits for (the relayed shares, its training result), in whichever order they come."""
-
-    round: int
-    protocol: SecAggClient
-    relay: dict[str, Any] | None = None
-    result: TrainResult | None = None
 
 
 class SecureSessions:

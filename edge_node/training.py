@@ -17,14 +17,14 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
-from edge_node.client import EmulatedClient
+from edge_node.client import TrainJob, TrainResult
 from edge_node.store import RoundPayloads
 from methods import registry as methods
 from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays
@@ -35,7 +35,7 @@ from monitoring.metrics import EdgeNodeMetrics
 from scenario.scenario import Scenario, build_scenario
 from scenario.spec import ScenarioSpec
 from scenario.transforms import to_tensor
-from wire.messages import TrainRequest, Welcome
+from wire.messages import Welcome
 
 log = logging.getLogger("fcl_emu.edge_node")
 
@@ -72,43 +72,6 @@ class RunSetup:
 
     def build_model(self, num_classes: int):
         return build_model(self.model_name, self.scenario.dataset.input_shape, num_classes)
-
-
-@dataclass
-class TrainJob:
-    client: EmulatedClient
-    round: int
-    task: int
-    model: Mapping[str, np.ndarray]  # the received global model (shared by the round's jobs)
-    generation: int
-    received_at: float
-    request: TrainRequest  # local epochs and learning rate of this round
-
-
-@dataclass
-class TrainResult:
-    client: EmulatedClient
-    round: int
-    task: int
-    uploads: dict[str, np.ndarray] | None
-    num_samples: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    generation: int = 0
-    received_at: float = 0.0
-    train_s: float = 0.0
-    cpu_s: float = 0.0  # CPU time of the client's own training (not the wait for the trainer)
-    samples_trained: int = 0  # local samples x local epochs
-    finished_at: float = 0.0  # monotonic time the main thread got it
-    secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
-    side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
-    vector: np.ndarray | None = None
-
-    def report(self) -> dict[str, Any]:
-        """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""
-        metrics = {str(k): float(v) for k, v in self.metrics.items()}  # numpy scalars from a method included
-        return {"train_time_s": metrics.get("train_time_s", 0.0), "loss": metrics.get("loss", float("nan")),
-                "metrics": metrics, "cpu_s": self.cpu_s}
 
 
 class Trainer:

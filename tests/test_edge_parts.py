@@ -11,7 +11,7 @@ import pytest
 from edge_node.churn import Churn
 from edge_node.client import EmulatedClient
 from edge_node.secure_session import SecureSessions
-from edge_node.training import TrainResult
+from edge_node.client import TrainResult
 from monitoring.metrics import EdgeNodeMetrics
 from scenario.availability import client_draw
 from secagg.client import SecAggClient
