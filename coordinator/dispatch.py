@@ -35,6 +35,7 @@ log = logging.getLogger("fcl_emu.coordinator")
 
 CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES, *SIDE_CHANNEL_TYPES})
 RATE_LIMITED = frozenset({"join", "heartbeat", "leave", "error"})  # control messages: a peer's bucket (guard.py)
+ROUND_ANSWERS = frozenset({"update", "secagg_masked"})  # what a selected client owes its round
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
@@ -317,11 +318,20 @@ class Dispatcher:
             if value.shape != expected[name].shape:
                 raise WireError("bad_shape", f"delta {name!r} has shape {list(value.shape)}, "
                                              f"model has {list(expected[name].shape)}")
+            if value.dtype != expected[name].dtype:  # before any arithmetic: an int32 delta broke the mean
+                raise WireError("bad_dtype", f"delta {name!r} is {value.dtype}, model has {expected[name].dtype}")
         if msg.body.num_samples < 0:
             raise WireError("bad_body", "negative num_samples")
 
     # ------------------------------------------------------------ refusing, sending
     def reject(self, exc: WireError) -> None:
+        """Count, log (once) and answer a refused message; a refused answer of the open round (an update or a
+        masked input the wire layer or the checks refused) fails its client for the round at once."""
+        r = self.round
+        if r is not None and exc.msg_type in ROUND_ANSWERS and exc.peer is not None and exc.round is not None \
+                and r.is_current(exc.peer, exc.round) and exc.peer not in r.answered():
+            r.failed.add(exc.peer)
+            self.clock.answered(r, exc.peer, 0, 0.0, 0)
         self.state.tally.rejected[exc.reason] += 1
         self.metrics.rejected(exc.reason)
         self.state.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")

@@ -21,7 +21,7 @@ from coordinator.state import RunState
 from methods.base import DELTA, ClientUpdate
 from monitoring.metrics import CoordinatorMetrics
 from runconfig import RunConfig
-from wire.framing import decode, encode
+from wire.framing import WireError, decode, encode
 from wire.messages import Heartbeat, Join, Update, client_id
 
 NUM_CLIENTS = 6
@@ -230,10 +230,16 @@ class FakeEndpoint:
 
     def push(self, peer: str, msg_type: str, body, **kw):
         self.seq += 1
-        self.inbox.append((peer, decode(encode(msg_type, body, sender=peer, seq=self.seq, **kw))))
+        self.inbox.append((peer, encode(msg_type, body, sender=peer, seq=self.seq, **kw)))
 
     def recv(self):
-        return self.inbox.popleft()
+        """Decode as the real endpoint does: a refused message names the peer of its connection."""
+        peer, frames = self.inbox.popleft()
+        try:
+            return peer, decode(frames)
+        except WireError as exc:
+            exc.peer = peer
+            raise
 
     def send(self, client, msg_type, body, **kw):
         self.sent.append((client, msg_type, body))
@@ -293,6 +299,30 @@ def test_a_refused_update_fails_its_client_at_once_and_is_answered_with_an_error
     assert state.tally.rejected == {"bad_shape": 1, "implausible": 1}
     assert sorted((c, t, b.code) for c, t, b in endpoint.sent) == [(ids[0], "error", "implausible"),
                                                                    (ids[1], "error", "bad_shape")]
+
+
+@pytest.mark.parametrize("delta, reason", [
+    ({DELTA + "w": np.zeros(3, np.int32)}, "bad_dtype"),  # the model is float32: refused before any arithmetic
+    ({DELTA + "w": np.array([0.0, np.nan, 1.0], np.float32)}, "non_finite"),  # refused by the wire layer
+])
+def test_a_refused_update_never_stalls_its_round(delta, reason):
+    """Refused in the checks or already while decoding: either way the client fails its round at once, so the
+    round does not wait for it until the deadline."""
+    state = make_state()
+    d, endpoint = dispatcher(state)
+    ids = join_all(state)
+    d.round = r = OpenRound(task=0, number=1, chosen=ids[:2], selected=set(ids[:2]), wanted=2)
+    endpoint.push(ids[0], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors=delta)
+    d.drain()
+    assert r.failed == {ids[0]} and not r.updates and r.pending(state.registry.is_online) == {ids[1]}
+    assert state.tally.rejected == {reason: 1}
+    endpoint.push(ids[0], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=0,
+                  tensors=delta)  # an older round's: refused, but fails nothing of this one
+    endpoint.push(ids[2], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
+                  tensors=delta)  # not selected
+    d.drain()
+    assert r.failed == {ids[0]}  # (late ones are counted late, not checked; broken frames are refused)
 
 
 def test_strangers_are_told_to_join_and_cannot_join_as_someone_else():

@@ -53,7 +53,9 @@ REASONS = (
 
 
 class WireError(Exception):
-    """A received message failed validation. ``reason`` is one of :data:`REASONS`."""
+    """A received message failed validation. ``reason`` is one of :data:`REASONS`. Once its header was read,
+    ``msg_type`` and ``round`` say what the refused message claimed to be (a refused update fails its client's
+    round at once)."""
 
     def __init__(self, reason: str, detail: str):
         assert reason in REASONS, reason
@@ -61,6 +63,8 @@ class WireError(Exception):
         self.reason = reason
         self.detail = detail
         self.peer: str | None = None
+        self.msg_type: str | None = None
+        self.round: int | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,15 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
         raise WireError("bad_header", str(exc)) from None
     if header.v != PROTOCOL_VERSION:
         raise WireError("bad_version", f"protocol version {header.v}, this side speaks {PROTOCOL_VERSION}")
+    try:
+        return _decode_after_header(header, head, frames, limits)
+    except WireError as exc:
+        exc.msg_type, exc.round = header.type, header.round
+        raise
+
+
+def _decode_after_header(header: Header, head: memoryview, frames: Sequence[Any], limits: Limits) -> Message:
+    """The body and the tensors of a message whose header is read."""
     body_decoder = _body_decoders.get(header.type)
     if body_decoder is None:
         raise WireError("unknown_type", f"message type {header.type!r}")
