@@ -91,6 +91,7 @@ class TrainResult:
     secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
     vector: np.ndarray | None = None
+    stale: bool = False  # not trained: its client had moved on to a newer task (nothing is sent)
 
     def report(self) -> dict[str, Any]:
         """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""

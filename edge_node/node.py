@@ -233,7 +233,7 @@ class EdgeNode:
         there): after the emulated compute slowdown and uplink delay."""
         client = result.client
         result.finished_at = time.monotonic()
-        if client.closed or result.generation != client.generation:
+        if client.closed or result.generation != client.generation or result.stale:
             return
         if result.secure:
             self._secure.on_result(client, result)

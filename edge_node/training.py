@@ -171,6 +171,10 @@ class Trainer:
         client = job.client
         s = self._setup()
         try:
+            if job.task != client.task:  # a task start came while the job waited: its round and task are over
+                log.info("%s: skipped round %d of task %d, now in task %d", client.id, job.round, job.task,
+                         client.task)
+                return TrainResult(client, job.round, job.task, None, stale=True)
             indices = s.scenario.client_indices(client.index, client.task)
             if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
                 vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.request.secure else None

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from edge_node.churn import Churn
-from edge_node.client import EmulatedClient
+from edge_node.client import EmulatedClient, TrainJob, TrainResult
 from edge_node.secure_session import SecureSessions
-from edge_node.client import TrainResult
+from edge_node.store import RoundPayloads
+from edge_node.training import Trainer
 from monitoring.metrics import EdgeNodeMetrics
 from scenario.availability import client_draw
 from secagg.client import SecAggClient
@@ -205,3 +206,23 @@ def test_a_failed_training_under_secure_aggregation_is_reported_once_the_shares_
     assert (msg_type, body.code, body.detail, round, task) == ("error", "train_failed", "RuntimeError: boom",
                                                               ROUND, TASK)
     assert c.secagg is None
+
+
+def test_a_job_whose_client_moved_on_to_a_newer_task_is_not_trained():
+    """Under the real clock a late job can wait in the trainer's queue while its client's next task starts: it
+    would train the new task's labels into the old task's smaller head (an IndexError) for a round that is over.
+    It is skipped, and nothing is sent for it."""
+    import zmq
+
+    from wire.messages import TrainRequest
+
+    payloads = RoundPayloads()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=EdgeNodeMetrics(),
+                      setup=lambda: None)
+    c = client()
+    c.task = 1  # task 1 started after round 3 (of task 0) was queued
+    job = TrainJob(c, round=3, task=0, model=payloads.acquire(3, {"head.weight": np.zeros((5, 4), np.float32)}),
+                   generation=c.generation, received_at=0.0, request=TrainRequest(local_epochs=1, lr=0.1))
+    result = trainer._train(job, {})
+    assert result.stale and result.uploads is None and result.error is None
+    trainer.wake.close()
