@@ -4,6 +4,8 @@
   errors); a message over the rate is refused as ``rate_limited``, never handled.
 - :class:`LogOnce`: a refusal is logged once per (peer, reason), and at most :data:`MAX_LOGGED` lines per
   reason, so one kind of refusal repeated cannot silence the others; everything is still counted.
+- :func:`on_refused_handshake`: a handshake the allow-list refused is counted by reason and logged once per
+  address, within the same budgets.
 - :func:`delta_norm` and :func:`clip_update`: the norm bound on updates and norm clipping (robust aggregation).
 
 The buckets and the log memory are bounded, so peers with ever new identities cannot grow them.
@@ -16,10 +18,12 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
 from methods.base import DELTA, ClientUpdate
+from monitoring.metrics import CoordinatorMetrics
 
 CONTROL_RATE_PER_S = 5.0  # sustained control/error messages per identity, beyond its heartbeats
 CONTROL_BURST = 30  # messages an identity may send at once (a rejoin, a leave, a burst of errors)
@@ -74,6 +78,15 @@ class LogOnce:
                              "(fcl_wire_rejected_messages_total, fcl_refused_handshakes_total)", self.limit, budget)
         else:
             self.log.warning("%s; further ones from this peer for this reason are only counted", message)
+
+
+def on_refused_handshake(metrics: CoordinatorMetrics, log_once: LogOnce) -> Callable[[str, str], None]:
+    """The allow-list's ``on_refused`` (wire/auth.py): count the refusal, log it once per peer address."""
+    def refused(address: str, reason: str) -> None:
+        metrics.refused_handshake(reason)
+        log_once(address, f"handshake {reason}", f"refused a CurveZMQ handshake from {address} ({reason}: its key "
+                                                 f"is not in the run's roster)", budget="refused handshake")
+    return refused
 
 
 def delta_norm(update: ClientUpdate) -> float:

@@ -5,8 +5,9 @@ import logging
 import numpy as np
 import pytest
 
-from coordinator.guard import LogOnce, RateLimiter, clip_update, delta_norm
+from coordinator.guard import LogOnce, RateLimiter, clip_update, delta_norm, on_refused_handshake
 from methods.base import ClientUpdate
+from monitoring.metrics import CoordinatorMetrics
 
 
 def test_the_rate_limiter_allows_a_burst_then_the_rate():
@@ -44,6 +45,18 @@ def test_reasons_beyond_the_budgets_share_one(caplog):
             log_once("p", f"reason {i}", f"line {i}")
     messages = [r.getMessage().split(";")[0] for r in caplog.records]
     assert messages == ["line 0", "line 1", "line 2", "1 refusals logged for other reasons"]
+
+
+def test_refused_handshakes_are_counted_and_logged_once_per_address(caplog):
+    metrics = CoordinatorMetrics()
+    refused = on_refused_handshake(metrics, LogOnce(logging.getLogger("test.guard"), limit=2))
+    with caplog.at_level(logging.WARNING, logger="test.guard"):
+        for address in ["10.0.0.1"] * 5 + ["10.0.0.2", "10.0.0.3", "10.0.0.4"]:
+            refused(address, "unknown_key")
+    assert metrics.registry.get_sample_value("fcl_refused_handshakes_total", {"reason": "unknown_key"}) == 8
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and "10.0.0.1" in messages[0] and "10.0.0.2" in messages[1]
+    assert "2 refusals logged for refused handshake" in messages[2]
 
 
 def test_norm_and_clipping_by_hand():

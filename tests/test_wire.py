@@ -326,8 +326,10 @@ def test_curve_binds_each_identity_to_its_key(curve_pair):
 
 def test_curve_admits_no_stranger(curve_pair, tmp_path):
     """A peer with a key not in the roster (or no key at all) never completes the handshake: nothing it sends
-    arrives, nothing can be sent to it."""
+    arrives, nothing can be sent to it. A refused key is counted and reported with the peer's address."""
     ctx, server, ring, allowlist = curve_pair
+    refusals = []
+    allowlist.on_refused = lambda address, reason: refusals.append((address, reason))
     stranger_keys = write_keys(tmp_path / "other", {"node-x": ["client-0001"]})
     stranger = ClientEndpoint(ctx, server.address, "client-0001",
                               keys=ClientKeyring(tmp_path / "coordinator.key",
@@ -338,7 +340,8 @@ def test_curve_admits_no_stranger(curve_pair, tmp_path):
         stranger.send("join", Join(node="x", pid=1, client_index=1))
         plain.send_multipart(encode("join", Join(node="x", pid=1, client_index=1), sender="client-0001", seq=1))
         assert not server.sock.poll(1000)
-        assert allowlist.refused >= 1
+        assert allowlist.refused["unknown_key"] >= 1  # the stranger's key, counted and passed on with its address
+        assert refusals[0] == ("127.0.0.1", "unknown_key") and len(refusals) == allowlist.refused["unknown_key"]
         with pytest.raises(zmq.ZMQError):
             server.send("client-0001", "heartbeat", Heartbeat())
     finally:
