@@ -259,6 +259,8 @@ def test_a_message_of_too_many_frames_is_refused_without_holding_its_frames(smal
         tracemalloc.stop()
     assert peak < 1 << 20  # all 200,001 frames kept as zmq.Frame objects: over 20 MB
     assert info.value.reason == "frame_count" and "199995 more dropped" in info.value.detail
+    assert (info.value.msg_type, info.value.round) == ("heartbeat", 0)  # what it claimed: a refused update
+    # fails its client's round at once
     assert server.recv()[1].type == "heartbeat"
 
 
@@ -267,11 +269,12 @@ def test_a_message_of_too_many_bytes_is_refused_at_the_socket(small_server):
     server, client = small_server
     chunk = np.zeros(1 << 15, np.uint8)
     tensors = {f"t{i}": chunk for i in range(3)}  # 96 KiB: each frame fits, the message does not
-    client.sock.send_multipart(encode("update", UPDATE, sender="client-0001", seq=1, tensors=tensors))
+    client.sock.send_multipart(encode("update", UPDATE, sender="client-0001", seq=1, round=3, tensors=tensors))
     client.send("heartbeat", Heartbeat())
     with pytest.raises(WireError) as info:
         server.recv()
     assert info.value.reason == "too_large" and "frames dropped unread" in info.value.detail
+    assert (info.value.msg_type, info.value.round) == ("update", 3)
     assert server.recv()[1].type == "heartbeat"
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
-from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes
+from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes, refused_unread
 from wire.messages import Body
 
 LINGER_MS = 5000
@@ -113,14 +113,16 @@ def receive_frames(sock: zmq.Socket, limits: Limits) -> list[zmq.Frame]:
             tensor_bytes += len(frame)
             too_large = tensor_bytes > limits.max_total_bytes
         if too_large or len(frames) > limits.max_tensors + 1:
+            head = frames[0]
             frames.clear()
             dropped = _drop_rest(sock, more)
             if too_large:
-                raise WireError("too_large", f"a header over {limits.max_header_bytes} bytes or tensors over "
-                                             f"{limits.max_total_bytes} bytes ({dropped} frames dropped unread)")
-            raise WireError("frame_count", f"more than {limits.max_tensors + 1} frames in one message (a header "
-                                           f"and at most {limits.max_tensors} tensors; {dropped} more dropped "
-                                           f"unread)")
+                raise refused_unread("too_large", f"a header over {limits.max_header_bytes} bytes or tensors over "
+                                                  f"{limits.max_total_bytes} bytes ({dropped} frames dropped "
+                                                  f"unread)", head, limits)
+            raise refused_unread("frame_count", f"more than {limits.max_tensors + 1} frames in one message (a "
+                                                f"header and at most {limits.max_tensors} tensors; {dropped} more "
+                                                f"dropped unread)", head, limits)
     return frames
 
 
