@@ -55,7 +55,7 @@ def _send(address: str, frames: int, size: int) -> None:
     sock.setsockopt(zmq.LINGER, 60_000)
     sock.connect(address)
     header = encode("heartbeat", Heartbeat(), sender="client-0000", seq=1)[0]
-    payload = bytearray(size) if size else b""  # one buffer sent as every frame (zero-copy)
+    payload = bytearray(size) if size else b""  # one buffer sent as every frame (zero-copy when large)
     sock.send(header, zmq.SNDMORE)
     for i in range(frames):
         sock.send(payload, zmq.SNDMORE if i < frames - 1 else 0, copy=size == 0)
@@ -72,7 +72,7 @@ def measure(case: str) -> dict:
     base = _rss()
     sender = mp.get_context("spawn").Process(target=_send, args=(endpoint.address, frames, size))
     sender.start()
-    endpoint.sock.poll()  # the whole message has arrived (libzmq holds it until then)
+    endpoint.sock.poll(600_000)  # the whole message has arrived (libzmq holds it until then)
     started = time.perf_counter()
     reason = "accepted"
     try:
