@@ -144,7 +144,8 @@ class Dispatcher:
             if self.registry.leave(peer):
                 self.metrics.client_left()
             if msg.body.reason != "unavailable":
-                self.state.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}")
+                self.state.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}",
+                                    budget="leave")
             self.state.progress("leave", {"client": peer})
         elif msg.type == "update":
             self._on_update(peer, msg)
@@ -158,7 +159,7 @@ class Dispatcher:
                 r.failed.add(peer)
                 self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             self.state.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
-                                                             f"{msg.body.detail}")
+                                                             f"{msg.body.detail}", budget="reported")
 
     def _on_new_connection(self, peer: str, msg_type: str) -> None:
         """``peer`` spoke over another connection than before (its message is handled already): what was sent

@@ -35,6 +35,7 @@ import zmq
 
 from coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
 from coordinator.gpu_worker_args import GpuWorkerArgs
+from coordinator.guard import LogOnce
 from methods import jobs
 from wire.framing import Limits, WireError
 from wire.messages import JobRequest, Shutdown
@@ -109,6 +110,7 @@ class WorkerPool:
         self._context = context
         self._count = count
         self._limits = Limits(max_total_bytes=max_message_bytes)
+        self._log_once = LogOnce(log)  # what its socket refuses, within the coordinator's log budgets
         self._log_dir: Path | None = None
         self._keys = keys
         self._key_dir = key_dir
@@ -205,11 +207,13 @@ class WorkerPool:
             try:
                 peer, msg = self._endpoint.recv()
             except WireError as exc:
-                log.warning("gpu pool: rejected a message from %r (%s)", exc.peer, exc)
+                if self.metrics is not None:
+                    self.metrics.rejected(exc.reason)
+                self._log_once(exc.peer, exc.reason, f"gpu pool: rejected a message from {exc.peer!r} ({exc})")
                 continue
             worker = next((w for w in self._workers if w.identity == peer), None)
             if worker is None:
-                log.warning("gpu pool: a message from unknown peer %r", peer)
+                self._log_once(peer, "unknown peer", f"gpu pool: a message from unknown peer {peer!r}")
             elif msg.type == "worker_hello":
                 worker.ready, worker.device = True, msg.body.device
                 log.info("gpu worker %d ready on %s", worker.index, worker.device)
@@ -228,7 +232,7 @@ class WorkerPool:
                 else:
                     self._attempt_failed(job, body.error, run_s=body.run_s)
             else:
-                log.warning("gpu pool: ignoring %s from %s", msg.type, peer)
+                self._log_once(peer, f"ignored {msg.type}", f"gpu pool: ignoring {msg.type} from {peer}")
         self.tick()
 
     def tick(self) -> None:

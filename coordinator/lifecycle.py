@@ -37,7 +37,7 @@ from coordinator.dispatch import Dispatcher
 from coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
 from coordinator.evaluation import Evaluator
 from coordinator.gpu_pool import Job, WorkerPool
-from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter
+from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter, on_refused_handshake
 from coordinator.nodes import NodeExit, NodeWatch
 from coordinator.open_round import StaleUpdates
 from coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
@@ -207,7 +207,8 @@ class Coordinator:
             raise KeyFileError("CurveZMQ needs the run's key directory: write one with `fcl-emu keys` and pass "
                                "--keys, or run without authentication with --insecure")
         keys = load_server_keys(security.keys)
-        return keys, Allowlist(self.context, keys)
+        return keys, Allowlist(self.context, keys, on_refused=on_refused_handshake(self.state.metrics,
+                                                                                   self.state.log_once))
 
     def _build_model(self, num_classes: int):
         return build_model(self.model_name, self.dataset.input_shape, num_classes)

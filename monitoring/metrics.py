@@ -35,6 +35,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
+from wire.auth import HANDSHAKE_REFUSALS
 from wire.framing import REASONS
 from wire.messages import BODY_SCHEMAS
 
@@ -184,6 +185,9 @@ class CoordinatorMetrics(ProcessMetrics):
                                         ["action"], registry=r)
         self.late_updates = Counter("fcl_late_updates", "Updates that arrived after their round had closed "
                                     "(dropped).", registry=r)
+        self.refused_handshakes = Counter("fcl_refused_handshakes", "CurveZMQ handshakes the allow-list refused, "
+                                          "by reason (unknown_key: a key not in the run's roster).", ["reason"],
+                                          registry=r)
         self.handling_seconds = Counter("fcl_coordinator_handling_seconds", "Coordinator time receiving, "
                                         "validating and handling messages, by message type (rejected: "
                                         "'rejected').", ["type"], registry=r)
@@ -258,6 +262,8 @@ class CoordinatorMetrics(ProcessMetrics):
             self.client_joins.labels(kind)
         for reason in DROP_REASONS:
             self.client_drops.labels(reason)
+        for reason in HANDSHAKE_REFUSALS:
+            self.refused_handshakes.labels(reason)
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome)
         for phase in ROUND_PHASES:
@@ -288,6 +294,10 @@ class CoordinatorMetrics(ProcessMetrics):
 
     def client_left(self) -> None:
         self.client_leaves.inc()
+
+    def refused_handshake(self, reason: str) -> None:
+        """A handshake the allow-list refused (called from the ZAP handler's thread)."""
+        self.refused_handshakes.labels(reason).inc()
 
     def client_dropped(self, reason: str) -> None:
         self._drops[reason]()

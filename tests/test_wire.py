@@ -229,6 +229,68 @@ def test_endpoints_count_bytes_and_route_by_the_latest_connection():
 
 
 @pytest.fixture
+def small_server():
+    """A server endpoint with small limits (4 tensors, 64 KiB) and a client of it."""
+    ctx = zmq.Context()
+    server = ServerEndpoint(ctx, "tcp://127.0.0.1:0", limits=Limits(max_tensors=4, max_total_bytes=1 << 16,
+                                                                    max_header_bytes=1 << 16))
+    client = ClientEndpoint(ctx, server.address, "client-0001")
+    yield server, client
+    client.close(0)
+    server.close()
+    ctx.term()
+
+
+def test_a_message_of_too_many_frames_is_refused_without_holding_its_frames(small_server):
+    """200,000 empty frames: refused after the fifth, the rest dropped one by one as they are read (what the
+    receiver allocates stays small); the next message flows."""
+    import tracemalloc
+
+    server, client = small_server
+    client.sock.send_multipart([encode("heartbeat", Heartbeat(), sender="client-0001", seq=1)[0]] + [b""] * 200_000)
+    client.send("heartbeat", Heartbeat())
+    assert server.sock.poll(10_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError) as info:
+            server.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # all 200,001 frames kept as zmq.Frame objects: over 20 MB
+    assert info.value.reason == "frame_count" and "199995 more dropped" in info.value.detail
+    assert (info.value.msg_type, info.value.round) == ("heartbeat", 0)  # what it claimed: a refused update
+    # fails its client's round at once
+    assert server.recv()[1].type == "heartbeat"
+
+
+def test_a_message_of_too_many_bytes_is_refused_at_the_socket(small_server):
+    """Frames each within the limit but more in all than a message may hold: refused before decoding."""
+    server, client = small_server
+    chunk = np.zeros(1 << 15, np.uint8)
+    tensors = {f"t{i}": chunk for i in range(3)}  # 96 KiB: each frame fits, the message does not
+    client.sock.send_multipart(encode("update", UPDATE, sender="client-0001", seq=1, round=3, tensors=tensors))
+    client.send("heartbeat", Heartbeat())
+    with pytest.raises(WireError) as info:
+        server.recv()
+    assert info.value.reason == "too_large" and "frames dropped unread" in info.value.detail
+    assert (info.value.msg_type, info.value.round) == ("update", 3)
+    assert server.recv()[1].type == "heartbeat"
+
+
+def test_an_oversized_frame_is_refused_by_libzmq_before_it_is_received(small_server):
+    """A frame over the limit never reaches the receiver (libzmq drops the connection while reading it); the
+    client reconnects and its next message flows."""
+    server, client = small_server
+    client.sock.send_multipart(encode("update", UPDATE, sender="client-0001", seq=1,
+                                      tensors={"big": np.zeros(1 << 17, np.uint8)}))
+    assert not server.sock.poll(1000)
+    client.send("heartbeat", Heartbeat())
+    assert server.sock.poll(10_000)
+    assert server.recv()[1].type == "heartbeat"
+
+
+@pytest.fixture
 def curve_pair(tmp_path):
     """A CurveZMQ server whose roster has node-a (client-0001, client-0002) and node-b (client-0003)."""
     ctx = zmq.Context()
@@ -267,8 +329,10 @@ def test_curve_binds_each_identity_to_its_key(curve_pair):
 
 def test_curve_admits_no_stranger(curve_pair, tmp_path):
     """A peer with a key not in the roster (or no key at all) never completes the handshake: nothing it sends
-    arrives, nothing can be sent to it."""
+    arrives, nothing can be sent to it. A refused key is counted and reported with the peer's address."""
     ctx, server, ring, allowlist = curve_pair
+    refusals = []
+    allowlist.on_refused = lambda address, reason: refusals.append((address, reason))
     stranger_keys = write_keys(tmp_path / "other", {"node-x": ["client-0001"]})
     stranger = ClientEndpoint(ctx, server.address, "client-0001",
                               keys=ClientKeyring(tmp_path / "coordinator.key",
@@ -279,7 +343,8 @@ def test_curve_admits_no_stranger(curve_pair, tmp_path):
         stranger.send("join", Join(node="x", pid=1, client_index=1))
         plain.send_multipart(encode("join", Join(node="x", pid=1, client_index=1), sender="client-0001", seq=1))
         assert not server.sock.poll(1000)
-        assert allowlist.refused >= 1
+        assert allowlist.refused["unknown_key"] >= 1  # the stranger's key, counted and passed on with its address
+        assert refusals[0] == ("127.0.0.1", "unknown_key") and len(refusals) == allowlist.refused["unknown_key"]
         with pytest.raises(zmq.ZMQError):
             server.send("client-0001", "heartbeat", Heartbeat())
     finally:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from zmq.auth.thread import ThreadAuthenticator
 
 SERVER_NAME = "coordinator"
 ROSTER_FILE = "roster.json"
+#: Why the allow-list refused a handshake: a key not in the roster (libzmq builds the ZAP request itself, so a
+#: peer cannot make it refuse for another reason; one without a key or with another coordinator's fails earlier).
+HANDSHAKE_REFUSALS = ("unknown_key",)
 
 
 class KeyFileError(Exception):
@@ -150,24 +154,41 @@ class Allowlist:
     """The ZAP handler of one ZeroMQ context: admits the roster's public keys, nothing else.
 
     Start it before the context's first CurveZMQ server socket binds: without a ZAP handler libzmq lets any
-    CurveZMQ client in.
+    CurveZMQ client in. Refusals are counted by reason (:attr:`refused`, :data:`HANDSHAKE_REFUSALS`) and each is
+    passed to ``on_refused(address, reason)`` (the peer's IP address), in the handler's thread.
     """
 
-    def __init__(self, ctx: zmq.Context, keys: ServerKeys):
-        self._auth = ThreadAuthenticator(ctx)
+    def __init__(self, ctx: zmq.Context, keys: ServerKeys, *,
+                 on_refused: Callable[[str, str], None] | None = None):
+        self._auth = _AddressedAuthenticator(ctx)
         self._auth.start()
         self._auth.configure_curve_callback("*", credentials_provider=self)
         self.grants = keys.grants
-        self.refused = 0  # handshakes refused (unknown keys)
+        self.refused: Counter[str] = Counter({reason: 0 for reason in HANDSHAKE_REFUSALS})
+        self.on_refused = on_refused
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP: is this Z85 public key in the roster? (Runs in the authenticator's thread.)"""
         known = key.decode("ascii", "replace") in self.grants
-        self.refused += not known
+        if not known:
+            self.refused["unknown_key"] += 1
+            if self.on_refused is not None:
+                self.on_refused(self._auth.address, "unknown_key")
         return known
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class _AddressedAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler, remembering the address of the request it is answering (its credentials callback
+    is given only the key)."""
+
+    address = "?"
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
 
 
 def serve_curve(sock: zmq.Socket, keys: ServerKeys) -> None:

@@ -164,6 +164,15 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
     if not frames:
         raise WireError("frame_count", "empty message")
     head = _buffer(frames[0])
+    header = _read_header(head, limits)
+    try:
+        return _decode_after_header(header, head, frames, limits)
+    except WireError as exc:
+        exc.msg_type, exc.round = header.type, header.round
+        raise
+
+
+def _read_header(head: memoryview, limits: Limits) -> Header:
     if head.nbytes > limits.max_header_bytes:
         raise WireError("too_large", f"header of {head.nbytes} bytes exceeds {limits.max_header_bytes}")
     try:
@@ -172,11 +181,19 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
         raise WireError("bad_header", str(exc)) from None
     if header.v != PROTOCOL_VERSION:
         raise WireError("bad_version", f"protocol version {header.v}, this side speaks {PROTOCOL_VERSION}")
+    return header
+
+
+def refused_unread(reason: str, detail: str, head: Any, limits: Limits = Limits()) -> WireError:
+    """The error for a message refused before decoding (its header frame ``head``), saying what type and
+    round the header claims if it is a valid one (a refused update fails its client's round at once)."""
+    exc = WireError(reason, detail)
     try:
-        return _decode_after_header(header, head, frames, limits)
-    except WireError as exc:
-        exc.msg_type, exc.round = header.type, header.round
-        raise
+        header = _read_header(_buffer(head), limits)
+    except WireError:
+        return exc
+    exc.msg_type, exc.round = header.type, header.round
+    return exc
 
 
 def _decode_after_header(header: Header, head: memoryview, frames: Sequence[Any], limits: Limits) -> Message:

@@ -7,6 +7,14 @@ libzmq before it is buffered, and a linger long enough that an update in
 flight is delivered on close. With keys (:mod:`wire.auth`) both ends speak
 CurveZMQ.
 
+What one message can cost the receiver is bounded at the socket
+(:func:`receive_frames`): libzmq refuses a frame over ``MAXMSGSIZE`` while
+reading it (it checks each frame, not the message, and drops the connection,
+discarding the message's frames received so far); the frames of a message are
+taken one at a time, zero-copy, and one with more frames or bytes than the
+:class:`~wire.framing.Limits` allow is refused there, its remaining frames
+received and dropped one by one, never kept.
+
 Peers are addressed by the identity their messages name (``client-0004``), not
 by a routing id they choose: the ROUTER gives every connection a random one,
 and the endpoint routes an identity to the connection its latest accepted
@@ -26,7 +34,7 @@ from typing import Any
 import zmq
 
 from wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
-from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes
+from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes, refused_unread
 from wire.messages import Body
 
 LINGER_MS = 5000
@@ -72,10 +80,59 @@ def tee(*counters: ByteCounter) -> ByteCounter:
     return each
 
 
+#: Bytes a CurveZMQ MESSAGE command adds to a frame (command name, nonce, MAC, flags); libzmq checks MAXMSGSIZE
+#: against the encrypted frame.
+CURVE_FRAME_OVERHEAD = 64
+
+
 def _configure(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_total_bytes + limits.max_header_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_total_bytes, limits.max_header_bytes) + CURVE_FRAME_OVERHEAD)
+
+
+def receive_frames(sock: zmq.Socket, limits: Limits) -> list[zmq.Frame]:
+    """The frames of the message being received (after a ROUTER's routing id), zero-copy, within ``limits``:
+    a header of at most ``max_header_bytes``, then at most ``max_tensors`` tensor frames of ``max_total_bytes``
+    in all.
+
+    Beyond any bound the message is refused (WireError ``frame_count`` or ``too_large``): the frames taken so
+    far are let go and the rest of the message is received and dropped frame by frame, so the receiver never
+    holds more than the limits whatever the frame count. libzmq delivers a message whole: until it is drained,
+    its frames stay in libzmq's queue (docs/security.md has the numbers)."""
+    frames: list[zmq.Frame] = []
+    tensor_bytes = 0
+    more = True
+    while more:
+        frame = sock.recv(copy=False)
+        more = frame.more
+        frames.append(frame)
+        if len(frames) == 1:
+            too_large = len(frame) > limits.max_header_bytes
+        else:
+            tensor_bytes += len(frame)
+            too_large = tensor_bytes > limits.max_total_bytes
+        if too_large or len(frames) > limits.max_tensors + 1:
+            head = frames[0]
+            frames.clear()
+            dropped = _drop_rest(sock, more)
+            if too_large:
+                raise refused_unread("too_large", f"a header over {limits.max_header_bytes} bytes or tensors over "
+                                                  f"{limits.max_total_bytes} bytes ({dropped} frames dropped "
+                                                  f"unread)", head, limits)
+            raise refused_unread("frame_count", f"more than {limits.max_tensors + 1} frames in one message (a "
+                                                f"header and at most {limits.max_tensors} tensors; {dropped} more "
+                                                f"dropped unread)", head, limits)
+    return frames
+
+
+def _drop_rest(sock: zmq.Socket, more: bool) -> int:
+    """Receive and drop the rest of the message being received; returns how many frames that was."""
+    dropped = 0
+    while more:
+        more = sock.recv(copy=False).more
+        dropped += 1
+    return dropped
 
 
 MAX_ROUTES = 100_000  # identities remembered; the least recently heard from is forgotten first
@@ -131,20 +188,21 @@ class ServerEndpoint:
         restart, a reconnect after a network break, or a second holder of its key), :attr:`switched` is True
         until the next message, and what was sent over the old connection may never arrive."""
         self.switched = False
-        frames = self.sock.recv_multipart(copy=False)
+        route = self.sock.recv(copy=False).bytes
         try:
-            msg = decode(frames[1:], self.limits)
+            frames = receive_frames(self.sock, self.limits)
+            msg = decode(frames, self.limits)
         except WireError as exc:
-            exc.peer = self._identities.get(frames[0].bytes)  # to answer on that connection
+            exc.peer = self._identities.get(route)  # to answer on that connection
             raise
         if self.grants is not None:
-            grant = self.grants.get(frames[1].get("User-Id"))
+            grant = self.grants.get(frames[0].get("User-Id"))
             if grant is None or msg.sender not in grant.identities:
                 exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for "
                                                   f"{msg.sender!r}")
                 exc.peer = grant.name if grant else None
                 raise exc
-        self._route(msg.sender, frames[0].bytes)
+        self._route(msg.sender, route)
         self.count(msg.type, "received", msg.nbytes)
         return msg.sender, msg
 
@@ -240,7 +298,7 @@ class ClientEndpoint:
         return nbytes
 
     def recv(self) -> Message:
-        msg = decode(self.sock.recv_multipart(copy=False), self.limits)
+        msg = decode(receive_frames(self.sock, self.limits), self.limits)
         self.count(msg.type, "received", msg.nbytes)
         return msg
 
