@@ -25,6 +25,7 @@ from coordinator.errors import BindError
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
+from fcl_emu.writable import check_writable
 from monitoring import stack
 from monitoring.results import RunSummary
 from scenario.datasets import find_dataset
@@ -180,14 +181,16 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None) -> RunConfig:
-    """What can be checked before a run writes anything (its run directory, its keys): the /metrics ports
-    (``--prometheus`` without a port picks a free block), a new run's TCP port, and that the dataset is there
-    (unless it is to be downloaded). The configuration is valid by construction.
+def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None,
+                       run_dir: Path) -> RunConfig:
+    """What can be checked before a run writes anything (its run directory, its keys): that ``run_dir`` can be
+    written, the /metrics ports (``--prometheus`` without a port picks a free block), a new run's TCP port, and
+    that the dataset is there (unless it is to be downloaded). The configuration is valid by construction.
 
-    Raises :class:`monitoring.stack.PortInUseError`, :class:`coordinator.errors.BindError` or
-    :class:`scenario.datasets.DatasetNotFoundError`.
+    Raises :class:`fcl_emu.writable.NotWritableError`, :class:`monitoring.stack.PortInUseError`,
+    :class:`coordinator.errors.BindError` or :class:`scenario.datasets.DatasetNotFoundError`.
     """
+    check_writable(run_dir)
     config = resolve_metrics(config, start_nodes)
     if resume is None:
         _check_bind(config.network.bind)
@@ -215,8 +218,8 @@ def _check_bind(endpoint: str) -> None:
 
 
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> RunSummary:
-    config = check_before_start(config, start_nodes, resume)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    config = check_before_start(config, start_nodes, resume, run_dir)
     keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:
         config = keys.write(config)
