@@ -65,13 +65,14 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     from wire.auth import KeyFileError
 
     from fcl_emu.launchers import zygote
+    from fcl_emu.run import RunNotRecorded
     from fcl_emu.writable import NotWritableError
 
     forks = zygote.start() if fork_nodes and cfg.containers.backend == "process" else None
     try:
         summary = runner(cfg, console)
     except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError,
-            NotWritableError) as exc:
+            NotWritableError, RunNotRecorded) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     except PortInUseError as exc:

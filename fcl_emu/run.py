@@ -27,7 +27,7 @@ from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from fcl_emu.writable import check_writable
 from monitoring import stack
-from monitoring.results import RunSummary
+from monitoring.results import RunSummary, SummaryNotWritten, failure_status
 from scenario.datasets import find_dataset
 
 
@@ -275,13 +275,11 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
             summary = _read_summary(run_dir)
             _how_to_resume(run_dir, start_nodes, console)
         except Exception as exc:  # recorded as "failed: ..." by the coordinator; the traceback goes to a file
-            failure = run_dir / "logs" / "failure.txt"
-            failure.parent.mkdir(parents=True, exist_ok=True)
-            failure.write_text(traceback.format_exc())
-            console.print(f"run failed: {type(exc).__name__}: {exc} (traceback: {failure})", style="red",
-                          markup=False, highlight=False)
-            summary = _read_summary(run_dir)
+            summary = _failed(exc, run_dir, console)
             _how_to_resume(run_dir, start_nodes, console)
+            if summary is None:
+                raise RunNotRecorded(str(exc) if isinstance(exc, SummaryNotWritten) else
+                                     f"the run wrote no summary ({run_dir / 'summary.json'})") from None
         finished = True
     finally:
         if finished and config.metrics.enabled:
@@ -310,6 +308,32 @@ def _inject_faults(config: RunConfig, target: Target, coordinator: Coordinator,
 
     coordinator.progress = progress
     return injector
+
+
+class RunNotRecorded(Exception):
+    """A run ended without writing its summary.json (a full disk, say); its status was printed."""
+
+
+def _failed(exc: Exception, run_dir: Path, console: Console) -> RunSummary | None:
+    """After a run that ``exc`` ended: its traceback in RUN_DIR/logs/failure.txt (where the disk has room for it),
+    one line with its status, and the summary it recorded (None if it wrote none)."""
+    failure: Path | None = run_dir / "logs" / "failure.txt"
+    try:
+        failure.parent.mkdir(parents=True, exist_ok=True)
+        failure.write_text(traceback.format_exc())
+    except OSError:
+        failure = None
+    summary = None
+    if not isinstance(exc, SummaryNotWritten):  # else a summary.json there is an earlier session's
+        try:
+            summary = _read_summary(run_dir)
+        except (OSError, ValueError):
+            pass
+    status = exc.status if isinstance(exc, SummaryNotWritten) else (
+        failure_status(exc) if summary is None else summary.status)
+    where = "" if failure is None else f" (traceback: {failure})"
+    console.print(f"run {status}{where}", style="red", markup=False, highlight=False)
+    return summary
 
 
 def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:
