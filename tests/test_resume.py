@@ -99,6 +99,21 @@ def test_a_write_on_a_full_disk_names_its_file_and_a_summary_it_stops_fails_the_
     assert list(tmp_path.iterdir()) == [tmp_path / "events.jsonl"]
 
 
+def test_a_run_whose_summary_cannot_be_written_prints_its_status(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from fcl_emu import run as run_module
+
+    (tmp_path / "summary.json").write_text("{}")  # an earlier session's: not this run's record
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "summary.json"))
+    out = io.StringIO()
+    assert run_module._failed(SummaryNotWritten("failed: disk full (ckpt)", error), tmp_path,
+                              Console(file=out, width=300)) is None
+    assert out.getvalue().startswith("run failed: disk full (ckpt) (traceback: ")
+
+
 def test_missing_and_corrupt_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         checkpoint.load(tmp_path)
