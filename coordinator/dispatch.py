@@ -100,10 +100,12 @@ class Dispatcher:
         self.metrics.handled(msg_type, elapsed)
 
     def drain(self) -> None:
-        """Handle every message already waiting, without blocking; then expire silent clients."""
+        """Handle every message already waiting, without blocking; then expire silent clients and look at the
+        edge nodes (a node that died while nothing was served, at a task's end, say, is noticed here)."""
         while self.endpoint.sock.poll(0):
             self._receive_one()
         self._expire()
+        self.on_tick()
 
     def _expire(self) -> None:
         """Declare dead the clients silent for longer than the liveness timeout; a scan over all clients, so at

@@ -34,7 +34,7 @@ from coordinator.checkpoint import Checkpoint
 from coordinator.clients import ClientRegistry, Status
 from coordinator.clock import make_clock
 from coordinator.dispatch import Dispatcher
-from coordinator.errors import BindError, JobFailed, RunAborted
+from coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
 from coordinator.evaluation import Evaluator
 from coordinator.gpu_pool import Job, WorkerPool
 from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter
@@ -60,7 +60,22 @@ from wire.framing import Limits
 from wire.messages import Shutdown
 from wire.sockets import ServerEndpoint, tee
 
-__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "JobFailed", "NodeExit", "RunAborted", "run_fingerprint"]
+__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "Interrupted", "JobFailed", "NodeExit", "RunAborted",
+           "run_fingerprint"]
+
+
+def _trained_status(rounds: list[RoundRecord]) -> str:
+    """A finished run's status: ``completed`` only if every task trained; a task whose every round was skipped
+    (no client update, or fewer than ``min_participants``) makes it ``degraded``, and no trained round at all
+    ``failed``."""
+    if rounds and all(r.skipped for r in rounds):
+        return "failed: every round was skipped (no usable client update arrived)"
+    tasks = sorted({r.task for r in rounds})
+    idle = [t for t in tasks if all(r.skipped for r in rounds if r.task == t)]
+    if idle:
+        return (f"degraded: task{'s' * (len(idle) > 1)} {', '.join(map(str, idle))} trained nothing (every round "
+                f"was skipped: no usable client update arrived)")
+    return "completed"
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -282,10 +297,9 @@ class Coordinator:
                         save(task, task_round + 1)
                 class_hits = self._end_task(task, matrix)
                 save(task + 1, 0)
-            if rounds and all(r.skipped for r in rounds):
-                status = "failed: every round was skipped (no usable client update arrived)"
-        except KeyboardInterrupt:
-            status = "interrupted"
+            status = _trained_status(rounds)
+        except KeyboardInterrupt as exc:
+            status = f"interrupted: {exc.signal_name if isinstance(exc, Interrupted) else 'SIGINT'}"
             raise
         except RunAborted as exc:
             status = f"aborted: {exc}"

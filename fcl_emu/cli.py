@@ -81,7 +81,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     finally:
         if forks is not None:
             forks.close()
-    raise typer.Exit(0 if summary.completed else 1)
+    raise typer.Exit(summary.exit_code)
 
 
 def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -20,7 +23,7 @@ from containers.faults import FaultInjector, Target, load_plan
 from containers.stats import ContainerStats
 from coordinator import checkpoint
 from coordinator.checkpoint import Checkpoint, CheckpointError
-from coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, RunAborted, run_fingerprint
+from coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, Interrupted, RunAborted, run_fingerprint
 from coordinator.errors import BindError
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
@@ -268,8 +271,13 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
                 coordinator.metrics.registry.register(container_stats)
         started()
         try:
-            with view.progress:
+            with view.progress, _signals_end_the_run():
                 summary = coordinator.run(run_dir)
+        except KeyboardInterrupt as exc:  # the coordinator wrote the summary and keeps its last checkpoint
+            how = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+            console.print(f"run interrupted by {how}", style="yellow", markup=False, highlight=False)
+            summary = _read_summary(run_dir)
+            _how_to_resume(run_dir, start_nodes, console)
         except RunAborted as exc:
             console.print(f"run aborted: {exc}", style="red", markup=False, highlight=False)
             summary = _read_summary(run_dir)
@@ -294,6 +302,28 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
         _stop_prometheus(prometheus, config.metrics.keep_prometheus and finished, console)
     console.print(summary_table(summary))
     return summary
+
+
+@contextmanager
+def _signals_end_the_run() -> Iterator[None]:
+    """SIGINT and SIGTERM end the run the same way, once (a second signal while the run is being closed is
+    ignored): :class:`Interrupted` with the signal's exit code. Only the main thread can take signals; elsewhere
+    (a run started from a thread) the process's handlers stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signal.Signals(signum).name, 128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _inject_faults(config: RunConfig, target: Target, coordinator: Coordinator,

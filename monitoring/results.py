@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -327,6 +328,17 @@ class RunSummary(SummaryPart, kw_only=True):
     @property
     def completed(self) -> bool:
         return self.status == "completed"
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit code for this run: 0 completed; 128 + the signal's number for a run a signal
+        interrupted (``interrupted: SIGTERM`` -> 143, Ctrl-C -> 130); 1 otherwise."""
+        if self.completed:
+            return 0
+        kind, _, detail = self.status.partition(": ")
+        if kind == "interrupted":
+            return 128 + getattr(signal.Signals, detail or "SIGINT", signal.SIGINT).value
+        return 1
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of summary.json (numpy numbers as Python numbers)."""

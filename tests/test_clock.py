@@ -188,12 +188,12 @@ def test_same_seed_same_rounds_and_accuracy_whatever_the_host_load_and_the_node_
     outcome = [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in quiet_rounds]
     assert outcome == [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in loaded_rounds]
     assert sum(r["late"] for r in quiet_rounds) > 0  # the slow clients did miss deadlines
-    assert quiet["accuracy_matrix"] == loaded["accuracy_matrix"]
+    assert quiet.accuracy_matrix == loaded.accuracy_matrix
     assert [r["emulated_s"] for r in quiet_rounds] == pytest.approx([r["emulated_s"] for r in loaded_rounds],
                                                                     rel=0.5)
-    assert quiet["host_timeouts"] == loaded["host_timeouts"] == 0
+    assert quiet.host_timeouts == loaded.host_timeouts == 0
     # the two clocks side by side: a round with a straggler lasts its deadline in emulated time, whatever the host
-    assert quiet["clock"] == "emulated" and quiet["emulated_s"] == pytest.approx(sum(r["emulated_s"]
+    assert quiet.clock == "emulated" and quiet.emulated_s == pytest.approx(sum(r["emulated_s"]
                                                                                    for r in quiet_rounds))
     assert all(r["emulated_s"] == pytest.approx(3.0) for r in quiet_rounds if r["late"])
 
@@ -233,13 +233,13 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
                         "device_profiles": str(profiles)}, seed=2)
     quiet, quiet_rounds = run(tmp_path, mnist_root, "quiet", **common)
     loaded, loaded_rounds = run(tmp_path, mnist_root, "loaded", hog=True, nodes=3, **common)
-    clients = quiet["clients"]
-    assert clients["left"] > 0 and clients["rejoined"] > 0 and clients["dropped"] > 0
+    clients = quiet.clients
+    assert clients.left > 0 and clients.rejoined > 0 and clients.dropped > 0
     assert sum(r["dropped"] for r in quiet_rounds) > 0
     keys = ("selected", "participants", "late", "dropped", "online")
     assert [[r[k] for k in keys] for r in quiet_rounds] == [[r[k] for k in keys] for r in loaded_rounds]
-    assert clients == loaded["clients"]
-    assert quiet["accuracy_matrix"] == loaded["accuracy_matrix"]
-    assert quiet["emulated_s"] == loaded["emulated_s"]
+    assert clients == loaded.clients
+    assert quiet.accuracy_matrix == loaded.accuracy_matrix
+    assert quiet.emulated_s == loaded.emulated_s
     # the uploads of clients gone before they would have arrived crossed the host's wire, not the federation's
-    assert quiet["bytes_discarded"] == loaded["bytes_discarded"] > 0
+    assert quiet.bytes_discarded == loaded.bytes_discarded > 0

@@ -142,8 +142,8 @@ def test_docker_backend_gives_the_process_backend_s_accuracy_matrix(tmp_path, im
     assert done.returncode == 0, done.stderr[-2000:]
     done, docker, _ = up(tmp_path / "docker", *args, "--backend", "docker", "--image", image)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert docker["status"] == process["status"] == "completed"
-    assert docker["accuracy_matrix"] == process["accuracy_matrix"]
+    assert docker.status == process.status == "completed"
+    assert docker.accuracy_matrix == process.accuracy_matrix
     no_leftovers()
 
 

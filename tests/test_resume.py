@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 
 from coordinator import checkpoint
 from coordinator.checkpoint import CheckpointError
+from coordinator.resume import CHECKPOINT_DIR
 from coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
 from runconfig import RunConfig
@@ -359,6 +361,100 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
     resumed_config, ckpt = run_module.open_resume(run_dir, {"data_root": [str(mnist_root)]})
     summary = run_module.run_local(resumed_config, Console(file=io.StringIO()), resume=ckpt)
     assert summary.status == "completed" and summary.rounds == 4 and summary.resumes == 1
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_command(tmp_path, mnist_root):
+    """SIGTERM (what `timeout`, Slurm and systemd send) mid-run: the nodes stop, summary.json says
+    `interrupted: SIGTERM`, the checkpoint stays, the summary table and the exact resume command are printed,
+    exit 143; `up --resume` then finishes the run."""
+    import psutil
+
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40},
+                          rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
+                          training={"local_epochs": 1}, nodes=2)
+    run_dir = tmp_path / "run"
+    common = ["--data-root", str(mnist_root)]
+    up = fcl_emu("up", "--config", str(config), "--run-dir", str(run_dir), *common,
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resumed = None
+    try:
+        wait_for(lambda: any(e["event"] == "round" for e in events(run_dir)), 120, "the first round")
+        family = psutil.Process(up.pid).children(recursive=True)
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=60)
+        assert up.returncode == 143, out[-3000:]
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, "edge nodes outlived the interrupted run"
+        assert "run interrupted by SIGTERM" in out and f"--resume {run_dir}" in out and "interrupted: SIGTERM" in out
+        summary = RunSummary.load(run_dir / "summary.json")
+        assert summary.status == "interrupted: SIGTERM" and summary.exit_code == 143
+        assert events(run_dir)[-1] == {**events(run_dir)[-1], "event": "end", "status": "interrupted: SIGTERM"}
+        assert not list(run_dir.glob("*.tmp")) and checkpoint.exists(run_dir / CHECKPOINT_DIR)
+        resumed = fcl_emu("up", "--resume", str(run_dir), *common)
+        assert resumed.wait(timeout=120) == 0
+    finally:
+        for p in (up, resumed):
+            if p is not None and p.poll() is None:
+                p.kill()
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
+
+
+def test_a_task_that_trained_nothing_is_never_reported_completed():
+    """Every round of a task skipped (its clients gone, say, after the task before ended): `degraded`, naming
+    the task; no round trained at all: `failed`."""
+    from coordinator.lifecycle import _trained_status
+
+    def rounds(*skipped_by_task):
+        return [SimpleNamespace(task=t, skipped=s) for t, flags in enumerate(skipped_by_task) for s in flags]
+
+    assert _trained_status(rounds([False, True], [True, False])) == "completed"
+    assert _trained_status(rounds([False], [True, True], [True])).startswith("degraded: tasks 1, 2 trained nothing")
+    assert _trained_status(rounds([True], [True])).startswith("failed: every round was skipped")
+    exit_codes = {status: RunSummary(status=status, method="fedavg", dataset="mnist", accuracy_matrix=[],
+                                     bytes_total=0, rounds=0, wall_clock_s=0.0).exit_code
+                  for status in ("completed", "interrupted: SIGTERM", "interrupted: SIGINT", "interrupted",
+                                 "degraded: task 1 trained nothing", "aborted: every edge node exited")}
+    assert exit_codes == {"completed": 0, "interrupted: SIGTERM": 143, "interrupted: SIGINT": 130,
+                          "interrupted": 130, "degraded: task 1 trained nothing": 1,
+                          "aborted: every edge node exited": 1}
+
+
+@pytest.mark.slow
+def test_nodes_killed_during_a_tasks_end_abort_the_run_with_their_exits_recorded(tmp_path, mnist_root, monkeypatch):
+    """Every edge node SIGKILLed (an out-of-memory kill, a lost host) while the coordinator does task 0's
+    end-of-task work, when nothing serves its socket: the next round notices, records each node's exit and ends
+    the run `aborted`, never `completed`; the checkpoint after task 0 stays for a resume."""
+    import io
+
+    import psutil
+    from rich.console import Console
+
+    import methods.base
+    from fcl_emu import run as run_module
+    from runconfig import load_config
+
+    original = methods.base.ServerPart.end_task
+
+    def end_task_as_the_nodes_die(self, task):
+        nodes = [p for p in psutil.Process().children(recursive=True) if "node" in " ".join(p.cmdline())]
+        for p in nodes:
+            p.kill()
+        psutil.wait_procs(nodes, timeout=10)
+        return original(self, task)
+
+    monkeypatch.setattr(methods.base.ServerPart, "end_task", end_task_as_the_nodes_die)
+    run_dir = tmp_path / "run"
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+                                      rounds={"clients_per_round": 2, "rounds_per_task": 1},
+                                      training={"local_epochs": 1}),
+                         {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
+    out = io.StringIO()
+    summary = run_module.run_local(config, Console(file=out, width=300))
+    assert summary.status.startswith("aborted: every edge node exited") and summary.rounds == 1
+    assert len([e for e in events(run_dir) if e["event"] == "node_exit"]) == 2
+    assert f"fcl-emu up --resume {run_dir}" in out.getvalue()
 
 
 @pytest.mark.slow
