@@ -13,7 +13,8 @@ A save writes a new arrays file under a fresh name, fsyncs it, then writes
 is atomic on POSIX and Windows); the rename is the commit. Only then are the
 older arrays files removed. A crash at any point leaves either the previous
 checkpoint or the new one, both complete; leftovers of an interrupted save are
-removed by the next one.
+removed by the next one. A save that fails (a full disk, say) removes what it
+wrote before raising its :class:`OSError`, which names the file it was writing.
 """
 
 from __future__ import annotations
@@ -57,19 +58,27 @@ def save(directory: Path, state: Mapping[str, Any], arrays: Mapping[str, np.ndar
     directory.mkdir(parents=True, exist_ok=True)
     names = list(arrays)
     npz = directory / f"arrays-{uuid.uuid4().hex[:12]}.npz"
-    with open(npz, "wb") as f:
-        np.savez(f, **{f"a{i}": np.asarray(arrays[name]) for i, name in enumerate(names)})
-        f.flush()
-        os.fsync(f.fileno())
-    size, digest = _digest(npz)
-    doc = dict(state, format=FORMAT, arrays={"file": npz.name, "bytes": size, "sha256": digest, "names": names})
-    text = json.dumps(doc, separators=(",", ":"))
     tmp = directory / (STATE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / STATE)
+    writing = npz
+    try:
+        with open(npz, "wb") as f:
+            np.savez(f, **{f"a{i}": np.asarray(arrays[name]) for i, name in enumerate(names)})
+            f.flush()
+            os.fsync(f.fileno())
+        size, digest = _digest(npz)
+        doc = dict(state, format=FORMAT, arrays={"file": npz.name, "bytes": size, "sha256": digest, "names": names})
+        text = json.dumps(doc, separators=(",", ":"))
+        writing = tmp
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / STATE)
+    except OSError as exc:  # a full disk, say: the previous checkpoint stays, and so does the space it had
+        npz.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        exc.filename = exc.filename or str(writing)
+        raise
     _fsync_dir(directory)
     for stale in directory.glob(_ARRAYS_GLOB):
         if stale != npz:

@@ -50,7 +50,7 @@ from methods.base import ServerContext
 from methods.models.classifier import build_model, resolve_model
 from monitoring.metrics import CoordinatorMetrics
 from monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
-                                average_incremental_accuracy)
+                                average_incremental_accuracy, failure_status)
 from runconfig import RunConfig, gpu_worker_metrics_port
 from scenario.datasets import load_dataset
 from scenario.devices import load_profiles
@@ -305,8 +305,8 @@ class Coordinator:
         except RunAborted as exc:
             status = f"aborted: {exc}"
             raise
-        except Exception as exc:  # a bug or a broken environment: never recorded as a completed run
-            status = f"failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug or a broken environment (a full disk): never recorded as completed
+            status = failure_status(exc)
             raise
         finally:
             with spent("shutdown"):

@@ -65,11 +65,14 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     from wire.auth import KeyFileError
 
     from fcl_emu.launchers import zygote
+    from fcl_emu.run import RunNotRecorded
+    from fcl_emu.writable import NotWritableError
 
     forks = zygote.start() if fork_nodes and cfg.containers.backend == "process" else None
     try:
         summary = runner(cfg, console)
-    except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError) as exc:
+    except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError,
+            NotWritableError, RunNotRecorded) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     except PortInUseError as exc:
@@ -99,6 +102,24 @@ def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags:
         console.print(f"error: cannot resume {run_dir}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     _finish(functools.partial(getattr(run, runner_name), resume=ckpt), cfg, fork_nodes)
+
+
+def _writable(*directories: Optional[Path]) -> None:
+    """Exit 1 with one line unless each directory given can be written (or made): checked before any work."""
+    from fcl_emu.writable import NotWritableError, check_writable
+
+    try:
+        for directory in directories:
+            if directory is not None:
+                check_writable(directory)
+    except NotWritableError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _folder(file: Optional[Path]) -> Optional[Path]:
+    """The directory ``file`` goes into (None: no file)."""
+    return None if file is None else file.parent
 
 
 def _logging(verbose: bool) -> None:
@@ -157,6 +178,7 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
     cfg = build_config(config, **flags)
     if not cfg.data_root:
         raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
+    _writable(out)
     try:
         image = image_ref(cfg.containers.image)
     except (EngineError, ImageError) as exc:
@@ -238,11 +260,11 @@ def keys(
     """Write a run's CurveZMQ keys for a coordinator and edge nodes on several hosts (docs/security.md)."""
     from edge_node.args import format_client_set
     from fcl_emu.keys import node_blocks, write_run_keys
-    from runconfig import RunConfig
 
-    count = clients or RunConfig().scenario.num_clients
+    count = build_config(None, clients=clients, nodes=1).scenario.num_clients  # a run's bounds (its nodes: below)
     if nodes > count:
         raise typer.BadParameter(f"{nodes} nodes for {count} clients", param_hint="--nodes")
+    _writable(directory)
     blocks = node_blocks(count, nodes)
     path = write_run_keys(directory, blocks, per_device=per_device)
     lines = [f"keys for {count} clients on {len(blocks)} nodes in {path} (keep coordinator.key_secret and "
@@ -294,6 +316,8 @@ def report(
     from monitoring.report import write_report
     from monitoring.run_dir import RunDirError
 
+    out = run_dir / "report" if out is None else out
+    _writable(out)
     try:
         path = write_report(run_dir, out)
     except RunDirError as exc:
@@ -311,6 +335,7 @@ def compare(
     from monitoring.compare import compare_runs, format_table
     from monitoring.run_dir import RunDirError
 
+    _writable(out)
     try:
         rows, png = compare_runs(run_dirs, out)
     except RunDirError as exc:
@@ -329,6 +354,7 @@ def bench_wire(
     """Framing throughput between two processes vs raw zero-copy pyzmq and pickle."""
     from fcl_emu.bench.wire import run
 
+    _writable(_folder(json_path))
     run(json_path, seconds, console)
 
 
@@ -342,6 +368,7 @@ def bench_round(
     """Coordinator time per round outside client training, and memory per idle client."""
     from fcl_emu.bench.round import run
 
+    _writable(_folder(json_path))
     run(clients, rounds, json_path, data_root, console)
 
 
@@ -361,6 +388,7 @@ def bench_secagg(
     """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound and Flower."""
     from fcl_emu.bench.secagg import run
 
+    _writable(_folder(json_path))
     try:
         run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower)
     except ValueError as exc:
@@ -378,6 +406,7 @@ def bench_metrics(
     """Prometheus metrics overhead: time per update, scrape time and size at --clients clients."""
     from fcl_emu.bench.metrics import run
 
+    _writable(_folder(json_path))
     run(clients, list(url or []), json_path, console)
 
 
@@ -403,6 +432,7 @@ def bench_scale(
         raise typer.BadParameter(f"{populations!r}: use comma-separated integers", param_hint="--populations") from None
     if not sizes or min(sizes) < 2:
         raise typer.BadParameter("every population needs at least 2 clients", param_hint="--populations")
+    _writable(out, _folder(json_path))
     try:
         run(sizes, cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root, console)
     except RuntimeError as exc:
@@ -425,6 +455,7 @@ def bench_containers(
     from fcl_emu.bench.containers import run
     from runconfig import default_data_roots
 
+    _writable(_folder(json_path))
     try:
         run(clients, cohort, rounds, nodes, [Path(p) for p in data_root] if data_root else default_data_roots(),
             json_path, Console())
@@ -455,6 +486,7 @@ def bench_flower(
         console.print("error: the comparison needs Flower's simulation engine: pip install 'flwr[simulation]'",
                       style="red", markup=False, highlight=False)
         raise typer.Exit(1)
+    _writable(_folder(json_path))
     try:
         run(parsed, rounds, epochs, data_root, json_path, console)
     except RuntimeError as exc:
@@ -488,6 +520,7 @@ def bench_churn(
     """Churn sweep: accuracy, forgetting, completed rounds and bytes against the churn rate (real `up` runs)."""
     from fcl_emu.bench import churn
 
+    _writable(out)
     try:
         base = churn.base_config(config, clients=clients, tasks=tasks, rounds_per_task=rounds_per_task,
                                  clients_per_round=clients_per_round, min_participants=min_participants,

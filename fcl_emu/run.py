@@ -28,8 +28,9 @@ from coordinator.errors import BindError
 from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
+from fcl_emu.writable import check_writable
 from monitoring import stack
-from monitoring.results import RunSummary
+from monitoring.results import RunSummary, SummaryNotWritten, failure_status
 from scenario.datasets import find_dataset
 
 
@@ -183,14 +184,16 @@ def _stop_prometheus(prometheus: stack.LocalPrometheus | None, keep: bool, conso
                       markup=False, highlight=False)
 
 
-def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None) -> RunConfig:
-    """What can be checked before a run writes anything (its run directory, its keys): the /metrics ports
-    (``--prometheus`` without a port picks a free block), a new run's TCP port, and that the dataset is there
-    (unless it is to be downloaded). The configuration is valid by construction.
+def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint | None,
+                       run_dir: Path) -> RunConfig:
+    """What can be checked before a run writes anything (its run directory, its keys): that ``run_dir`` can be
+    written, the /metrics ports (``--prometheus`` without a port picks a free block), a new run's TCP port, and
+    that the dataset is there (unless it is to be downloaded). The configuration is valid by construction.
 
-    Raises :class:`monitoring.stack.PortInUseError`, :class:`coordinator.errors.BindError` or
-    :class:`scenario.datasets.DatasetNotFoundError`.
+    Raises :class:`fcl_emu.writable.NotWritableError`, :class:`monitoring.stack.PortInUseError`,
+    :class:`coordinator.errors.BindError` or :class:`scenario.datasets.DatasetNotFoundError`.
     """
+    check_writable(run_dir)
     config = resolve_metrics(config, start_nodes)
     if resume is None:
         _check_bind(config.network.bind)
@@ -218,8 +221,8 @@ def _check_bind(endpoint: str) -> None:
 
 
 def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> RunSummary:
-    config = check_before_start(config, start_nodes, resume)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    config = check_before_start(config, start_nodes, resume, run_dir)
     keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:
         config = keys.write(config)
@@ -280,13 +283,11 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
             summary = _read_summary(run_dir)
             _how_to_resume(run_dir, start_nodes, console)
         except Exception as exc:  # recorded as "failed: ..." by the coordinator; the traceback goes to a file
-            failure = run_dir / "logs" / "failure.txt"
-            failure.parent.mkdir(parents=True, exist_ok=True)
-            failure.write_text(traceback.format_exc())
-            console.print(f"run failed: {type(exc).__name__}: {exc} (traceback: {failure})", style="red",
-                          markup=False, highlight=False)
-            summary = _read_summary(run_dir)
+            summary = _failed(exc, run_dir, console)
             _how_to_resume(run_dir, start_nodes, console)
+            if summary is None:
+                raise RunNotRecorded(str(exc) if isinstance(exc, SummaryNotWritten) else
+                                     f"the run wrote no summary ({run_dir / 'summary.json'})") from None
         finished = True
     finally:
         if finished and config.metrics.enabled:
@@ -337,6 +338,32 @@ def _inject_faults(config: RunConfig, target: Target, coordinator: Coordinator,
 
     coordinator.progress = progress
     return injector
+
+
+class RunNotRecorded(Exception):
+    """A run ended without writing its summary.json (a full disk, say); its status was printed."""
+
+
+def _failed(exc: Exception, run_dir: Path, console: Console) -> RunSummary | None:
+    """After a run that ``exc`` ended: its traceback in RUN_DIR/logs/failure.txt (where the disk has room for it),
+    one line with its status, and the summary it recorded (None if it wrote none)."""
+    failure: Path | None = run_dir / "logs" / "failure.txt"
+    try:
+        failure.parent.mkdir(parents=True, exist_ok=True)
+        failure.write_text(traceback.format_exc())
+    except OSError:
+        failure = None
+    summary = None
+    if not isinstance(exc, SummaryNotWritten):  # else a summary.json there is an earlier session's
+        try:
+            summary = _read_summary(run_dir)
+        except (OSError, ValueError):
+            pass
+    status = exc.status if isinstance(exc, SummaryNotWritten) else (
+        failure_status(exc) if summary is None else summary.status)
+    where = "" if failure is None else f" (traceback: {failure})"
+    console.print(f"run {status}{where}", style="red", markup=False, highlight=False)
+    return summary
 
 
 def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:

@@ -35,6 +35,7 @@ KR_t and KR_s are the project's definitions of the same ideas (docs/metrics.md).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -109,9 +110,39 @@ def client_test_accuracy(hits: np.ndarray, totals: np.ndarray,
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed over it: ``path`` holds the old text or the new,
+    never part of it. A failed write (a full disk, say) removes the temporary file and raises an
+    :class:`OSError` naming ``path``."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _naming(exc, path)
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc``, naming ``path`` if it names no file (a failed write names none)."""
+    exc.filename = exc.filename or str(path)
+    return exc
+
+
+def failure_status(exc: BaseException) -> str:
+    """The status of a run that ``exc`` ended: ``failed: disk full (PATH)`` for a write that found no space left
+    (or the user's quota spent), else ``failed: TYPE: MESSAGE``."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"failed: disk full ({exc.filename})" if exc.filename else "failed: disk full"
+    return f"failed: {type(exc).__name__}: {exc}"
+
+
+class SummaryNotWritten(Exception):
+    """summary.json could not be written: the run's ``status`` can only be printed. A run that had completed
+    until then is failed (its results are not recorded)."""
+
+    def __init__(self, status: str, error: OSError):
+        self.status = failure_status(error) if status == "completed" else status
+        super().__init__(f"{error.filename} could not be written: {error.strerror or error}")
 
 
 def _json_default(value: Any) -> Any:
@@ -342,21 +373,39 @@ class RunRecorder:
             _cut_partial_line(events)
         self._events = open(events, "a", buffering=1)
         self._lock = threading.Lock()  # events also come from the fault injector's thread
+        self._lost = False  # a write of events.jsonl failed (a full disk, say): the run is ending
         self.started = time.time() - elapsed_s
 
     def event(self, kind: str, **fields: Any) -> None:
+        """Append an event; the first that cannot be written raises an :class:`OSError` naming events.jsonl, and
+        the later ones (while the run ends) are dropped."""
         record = {"event": kind, "time": round(time.time() - self.started, 4), **fields}
         line = json.dumps(record, default=_json_default) + "\n"
         with self._lock:
-            self._events.write(line)
+            if self._lost:
+                return
+            try:
+                self._events.write(line)
+            except OSError as exc:
+                self._lost = True
+                raise _naming(exc, Path(self._events.name))
 
     def round(self, record: RoundRecord) -> None:
         self.event("round", **asdict(record))
 
     def summary(self, summary: RunSummary) -> Path:
+        """Write summary.json; :class:`SummaryNotWritten` if it cannot be written."""
         path = self.run_dir / "summary.json"
-        summary.write(path)
+        try:
+            summary.write(path)
+        except OSError as exc:
+            raise SummaryNotWritten(summary.status, exc) from exc
         return path
 
     def close(self) -> None:
-        self._events.close()
+        """Close events.jsonl; once a write has failed, what could not be written is lost without a second error."""
+        try:
+            self._events.close()
+        except OSError:
+            if not self._lost:
+                raise

@@ -7,6 +7,7 @@ naming the option. The resolved config is written into the run directory.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,6 +76,16 @@ class NetworkConfig(pydantic.BaseModel):
         1000.0, gt=0, description="heartbeats per second the coordinator takes from all clients together: with more "
                                   "clients than budget x interval, the interval and the liveness timeout are "
                                   "stretched by the same factor (docs/edge.md)")
+
+    @pydantic.field_validator("bind")
+    @classmethod
+    def _port_in_range(cls, value: str) -> str:
+        """A TCP endpoint's port is 1-65535, or 0 (or ZeroMQ's *) for any free port: ZeroMQ itself would bind
+        port 70000 as 4464."""
+        port = value.rpartition(":")[2]
+        if value.startswith("tcp://") and not (port == "*" or re.fullmatch("[0-9]+", port) and int(port) < 65536):
+            raise ValueError(f"{value!r}: use tcp://HOST:PORT with a port from 1 to 65535, or 0 for any free port")
+        return value
 
     def liveness(self, clients: int) -> tuple[float, float]:
         """(heartbeat interval, liveness timeout) for ``clients`` clients, stretched to the heartbeat budget."""

@@ -1,5 +1,6 @@
 """Configuration and command line: bad values fail early and name the option."""
 
+import os
 import socket
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def invoke(*args: str):
     (["--max-update-norm", "0"], "--max-update-norm"),
     (["--clip-norm", "-1"], "--clip-norm"),
     (["--secagg", "--clip-norm", "5"], "cannot bound or clip"),
+    (["--bind", "tcp://127.0.0.1:70000"], "--bind"),  # ZeroMQ would bind port 4464
+    (["--bind", "tcp://*:65536"], "port from 1 to 65535"),
 ])
 def test_up_rejects_bad_values_before_starting(args, flag):
     code, output = invoke("up", *args)
@@ -226,3 +229,44 @@ def test_a_coordinator_without_keys_says_how_to_get_them(tmp_path, mnist_root):
     code, output = invoke("coordinator", "--clients", "4", "--keys", str(tmp_path / "none"), "--data-root",
                           str(mnist_root))
     assert code == 1 and "does not exist" in output
+
+
+def test_bind_takes_ports_1_to_65535_or_any_free_port():
+    for bind in ("tcp://127.0.0.1:0", "tcp://0.0.0.0:65535", "tcp://[::1]:1", "tcp://*:*", "ipc:///tmp/fcl-emu"):
+        assert load_config(None, {"network": {"bind": bind}}).network.bind == bind
+    for bind in ("tcp://127.0.0.1:65536", "tcp://host", "tcp://host:-1"):
+        with pytest.raises(ValueError, match="port from 1 to 65535"):
+            load_config(None, {"network": {"bind": bind}})
+
+
+@pytest.mark.parametrize("clients", ["0", "-3"])
+def test_keys_refuses_a_run_without_clients(tmp_path, clients):
+    code, output = invoke("keys", str(tmp_path / "k"), "--clients", clients)
+    assert code == 2 and "--clients" in output and "greater than or equal to 1" in output
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["up", "--clients", "4", "--nodes", "1", "--run-dir", "{target}"],
+    ["coordinator", "--clients", "4", "--insecure", "--run-dir", "{target}"],
+    ["keys", "{target}", "--clients", "4"],
+    ["deploy", "{target}", "--data-root", "{tmp}"],
+    ["report", "{tmp}", "--out", "{target}"],
+    ["compare", "{tmp}", "--out", "{target}"],
+    ["bench", "secagg", "--clients", "4", "--dim", "10", "--json", "{target}/secagg.json"],
+    ["bench", "scale", "--out", "{target}"],
+    ["bench", "churn", "--out", "{target}"],
+])
+def test_a_command_refuses_a_folder_it_cannot_write_in_one_line(tmp_path, command):
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / "out"
+    code, output = invoke(*(arg.format(target=target, tmp=tmp_path) for arg in command))
+    assert code == 1 and f"error: cannot write to {target}" in output and "is not a directory" in output, output
+    assert "Traceback" not in output and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder")
+def test_a_folder_without_write_permission_is_refused(tmp_path):
+    (tmp_path / "locked").mkdir(mode=0o500)
+    code, output = invoke("keys", str(tmp_path / "locked" / "k"), "--clients", "4")
+    assert code == 1 and "no permission to write in" in output and "Traceback" not in output

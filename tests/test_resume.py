@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from runconfig import RunConfig
 from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model
-from monitoring.results import RunSummary
+from monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
 from tests.conftest import device_keys, events, fcl_emu, free_port, small_config, wait_for
 
 SHAPE = (1, 28, 28)
@@ -60,23 +61,59 @@ def test_checkpoint_round_trip_keeps_only_the_latest(tmp_path):
 @pytest.mark.parametrize("fail_at", ["arrays", "commit"])
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, fail_at):
     checkpoint.save(tmp_path, {"n": 1}, _arrays(0))
-    if fail_at == "arrays":  # dies while writing the arrays: a partial file, no commit
+    previous = sorted(tmp_path.iterdir())
+    if fail_at == "arrays":  # the disk fills up while the arrays are written: a partial file, no commit
         def savez(f, **arrays):
             f.write(b"PK\x03\x04 partial")
-            raise OSError("disk full")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         monkeypatch.setattr(checkpoint.np, "savez", savez)
-    else:  # dies after writing everything but before the rename
+    else:  # fails after writing everything but before the rename
         def replace(src, dst):
-            raise OSError("killed")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         monkeypatch.setattr(checkpoint.os, "replace", replace)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as failed:
         checkpoint.save(tmp_path, {"n": 2}, _arrays(1))
     monkeypatch.undo()
+    assert failure_status(failed.value).startswith(f"failed: disk full ({tmp_path}{os.sep}")
+    assert sorted(tmp_path.iterdir()) == previous  # what the failed save wrote is gone, space and all
     loaded = checkpoint.load(tmp_path)
     assert loaded.state["n"] == 1 and _same_arrays(loaded.arrays, _arrays(0))
     checkpoint.save(tmp_path, {"n": 3}, _arrays(2))  # the next save clears the leftovers
     assert len(list(tmp_path.glob("arrays-*.npz"))) == 1
     assert checkpoint.load(tmp_path).state["n"] == 3
+
+
+def test_a_write_on_a_full_disk_names_its_file_and_a_summary_it_stops_fails_the_run(tmp_path, monkeypatch):
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(type(tmp_path), "write_text", full)
+    with pytest.raises(OSError) as failed:
+        write_json_atomic(tmp_path / "summary.json", {})
+    assert failure_status(failed.value) == f"failed: disk full ({tmp_path / 'summary.json'})"
+    assert failure_status(ValueError("bad")) == "failed: ValueError: bad"
+    recorder = RunRecorder(tmp_path, None)
+    for status, recorded in [("completed", f"failed: disk full ({tmp_path / 'summary.json'})"),
+                             ("failed: disk full (ckpt)", "failed: disk full (ckpt)")]:
+        with pytest.raises(SummaryNotWritten) as not_written:
+            recorder.summary(SimpleNamespace(status=status, write=lambda path: write_json_atomic(path, {})))
+        assert not_written.value.status == recorded
+    assert list(tmp_path.iterdir()) == [tmp_path / "events.jsonl"]
+
+
+def test_a_run_whose_summary_cannot_be_written_prints_its_status(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from fcl_emu import run as run_module
+
+    (tmp_path / "summary.json").write_text("{}")  # an earlier session's: not this run's record
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "summary.json"))
+    out = io.StringIO()
+    assert run_module._failed(SummaryNotWritten("failed: disk full (ckpt)", error), tmp_path,
+                              Console(file=out, width=300)) is None
+    assert out.getvalue().startswith("run failed: disk full (ckpt) (traceback: ")
 
 
 def test_missing_and_corrupt_checkpoints_are_refused(tmp_path):
@@ -418,3 +455,51 @@ def test_nodes_killed_during_a_tasks_end_abort_the_run_with_their_exits_recorded
     assert summary.status.startswith("aborted: every edge node exited") and summary.rounds == 1
     assert len([e for e in events(run_dir) if e["event"] == "node_exit"]) == 2
     assert f"fcl-emu up --resume {run_dir}" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, mnist_root, monkeypatch):
+    """The second checkpoint (after round 1) finds the disk full: the run is recorded as `failed: disk full
+    (<the file>)`, `up` says so in one line and exits 1, the first checkpoint is intact and `up --resume`
+    completes the run."""
+    import io
+
+    import click
+    from rich.console import Console
+
+    from fcl_emu import cli
+    from fcl_emu import run as run_module
+    from runconfig import load_config
+
+    saves, savez = [], np.savez
+
+    def savez_on_a_disk_that_fills_up(f, **arrays):
+        saves.append(f.name)
+        if len(saves) == 2:
+            f.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        savez(f, **arrays)
+
+    monkeypatch.setattr(checkpoint.np, "savez", savez_on_a_disk_that_fills_up)
+    run_dir = tmp_path / "run"
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4, "num_tasks": 1},
+                                      rounds={"clients_per_round": 2, "rounds_per_task": 2, "eval_every": 2},
+                                      training={"local_epochs": 1}, nodes=1),
+                         {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=300))
+    with pytest.raises(click.exceptions.Exit) as ended:
+        cli._finish(run_module.run_local, config)
+    assert ended.value.exit_code == 1
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == f"failed: disk full ({saves[1]})" and summary.rounds == 1
+    text = out.getvalue()
+    assert f"run {summary.status}" in text and f"fcl-emu up --resume {run_dir}" in text
+    assert "Traceback" not in text and "Errno" not in text
+    monkeypatch.undo()
+    ckpt = checkpoint.load(run_dir / "checkpoint")  # the one before: when the clients had joined
+    assert ckpt.state["next"] == {"task": 0, "task_round": 0} and ckpt.state["global_round"] == 0
+    assert [p.name for p in (run_dir / "checkpoint").glob("arrays-*.npz")] == [ckpt.state["arrays"]["file"]]
+    resumed_config, ckpt = run_module.open_resume(run_dir, {"data_root": [str(mnist_root)]})
+    summary = run_module.run_local(resumed_config, Console(file=io.StringIO()), resume=ckpt)
+    assert summary.status == "completed" and summary.rounds == 2 and summary.resumes == 1

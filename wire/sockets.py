@@ -232,8 +232,8 @@ def check_endpoint(text: str) -> str:
     """``text`` if it is a ZeroMQ endpoint to connect to (tcp://HOST:PORT, ipc://PATH, inproc://NAME); else
     ValueError saying what one looks like."""
     if not _ENDPOINT.match(text) or (text.startswith("tcp://") and not 0 < int(text.rsplit(":", 1)[1]) < 65536):
-        raise ValueError(f"{text!r} is not a ZeroMQ endpoint: use tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555), "
-                         f"ipc://PATH or inproc://NAME")
+        raise ValueError(f"{text!r} is not a ZeroMQ endpoint: use tcp://HOST:PORT with a port from 1 to 65535 "
+                         f"(e.g. tcp://10.0.0.5:5555), ipc://PATH or inproc://NAME")
     return text
 
 
