@@ -96,7 +96,11 @@ class Zygote:
             self._exits[message[1]] = message[2]
 
     def close(self) -> None:
-        """End the zygote (its remaining children end with it) and reap it."""
+        """End the zygote (its remaining children end with it) and reap it; a later :func:`start` forks a new
+        one."""
+        global _current
+        if _current is self:
+            _current = None
         with self._lock:
             if self._alive:
                 try:
