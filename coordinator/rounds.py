@@ -207,9 +207,15 @@ class RoundRunner:
             losses = list(outcome.losses)
         skipped = not useful or (outcome is None and len(useful) < self.config.rounds.min_participants)
         if not skipped:
-            self.state.server.aggregate(r.task, r.number, useful if self.privacy is None else [
-                self.privacy.noised_mean(useful, DeltaLayout.of(self.state.server.global_state), r.number)])
+            self.state.server.aggregate(r.task, r.number, self._released(useful, r.number))
         return useful, losses, 0 if skipped or outcome is not None else len(stale), skipped
+
+    def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:
+        """What the method's server part aggregates: the updates, or under central DP their clipped, equally
+        weighted and noised mean as one update (:mod:`coordinator.privacy`)."""
+        if self.privacy is None:
+            return updates
+        return [self.privacy.noised_mean(updates, DeltaLayout.of(self.state.server.global_state), number)]
 
     def _phase_evaluate(self, task: int, task_round: int) -> float | None:
         """Accuracy on the seen classes every ``eval_every`` rounds (a task's last round: at task end)."""
