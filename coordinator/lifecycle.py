@@ -158,6 +158,8 @@ class Coordinator:
         # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
         self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
         self._resumed: Resumed | None = None if resume is None else self.checkpointer.restore(resume)
+        if self._resumed is not None and self.rounds.privacy is not None:
+            self.rounds.privacy.restore(self._resumed.rounds)
 
     # ------------------------------------------------------------ what run.py and the benches use
     @property

@@ -11,7 +11,8 @@
    (:mod:`coordinator.emulated`): who made the deadline, who is late, who left or crashed. How a round waits
    and closes is the run's clock's (:mod:`coordinator.clock`);
 4. aggregate: if at least ``min_participants`` updates arrived (with late updates kept from the round before,
-   under ``rounds.late_updates: next_round``), through the method's server part; otherwise skip the round;
+   under ``rounds.late_updates: next_round``), through the method's server part (under central DP as one
+   clipped and noised mean, :mod:`coordinator.privacy`); otherwise skip the round;
 5. evaluate: every ``eval_every`` rounds (a task's last round is evaluated at task end);
 6. record: the :class:`~monitoring.results.RoundRecord` in ``events.jsonl`` and in the Prometheus metrics.
 
@@ -30,6 +31,7 @@ from coordinator.clock import RunClock
 from coordinator.dispatch import Dispatcher
 from coordinator.guard import clip_update
 from coordinator.open_round import OpenRound, StaleUpdates
+from coordinator.privacy import CentralPrivacy
 from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.state import RunState
 from methods.base import ClientUpdate, DeltaLayout
@@ -54,6 +56,7 @@ class RoundRunner:
     def __init__(self, state: RunState, dispatcher: Dispatcher, clock: RunClock, stale: StaleUpdates):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.dispatcher, self.clock, self.stale = dispatcher, clock, stale
+        self.privacy = CentralPrivacy.of(state.config)  # None without central DP
 
     def _train_s_by_class(self, r: OpenRound) -> dict[str, float] | None:
         """Mean reported local training time of the round's participants per device class (with device profiles;
@@ -117,6 +120,7 @@ class RoundRunner:
             emulated_clock_s=self.clock.emulated_now,
             host_timeout=r.host_timeout,
             bytes_discarded=r.bytes_discarded,
+            privacy=None if self.privacy is None else self.privacy.report(),
         )
         self._phase_record(record)
         return record
@@ -203,8 +207,15 @@ class RoundRunner:
             losses = list(outcome.losses)
         skipped = not useful or (outcome is None and len(useful) < self.config.rounds.min_participants)
         if not skipped:
-            self.state.server.aggregate(r.task, r.number, useful)
+            self.state.server.aggregate(r.task, r.number, self._released(useful, r.number))
         return useful, losses, 0 if skipped or outcome is not None else len(stale), skipped
+
+    def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:
+        """What the method's server part aggregates: the updates, or under central DP their clipped, equally
+        weighted and noised mean as one update (:mod:`coordinator.privacy`)."""
+        if self.privacy is None:
+            return updates
+        return [self.privacy.noised_mean(updates, DeltaLayout.of(self.state.server.global_state), number)]
 
     def _phase_evaluate(self, task: int, task_round: int) -> float | None:
         """Accuracy on the seen classes every ``eval_every`` rounds (a task's last round: at task end)."""
@@ -223,6 +234,9 @@ class RoundRunner:
                                   failed=record.failed, skipped=record.skipped, mean_loss=record.mean_loss,
                                   accuracy_seen_percent=record.accuracy_seen, emulated_s=record.emulated_s,
                                   emulated_clock_s=record.emulated_clock_s, host_timeout=record.host_timeout)
+        if record.privacy is not None:
+            self.metrics.privacy_epsilon.set(math.inf if record.privacy["epsilon"] is None
+                                             else record.privacy["epsilon"])
 
     # ----------------------------------------------------------------- helpers
     def _open_secure_round(self, r: OpenRound) -> SecureRound | SecureOutcome:

@@ -14,6 +14,7 @@ import numpy as np
 
 from coordinator.clock import RunClock
 from coordinator.gpu_pool import Job
+from coordinator.privacy import run_privacy
 from coordinator.resume import Checkpointer
 from coordinator.server_jobs import ServerJobs
 from coordinator.state import RunState, TimeAccount
@@ -90,6 +91,7 @@ class SummaryBuilder:
             gpu_jobs=_jobs_summary(self.jobs.finished, self.config.gpu.workers, self.jobs.pool.device),
             resumes=self.checkpointer.resumes,
             checkpoints=results.Checkpoints(**self.checkpointer.stats),
+            privacy=run_privacy(self.config, rounds),
         )
 
     def _all_accuracy(self, row: list[float | None], task: int) -> float:

@@ -240,6 +240,8 @@ class CoordinatorMetrics(ProcessMetrics):
                                        ["phase"], registry=r)
         self.secagg_recovered_masks = Counter("fcl_secagg_recovered_masks", "Dropped clients whose pairwise "
                                               "masks were reconstructed from Shamir shares.", registry=r)
+        self.privacy_epsilon = Gauge("fcl_privacy_epsilon", "Central differential privacy: epsilon spent so far "
+                                     "for the run's delta (+Inf without noise).", registry=r)
         self.gpu_jobs = Counter("fcl_gpu_jobs", "Server-side jobs of the GPU worker pool by kind and outcome "
                                 "(ok, or failed after its retries).", ["kind", "outcome"], registry=r)
         self.gpu_job_duration = Histogram("fcl_gpu_job_duration_seconds", "Time of a job on its worker's "

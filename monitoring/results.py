@@ -197,6 +197,9 @@ class RoundRecord:
     # emulated clock: bytes received from clients that left or crashed (in emulated time) before their upload
     # would have arrived; the host received them (they are in bytes_received), the federation would not have
     bytes_discarded: int = 0
+    # central DP (coordinator/privacy.py) after this round: epsilon for delta (None without noise), noised rounds
+    # so far, the clip norm the last one used, the noise's standard deviation on its mean, the next clip norm
+    privacy: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ summary.json
@@ -277,6 +280,21 @@ class Checkpoints(SummaryPart):
     bytes: int = 0
 
 
+class Privacy(SummaryPart):
+    """Central differential privacy over the run: its settings, the rounds that released a noised mean, and the
+    epsilon spent for ``delta`` (None without noise: no guarantee), as the accountant composed them."""
+
+    mode: str
+    noise_multiplier: float
+    clip: float  # the clip norm of the last noised round (adaptive clipping: where it ended)
+    adaptive: bool
+    sampling_rate: float
+    steps: int
+    delta: float
+    epsilon: float | None
+    accountant: str = "rdp"
+
+
 class RunSummary(SummaryPart, kw_only=True):
     """``summary.json``: results, costs and counts of a finished or ended run (keys: docs/metrics.md).
 
@@ -324,6 +342,7 @@ class RunSummary(SummaryPart, kw_only=True):
     gpu_jobs: GpuJobs | None = None
     resumes: int = 0
     checkpoints: Checkpoints | None = None
+    privacy: Privacy | None = None  # None: a run without differential privacy
 
     @property
     def completed(self) -> bool:

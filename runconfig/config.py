@@ -7,6 +7,7 @@ naming the option. The resolved config is written into the run directory.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -169,6 +170,54 @@ class SecurityConfig(pydantic.BaseModel):
                                 "aggregating (norm clipping)")
 
 
+class AdaptiveClipping(pydantic.BaseModel):
+    """Central DP's adaptive clipping (Andrew et al. 2021, coordinator/privacy.py): the clip norm follows a
+    quantile of the update norms, estimated from a noised count. Defaults: the paper's."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = pydantic.Field(
+        False, description="central DP: adapt the clip norm each round toward a quantile of the update norms "
+                           "(privacy.clip is its first value)")
+    target_quantile: float = pydantic.Field(
+        0.5, gt=0, lt=1, description="adaptive clipping: the fraction of updates the clip norm should leave "
+                                     "unclipped (gamma)")
+    learning_rate: float = pydantic.Field(
+        0.2, gt=0, le=10, description="adaptive clipping: step of the geometric clip-norm update (eta_C)")
+    count_stddev: float | None = pydantic.Field(
+        None, gt=0, description="adaptive clipping: standard deviation of the noise on the count of unclipped "
+                                "updates (sigma_b; unset: clients_per_round / 20)")
+
+    def count_noise(self, cohort: int) -> float:
+        """sigma_b for a cohort of ``cohort`` clients (the paper's K/20 unless set)."""
+        return cohort / 20 if self.count_stddev is None else self.count_stddev
+
+
+class PrivacyConfig(pydantic.BaseModel):
+    """Differential privacy of the aggregate (docs/security.md)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["off", "central"] = pydantic.Field(
+        "off", description="differential privacy: off, or central (the coordinator clips each model delta, "
+                           "averages them with equal weights and adds Gaussian noise: DP-FedAvg; docs/security.md)")
+    noise_multiplier: float = pydantic.Field(
+        1.0, ge=0, le=100, description="central DP: noise standard deviation over the clip norm (z; 0: no noise "
+                                       "and no privacy)")
+    clip: float = pydantic.Field(1.0, gt=0, description="central DP: the L2 norm each client's model delta is "
+                                                        "clipped to (C; with adaptive clipping its first value)")
+    adaptive: AdaptiveClipping = AdaptiveClipping()
+    delta: float = pydantic.Field(1e-5, gt=0, lt=1, description="central DP: the delta that epsilon is reported "
+                                                                 "for")
+    noise_seed: int | None = pydantic.Field(
+        None, description="central DP: seed of the noise (unset: drawn from the OS, so that nobody who knows the "
+                          "run's seed can subtract the noise; set it only to repeat a run exactly)")
+
+    @property
+    def central(self) -> bool:
+        return self.mode == "central"
+
+
 class MetricsConfig(pydantic.BaseModel):
     """Prometheus metrics endpoints and the optional local Prometheus server (docs/monitoring.md)."""
 
@@ -253,6 +302,7 @@ class RunConfig(pydantic.BaseModel):
     edge: EdgeConfig = EdgeConfig()
     secagg: SecAggSettings = SecAggSettings()
     security: SecurityConfig = SecurityConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     containers: ContainersConfig = ContainersConfig()
@@ -328,6 +378,8 @@ class RunConfig(pydantic.BaseModel):
                              f"model {self.model!r} has none: use cnn_bn, resnet32, resnet18 or auto")
         if self.secagg.enabled:
             self._check_secagg(spec)
+        if self.privacy.central:
+            self._check_privacy(spec)
         if self.nodes > self.scenario.num_clients:
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.clients_per_round > self.scenario.num_clients:
@@ -379,6 +431,30 @@ class RunConfig(pydantic.BaseModel):
                              "cannot join another round's sum")
         if self.rounds.clients_per_round < 3:
             raise ValueError("--secagg needs at least 3 clients per round")
+
+    def _check_privacy(self, spec) -> None:
+        from methods.base import DELTA, ServerPart
+
+        server, cohort = spec.server, self.rounds.clients_per_round
+        if importlib.util.find_spec("dp_accounting") is None:
+            raise ValueError("--privacy central needs Google's dp-accounting library for its privacy accountant: "
+                             "pip install 'fcl-emu[dp]'")
+        if self.secagg.enabled:
+            raise ValueError("--privacy central cannot be combined with --secagg: the coordinator must see each "
+                             "delta to clip it (distributed DP under secure aggregation is not implemented)")
+        if (server.aggregate is not ServerPart.aggregate or set(server.summable) != {DELTA}
+                or server.individual_payload is not None or server.side_channels):
+            raise ValueError(f"--privacy central: the server of method {spec.name!r} does more than add the mean of "
+                             f"the clients' model deltas (its own aggregation, or uploads the noise would not "
+                             f"cover); central DP needs a method that does only that, e.g. fedavg")
+        if self.rounds.late_updates == "next_round":
+            raise ValueError("--privacy central cannot be combined with --late-updates next_round: a late update "
+                             "would join a second round's aggregate outside the privacy accounting")
+        z, adaptive = self.privacy.noise_multiplier, self.privacy.adaptive
+        if adaptive.enabled and z > 0 and z >= 2 * adaptive.count_noise(cohort):
+            raise ValueError(f"--dp-adaptive-clipping: the noise multiplier {z:g} must be less than twice the "
+                             f"count noise sigma_b = {adaptive.count_noise(cohort):g} (privacy.adaptive."
+                             f"count_stddev, default clients_per_round / 20), which it includes")
 
     def method_options_model(self):
         from methods import registry

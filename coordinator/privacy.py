@@ -1,0 +1,170 @@
+"""Central differential privacy of the aggregate: DP-FedAvg with fixed or adaptive clipping, and its accountant
+(``privacy`` in the run config; docs/security.md).
+
+**DP-FedAvg** (McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models", Algorithm 1
+with its fixed-denominator estimator): the coordinator clips each client's model delta to L2 norm C,
+
+    clip(D_k) = D_k * min(1, C / ||D_k||),
+
+averages the clipped deltas with equal weights over the fixed cohort size K = ``rounds.clients_per_round``
+(the sample counts the clients report are not used, and the denominator does not depend on who arrived, so
+adding or removing one client moves the mean by at most C / K), and adds Gaussian noise to the mean:
+
+    mean = sum_k clip(D_k) / K + N(0, (z C / K)^2 I).
+
+The method's server part receives that noised mean as its round's only update, so its sample-weighted FedAvg
+of one update is the update itself; integer buffers (BatchNorm's step counter) are not released, and the
+server keeps its own value of them, as under secure aggregation.
+
+**Adaptive clipping** (Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping",
+Algorithm 1 and Theorem 1): C follows the ``target_quantile`` gamma of the update norms. Each round, with
+b_k = 1[||D_k|| <= C] and the count's noise sigma_b (default K / 20, the paper's recommendation),
+
+    b = (sum_k b_k + N(0, sigma_b^2)) / K,        C <- C * exp(-eta_C (b - gamma)),
+
+and the delta's noise multiplier is z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that the two Gaussian releases
+together cost what one with multiplier z costs. The round is clipped with C, then C is updated.
+
+**Accounting**: each noised round is the sampled Gaussian mechanism with multiplier z and sampling rate
+q = ceil(K x overcommit) / num_clients, composed over the noised rounds by the Renyi-DP accountant of Google's
+dp-accounting library (``dp_accounting.rdp.RdpAccountant``, Poisson sampling as in the McMahan and Andrew
+analyses; the emulator samples a fixed number of clients without replacement). Epsilon for ``privacy.delta`` is
+reported after every round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from methods.base import ClientUpdate, DeltaLayout
+from monitoring.results import Privacy, RoundRecord
+from runconfig import RunConfig
+from runconfig.config import PrivacyConfig
+
+NOISED_UPDATE = "central-dp"  # the client name of the one update the server part receives
+
+
+def delta_noise_multiplier(z: float, count_stddev: float) -> float:
+    """z_D of Andrew et al. 2021 (Theorem 1): what is left of z for the delta once the clipped count takes its
+    share, (z^-2 - (2 sigma_b)^-2)^(-1/2); 0 when z is 0."""
+    if z == 0:
+        return 0.0
+    return (z ** -2 - (2 * count_stddev) ** -2) ** -0.5
+
+
+class PrivacyAccountant:
+    """Epsilon of the sampled Gaussian mechanism composed over rounds (dp-accounting's RDP accountant)."""
+
+    def __init__(self, noise_multiplier: float, sampling_rate: float, orders: Sequence[float] | None = None):
+        import dp_accounting
+        from dp_accounting import rdp
+
+        self._event = dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(
+            noise_multiplier))
+        self._accountant = rdp.RdpAccountant() if orders is None else rdp.RdpAccountant(list(orders))
+        self.noise_multiplier, self.steps = noise_multiplier, 0
+
+    def step(self, count: int = 1) -> None:
+        """Compose ``count`` more rounds."""
+        self._accountant.compose(self._event, count)
+        self.steps += count
+
+    def epsilon(self, delta: float) -> float | None:
+        """Epsilon for ``delta`` after the rounds composed so far (None without noise: no guarantee)."""
+        if self.noise_multiplier == 0:
+            return None
+        return float(self._accountant.get_epsilon(delta)) if self.steps else 0.0
+
+
+class CentralPrivacy:
+    """The run's central DP: the noised mean of each round and the privacy spent so far."""
+
+    def __init__(self, settings: PrivacyConfig, cohort: int, sampling_rate: float):
+        self.settings, self.cohort = settings, cohort
+        adaptive = settings.adaptive
+        self.count_stddev = adaptive.count_noise(cohort) if adaptive.enabled and settings.noise_multiplier else 0.0
+        self.delta_multiplier = (delta_noise_multiplier(settings.noise_multiplier, self.count_stddev)
+                                 if adaptive.enabled else settings.noise_multiplier)
+        self.clip = settings.clip  # the norm the next round clips to
+        self.last_clip = settings.clip  # the norm the last noised round clipped to
+        self.accountant = PrivacyAccountant(settings.noise_multiplier, sampling_rate)
+
+    @classmethod
+    def of(cls, config: RunConfig) -> CentralPrivacy | None:
+        """The run's central DP, or None with ``privacy.mode: off``."""
+        if not config.privacy.central:
+            return None
+        return cls(config.privacy, config.rounds.clients_per_round, sampling_rate(config))
+
+    def noise_std(self, clip: float) -> float:
+        """Standard deviation of the noise on each coordinate of the mean of deltas clipped to ``clip``:
+        z_D C / K."""
+        return self.delta_multiplier * clip / self.cohort
+
+    def noised_mean(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> ClientUpdate:
+        """The clipped, equally weighted, noised mean of the updates' float model deltas (the module docstring),
+        as one update; composes the round into the accountant and, with adaptive clipping, moves the clip
+        norm."""
+        rng = self._rng(round_number)
+        total, unclipped = np.zeros(layout.dim, np.float64), 0
+        for update in updates:
+            flat = layout.flatten(update.tensors).astype(np.float64)
+            norm = float(np.linalg.norm(flat))
+            unclipped += norm <= self.clip
+            total += flat if norm <= self.clip else flat * (self.clip / norm)
+        mean = total / self.cohort + rng.normal(0.0, self.noise_std(self.clip), layout.dim)
+        self.last_clip = self.clip
+        adaptive = self.settings.adaptive
+        if adaptive.enabled:
+            self.clip = adaptive_clip(self.clip, unclipped + rng.normal(0.0, self.count_stddev), self.cohort,
+                                      adaptive.target_quantile, adaptive.learning_rate)
+        self.accountant.step()
+        return ClientUpdate(NOISED_UPDATE, 1, layout.unflatten(mean))
+
+    def report(self) -> dict[str, float | int | None]:
+        """The round record's ``privacy``: epsilon for delta so far, noised rounds, the clip norm the last one
+        used and the noise's standard deviation on its mean, the clip norm of the next."""
+        return {"epsilon": self.accountant.epsilon(self.settings.delta), "delta": self.settings.delta,
+                "steps": self.accountant.steps, "clip": self.last_clip,
+                "noise_std": self.noise_std(self.last_clip), "next_clip": self.clip}
+
+    def restore(self, rounds: Sequence[RoundRecord]) -> None:
+        """Take over the state of a resumed run from its round records: the rounds composed, the clip norm."""
+        reports = [r.privacy for r in rounds if r.privacy is not None]
+        if reports:
+            last = reports[-1]
+            if last["steps"]:
+                self.accountant.step(last["steps"])
+            self.last_clip, self.clip = last["clip"], last["next_clip"]
+
+    def _rng(self, round_number: int) -> np.random.Generator:
+        seed = self.settings.noise_seed
+        return np.random.default_rng() if seed is None else np.random.default_rng([seed, round_number])
+
+
+def sampling_rate(config: RunConfig) -> float:
+    """q: the clients a round selects over the clients of the scenario."""
+    rounds = config.rounds
+    return min(1.0, math.ceil(rounds.clients_per_round * rounds.overcommit) / config.scenario.num_clients)
+
+
+def run_privacy(config: RunConfig, rounds: Sequence[RoundRecord]) -> Privacy | None:
+    """``summary.json``'s ``privacy``: the settings and the last round's report (None without central DP)."""
+    s = config.privacy
+    if not s.central:
+        return None
+    last = next((r.privacy for r in reversed(rounds) if r.privacy is not None), None)
+    return Privacy(mode=s.mode, noise_multiplier=s.noise_multiplier, clip=s.clip if last is None else last["clip"],
+                   adaptive=s.adaptive.enabled, sampling_rate=sampling_rate(config),
+                   steps=0 if last is None else last["steps"], delta=s.delta,
+                   epsilon=(0.0 if s.noise_multiplier else None) if last is None else last["epsilon"])
+
+
+def adaptive_clip(clip: float, noised_unclipped: float, cohort: int, target_quantile: float,
+                  learning_rate: float) -> float:
+    """Andrew et al. 2021's geometric update: C * exp(-eta_C (b - gamma)) with b the noised fraction of
+    unclipped updates."""
+    return clip * math.exp(-learning_rate * (noised_unclipped / cohort - target_quantile))
