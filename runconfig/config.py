@@ -158,7 +158,7 @@ class SecurityConfig(pydantic.BaseModel):
         None, gt=0, description="robust aggregation: scale every model delta down to at most this L2 norm before "
                                 "aggregating (norm clipping)")
     adaptive_clip: float | None = pydantic.Field(
-        3.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
+        10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
                                "its round's updates before aggregating; off: no adaptive bound (plain rounds only: "
                                "a secure round shows no single update)")
     aggregator: Literal[RULES] = pydantic.Field(

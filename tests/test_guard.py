@@ -63,17 +63,23 @@ def test_the_adaptive_bound_clips_to_a_multiple_of_the_cohorts_median_norm_under
 
 def test_the_default_defences_contain_an_insider_sending_100_per_weight():
     """29 honest deltas near a common direction and one of +-100 per weight with the same sample count: through
-    the default adaptive bound and aggregation rule the result stays near the honest mean."""
+    the default adaptive bound and aggregation rule the insider moves the result by at most its weight share of
+    the bound (multiplier x the median norm), instead of 300 times the honest mean's length."""
     security = RunConfig().security
     rng = np.random.default_rng(0)
     direction = rng.standard_normal(10_000).astype(np.float32) * 0.01
-    honest = [ClientUpdate(f"c{i:02d}", 40, {"delta/w": direction + 0.01 * rng.standard_normal(10_000)
+    honest = [ClientUpdate(f"c{i:02d}", 40, {"delta/w": direction + 0.005 * rng.standard_normal(10_000)
                                              .astype(np.float32)}) for i in range(29)]
     insider = ClientUpdate("c99", 40, {"delta/w": np.where(rng.random(10_000) < 0.5, -100.0, 100.0)
                                        .astype(np.float32)})
+    cohort = [*honest, insider]
     honest_mean = fedavg(honest)["w"]
-    undefended = fedavg([*honest, insider])["w"]
-    defended = fedavg(clip_to_cohort([*honest, insider], security.adaptive_clip), security.robust_aggregator())["w"]
     scale = np.linalg.norm(honest_mean)
-    assert np.linalg.norm(undefended - honest_mean) > 100 * scale  # what the insider did without the defence
-    assert np.linalg.norm(defended - honest_mean) < 0.2 * scale
+    assert np.linalg.norm(fedavg(cohort)["w"] - honest_mean) > 100 * scale  # what the insider does undefended
+    defended = fedavg(clip_to_cohort(cohort, security.adaptive_clip), security.robust_aggregator())["w"]
+    median_norm = np.median([delta_norm(u) for u in cohort])
+    shift = np.linalg.norm(defended - honest_mean)
+    assert shift <= security.adaptive_clip * median_norm / 30 + 0.01 * scale and shift < 0.5 * scale
+    median = fedavg(clip_to_cohort(cohort, security.adaptive_clip), RunConfig(
+        security={"aggregator": "median"}).security.robust_aggregator())["w"]
+    assert np.linalg.norm(median - honest_mean) < 0.1 * scale  # a robust rule as well: hardly moved
