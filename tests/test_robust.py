@@ -97,7 +97,7 @@ def test_the_configuration_refuses_what_a_rule_cannot_aggregate():
 
 
 def test_the_adaptive_bound_is_on_by_default_and_off_turns_it_off():
-    assert RunConfig().security.adaptive_clip == 3.0
+    assert RunConfig().security.adaptive_clip == 10.0
     assert load_config(None, overrides({"adaptive_clip": "off"})).security.adaptive_clip is None
     assert RunConfig(security={"adaptive_clip": False}).security.adaptive_clip is None  # YAML's `off`
     assert load_config(None, overrides({"adaptive_clip": "2.5"})).security.adaptive_clip == 2.5
