@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
 Delta = Mapping[str, np.ndarray]
 Weighted = Sequence[tuple[float, Delta]]
-RULES = ("mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan")
+Rule = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan"]
+RULES: tuple[str, ...] = get_args(Rule)
 
 
 def _names(updates: Weighted) -> list[str]:
@@ -149,7 +151,7 @@ class Aggregator:
     """One rule of :data:`RULES` with its parameters: ``trim`` (trimmed_mean), ``f`` (krum, multikrum, bulyan),
     ``m`` (multikrum; None: ``n - f``)."""
 
-    rule: str = "mean"
+    rule: Rule = "mean"
     trim: float = 0.1
     f: int = 1
     m: int | None = None

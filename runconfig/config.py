@@ -13,11 +13,11 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from methods.robust import Aggregator, Rule
 from scenario.availability import parse_availability
 from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
 from scenario.faults import load_plan
-from methods.robust import RULES, Aggregator
 from scenario.spec import ScenarioSpec
 from secagg.settings import SecAggSettings
 
@@ -161,7 +161,7 @@ class SecurityConfig(pydantic.BaseModel):
         10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
                                "its round's updates before aggregating; off: no adaptive bound (plain rounds only: "
                                "a secure round shows no single update)")
-    aggregator: Literal[RULES] = pydantic.Field(
+    aggregator: Rule = pydantic.Field(
         "mean", description="how a round's deltas are combined: mean (FedAvg, weighted by samples), median or "
                             "trimmed_mean (coordinate-wise, Yin et al. 2018), krum or multikrum (Blanchard et al. "
                             "2017), bulyan (El Mhamdi et al. 2018); docs/security.md")
