@@ -105,7 +105,7 @@ class Coordinator:
         server = spec.server(ServerContext(
             options=options, scenario=scenario, build_model=self._build_model, seed=config.seed,
             run_job=self.run_job, model_name=self.model_name, input_shape=tuple(self.dataset.input_shape),
-            rounds_per_task=config.rounds.rounds_per_task))
+            rounds_per_task=config.rounds.rounds_per_task, aggregator=config.security.robust_aggregator()))
         self.heartbeat_interval_s, liveness_timeout_s = config.network.liveness(config.scenario.num_clients)
         metrics = CoordinatorMetrics()  # served only when asked: ``metrics.serve``, see fcl_emu/run.py
         self.state = state = RunState(

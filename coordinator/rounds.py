@@ -29,7 +29,7 @@ import numpy as np
 
 from coordinator.clock import RunClock
 from coordinator.dispatch import Dispatcher
-from coordinator.guard import clip_update
+from coordinator.guard import clip_to_cohort, clip_update
 from coordinator.open_round import OpenRound, StaleUpdates
 from coordinator.privacy import CentralPrivacy
 from coordinator.secure_round import SecureOutcome, SecureRound
@@ -194,18 +194,25 @@ class RoundRunner:
     def _phase_aggregate(self, r: OpenRound, outcome: SecureOutcome | None
                          ) -> tuple[list[ClientUpdate], list[float], int, bool]:
         """Aggregate the round's useful updates (and late ones kept from the round before) through the method's
-        server part, or skip the round. Returns (updates, their losses, stale updates used, skipped)."""
+        server part, or skip the round. A plain round's deltas are clipped first (``security.clip_norm``, then
+        the adaptive bound ``security.adaptive_clip`` over the method's summed uploads); it needs at least
+        ``min_participants`` updates, and as many as the run's aggregation rule takes. Returns (updates, their
+        losses, stale updates used, skipped)."""
         stale = self.stale.take(r.task, r.kept_late)  # the emulated clock's late ones are known at the close
+        security = self.config.security
         if outcome is None:
             useful = sorted([u for u in r.updates if u.num_samples > 0] + stale, key=lambda u: u.client)
             losses = [u.loss for u in useful]
-            clip = self.config.security.clip_norm
-            if clip is not None:
-                useful = [clip_update(u, clip) for u in useful]
-        else:  # one update: the unmasked weighted mean of the clients in the masked sum
+            if security.clip_norm is not None:
+                useful = [clip_update(u, security.clip_norm) for u in useful]
+            if security.adaptive_clip is not None:
+                useful = clip_to_cohort(useful, security.adaptive_clip, self.state.server.summable)
+            quorum = max(self.config.rounds.min_participants, security.robust_aggregator().min_updates)
+        else:  # one update: the unmasked weighted mean of the clients in the masked sum; no single one is seen
             useful = [] if outcome.delta is None else [ClientUpdate("secagg", outcome.weight, outcome.delta)]
             losses = list(outcome.losses)
-        skipped = not useful or (outcome is None and len(useful) < self.config.rounds.min_participants)
+            quorum = 1
+        skipped = len(useful) < quorum
         if not skipped:
             self.state.server.aggregate(r.task, r.number, self._released(useful, r.number))
         return useful, losses, 0 if skipped or outcome is not None else len(stale), skipped

@@ -328,7 +328,7 @@ class AFFCLServer(ServerPart):
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
         super().aggregate(task, round, updates)
-        self._flow = apply_fedavg(self._flow, updates, FLOW)
+        self._flow = apply_fedavg(self._flow, updates, FLOW, self.ctx.aggregator)
 
     def end_task(self, task: int) -> None:
         super().end_task(task)

@@ -41,6 +41,7 @@ from torch import nn
 from methods.models.classifier import IncrementalClassifier
 from methods.models.state import delta_arrays, load_arrays, state_to_arrays
 from methods.optim import LocalSGD
+from methods.robust import MEAN, Aggregator
 
 Arrays = dict[str, np.ndarray]
 
@@ -82,40 +83,35 @@ class ClientUpdate:
         return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
 
 
-def fedavg(updates: list[ClientUpdate]) -> Arrays:
-    """Sample-weighted mean of the clients' deltas (McMahan et al. 2017, eq. 'w <- sum n_k/n w_k').
+def fedavg(updates: list[ClientUpdate], aggregate: Aggregator = MEAN) -> Arrays:
+    """The clients' deltas combined by ``aggregate`` (default: the sample-weighted mean, McMahan et al. 2017, eq.
+    'w <- sum n_k/n w_k'; a robust rule of :mod:`methods.robust` as the run configures it).
 
-    Float tensors are averaged in float64 and returned as float32; integer
+    Float tensors are combined in float64 and returned as float32; integer
     buffers (BatchNorm's step counter) take the largest value.
     """
     weighted = [u for u in updates if u.num_samples > 0]
     if not weighted:
         raise ValueError("no client update carries samples")
-    total = float(sum(u.num_samples for u in weighted))
     deltas = [u.delta() for u in weighted]
     names = deltas[0].keys()
     for d, u in zip(deltas, weighted):
         if d.keys() != names:
             raise ValueError(f"client {u.client} uploaded delta keys that differ from the others")
-    out: Arrays = {}
-    for name in names:
-        first = deltas[0][name]
-        if first.dtype.kind == "f":
-            acc = np.zeros(first.shape, np.float64)
-            for d, u in zip(deltas, weighted):
-                acc += d[name] * (u.num_samples / total)
-            out[name] = acc.astype(np.float32)
-        else:
-            out[name] = np.asarray(np.max(np.stack([d[name] for d in deltas]), axis=0))  # 0-d stays an array
+    floats = [name for name in names if deltas[0][name].dtype.kind == "f"]
+    out = aggregate([(u.num_samples, {name: d[name] for name in floats}) for d, u in zip(deltas, weighted)])
+    for name in names - set(floats):
+        out[name] = np.asarray(np.max(np.stack([d[name] for d in deltas]), axis=0))  # 0-d stays an array
     return out
 
 
-def apply_fedavg(arrays: Mapping[str, np.ndarray], updates: list[ClientUpdate], prefix: str) -> Arrays:
-    """``arrays`` plus the FedAvg of the deltas the clients uploaded under ``prefix`` (a module that rides with
-    the model, such as LANDER's projector or AF-FCL's flow), as read-only arrays."""
+def apply_fedavg(arrays: Mapping[str, np.ndarray], updates: list[ClientUpdate], prefix: str,
+                 aggregate: Aggregator = MEAN) -> Arrays:
+    """``arrays`` plus the clients' deltas uploaded under ``prefix`` combined by ``aggregate`` (:func:`fedavg`;
+    a module that rides with the model, such as LANDER's projector or AF-FCL's flow), as read-only arrays."""
     delta = fedavg([ClientUpdate(u.client, u.num_samples,
                                  {DELTA + k: v for k, v in strip_prefix(u.tensors, prefix).items()})
-                    for u in updates])
+                    for u in updates], aggregate)
     return _frozen_copy({k: v + delta[k] for k, v in arrays.items()}, copy=False)
 
 
@@ -181,6 +177,7 @@ class ServerContext:
     model_name: str = "cnn"  # the concrete model (methods.models.classifier.BACKBONES): jobs rebuild it by name
     input_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the scenario's images
     rounds_per_task: int = 1
+    aggregator: Aggregator = MEAN  # how deltas are combined (the run's security.aggregator, methods/robust.py)
 
 
 class ServerPart:
@@ -225,8 +222,8 @@ class ServerPart:
         return self.global_state
 
     def aggregate(self, task: int, round: int, updates: list[ClientUpdate]) -> None:
-        """Default: w <- w + FedAvg(deltas)."""
-        delta = fedavg(updates)
+        """Default: w <- w + FedAvg(deltas), or the run's robust rule (``ctx.aggregator``)."""
+        delta = fedavg(updates, self.ctx.aggregator)
         new = {}
         for name, value in self.global_state.items():
             d = delta.get(name)

@@ -292,7 +292,7 @@ class LanderServer(SynthesisServer):
             if self._best is None or loss < self._best[0]:
                 self._best = (loss, self.global_state, self._projector)
         super().aggregate(task, round, updates)
-        self._projector = apply_fedavg(self._projector, updates, PROJECTOR)
+        self._projector = apply_fedavg(self._projector, updates, PROJECTOR, self.ctx.aggregator)
 
     def synthesis_inputs(self, task: int) -> Arrays:
         seen = len(self.ctx.scenario.seen_classes(task))

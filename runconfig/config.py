@@ -15,6 +15,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from methods.robust import Aggregator, Rule
 from scenario.availability import parse_availability
 from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
@@ -168,6 +169,32 @@ class SecurityConfig(pydantic.BaseModel):
     clip_norm: float | None = pydantic.Field(
         None, gt=0, description="robust aggregation: scale every model delta down to at most this L2 norm before "
                                 "aggregating (norm clipping)")
+    adaptive_clip: float | None = pydantic.Field(
+        10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
+                               "its round's updates before aggregating; off: no adaptive bound (plain rounds only: "
+                               "a secure round shows no single update)")
+    aggregator: Rule = pydantic.Field(
+        "mean", description="how a round's deltas are combined: mean (FedAvg, weighted by samples), median or "
+                            "trimmed_mean (coordinate-wise, Yin et al. 2018), krum or multikrum (Blanchard et al. "
+                            "2017), bulyan (El Mhamdi et al. 2018); docs/security.md")
+    trim_fraction: float = pydantic.Field(
+        0.1, ge=0, lt=0.5, description="the fraction of values trimmed_mean cuts at each end of every coordinate")
+    byzantine: int = pydantic.Field(
+        1, ge=0, le=1000, description="the hostile updates f a round of krum, multikrum or bulyan must withstand "
+                                      "(krum and multikrum need 2f + 3 updates, bulyan 4f + 3; fewer: the round is "
+                                      "skipped)")
+    multikrum_keep: int | None = pydantic.Field(
+        None, ge=1, description="the updates of best Krum score that multikrum averages (unset: n - f)")
+
+    @pydantic.field_validator("adaptive_clip", mode="before")
+    @classmethod
+    def _off(cls, value: Any) -> Any:
+        """``off`` (a flag's word, or YAML's false) turns the adaptive bound off."""
+        return None if value is False or value == "off" else value
+
+    def robust_aggregator(self) -> Aggregator:
+        """The aggregation rule with its parameters (:mod:`methods.robust`)."""
+        return Aggregator(self.aggregator, self.trim_fraction, self.byzantine, self.multikrum_keep)
 
 
 class AdaptiveClipping(pydantic.BaseModel):
@@ -380,6 +407,8 @@ class RunConfig(pydantic.BaseModel):
             self._check_secagg(spec)
         if self.privacy.central:
             self._check_privacy(spec)
+        if self.security.aggregator != "mean":
+            self._check_aggregator(spec)
         if self.nodes > self.scenario.num_clients:
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.clients_per_round > self.scenario.num_clients:
@@ -447,6 +476,9 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"--privacy central: the server of method {spec.name!r} does more than add the mean of "
                              f"the clients' model deltas (its own aggregation, or uploads the noise would not "
                              f"cover); central DP needs a method that does only that, e.g. fedavg")
+        if self.security.aggregator != "mean":
+            raise ValueError(f"--privacy central averages the clipped deltas itself, with equal weights: it cannot "
+                             f"be combined with --aggregator {self.security.aggregator}")
         if self.rounds.late_updates == "next_round":
             raise ValueError("--privacy central cannot be combined with --late-updates next_round: a late update "
                              "would join a second round's aggregate outside the privacy accounting")
@@ -455,6 +487,22 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"--dp-adaptive-clipping: the noise multiplier {z:g} must be less than twice the "
                              f"count noise sigma_b = {adaptive.count_noise(cohort):g} (privacy.adaptive."
                              f"count_stddev, default clients_per_round / 20), which it includes")
+
+    def _check_aggregator(self, spec) -> None:
+        from methods.base import DELTA
+
+        rule, server = self.security.aggregator, spec.server
+        if DELTA not in server.summable:
+            raise ValueError(f"--aggregator {rule}: the server of method {spec.name!r} does not average model deltas "
+                             f"(it fuses {server.individual_payload or 'what its clients upload'}), so it has no "
+                             f"mean for a robust rule to replace; use --aggregator mean")
+        if self.secagg.enabled:
+            raise ValueError(f"--aggregator {rule} needs each client's delta, which --secagg hides from the server "
+                             f"(it sees only their sum)")
+        need = self.security.robust_aggregator().min_updates
+        if need > self.rounds.clients_per_round:
+            raise ValueError(f"--aggregator {rule} with --byzantine {self.security.byzantine} needs at least {need} "
+                             f"updates a round; rounds.clients_per_round is {self.rounds.clients_per_round}")
 
     def method_options_model(self):
         from methods import registry

@@ -48,6 +48,7 @@ class FakeServer:
     """A method's server part that records what the round runner asks of it."""
 
     accepts_stale_updates = True
+    summable = ("delta/",)
     side_channels = frozenset()
 
     def __init__(self):

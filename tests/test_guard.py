@@ -1,13 +1,15 @@
-"""The coordinator's guards: rate limits, log-once, the norm bound and norm clipping (hand-computed values)."""
+"""The coordinator's guards: rate limits, log-once, the norm bound, norm clipping and the adaptive bound
+(hand-computed values), and that the default defences contain an insider sending +-100 per weight."""
 
 import logging
 
 import numpy as np
 import pytest
 
-from coordinator.guard import LogOnce, RateLimiter, clip_update, delta_norm, on_refused_handshake
-from methods.base import ClientUpdate
+from coordinator.guard import LogOnce, RateLimiter, clip_to_cohort, clip_update, delta_norm, on_refused_handshake
+from methods.base import ClientUpdate, fedavg
 from monitoring.metrics import CoordinatorMetrics
+from runconfig.config import RunConfig
 
 
 def test_the_rate_limiter_allows_a_burst_then_the_rate():
@@ -69,3 +71,42 @@ def test_norm_and_clipping_by_hand():
     assert clipped.tensors["delta/steps"] == 7 and clipped.tensors["extra/x"][0] == 100.0
     assert clipped.tensors["delta/w"].dtype == np.float32 and clipped.num_samples == 5
     assert clip_update(update, 10.0) is update  # within the bound: untouched
+
+
+def test_the_adaptive_bound_clips_to_a_multiple_of_the_cohorts_median_norm_under_each_prefix():
+    def update(i, delta, projector):
+        return ClientUpdate(f"c{i}", 3, {"delta/w": np.array([delta, 0.0], np.float32),
+                                         "m/p/x": np.array([projector], np.float32)})
+
+    updates = [update(0, 1.0, 1.0), update(1, 2.0, 10.0), update(2, 3.0, 1.0), update(3, -100.0, 1.0)]
+    clipped = clip_to_cohort(updates, 2.0, ("delta/", "m/p/"))
+    # delta/: norms 1, 2, 3, 100 -> median 2.5, bound 5: only the last is scaled (to -5); m/p/: norms 1, 10, 1,
+    # 1 -> median 1, bound 2: only the second is scaled (to 2)
+    assert [u.tensors["delta/w"][0] for u in clipped] == pytest.approx([1.0, 2.0, 3.0, -5.0])
+    assert [u.tensors["m/p/x"][0] for u in clipped] == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    assert clipped[0] is updates[0] and clipped[2] is updates[2]  # within both bounds: untouched
+    assert clip_to_cohort([], 3.0) == []
+
+
+def test_the_default_defences_contain_an_insider_sending_100_per_weight():
+    """29 honest deltas near a common direction and one of +-100 per weight with the same sample count: through
+    the default adaptive bound and aggregation rule the insider moves the result by at most its weight share of
+    the bound (multiplier x the median norm), instead of 300 times the honest mean's length."""
+    security = RunConfig().security
+    rng = np.random.default_rng(0)
+    direction = rng.standard_normal(10_000).astype(np.float32) * 0.01
+    honest = [ClientUpdate(f"c{i:02d}", 40, {"delta/w": direction + 0.005 * rng.standard_normal(10_000)
+                                             .astype(np.float32)}) for i in range(29)]
+    insider = ClientUpdate("c99", 40, {"delta/w": np.where(rng.random(10_000) < 0.5, -100.0, 100.0)
+                                       .astype(np.float32)})
+    cohort = [*honest, insider]
+    honest_mean = fedavg(honest)["w"]
+    scale = np.linalg.norm(honest_mean)
+    assert np.linalg.norm(fedavg(cohort)["w"] - honest_mean) > 100 * scale  # what the insider does undefended
+    defended = fedavg(clip_to_cohort(cohort, security.adaptive_clip), security.robust_aggregator())["w"]
+    median_norm = np.median([delta_norm(u) for u in cohort])
+    shift = np.linalg.norm(defended - honest_mean)
+    assert shift <= security.adaptive_clip * median_norm / 30 + 0.01 * scale and shift < 0.5 * scale
+    median = fedavg(clip_to_cohort(cohort, security.adaptive_clip), RunConfig(
+        security={"aggregator": "median"}).security.robust_aggregator())["w"]
+    assert np.linalg.norm(median - honest_mean) < 0.1 * scale  # a robust rule as well: hardly moved
