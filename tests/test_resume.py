@@ -339,11 +339,11 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
     calls = {"n": 0}
     original = methods.base.fedavg
 
-    def failing_fedavg(updates):
+    def failing_fedavg(updates, *rule):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("disk on fire")
-        return original(updates)
+        return original(updates, *rule)
 
     monkeypatch.setattr(methods.base, "fedavg", failing_fedavg)
     run_dir = tmp_path / "run"
