@@ -157,7 +157,11 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
         {"action": "kill", "node": "node-1", "round": 2, "after_s": 0.3},
         {"action": "pause", "node": "node-0", "round": 3, "duration_s": 12},
         {"action": "disconnect", "node": "node-2", "round": 5, "duration_s": 12}]}))
-    config = small_config(tmp_path / "config.yaml", scenario={"num_clients": 12, "num_tasks": 2},
+    # 800 samples per client and task: a node's four clients train in about a third of the deadline on a
+    # 2-core host (with MNIST's full shares of 2,500 the 8 s deadline was missed on a slower day)
+    config = small_config(tmp_path / "config.yaml", scenario={"num_clients": 12, "num_tasks": 2,
+                                                              "partition": "task_pool",
+                                                              "samples_per_client_task": 800},
                           rounds={"clients_per_round": 12, "rounds_per_task": 3, "deadline_s": 8},
                           network={"heartbeat_interval_s": 1.0, "liveness_timeout_s": 40.0},
                           training={"local_epochs": 1, "batch_size": 32}, nodes=3)
