@@ -3,8 +3,8 @@
 Wuerkaixi, Cui, Zhang, Yan, Han, Niu, Fang, Zhang and Sugiyama, "Accurate
 Forgetting for Heterogeneous Federated Continual Learning", ICLR 2024
 (arXiv:2502.14205; the authors' code is zaocan666/AF-FCL, "PreciseFCL", read
-for every form below). Equation numbers follow the paper as cited in this
-project's issue; its method section could not be read here, so the exact
+for every form below). Equation numbers follow the paper as quoted to this
+project; its method section could not be read here, so the exact
 forms are the code's (``FLAlgorithms/PreciseFCLNet/model.py``,
 ``FLAlgorithms/users/userPreciseFCL.py``), each named where it matters, and
 where the code departs from the paper's stated intent the intent is the
@@ -58,7 +58,7 @@ once per task as the ``old_model`` asset ``affcl/old/{model,flow}/...``):
    dimension (under the code's bounded scale at most about 0.4, the
    standard normal's peak). ``v`` is set by ``credibility``: ``"latent"`` (default)
    ``v = u^``, the generated sample's own latent, compared with the latent
-   statistics in the space they describe (eq. 7-8, as cited in the issue,
+   statistics in the space they describe (eq. 7-8, as quoted,
    put both in the latent space); ``"feature"`` ``v = h^``, the generated
    *feature* compared with the *latent* statistics, as the code does
    (``probability_in_localdata``) although the two live in different spaces.
@@ -95,8 +95,8 @@ the first task on (code).
 
 Defaults. The code's README run commands set ``--flow_lr``, ``--k_loss_flow``,
 ``--k_flow_lastflow`` and ``--flow_explore_theta`` per data set; the defaults
-are those of its EMNIST-Letters command (the first; also the issue's replay
-weight 0.5 and theta 0): ``flow_lr = 1e-4``, ``k_loss_flow = 0.5``,
+are those of its EMNIST-Letters command (the first; also the replay weight
+0.5 and theta 0 quoted for the paper): ``flow_lr = 1e-4``, ``k_loss_flow = 0.5``,
 ``k_flow_last = 0.4``, ``theta = 0``, and ``replay_lr = 1e-4`` (its
 ``--lr``). Its other commands (flow_lr, k_loss_flow, k_flow_last, theta):
 EMNIST-shuffle 1e-3, 0.05, 0.02, 0.5; EMNIST-noisy 1e-3, 0.5, 0.1, 0.5;

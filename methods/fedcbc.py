@@ -12,7 +12,7 @@ Sources. The paper's text (its equations and the value of every default) was
 not available here: only its abstract. Every formula and default below comes
 from the authors' official code (SkyOfBeginning/FedCBC: ``client.py``,
 ``Server.py``, ``utils.py``, ``option.py``, ``models/VAE_PRETRAINED.py``),
-numbered as the issue numbers the paper's equations.
+numbered as the paper's equations were quoted to this project.
 
 **What the VAEs model** (``features``). On MNIST the code flattens each image
 to its 784 pixels and the VAEs model those: no extractor, no pretraining.
@@ -25,7 +25,7 @@ docs/experiments.md).
 
 **Feature extractor** (colour images, or ``features = "pretrained"``). The
 code loads a ResNet-18 pretrained beforehand on a server-side subset; the
-paper (per the issue) uses 5% of each class. Here the server pretrains the run's backbone (``ctx.model_name``) with a linear head
+paper (as quoted) uses 5% of each class. Here the server pretrains the run's backbone (``ctx.model_name``) with a linear head
 over all the data set's classes as a GPU-worker job (``fedcbc.pretrain``,
 before the first round): ``pretrain_fraction`` (0.05) of the training samples
 of *every* class, future tasks' classes included, drawn from the run's seed;

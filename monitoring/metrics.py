@@ -13,7 +13,7 @@ bytes, ratios in 0..1), counters end in ``_total``. No label holds a client
 id: label values come from fixed sets (message types, directions, rejection
 reasons, phases, outcomes) or from the scenario's task count, so the number of
 series does not grow with the number of clients. The per-process role is a
-label of the wire metrics (the dimension the issue asks for); the file-based
+label of the wire metrics; the file-based
 service discovery adds ``role``, ``process`` and ``run_id`` to every series
 (see docs/monitoring.md).
 
