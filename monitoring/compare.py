@@ -241,7 +241,7 @@ def format_table(rows: Sequence[RunRow]) -> Table:
     if not all(r.completed for r in rows):
         table.caption += "; * run not completed: its metrics cover the tasks it finished"
     for r in rows:
-        table.add_row(r.label + ("" if r.completed else " *"), r.status, f"{r.tasks_finished}/{r.num_tasks}", pct(r.average_accuracy),
-                      pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
+        table.add_row(r.label + ("" if r.completed else " *"), r.status, f"{r.tasks_finished}/{r.num_tasks}",
+                      pct(r.average_accuracy), pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
                       "-" if r.emulated_s is None else f"{r.emulated_s:.1f}")
     return table
