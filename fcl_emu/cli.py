@@ -166,11 +166,11 @@ def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, f
 @app.command()
 @options.run_command(options.UP, ("out", Annotated[Path, typer.Argument(help="Where the files go.")]))
 def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
-    """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus) to deploy and edit
-    yourself (docs/containers.md)."""
+    """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus, Grafana) to deploy and
+    edit yourself (docs/containers.md). With --image no Docker engine is needed here."""
     from containers.docker_client import EngineError
-    from containers.image import ImageError, image_ref
-    from fcl_emu.deploy import write_deployment
+    from containers.image import ImageError
+    from fcl_emu.deploy import GRAFANA_PORT, PROMETHEUS_PORT, deployment_image, write_deployment
 
     if resume is not None:
         raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")
@@ -180,7 +180,7 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
     _writable(out)
     try:
-        image = image_ref(cfg.containers.image)
+        image = deployment_image(cfg.containers.image)
     except (EngineError, ImageError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -189,8 +189,8 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         f"{files.stack} and {files.compose} (image {image}; keys in {files.keys}, keep them private)\n"
         f"  swarm:   cd {out} && docker stack deploy -c stack.yml fcl-emu\n"
         f"  compose: cd {out} && docker compose -f compose.yml up\n"
-        f"  results: {Path(out) / 'runs' / 'run'}; Prometheus on port 9090 of the manager", markup=False,
-        highlight=False)
+        f"  results: {Path(out) / 'runs' / 'run'}; on the manager: Grafana on port {GRAFANA_PORT} (run "
+        f"{files.run_id}), Prometheus on port {PROMETHEUS_PORT}", markup=False, highlight=False)
 
 
 def _args(make: Callable[[], T]) -> T:
