@@ -329,3 +329,18 @@ def test_report_and_compare_commands(tmp_path):
     assert "warning: the runs differ in scenario: tasks: 3 (a); 5 (c)" in result.output
     result = runner.invoke(app, ["compare", str(c), str(tmp_path / "d"), "--out", str(tmp_path / "cmp")])
     assert result.exit_code == 1 and "error: no run to compare" in result.output, result.output
+
+
+def test_a_start_that_fails_leaves_no_run_folder(tmp_path, mnist_root):
+    """`up` whose edge nodes cannot start (no Docker engine for --backend docker) removes the keys it wrote and the
+    folders made for them: nothing is left in runs/ for report or compare to trip on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(tmp_path / "runs" / "a"),
+                           "--backend", "docker", "--clients", "4", "--data-root", str(mnist_root)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "no Docker engine answers" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
