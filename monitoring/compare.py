@@ -33,6 +33,9 @@ from monitoring.plots import new_figure, save_figure
 from monitoring.run_dir import NotARunError, Run, load_run
 
 COMPARE_PNG = "compare.png"
+SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",
+                  "classes_first_task": "classes of the first task", "partition": "partition",
+                  "num_clients": "clients"}  # the settings users name; any other differs under its own key
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,6 @@ def _labels(run_dirs: list[Path], bases: list[str]) -> list[str]:
     return out
 
 
-SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",
-                  "classes_first_task": "classes of the first task", "partition": "partition",
-                  "num_clients": "clients"}  # the settings users name; any other differs under its own key
-
-
 class NothingToCompare(ValueError):
     """No directory given held a run to compare (the notes say why each was left out)."""
 
@@ -107,9 +105,7 @@ def _load_comparable(run_dirs: Sequence[Path | str], include_incomplete: bool) -
     """The runs to compare, in the order given, and a note for each directory left out."""
     runs, notes = [], []
     for d in run_dirs:
-        if not Path(d).exists():  # a typo, not a folder beside the runs: fail as load_run does
-            load_run(d)
-        try:
+        try:  # a path that does not exist (a typo) fails, naming it
             run = load_run(d)
         except NotARunError as exc:
             notes.append(f"skipped {d}: {exc}")

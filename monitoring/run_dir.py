@@ -102,11 +102,14 @@ class Run:
 def load_run(run_dir: Path | str) -> Run:
     """Read and validate a run directory; raise ``RunDirError`` naming the file (and line) at fault."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise RunDirError(f"not a run directory: {run_dir} does not exist", run_dir)
     if not run_dir.is_dir():
-        raise RunDirError(f"not a run directory: {run_dir} does not exist or is not a directory", run_dir)
+        raise NotARunError(f"not a run directory: {run_dir} is not a directory", run_dir)
     summary_path, events_path = run_dir / SUMMARY, run_dir / EVENTS
     if not summary_path.exists() and not events_path.exists():
-        what = ", ".join(sorted(p.name for p in run_dir.iterdir())) or "nothing"
+        names = sorted(p.name for p in run_dir.iterdir())
+        what = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") or "nothing"
         raise NotARunError(f"not a run directory: {run_dir} has neither {SUMMARY} nor {EVENTS} (it holds {what})",
                            run_dir)
     rounds, task_ends, start = _load_events(run_dir, events_path)

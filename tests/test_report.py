@@ -261,11 +261,15 @@ def test_compare_skips_folders_without_a_run_and_leaves_out_incomplete_runs(tmp_
     failed = make_run(tmp_path / "runs" / "failed", summary(matrix=[[80.0, None, None]], status="failed: boom"))
     running = make_run(tmp_path / "runs" / "running", event_list=events()[:4])
     (running / "summary.json").unlink()
-    dirs = [done, keys_only, failed, running]
+    notes = tmp_path / "runs" / "notes.txt"
+    notes.write_text("a file beside the runs")
+    dirs = [done, keys_only, failed, running, notes]
     found = compare_runs(dirs, tmp_path / "cmp")
     assert [r.run_dir for r in found.rows] == [done]
-    assert len(found.notes) == 3
-    assert found.notes[0].startswith(f"skipped {keys_only}: not a run directory") and "holds keys" in found.notes[0]
+    assert len(found.notes) == 4
+    assert found.notes[3] == f"skipped {notes}: not a run directory: {notes} is not a directory"
+    assert found.notes[0] == (f"skipped {keys_only}: not a run directory: {keys_only} has neither summary.json nor "
+                              f"events.jsonl (it holds keys)")
     assert found.notes[1] == (f"left out {failed}: run not completed (status: failed: boom); --include-incomplete "
                               f"shows it, marked")
     assert f"left out {running}: run not completed (status: partial: no summary.json" in found.notes[2]
