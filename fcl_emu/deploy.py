@@ -31,6 +31,7 @@ import uuid
 import yaml
 
 from containers.image import image_ref
+from coordinator.gpu_worker import WORKER_KEY_NAME
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
@@ -66,9 +67,12 @@ def deployment_image(tag: str | None) -> str:
     return image_ref(None) if tag is None else tag
 
 
+COORDINATOR_SECRETS = [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE,
+                       f"{WORKER_KEY_NAME}.key_secret"]  # the last for the GPU workers it starts
+
+
 def _secret_names(config: RunConfig) -> list[str]:
-    return [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE,
-            *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
+    return [*COORDINATOR_SECRETS, *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
 def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) -> Deployment:
@@ -148,7 +152,7 @@ def _coordinator(image: str, data_root: Path) -> dict:
             "command": ["coordinator", "--config", "/etc/fcl-emu/config.yaml", "--keys", SECRETS],
             "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro", "./runs:/runs"],
             "configs": [{"source": "config.yaml", "target": "/etc/fcl-emu/config.yaml"}],
-            "secrets": [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE]}
+            "secrets": COORDINATOR_SECRETS}
 
 
 def _prometheus(image: str) -> dict:

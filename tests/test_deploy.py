@@ -122,3 +122,12 @@ def test_the_coordinator_takes_the_run_id_it_is_given(tmp_path, mnist_root):
         coordinator.close()
     with pytest.raises(ValueError, match="run_id"):
         load_config(None, {"metrics": {"run_id": "a run"}})
+
+
+def test_the_coordinator_service_gets_its_gpu_workers_key(deployed):
+    """The coordinator starts its GPU workers with the key under its secrets (coordinator/gpu_pool.py)."""
+    stack = load(deployed / "stack.yml")
+    assert "gpu-workers.key_secret" in stack["services"]["coordinator"]["secrets"]
+    assert stack["secrets"]["gpu-workers.key_secret"] == {"file": "./keys/gpu-workers.key_secret"}
+    assert (deployed / "keys" / "gpu-workers.key_secret").is_file()
+    assert "gpu-workers.key_secret" not in stack["services"]["node-0"]["secrets"]
