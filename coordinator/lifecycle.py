@@ -111,7 +111,7 @@ class Coordinator:
         self.state = state = RunState(
             config=config, scenario=scenario, spec=spec, server=server, model_name=self.model_name,
             evaluator=Evaluator(scenario, device), registry=ClientRegistry(liveness_timeout_s), metrics=metrics,
-            run_id=uuid.uuid4().hex[:12] if resume is None else resume.state["run_id"],
+            run_id=(config.metrics.run_id or uuid.uuid4().hex[:12]) if resume is None else resume.state["run_id"],
             rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
             progress=progress or no_progress)
         metrics.watch_online(lambda: state.registry.online_count)

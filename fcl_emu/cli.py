@@ -166,11 +166,11 @@ def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, f
 @app.command()
 @options.run_command(options.UP, ("out", Annotated[Path, typer.Argument(help="Where the files go.")]))
 def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
-    """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus) to deploy and edit
-    yourself (docs/containers.md)."""
+    """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus, Grafana) to deploy and
+    edit yourself (docs/containers.md). With --image no Docker engine is needed here."""
     from containers.docker_client import EngineError
-    from containers.image import ImageError, image_ref
-    from fcl_emu.deploy import write_deployment
+    from containers.image import ImageError
+    from fcl_emu.deploy import GRAFANA_PORT, PROMETHEUS_PORT, deployment_image, write_deployment
 
     if resume is not None:
         raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")
@@ -180,7 +180,7 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
     _writable(out)
     try:
-        image = image_ref(cfg.containers.image)
+        image = deployment_image(cfg.containers.image)
     except (EngineError, ImageError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -189,8 +189,8 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         f"{files.stack} and {files.compose} (image {image}; keys in {files.keys}, keep them private)\n"
         f"  swarm:   cd {out} && docker stack deploy -c stack.yml fcl-emu\n"
         f"  compose: cd {out} && docker compose -f compose.yml up\n"
-        f"  results: {Path(out) / 'runs' / 'run'}; Prometheus on port 9090 of the manager", markup=False,
-        highlight=False)
+        f"  results: {Path(out) / 'runs' / 'run'}; on the manager: Grafana on port {GRAFANA_PORT} (run "
+        f"{files.run_id}), Prometheus on port {PROMETHEUS_PORT}", markup=False, highlight=False)
 
 
 def _args(make: Callable[[], T]) -> T:
@@ -314,36 +314,52 @@ def report(
 ) -> None:
     """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
     from monitoring.report import write_report
-    from monitoring.run_dir import RunDirError
+    from monitoring.run_dir import RunDirError, load_run
 
     out = run_dir / "report" if out is None else out
     _writable(out)
     try:
-        path = write_report(run_dir, out)
+        run = load_run(run_dir)
+        path = write_report(run, out)
     except RunDirError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
-    Console().print(f"report: {path} (plots beside it)", markup=False, highlight=False)
+    Console().print(f"report: {path} (plots beside it); run status: {run.status}", markup=False, highlight=False,
+                    style=None if run.completed else "yellow")
 
 
 @app.command()
 def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to put side by side.")],
     out: Annotated[Path, typer.Option("--out", help="Where compare.png goes.")] = Path("."),
+    include_incomplete: Annotated[bool, typer.Option(
+        "--include-incomplete", help="Also compare runs not completed (failed, interrupted, still running), "
+                                     "marked with * and hatched bars.")] = False,
 ) -> None:
-    """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png."""
-    from monitoring.compare import compare_runs, format_table
+    """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png. Folders
+    that hold no run are skipped; runs not completed are left out unless --include-incomplete; differing scenarios
+    are warned about."""
+    from monitoring.compare import NothingToCompare, compare_runs, format_table
     from monitoring.run_dir import RunDirError
 
     _writable(out)
+    stdout = Console()
     try:
-        rows, png = compare_runs(run_dirs, out)
+        found = compare_runs(run_dirs, out, include_incomplete)
+    except NothingToCompare as exc:
+        for note in exc.notes:
+            stdout.print(note, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     except RunDirError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
-    stdout = Console()
-    stdout.print(format_table(rows))
-    stdout.print(f"plot: {png}", markup=False, highlight=False)
+    for note in found.notes:
+        stdout.print(note, markup=False, highlight=False, soft_wrap=True)
+    for warning in found.warnings:
+        stdout.print(f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    stdout.print(format_table(found.rows))
+    stdout.print(f"plot: {found.png}", markup=False, highlight=False)
 
 
 @bench_app.command("wire")

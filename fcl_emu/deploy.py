@@ -1,17 +1,23 @@
-"""A whole run as files a user deploys and edits: a Swarm stack, a plain Compose file, their keys and Prometheus.
+"""A whole run as files a user deploys and edits: a Swarm stack, a plain Compose file, their keys, Prometheus and
+Grafana.
 
 ``fcl-emu deploy OUT_DIR ...`` (same run flags as ``up``) writes:
 
 - ``stack.yml``: for ``docker stack deploy -c stack.yml NAME`` on a swarm manager. The coordinator, one service
-  per edge node and Prometheus, all from the project's image, on an attachable overlay network, with
+  per edge node, Prometheus (from the project's image) and Grafana, on an attachable overlay network, with
   ``endpoint_mode: dnsrr``, ``restart_policy: none``, each node's device-class CPU and memory limits and its
-  placement on swarm nodes labelled ``fcl-emu.device-class=<class>``; the CurveZMQ keys as Swarm secrets.
+  placement on swarm nodes labelled ``fcl-emu.device-class=<class>``; the CurveZMQ keys as Swarm secrets,
+  the configuration files as Swarm configs.
 - ``compose.yml``: the same services for ``docker compose up`` on one host (limits kept, no placement).
-- ``config.yaml`` (the run's configuration, data under ``/data`` in the containers), ``keys/`` (the run's
-  keys; keep the directory private), ``prometheus.yml`` (the run's targets: every service by name).
+- ``config.yaml`` (the run's configuration, data under ``/data`` in the containers, the run's id fixed),
+  ``keys/`` (the run's keys; keep the directory private), ``prometheus.yml`` (the run's targets: every service
+  by name, each labelled with ``run_id``, ``role`` and ``process`` as the dashboards expect), ``grafana/`` (the
+  Prometheus data source at the Prometheus service, the dashboard provider and the project's dashboards).
 
 The coordinator writes its run directory to ``./runs/run`` beside the files (bind-mounted); the host's data root
-is mounted read-only at ``/data`` (on a multi-host swarm it must be at that host path on every host).
+is mounted read-only at ``/data`` (on a multi-host swarm it must be at that host path on every host). Writing the
+files needs no Docker engine when the image is named (``--image``); without it, the image is built or reused on
+this host's engine.
 """
 
 from __future__ import annotations
@@ -19,17 +25,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import shutil
+import uuid
+
 import yaml
 
+from containers.image import image_ref
+from coordinator.gpu_worker import WORKER_KEY_NAME
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
-from runconfig import RunConfig, node_metrics_port
+from monitoring import stack
+from runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
 from wire.auth import ROSTER_FILE, SERVER_NAME
 
 COORDINATOR_PORT = 5555
 METRICS_PORT = 9100
 PROMETHEUS_PORT = 9090
+GRAFANA_PORT = 3000
+GRAFANA_IMAGE = "grafana/grafana:11.2.0"  # as monitoring/docker-compose.yml; from a registry, or `docker load`
 DATA = "/data"
 SECRETS = "/run/secrets"
 
@@ -43,49 +57,89 @@ class Deployment:
     config: Path
     keys: Path
     prometheus: Path
+    grafana: Path  # the folder of Grafana's provisioning and dashboards
+    run_id: str  # the run_id label the dashboards select
+
+
+def deployment_image(tag: str | None) -> str:
+    """The image the files name: ``tag`` as given, asking no engine (the hosts that run the stack need it:
+    ``docker load`` it there, docs/containers.md); unset, the image built or reused on this host's engine."""
+    return image_ref(None) if tag is None else tag
+
+
+COORDINATOR_SECRETS = [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE,
+                       f"{WORKER_KEY_NAME}.key_secret"]  # the last for the GPU workers it starts
 
 
 def _secret_names(config: RunConfig) -> list[str]:
-    return [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE,
-            *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
+    return [*COORDINATOR_SECRETS, *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
 def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) -> Deployment:
-    """Write the stack, compose, config, keys and Prometheus files of ``config``'s run into ``out``."""
+    """Write the stack, compose, config, keys, Prometheus and Grafana files of ``config``'s run into ``out``."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)  # the coordinator's bind mount must exist
     specs = node_specs(config)
     keys = out / "keys"
     config = with_keys(config.model_copy(update={"security": config.security.model_copy(update={"keys": None})}),
                        keys, [spec.clients for spec in specs])
+    run_id = config.metrics.run_id or uuid.uuid4().hex[:12]
     inside = config.model_copy(update={
         "data_root": [Path(DATA)], "run_dir": Path("/runs/run"),
-        "metrics": config.metrics.model_copy(update={"port": METRICS_PORT, "host": "0.0.0.0"}),
+        "metrics": config.metrics.model_copy(update={"port": METRICS_PORT, "host": "0.0.0.0", "run_id": run_id}),
         "network": config.network.model_copy(update={"bind": f"tcp://0.0.0.0:{COORDINATOR_PORT}"}),
         "security": config.security.model_copy(update={"keys": Path(SECRETS)})})
     config_file = out / "config.yaml"
     config_file.write_text(yaml.safe_dump(inside.model_dump(mode="json", exclude={"containers"}), sort_keys=False))
     prometheus = out / "prometheus.yml"
-    targets = [f"coordinator:{METRICS_PORT}", *(f"{s.name}:{node_metrics_port(inside, s.number)}" for s in specs)]
-    prometheus.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": f"{config.metrics.scrape_interval_s:g}s"},
-        "scrape_configs": [{"job_name": "fcl-emu", "static_configs": [{"targets": targets}]}]}, sort_keys=False))
+    prometheus.write_text(yaml.safe_dump(stack.static_prometheus_config(
+        _targets(inside, specs), run_id, config.metrics.scrape_interval_s), sort_keys=False))
+    grafana_configs = _write_grafana(out / "grafana", config.metrics.scrape_interval_s)
 
-    services = {"coordinator": _coordinator(image, data_root), "prometheus": _prometheus(image)}
-    for name in ("coordinator", "prometheus"):  # its ./runs and published port are on the host deploying it
+    services = {"coordinator": _coordinator(image, data_root), "prometheus": _prometheus(image),
+                "grafana": _grafana(grafana_configs)}
+    for name in ("coordinator", "prometheus", "grafana"):  # ./runs and the published ports: on the deploying host
         services[name]["deploy"] = {**services[name]["deploy"], "placement": {"constraints": ["node.role == manager"]}}
     for spec in specs:
         services[spec.name] = _node(spec, inside, image, data_root)
     secrets = {name: {"file": f"./keys/{name}"} for name in _secret_names(config)}
-    configs = {"config.yaml": {"file": "./config.yaml"}, "prometheus.yml": {"file": "./prometheus.yml"}}
+    configs = {"config.yaml": {"file": "./config.yaml"}, "prometheus.yml": {"file": "./prometheus.yml"},
+               **{name: {"file": f"./{path.relative_to(out).as_posix()}"}
+                  for name, (path, _) in grafana_configs.items()}}
     compose = {"services": {name: _without_swarm(s) for name, s in services.items()},
                "networks": {"fcl": {"driver": "bridge"}}, "secrets": secrets, "configs": configs}
-    stack = {"version": "3.8", "services": services,
+    swarm = {"version": "3.8", "services": services,
              "networks": {"fcl": {"driver": "overlay", "attachable": True}}, "secrets": secrets, "configs": configs}
     compose_file, stack_file = out / "compose.yml", out / "stack.yml"
     compose_file.write_text(yaml.safe_dump(compose, sort_keys=False))
-    stack_file.write_text(yaml.safe_dump(stack, sort_keys=False))
-    return Deployment(stack_file, compose_file, config_file, keys, prometheus)
+    stack_file.write_text(yaml.safe_dump(swarm, sort_keys=False))
+    return Deployment(stack_file, compose_file, config_file, keys, prometheus, out / "grafana", run_id)
+
+
+def _targets(inside: RunConfig, specs) -> list[stack.Target]:
+    """Every /metrics endpoint of the run, by service name: the coordinator, the edge nodes, its GPU workers."""
+    return [stack.Target("coordinator", "coordinator", "coordinator", METRICS_PORT),
+            *(stack.Target(s.name, "edge_node", s.name, node_metrics_port(inside, s.number)) for s in specs),
+            *(stack.Target(f"gpu-worker-{j}", "gpu_worker", "coordinator", gpu_worker_metrics_port(inside, j))
+              for j in range(inside.gpu.workers))]
+
+
+def _write_grafana(folder: Path, scrape_interval_s: float) -> dict[str, tuple[Path, str]]:
+    """Write Grafana's data source (the Prometheus service), dashboard provider and the dashboards into
+    ``folder``; return each file as a config: its name, its path here and its path in Grafana's container."""
+    (folder / "dashboards").mkdir(parents=True, exist_ok=True)
+    datasource, provider = folder / "datasource.yml", folder / "dashboards.yml"
+    datasource.write_text(yaml.safe_dump(stack.grafana_datasource(f"http://prometheus:{PROMETHEUS_PORT}",
+                                                                  scrape_interval_s), sort_keys=False))
+    provider.write_text(yaml.safe_dump(stack.grafana_dashboard_provider(), sort_keys=False))
+    provisioning, dashboards = "/etc/grafana/provisioning", stack.dashboard_provider_path()
+    files = {"grafana-datasource.yml": (datasource, f"{provisioning}/datasources/fcl-emu.yml"),
+             "grafana-dashboards.yml": (provider, f"{provisioning}/dashboards/fcl-emu.yml")}
+    for source in stack.dashboards():
+        copy = folder / "dashboards" / source.name
+        shutil.copyfile(source, copy)
+        files[f"dashboard-{source.name}"] = (copy, f"{dashboards}/{source.name}")
+    return files
 
 
 def _common(image: str) -> dict:
@@ -98,7 +152,7 @@ def _coordinator(image: str, data_root: Path) -> dict:
             "command": ["coordinator", "--config", "/etc/fcl-emu/config.yaml", "--keys", SECRETS],
             "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro", "./runs:/runs"],
             "configs": [{"source": "config.yaml", "target": "/etc/fcl-emu/config.yaml"}],
-            "secrets": [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER_FILE]}
+            "secrets": COORDINATOR_SECRETS}
 
 
 def _prometheus(image: str) -> dict:
@@ -107,6 +161,16 @@ def _prometheus(image: str) -> dict:
                         f"--web.listen-address=:{PROMETHEUS_PORT}"],
             "configs": [{"source": "prometheus.yml", "target": "/etc/prometheus/prometheus.yml"}],
             "ports": [{"target": PROMETHEUS_PORT, "published": PROMETHEUS_PORT, "mode": "host"}]}
+
+
+def _grafana(configs: dict[str, tuple[Path, str]]) -> dict:
+    """Grafana (anonymous viewers; admin/admin to edit) provisioned with ``configs``, the overview as home."""
+    home = next(target for _, target in configs.values() if target.endswith("/overview.json"))
+    return {**_common(GRAFANA_IMAGE),
+            "environment": {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
+                            "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": home},
+            "configs": [{"source": name, "target": target} for name, (_, target) in configs.items()],
+            "ports": [{"target": GRAFANA_PORT, "published": GRAFANA_PORT, "mode": "host"}]}
 
 
 def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:

@@ -1,9 +1,22 @@
 """Several runs side by side: average accuracy, average forgetting, total bytes and wall clock.
 
 ``compare_runs`` loads each run directory (``monitoring.run_dir.load_run``, so
-a directory that is not a run fails the same way, naming the file), returns
-one row per run and writes one PNG of four bar charts; ``format_table`` turns
-the rows into a rich table for printing.
+a malformed run fails the same way, naming the file), returns a
+:class:`Comparison` (one row per run, the notes and warnings to print) and
+writes one PNG of four bar charts; ``format_table`` turns the rows into a rich
+table for printing.
+
+What is compared, and what is said about it:
+
+- a folder that holds no run (neither summary.json nor events.jsonl: the keys
+  a start that did not finish left, say) is skipped with a note;
+- a run that did not complete (failed, interrupted, aborted, degraded, or
+  partial: no summary.json yet) is left out with a note, unless
+  ``include_incomplete``: then it is in the table with its status and in the
+  plot hatched and starred, its metrics over the tasks it finished;
+- runs whose scenarios differ (dataset, tasks, classes, partition, clients,
+  ...) get one warning per differing setting; different seeds are listed in a
+  note, as comparing seeds is what repeated runs are for.
 """
 
 from __future__ import annotations
@@ -17,9 +30,12 @@ from typing import Optional, Sequence
 from rich.table import Table
 
 from monitoring.plots import new_figure, save_figure
-from monitoring.run_dir import load_run
+from monitoring.run_dir import NotARunError, Run, load_run
 
 COMPARE_PNG = "compare.png"
+SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",
+                  "classes_first_task": "classes of the first task", "partition": "partition",
+                  "num_clients": "clients"}  # the settings users name; any other differs under its own key
 
 
 @dataclass(frozen=True)
@@ -67,11 +83,72 @@ def _labels(run_dirs: list[Path], bases: list[str]) -> list[str]:
     return out
 
 
-def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str) -> tuple[list[RunRow], Path]:
-    """One row per run (in the order given) and ``out_dir/compare.png`` with four side-by-side bar charts."""
+class NothingToCompare(ValueError):
+    """No directory given held a run to compare (the notes say why each was left out)."""
+
+    def __init__(self, message: str, notes: list[str]):
+        super().__init__(message)
+        self.notes = notes
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What :func:`compare_runs` found: the rows, the plot, and one line each of what to tell the user."""
+
+    rows: list[RunRow]
+    png: Path
+    notes: list[str]  # folders skipped, incomplete runs left out, the seeds compared
+    warnings: list[str]  # scenario settings that differ between the runs compared
+
+
+def _load_comparable(run_dirs: Sequence[Path | str], include_incomplete: bool) -> tuple[list[Run], list[str]]:
+    """The runs to compare, in the order given, and a note for each directory left out."""
+    runs, notes = [], []
+    for d in run_dirs:
+        try:  # a path that does not exist (a typo) fails, naming it
+            run = load_run(d)
+        except NotARunError as exc:
+            notes.append(f"skipped {d}: {exc}")
+            continue
+        if run.completed or include_incomplete:
+            runs.append(run)
+        else:
+            notes.append(f"left out {d}: run not completed (status: {run.status}); --include-incomplete shows it, "
+                         f"marked")
+    return runs, notes
+
+
+def scenario_warnings(runs: Sequence[Run]) -> list[str]:
+    """One line per scenario setting (the seed aside) on which the runs differ, naming the values."""
+    keys = list(dict.fromkeys(k for run in runs for k in run.summary.scenario if k != "seed"))
+    warnings = []
+    for key in keys:
+        values: dict[str, list[str]] = {}
+        for run in runs:
+            if key in run.summary.scenario:
+                values.setdefault(repr(run.summary.scenario[key]), []).append(run.run_dir.name)
+        if len(values) > 1:
+            listed = "; ".join(f"{v} ({', '.join(names)})" for v, names in values.items())
+            warnings.append(f"the runs differ in scenario: {SCENARIO_NAMES.get(key, key)}: {listed}")
+    return warnings
+
+
+def _seed_note(runs: Sequence[Run]) -> list[str]:
+    seeds = list(dict.fromkeys(run.summary.seed for run in runs))
+    return [f"seeds: {', '.join('?' if s is None else str(s) for s in seeds)}"] if len(seeds) > 1 else []
+
+
+def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str,
+                 include_incomplete: bool = False) -> Comparison:
+    """One row per run (in the order given) and ``out_dir/compare.png`` with four side-by-side bar charts.
+    Raises :class:`NothingToCompare` when no directory holds a run to compare."""
     if not run_dirs:
         raise ValueError("compare_runs needs at least one run directory")
-    runs = [load_run(d) for d in run_dirs]
+    runs, notes = _load_comparable(run_dirs, include_incomplete)
+    if not runs:
+        raise NothingToCompare("no run to compare" + ("" if include_incomplete else
+                                                      " (runs not completed are left out without "
+                                                      "--include-incomplete)"), notes)
     labels = _labels([r.run_dir for r in runs], [r.label for r in runs])
     rows = [
         RunRow(
@@ -93,7 +170,8 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str) -> tuple[l
     ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return rows, plot_comparison(rows, out / COMPARE_PNG)
+    return Comparison(rows, plot_comparison(rows, out / COMPARE_PNG), notes + _seed_note(runs),
+                      scenario_warnings(runs))
 
 
 QUANTITIES = [  # (title, value, format, percent scale)
@@ -156,8 +234,10 @@ def format_table(rows: Sequence[RunRow]) -> Table:
     def pct(v: Optional[float]) -> str:
         return "-" if v is None else f"{v:.2f}"
 
+    if not all(r.completed for r in rows):
+        table.caption += "; * run not completed: its metrics cover the tasks it finished"
     for r in rows:
-        table.add_row(r.label, r.status, f"{r.tasks_finished}/{r.num_tasks}", pct(r.average_accuracy),
-                      pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
+        table.add_row(r.label + ("" if r.completed else " *"), r.status, f"{r.tasks_finished}/{r.num_tasks}",
+                      pct(r.average_accuracy), pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
                       "-" if r.emulated_s is None else f"{r.emulated_s:.1f}")
     return table

@@ -1,8 +1,8 @@
 """Report of one run directory: PNG plots (:mod:`monitoring.plots`) and ``report.md``, a short Markdown
 summary linking them. The metrics are defined in docs/metrics.md.
 
-An interrupted run (status not ``completed``, a partial accuracy matrix, no rounds at all) still gets a full set
-of files: plots without data say so.
+A run not completed (failed, interrupted, or partial: no summary.json yet; a partial accuracy matrix, no rounds
+at all) still gets a full set of files, its status at the top of report.md: plots without data say so.
 """
 
 from __future__ import annotations
@@ -77,10 +77,11 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     ]
 
 
-def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> Path:
-    """Write the five PNG plots and ``report.md`` into ``out_dir`` (default ``<run_dir>/report/``);
-    return the path of ``report.md``. Raises ``RunDirError`` for a directory that is not a readable run."""
-    run = load_run(run_dir)
+def write_report(run: Run | Path | str, out_dir: Path | str | None = None) -> Path:
+    """Write the five PNG plots and ``report.md`` of a run (loaded, or its directory) into ``out_dir`` (default
+    ``<run_dir>/report/``); return the path of ``report.md``. Raises ``RunDirError`` for a directory that is not a
+    readable run."""
+    run = run if isinstance(run, Run) else load_run(run)
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plot_accuracy_matrix(run, out / PLOTS["accuracy_matrix"])

@@ -1,6 +1,9 @@
 """Reading a run directory: ``summary.json`` (as :class:`monitoring.results.RunSummary`), ``events.jsonl`` and,
 when readable, ``config.yaml``, validated, with errors that name the file (and line) at fault.
 
+A run without ``summary.json`` (still running, or killed before it wrote one) is read from its events and
+config as a *partial* run: status :data:`PARTIAL`, its finished tasks, the bytes and time of its recorded rounds.
+
 The reports (:mod:`monitoring.report`) and comparisons (:mod:`monitoring.compare`) read runs through
 ``load_run``.
 """
@@ -16,11 +19,13 @@ import msgspec
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from monitoring.results import RoundRecord, RunSummary
+from monitoring.results import (RoundRecord, RunSummary, average_accuracy, average_forgetting,
+                                average_incremental_accuracy)
 
 SUMMARY = "summary.json"
 EVENTS = "events.jsonl"
 CONFIG = "config.yaml"
+PARTIAL = "partial: no summary.json (still running, or ended without writing it)"
 
 
 class RunDirError(ValueError):
@@ -31,6 +36,11 @@ class RunDirError(ValueError):
         self.run_dir = run_dir
         self.file = file
         self.line = line
+
+
+class NotARunError(RunDirError):
+    """A directory that holds no run at all (neither summary.json nor events.jsonl): the keys a start that did
+    not finish left behind, say, or any other folder beside the runs."""
 
 
 class _Timed(BaseModel):
@@ -72,6 +82,11 @@ class Run:
         return self.summary.completed
 
     @property
+    def partial(self) -> bool:
+        """No summary.json: the run is still going, or ended without writing one."""
+        return self.summary.status == PARTIAL
+
+    @property
     def num_tasks(self) -> int:
         """Tasks in the scenario (falls back to the width of the accuracy matrix)."""
         n = self.summary.scenario.get("num_tasks")
@@ -87,21 +102,44 @@ class Run:
 def load_run(run_dir: Path | str) -> Run:
     """Read and validate a run directory; raise ``RunDirError`` naming the file (and line) at fault."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise RunDirError(f"not a run directory: {run_dir} does not exist", run_dir)
     if not run_dir.is_dir():
-        raise RunDirError(f"not a run directory: {run_dir} does not exist or is not a directory", run_dir)
+        raise NotARunError(f"not a run directory: {run_dir} is not a directory", run_dir)
     summary_path, events_path = run_dir / SUMMARY, run_dir / EVENTS
     if not summary_path.exists() and not events_path.exists():
-        raise RunDirError(f"not a run directory: {run_dir} has neither {SUMMARY} nor {EVENTS}", run_dir)
-    summary = _load_summary(run_dir, summary_path)
+        names = sorted(p.name for p in run_dir.iterdir())
+        what = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") or "nothing"
+        raise NotARunError(f"not a run directory: {run_dir} has neither {SUMMARY} nor {EVENTS} (it holds {what})",
+                           run_dir)
     rounds, task_ends, start = _load_events(run_dir, events_path)
-    return Run(summary=summary, rounds=rounds, task_ends=task_ends, run_dir=run_dir,
-               config=_load_config(run_dir / CONFIG), start=start)
+    config = _load_config(run_dir / CONFIG)
+    summary = (_load_summary(run_dir, summary_path) if summary_path.exists()
+               else _partial_summary(config, rounds, task_ends, start, events_path))
+    return Run(summary=summary, rounds=rounds, task_ends=task_ends, run_dir=run_dir, config=config, start=start)
+
+
+def _partial_summary(config: Optional[dict[str, Any]], rounds: list[dict], task_ends: list[dict],
+                     start: Optional[dict], events_path: Path) -> RunSummary:
+    """What a run without summary.json has recorded so far, as a summary with status :data:`PARTIAL`."""
+    config = config or {}
+    scenario = config.get("scenario") if isinstance(config.get("scenario"), dict) else {}
+    num_tasks = scenario.get("num_tasks") if isinstance(scenario.get("num_tasks"), int) else 0
+    width = max([num_tasks] + [len(t["accuracy"]) for t in task_ends])
+    matrix = [t["accuracy"] + [None] * (width - len(t["accuracy"])) for t in task_ends]
+    times = [r["time"] for r in rounds] + [t["time"] for t in task_ends] + [0.0]
+    return RunSummary(
+        status=PARTIAL, run_id=(start or {}).get("run_id"), run_dir=str(events_path.parent),
+        method=str(config.get("method", "?")), dataset=str(scenario.get("dataset", "?")), scenario=scenario,
+        seed=config.get("seed") if isinstance(config.get("seed"), int) else None, accuracy_matrix=matrix,
+        average_accuracy=average_accuracy(matrix) if matrix else None,
+        average_incremental_accuracy=average_incremental_accuracy(matrix) if matrix else None,
+        average_forgetting=average_forgetting(matrix) if matrix else None,
+        bytes_total=sum(r["bytes_sent"] + r["bytes_received"] for r in rounds), rounds=len(rounds),
+        rounds_skipped=sum(1 for r in rounds if r.get("skipped")), wall_clock_s=max(times))
 
 
 def _load_summary(run_dir: Path, path: Path) -> RunSummary:
-    if not path.exists():
-        raise RunDirError(f"{SUMMARY} missing in run directory {run_dir} "
-                          f"(the run may have been killed before writing it)", run_dir, SUMMARY)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

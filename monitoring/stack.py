@@ -1,9 +1,14 @@
-"""The monitoring stack around a run: its Prometheus targets file and a local Prometheus server.
+"""The monitoring stack around a run: its Prometheus targets, a local Prometheus server, Grafana's provisioning.
 
 - :func:`write_targets` writes ``<run_dir>/prometheus_targets.json`` in
   Prometheus's file-based service discovery format: one target group per
   process (the coordinator, each edge node of ``fcl-emu up``) with the labels
-  ``role``, ``process`` and ``run_id``.
+  ``role``, ``process`` and ``run_id`` (the dashboards filter on ``run_id``).
+- :func:`static_prometheus_config` is the same configuration with the targets
+  written in (``fcl-emu deploy``, where the run's processes are services).
+- :func:`grafana_datasource`, :func:`grafana_dashboard_provider` and
+  :func:`dashboards`: the provisioning in ``monitoring/grafana/`` for a Grafana
+  that reaches Prometheus at a given URL.
 - :class:`LocalPrometheus` runs the ``prometheus`` binary for ``fcl-emu up
   --prometheus`` with a run-specific copy of ``monitoring/prometheus/prometheus.yml``
   under ``<run_dir>/prometheus/`` (its TSDB too), listening on 127.0.0.1.
@@ -28,6 +33,9 @@ import yaml
 HERE = Path(__file__).resolve().parent
 PROMETHEUS_CONFIG = HERE / "prometheus" / "prometheus.yml"
 DASHBOARDS_DIR = HERE / "grafana" / "dashboards"
+GRAFANA_PROVISIONING = HERE / "grafana" / "provisioning"
+GRAFANA_DATASOURCE = GRAFANA_PROVISIONING / "datasources" / "prometheus.yml"
+GRAFANA_DASHBOARD_PROVIDER = GRAFANA_PROVISIONING / "dashboards" / "fcl-emu.yml"
 TARGETS_FILE = "prometheus_targets.json"
 
 INSTALL_HINT = (
@@ -126,6 +134,41 @@ def prometheus_config(targets_file: Path, scrape_interval_s: float) -> dict:
     for job in config.get("scrape_configs", []):
         for sd in job.get("file_sd_configs", []):
             sd["files"] = [str(Path(targets_file).resolve())]
+    return config
+
+
+def static_prometheus_config(targets: list[Target], run_id: str, scrape_interval_s: float) -> dict:
+    """:func:`prometheus_config` with ``targets`` written in (each with its ``role``, ``process`` and ``run_id``)
+    instead of read from a targets file."""
+    config = prometheus_config(Path(TARGETS_FILE), scrape_interval_s)
+    for job in config.get("scrape_configs", []):
+        if job.pop("file_sd_configs", None) is not None:
+            job["static_configs"] = targets_document(targets, run_id)
+    return config
+
+
+def dashboards() -> list[Path]:
+    """The project's Grafana dashboards (JSON)."""
+    return sorted(DASHBOARDS_DIR.glob("*.json"))
+
+
+def grafana_dashboard_provider() -> dict:
+    """The project's dashboard provider: the folder ``fcl-emu``, loaded from :func:`dashboard_provider_path`."""
+    return yaml.safe_load(GRAFANA_DASHBOARD_PROVIDER.read_text())
+
+
+def dashboard_provider_path() -> str:
+    """Where Grafana's dashboard provider loads the dashboards from (in Grafana's container)."""
+    return grafana_dashboard_provider()["providers"][0]["options"]["path"]
+
+
+def grafana_datasource(prometheus_url: str, scrape_interval_s: float) -> dict:
+    """The project's Prometheus data source (uid ``fcl-prometheus``) at ``prometheus_url``, scraping every
+    ``scrape_interval_s`` (``$__rate_interval`` spans at least four scrapes)."""
+    config = yaml.safe_load(GRAFANA_DATASOURCE.read_text())
+    for source in config["datasources"]:
+        source["url"] = prometheus_url
+        source.setdefault("jsonData", {})["timeInterval"] = _duration(scrape_interval_s)
     return config
 
 

@@ -265,6 +265,10 @@ class MetricsConfig(pydantic.BaseModel):
                                                                             "127.0.0.1)")
     keep_prometheus: bool = pydantic.Field(False, description="leave the local Prometheus running after the run")
     scrape_interval_s: float = pydantic.Field(5.0, gt=0, le=300, description="scrape interval of the local Prometheus")
+    run_id: str | None = pydantic.Field(
+        None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="the run's id (the run_id label in Prometheus, summary.json's run_id); unset: a fresh random "
+                    "one. `fcl-emu deploy` sets it, so that its Prometheus labels every target with it")
 
     @property
     def enabled(self) -> bool:

@@ -281,7 +281,7 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compose = yaml.safe_load((out / "compose.yml").read_text())
-    assert set(compose["services"]) == {"coordinator", "prometheus", "node-0", "node-1"}
+    assert set(compose["services"]) == {"coordinator", "prometheus", "grafana", "node-0", "node-1"}
     assert compose["services"]["node-0"]["restart"] == "no"
     stack = "fcltest"
     deployed = subprocess.run(["docker", "stack", "deploy", "-c", "stack.yml", stack], cwd=out,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from monitoring.compare import compare_runs, format_table
+from monitoring.compare import NothingToCompare, compare_runs, format_table
 from monitoring.plots import round_phase_parts
 from monitoring.report import PLOTS, REPORT, write_report
-from monitoring.run_dir import RunDirError, load_run
+from monitoring.run_dir import PARTIAL, RunDirError, load_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -162,13 +162,20 @@ def test_not_a_run_directory(tmp_path):
         write_report(tmp_path / "empty")
 
 
-def test_missing_summary_is_named(tmp_path):
-    run_dir = make_run(tmp_path / "run")
+def test_run_without_summary_reads_as_partial(tmp_path):
+    """No summary.json (still running, or killed): the run so far, from its events and config, status partial."""
+    run_dir = make_run(tmp_path / "run", event_list=events()[:-3])  # task 3's second round, end and summary to come
     (run_dir / "summary.json").unlink()
-    with pytest.raises(RunDirError, match=r"summary.json missing in run directory .*run") as err:
-        write_report(run_dir)
-    assert err.value.file == "summary.json"
-    assert not (run_dir / "report").exists()
+    (run_dir / "config.yaml").write_text("method: fedavg\nseed: 3\nscenario:\n  dataset: mnist\n  num_tasks: 3\n")
+    run = load_run(run_dir)
+    assert (run.partial, run.completed, run.status) == (True, False, PARTIAL)
+    s = run.summary
+    assert (s.method, s.dataset, s.seed, s.run_id, s.rounds, s.rounds_skipped) == ("fedavg", "mnist", 3, "abc", 5, 1)
+    assert s.accuracy_matrix == [[90.0, None, None], [60.0, 80.0, None]]
+    assert (s.average_accuracy, s.average_forgetting) == (70.0, 30.0)
+    assert s.bytes_total == 5 * 2_003_100 and s.wall_clock_s == 12.0
+    text = write_report(run_dir).read_text()
+    assert f"**Run not completed** (status: {PARTIAL}): 2 of 3 tasks finished, 5 rounds" in text
 
 
 @pytest.mark.parametrize("content, why", [
@@ -211,7 +218,9 @@ def test_compare_two_runs(tmp_path):
     b = make_run(tmp_path / "b" / "run",  # same dir name, second run interrupted after task 1
                  summary(matrix=[[80.0, None, None]], status="interrupted", rounds=2, bytes_total=2_000_000,
                          wall=10.0, seed=1, method="fedlwf2t", average_accuracy=80.0, average_forgetting=0.0))
-    rows, png = compare_runs([a, b], tmp_path / "cmp")
+    found = compare_runs([a, b], tmp_path / "cmp", include_incomplete=True)
+    rows, png = found.rows, found.png
+    assert found.notes == ["seeds: 0, 1"] and found.warnings == []
     assert png == tmp_path / "cmp" / "compare.png"
     assert_png(png)
     assert [(r.method, r.seed, r.status, r.tasks_finished) for r in rows] == [
@@ -224,7 +233,7 @@ def test_compare_two_runs(tmp_path):
     assert rows[0].label.startswith("fedavg/mnist/s0 (") and rows[1].label.startswith("fedlwf2t/mnist/s1 (")
 
     # the same run twice: labels stay distinguishable
-    rows, _ = compare_runs([a, a], tmp_path / "cmp")
+    rows = compare_runs([a, a], tmp_path / "cmp").rows
     assert rows[0].label != rows[1].label
 
     console = Console(record=True, width=200)
@@ -233,11 +242,65 @@ def test_compare_two_runs(tmp_path):
     assert "50.00" in out and "45.00" in out and "12.3" in out and "42.5" in out
 
 
-def test_compare_fails_clearly_on_a_non_run(tmp_path):
+def test_compare_fails_clearly_on_a_missing_or_malformed_run(tmp_path):
     a = make_run(tmp_path / "a")
-    (tmp_path / "b").mkdir()
     with pytest.raises(RunDirError, match="not a run directory"):
-        compare_runs([a, tmp_path / "b"], tmp_path / "cmp")
+        compare_runs([a, tmp_path / "missing"], tmp_path / "cmp")
+    b = make_run(tmp_path / "b")
+    (b / "summary.json").write_text("{not json")
+    with pytest.raises(RunDirError, match="not valid JSON"):
+        compare_runs([a, b], tmp_path / "cmp")
+
+
+def test_compare_skips_folders_without_a_run_and_leaves_out_incomplete_runs(tmp_path):
+    """runs/*: a folder a start that did not finish left (keys only) is skipped, runs not completed are left out,
+    each with one line; with include_incomplete they are compared, marked."""
+    done = make_run(tmp_path / "runs" / "done")
+    keys_only = tmp_path / "runs" / "keys-only"
+    (keys_only / "keys").mkdir(parents=True)
+    failed = make_run(tmp_path / "runs" / "failed", summary(matrix=[[80.0, None, None]], status="failed: boom"))
+    running = make_run(tmp_path / "runs" / "running", event_list=events()[:4])
+    (running / "summary.json").unlink()
+    notes = tmp_path / "runs" / "notes.txt"
+    notes.write_text("a file beside the runs")
+    dirs = [done, keys_only, failed, running, notes]
+    found = compare_runs(dirs, tmp_path / "cmp")
+    assert [r.run_dir for r in found.rows] == [done]
+    assert len(found.notes) == 4
+    assert found.notes[3] == f"skipped {notes}: not a run directory: {notes} is not a directory"
+    assert found.notes[0] == (f"skipped {keys_only}: not a run directory: {keys_only} has neither summary.json nor "
+                              f"events.jsonl (it holds keys)")
+    assert found.notes[1] == (f"left out {failed}: run not completed (status: failed: boom); --include-incomplete "
+                              f"shows it, marked")
+    assert f"left out {running}: run not completed (status: partial: no summary.json" in found.notes[2]
+
+    found = compare_runs(dirs, tmp_path / "cmp", include_incomplete=True)
+    assert [(r.run_dir, r.status, r.tasks_finished) for r in found.rows] == [
+        (done, "completed", 3), (failed, "failed: boom", 1), (running, PARTIAL, 1)]
+    console = Console(record=True, width=300)
+    console.print(format_table(found.rows))
+    out = console.export_text()
+    assert "(failed) *" in out and "* run not completed" in out
+
+    with pytest.raises(NothingToCompare, match="left out without --include-incomplete") as err:
+        compare_runs([keys_only, failed], tmp_path / "cmp")
+    assert len(err.value.notes) == 2
+
+
+def test_compare_warns_when_scenarios_differ(tmp_path):
+    def scenario(**changes) -> dict:
+        return summary(scenario={"dataset": "mnist", "num_tasks": 3, "num_clients": 20, "partition": "iid",
+                                 "classes_per_task": None, "seed": 0, **changes})
+
+    a = make_run(tmp_path / "a", scenario())
+    b = make_run(tmp_path / "b", scenario(seed=1, num_clients=50))
+    c = make_run(tmp_path / "c", scenario(partition="dirichlet", classes_per_task=2))
+    assert compare_runs([a, make_run(tmp_path / "a2", scenario(seed=5))], tmp_path / "cmp").warnings == []
+    assert compare_runs([a, b, c], tmp_path / "cmp").warnings == [
+        "the runs differ in scenario: clients: 20 (a, c); 50 (b)",
+        "the runs differ in scenario: partition: 'iid' (a, b); 'dirichlet' (c)",
+        "the runs differ in scenario: classes per task: None (a, b); 2 (c)",
+    ]
 
 
 def test_report_and_compare_commands(tmp_path):
@@ -250,10 +313,38 @@ def test_report_and_compare_commands(tmp_path):
     b = make_run(tmp_path / "b", summary(seed=1, wall=50.0))
     result = runner.invoke(app, ["report", str(a)])
     assert result.exit_code == 0, result.output
-    assert (a / "report" / REPORT).is_file()
+    assert (a / "report" / REPORT).is_file() and "run status: completed" in result.output
     result = runner.invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
     assert result.exit_code == 0, result.output
     assert "runs compared" in result.output and (tmp_path / "cmp" / "compare.png").is_file()
     for args in (["report", str(tmp_path / "nothing")], ["compare", str(a), str(tmp_path / "nothing")]):
         result = runner.invoke(app, args)
         assert result.exit_code == 1 and "error:" in result.output, result.output
+
+    c = make_run(tmp_path / "c", summary(status="interrupted: SIGTERM", scenario={"dataset": "mnist", "num_tasks": 5}))
+    (tmp_path / "d").mkdir()
+    result = runner.invoke(app, ["report", str(c)])
+    assert result.exit_code == 0 and "run status: interrupted: SIGTERM" in result.output, result.output
+    result = runner.invoke(app, ["compare", str(a), str(c), str(tmp_path / "d"), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    assert f"left out {c}: run not completed" in result.output and f"skipped {tmp_path / 'd'}" in result.output
+    result = runner.invoke(app, ["compare", str(a), str(c), "--include-incomplete", "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    assert "warning: the runs differ in scenario: tasks: 3 (a); 5 (c)" in result.output
+    result = runner.invoke(app, ["compare", str(c), str(tmp_path / "d"), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 1 and "error: no run to compare" in result.output, result.output
+
+
+def test_a_start_that_fails_leaves_no_run_folder(tmp_path, mnist_root):
+    """`up` whose edge nodes cannot start (no Docker engine for --backend docker) removes the keys it wrote and the
+    folders made for them: nothing is left in runs/ for report or compare to trip on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(tmp_path / "runs" / "a"),
+                           "--backend", "docker", "--clients", "4", "--data-root", str(mnist_root)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "no Docker engine answers" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,133 @@
+"""`fcl-emu deploy`'s files, checked without Docker: written with --image and no engine, Prometheus labelling
+every target as the dashboards select, Grafana provisioned with the data source and the dashboards."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from fcl_emu.cli import app
+from fcl_emu.deploy import PROMETHEUS_PORT
+from monitoring.stack import DASHBOARDS_DIR
+from runconfig import load_config
+
+RUN_LABELS = {"run_id", "role", "process"}  # what prometheus_targets.json gives `up`'s runs
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory) -> Path:
+    """The files of a two-node deployment with a GPU worker, written where no Docker engine answers."""
+    out = tmp_path_factory.mktemp("deploy") / "out"
+    data = tmp_path_factory.mktemp("data")
+    result = CliRunner().invoke(app, ["deploy", str(out), "--image", "fcl-emu:somewhere-else", "--data-root",
+                                      str(data), "--nodes", "2", "--clients", "8", "--gpu-workers", "1"],
+                                env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+    assert result.exit_code == 0, result.output
+    assert "Grafana on port 3000" in result.output
+    return out
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def dashboard_selectors() -> set[str]:
+    """The labels the dashboards' queries select by a dashboard variable (``label="$var"``, ``label=~"$var"``)."""
+    labels = set()
+    for path in DASHBOARDS_DIR.glob("*.json"):
+        labels |= set(re.findall(r'(\w+)\s*=~?\s*\\?"\$', path.read_text()))
+    return labels
+
+
+def test_written_without_an_engine_and_the_run_id_fixed(deployed):
+    config = load_config(deployed / "config.yaml", {})
+    assert re.fullmatch(r"[0-9a-f]{12}", config.metrics.run_id)
+    assert {p.name for p in deployed.iterdir()} >= {"stack.yml", "compose.yml", "config.yaml", "keys",
+                                                    "prometheus.yml", "grafana", "runs"}
+    for file in ("stack.yml", "compose.yml"):
+        assert {s["image"] for n, s in load(deployed / file)["services"].items() if n != "grafana"} == {
+            "fcl-emu:somewhere-else"}
+
+
+def test_prometheus_labels_every_target_as_the_dashboards_select(deployed):
+    assert dashboard_selectors() == {"run_id"}  # the run variable; role and process are grouped by
+    run_id = load(deployed / "config.yaml")["metrics"]["run_id"]
+    job, = load(deployed / "prometheus.yml")["scrape_configs"]
+    assert job["honor_labels"] is True  # the wire metrics' own role label is kept as is
+    groups = job["static_configs"]
+    assert {(g["targets"][0], g["labels"]["process"], g["labels"]["role"]) for g in groups} == {
+        ("coordinator:9100", "coordinator", "coordinator"), ("node-0:9101", "node-0", "edge_node"),
+        ("node-1:9102", "node-1", "edge_node"), ("coordinator:9103", "gpu-worker-0", "gpu_worker")}
+    for group in groups:
+        assert set(group["labels"]) == RUN_LABELS and group["labels"]["run_id"] == run_id
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus) is not installed")
+def test_promtool_accepts_the_prometheus_configuration(deployed):
+    checked = subprocess.run(["promtool", "check", "config", str(deployed / "prometheus.yml")],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("file", ["stack.yml", "compose.yml"])
+def test_grafana_is_provisioned_with_prometheus_and_every_dashboard(deployed, file):
+    spec = load(deployed / file)
+    grafana, prometheus = spec["services"]["grafana"], spec["services"]["prometheus"]
+    assert f"--web.listen-address=:{PROMETHEUS_PORT}" in prometheus["command"]
+    mounted = {c["target"]: deployed / spec["configs"][c["source"]]["file"] for c in grafana["configs"]}
+
+    sources = [load(path) for target, path in mounted.items()
+               if target.startswith("/etc/grafana/provisioning/datasources/")]
+    source, = [s for doc in sources for s in doc["datasources"]]
+    assert (source["url"], source["uid"], source["isDefault"]) == (
+        f"http://prometheus:{PROMETHEUS_PORT}", "fcl-prometheus", True)
+    assert source["jsonData"]["timeInterval"] == "5s"
+
+    providers = [load(path) for target, path in mounted.items()
+                 if target.startswith("/etc/grafana/provisioning/dashboards/")]
+    provider, = [p for doc in providers for p in doc["providers"]]
+    folder = provider["options"]["path"]
+    provisioned = {Path(t).name: path for t, path in mounted.items() if Path(t).parent == Path(folder)}
+    assert set(provisioned) == {p.name for p in DASHBOARDS_DIR.glob("*.json")}
+    for name, path in provisioned.items():
+        assert json.loads(path.read_text()) == json.loads((DASHBOARDS_DIR / name).read_text())
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{folder}/overview.json"
+    assert grafana["networks"] == prometheus["networks"]
+    if file == "stack.yml":
+        assert grafana["ports"] == [{"target": 3000, "published": 3000, "mode": "host"}]
+        assert grafana["deploy"]["placement"] == {"constraints": ["node.role == manager"]}
+    else:
+        assert grafana["ports"] == ["3000:3000"]
+
+
+def test_the_coordinator_takes_the_run_id_it_is_given(tmp_path, mnist_root):
+    """The run_id label Prometheus puts on every target is the coordinator's own (fcl_run_info, summary.json)."""
+    from coordinator.lifecycle import Coordinator
+    from tests.conftest import keyed, small_config
+
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4}),
+                         {"data_root": [str(mnist_root)], "metrics": {"run_id": "deployed-0"}})
+    config, _ = keyed(config, tmp_path / "keys")
+    coordinator = Coordinator(config)
+    try:
+        assert coordinator.run_id == "deployed-0"
+    finally:
+        coordinator.close()
+    with pytest.raises(ValueError, match="run_id"):
+        load_config(None, {"metrics": {"run_id": "a run"}})
+
+
+def test_the_coordinator_service_gets_its_gpu_workers_key(deployed):
+    """The coordinator starts its GPU workers with the key under its secrets (coordinator/gpu_pool.py)."""
+    stack = load(deployed / "stack.yml")
+    assert "gpu-workers.key_secret" in stack["services"]["coordinator"]["secrets"]
+    assert stack["secrets"]["gpu-workers.key_secret"] == {"file": "./keys/gpu-workers.key_secret"}
+    assert (deployed / "keys" / "gpu-workers.key_secret").is_file()
+    assert "gpu-workers.key_secret" not in stack["services"]["node-0"]["secrets"]
