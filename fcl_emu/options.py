@@ -291,8 +291,8 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
     help=f"Continue the interrupted run in RUN_DIR from its last checkpoint, same address and run id "
          f"(docs/resume.md). Only {', '.join(o.flag for o in RUN_OPTIONS if o.with_resume)} and --verbose may go "
          f"with it.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose/--no-verbose", "-v", help="Log debug messages too.",
-                                          rich_help_panel=RUN)]
+VerboseOpt = Annotated[bool, typer.Option("--verbose/--no-verbose", "-v", help="Log debug messages too. Default off.",
+                                          show_default=False, rich_help_panel=RUN)]
 
 
 def run_command(command: str, *arguments: tuple[str, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
