@@ -68,6 +68,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     from fcl_emu.run import RunNotRecorded
     from fcl_emu.writable import NotWritableError
 
+    _check_extras(cfg)
     forks = zygote.start() if fork_nodes and cfg.containers.backend == "process" else None
     try:
         summary = runner(cfg, console)
@@ -82,6 +83,20 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
         if forks is not None:
             forks.close()
     raise typer.Exit(summary.exit_code)
+
+
+def _check_extras(cfg: RunConfig) -> None:
+    """Exit 2 with one line naming the pip command unless the run's method finds the extras it needs: before
+    the run starts anything (its folder, keys, processes)."""
+    from methods import registry
+    from methods.requirements import missing_extras, pip_install
+
+    spec = registry.get(cfg.method)
+    missing = missing_extras(spec.requires_extras)
+    if missing:
+        console.print(f"error: method {spec.name} needs the {', '.join(missing)} extra, which is not installed: "
+                      f"{pip_install(missing)}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2)
 
 
 def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],
@@ -128,11 +143,11 @@ def _logging(verbose: bool) -> None:
     setup_logging(verbose)
 
 
-ClientsOpt = options.OPTIONS["clients"].annotation
-PerRoundOpt = options.OPTIONS["clients_per_round"].annotation
-DataRootOpt = options.OPTIONS["data_root"].annotation
-TasksOpt = options.OPTIONS["tasks"].annotation
-RoundsOpt = options.OPTIONS["rounds_per_task"].annotation
+ClientsOpt = options.elsewhere("clients")
+PerRoundOpt = options.elsewhere("clients_per_round")
+DataRootOpt = options.elsewhere("data_root")
+TasksOpt = options.elsewhere("tasks")
+RoundsOpt = options.elsewhere("rounds_per_task")
 
 
 @app.command()
@@ -255,25 +270,36 @@ def keys(
     nodes: Annotated[int, typer.Option(
         min=1, help="Edge nodes; node n hosts the n-th contiguous block of clients.")] = 2,
     per_device: Annotated[bool, typer.Option(
-        "--per-device", help="One key per client instead of one per edge node.")] = False,
+        "--per-device/--per-node", help="One key per client instead of one per edge node.")] = False,
+    bind: Annotated[str, typer.Option(
+        help="The endpoint the coordinator binds, with a fixed port (in the coordinator's command).")]
+        = "tcp://0.0.0.0:5555",
+    coordinator_host: Annotated[str, typer.Option(
+        "--coordinator-host", help="The coordinator's address as the edge nodes' hosts reach it (in their "
+                                   "commands; default: this host's name).")] = "",
 ) -> None:
-    """Write a run's CurveZMQ keys for a coordinator and edge nodes on several hosts (docs/security.md)."""
-    from edge_node.args import format_client_set
-    from fcl_emu.keys import node_blocks, write_run_keys
+    """Write a run's CurveZMQ keys for a coordinator and edge nodes on several hosts (docs/security.md), and
+    print each host's command."""
+    import socket
 
-    count = build_config(None, clients=clients, nodes=1).scenario.num_clients  # a run's bounds (its nodes: below)
+    from fcl_emu.keys import host_commands, node_blocks, write_run_keys
+
+    cfg = build_config(None, clients=clients, nodes=1, bind=bind)  # a run's bounds (its nodes: below)
+    count = cfg.scenario.num_clients
     if nodes > count:
         raise typer.BadParameter(f"{nodes} nodes for {count} clients", param_hint="--nodes")
+    if not bind.startswith("tcp://") or bind.rpartition(":")[2] in ("0", "*"):
+        raise typer.BadParameter(f"{bind!r}: give a TCP endpoint with a fixed port for the edge nodes to dial, "
+                                 f"e.g. tcp://0.0.0.0:5555", param_hint="--bind")
     _writable(directory)
     blocks = node_blocks(count, nodes)
     path = write_run_keys(directory, blocks, per_device=per_device)
+    commands = host_commands(path, blocks, bind, coordinator_host or socket.gethostname(), per_device=per_device)
     lines = [f"keys for {count} clients on {len(blocks)} nodes in {path} (keep coordinator.key_secret and "
-             f"roster.json on the coordinator's host only)",
-             f"  coordinator: fcl-emu coordinator --keys {path} --clients {count} ..."]
-    for n, block in enumerate(blocks):
-        key = path if per_device else path / f"node-{n}.key_secret"
-        lines.append(f"  node {n}: fcl-emu node --connect tcp://COORDINATOR:PORT --clients {format_client_set(block)} "
-                     f"--server-key {path / 'coordinator.key'} --key {key}")
+             f"roster.json on the coordinator's host only; copy coordinator.key and each node's key to its host)",
+             *(f"  {command}" for command in commands),
+             "  (the run's flags go to the coordinator's command alone: --method, --dataset, ..., and --join-timeout "
+             "SECONDS where the nodes start later; the nodes take the run's settings from the coordinator)"]
     Console(width=1000).print("\n".join(lines), markup=False, highlight=False)
 
 
@@ -294,17 +320,21 @@ def image_build() -> None:
 
 
 @app.command("methods")
-def list_methods() -> None:
-    """List the registered learning methods."""
-    from rich.table import Table
-
+def list_methods(
+    name: Annotated[Optional[str], typer.Argument(help="A method (or alias) to describe in full.")] = None,
+) -> None:
+    """List the learning methods, or describe one: its options and defaults, optimiser, server-side jobs, the
+    extras it needs and the run features it refuses."""
+    from fcl_emu.method_info import method_card, methods_table
     from methods import registry
 
-    table = Table("method", "aliases", "local training (its code's; where the config is silent)", "description")
-    for spec in registry.all_specs():
-        training = ", ".join(f"{k} {v:g}" for k, v in spec.training.items()) or "the run's"
-        table.add_row(spec.name, ", ".join(spec.aliases), training, spec.description)
-    Console().print(table)
+    if name is None:
+        return Console().print(methods_table(registry.all_specs()))
+    try:
+        spec = registry.get(name)
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc).strip("'\""), param_hint="NAME") from None
+    Console().print(method_card(spec))
 
 
 @app.command()

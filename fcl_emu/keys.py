@@ -1,7 +1,8 @@
 """A run's CurveZMQ keys (docs/security.md): who may speak for which clients, written as a key directory.
 
 ``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret`` and ``coordinator.key`` to the
-host that runs it), giving node n a contiguous block of clients; ``fcl-emu up`` writes its own into the run
+host that runs it), giving node n a contiguous block of clients, and prints each host's command
+(:func:`host_commands`); ``fcl-emu up`` writes its own into the run
 directory (:class:`RunKeys`), following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for
 the clients node n hosts, or, with per-device keys, ``client-<i>`` for client i alone; ``gpu-workers`` for the
 coordinator's GPU workers.
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
+from edge_node.args import format_client_set
 from fcl_emu.launchers.base import node_key_name, node_specs
 from wire.auth import write_keys
 from runconfig import RunConfig
@@ -37,6 +39,21 @@ def write_run_keys(directory: Path, assignment: list[list[int]], *, per_device: 
             grants[node_key_name(n)] = [client_id(i) for i in indices]
     grants[WORKER_KEY_NAME] = [worker_identity(i) for i in range(MAX_GPU_WORKER_GRANTS)]
     return write_keys(directory, grants)
+
+
+def host_commands(path: Path, blocks: list[list[int]], bind: str, host: str, *,
+                  per_device: bool = False) -> list[str]:
+    """The command of each host of a run under the keys in ``path`` (:func:`write_run_keys` for ``blocks``): the
+    coordinator binding ``bind`` (a TCP endpoint with a fixed port), then node n dialling that port on ``host``
+    (the coordinator's address as the nodes reach it) with the key files copied beside it."""
+    port = bind.rpartition(":")[2]
+    clients = sum(len(block) for block in blocks)
+    lines = [f"coordinator: fcl-emu coordinator --keys {path} --clients {clients} --bind {bind}"]
+    for n, block in enumerate(blocks):
+        key = path if per_device else path / f"{node_key_name(n)}.key_secret"
+        lines.append(f"node {n}: fcl-emu node --connect tcp://{host}:{port} --clients {format_client_set(block)} "
+                     f"--server-key {path / 'coordinator.key'} --key {key}")
+    return lines
 
 
 def with_keys(config: RunConfig, directory: Path, assignment: list[list[int]], *,

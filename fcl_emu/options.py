@@ -3,11 +3,14 @@
 that validation errors give. A flag's help, type, default and bounds are its config field's (the pydantic
 ``Field``): here only the field it sets and what the command line alone knows.
 
-A new run option is its field in :mod:`runconfig.config`, with a description, and one :class:`RunOption` here.
+A new run option is its field in :mod:`runconfig.config`, with a description, and one :class:`RunOption` here,
+in the help panel (:data:`PANELS`) it belongs to. A switch (a bool field, or ``sets``) is ``--x/--no-x``: either
+side overrides the YAML, neither leaves it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,11 @@ from runconfig import RunConfig
 
 UP, COORDINATOR = "up", "coordinator"
 BOTH = frozenset({UP, COORDINATOR})
+
+# The help panels of a run's flags, in the order `--help` shows them.
+RUN, SCENARIO, TRAINING, ROUNDS, EDGE, BACKENDS, SECURITY, PRIVACY, MONITORING = PANELS = (
+    "Run", "Scenario", "Method and training", "Rounds and clock", "Edge nodes and churn",
+    "Backends: containers and GPU workers", "Security", "Central differential privacy", "Monitoring")
 
 
 def _method_options(items: list[str]) -> dict[str, Any]:
@@ -80,9 +88,11 @@ class RunOption:
 
     name: str                                   # the parameter; the flag is --name with dashes
     fields: tuple[tuple[str, ...], ...]         # where its value goes in the config (--seed: two places)
+    panel: str = ""                             # its help panel (one of PANELS)
     commands: frozenset[str] = BOTH
     with_resume: bool = False                   # may go with --resume: it does not change what the run does
-    sets: Any = None                            # an on-switch that sets the field to this value (--insecure)
+    sets: Any = None                            # a switch whose on side sets the field to this value, its off
+                                                # side to the field's default (--insecure/--no-insecure)
     cli_type: Any = None                        # the flag's type where the field's differs (then ``convert``)
     convert: Callable[[Any], Any] | None = None  # flag value -> config value
     metavar: str | None = None
@@ -97,7 +107,7 @@ class RunOption:
 
     @property
     def type(self) -> Any:
-        """The value's type (bool: an on-switch)."""
+        """The value's type (bool: a switch)."""
         if self.sets is not None:
             return bool
         return self.cli_type or value_type(self.field.annotation)
@@ -105,6 +115,11 @@ class RunOption:
     @property
     def is_switch(self) -> bool:
         return self.type is bool
+
+    @property
+    def off_flag(self) -> str | None:
+        """A switch's off side (``--no-secagg``); None for a flag that takes a value."""
+        return "--no-" + self.flag[2:] if self.is_switch else None
 
     @property
     def help(self) -> str:
@@ -118,31 +133,30 @@ class RunOption:
             notes.append(f"sets {self.sets}")
         if get_origin(self.type) is list:
             notes.append("repeatable")
-        if not self.is_switch and field.default not in (None, PydanticUndefined) and field.default != {}:
+        if isinstance(field.default, bool):
+            notes.append("default on" if field.default else "default off")
+        elif field.default not in (None, PydanticUndefined) and field.default != {}:
             notes.append(f"default {_number(field.default)}")
         notes += bounds(field)
         return " ".join(_sentence(text) for text in (field.description, "; ".join(notes)) if text)
 
     @property
     def annotation(self) -> Any:
-        """The typer declaration of the parameter."""
-        option = typer.Option(self.flag, help=self.help, metavar=self.metavar)
-        return Annotated[bool if self.is_switch else Optional[self.type], option]
-
-    @property
-    def default(self) -> Any:
-        return False if self.is_switch else None
+        """The typer declaration of the parameter (a switch: ``--x/--no-x``; unset: None)."""
+        names = f"{self.flag}/{self.off_flag}" if self.is_switch else self.flag
+        option = typer.Option(names, help=self.help, metavar=self.metavar, rich_help_panel=self.panel or None)
+        return Annotated[Optional[bool if self.is_switch else self.type], option]
 
     def given(self, value: Any) -> bool:
-        """Whether the user set it (a switch that is on; any other flag that is not None or empty)."""
-        return value is not None and value is not False and value != []
+        """Whether the user set it (either side of a switch; any other flag that is not None or empty)."""
+        return value is not None and value != []
 
     def apply(self, overrides: dict, value: Any) -> None:
         """Put a given value into the nested config overrides."""
         if not self.given(value):
             return
         if self.sets is not None:
-            value = self.sets
+            value = self.sets if value else self.field.default
         elif self.convert:
             value = self.convert(value)
         for path in self.fields:
@@ -158,73 +172,95 @@ def _option(name: str, fields: str | tuple[str, ...], **kw: Any) -> RunOption:
     return RunOption(name, tuple(tuple(p.split(".")) for p in paths), **kw)
 
 
+def _panel(title: str, *options: RunOption) -> tuple[RunOption, ...]:
+    """``options`` in the help panel ``title``."""
+    return tuple(dataclasses.replace(o, panel=title) for o in options)
+
+
 UP_ONLY = frozenset({UP})
 RUN_OPTIONS: tuple[RunOption, ...] = (
-    _option("clients", "scenario.num_clients"),
-    _option("clients_per_round", "rounds.clients_per_round"),
-    _option("method", "method"),
-    _option("method_option", "method_options", cli_type=list[str], convert=_method_options, metavar="KEY=VALUE"),
-    _option("dataset", "scenario.dataset"),
-    _option("data_root", "data_root", convert=_paths, with_resume=True),
-    _option("download", "download"),
-    _option("tasks", "scenario.num_tasks"),
-    _option("rounds_per_task", "rounds.rounds_per_task"),
-    _option("local_epochs", "training.local_epochs"),
-    _option("lr", "training.lr"),
-    _option("partition", "scenario.partition"),
-    _option("beta", "scenario.dirichlet_beta"),
-    _option("model", "model"),
-    _option("nodes", "nodes", commands=UP_ONLY),
-    _option("backend", "containers.backend", commands=UP_ONLY, with_resume=True),
-    _option("image", "containers.image", commands=UP_ONLY, with_resume=True),
-    _option("node_cpus", "containers.cpus", commands=UP_ONLY),
-    _option("faults", "containers.faults", commands=UP_ONLY),
-    _option("advertise", "containers.advertise", commands=UP_ONLY, with_resume=True),
-    _option("node_memory", "containers.memory", commands=UP_ONLY),
-    _option("device", "device"),
-    _option("seed", ("seed", "scenario.seed")),
-    _option("run_dir", "run_dir"),
-    _option("bind", "network.bind"),
-    _option("round_deadline", "rounds.deadline_s"),
-    _option("min_participants", "rounds.min_participants"),
-    _option("overcommit", "rounds.overcommit"),
-    _option("late_updates", "rounds.late_updates"),
-    _option("clock", "rounds.clock"),
-    _option("availability", "edge.availability"),
-    _option("crash_rate", "edge.crash_rate"),
-    _option("device_profiles", "edge.device_profiles"),
-    _option("secagg", "secagg.enabled"),
-    _option("secagg_neighbors", "secagg.neighbors"),
-    _option("secagg_threshold", "secagg.threshold"),
-    _option("insecure", "security.transport", sets="plain"),
-    _option("keys", "security.keys"),
-    _option("max_update_norm", "security.max_update_norm"),
-    _option("clip_norm", "security.clip_norm"),
-    _option("privacy", "privacy.mode"),
-    _option("dp_noise_multiplier", "privacy.noise_multiplier"),
-    _option("dp_clip", "privacy.clip"),
-    _option("dp_adaptive_clipping", "privacy.adaptive.enabled"),
-    _option("dp_target_quantile", "privacy.adaptive.target_quantile"),
-    _option("dp_clip_learning_rate", "privacy.adaptive.learning_rate"),
-    _option("dp_delta", "privacy.delta"),
-    _option("dp_noise_seed", "privacy.noise_seed"),
-    _option("adaptive_clip", "security.adaptive_clip", cli_type=str, metavar="MULTIPLE|off"),
-    _option("aggregator", "security.aggregator"),
-    _option("trim_fraction", "security.trim_fraction"),
-    _option("byzantine", "security.byzantine"),
-    _option("multikrum_keep", "security.multikrum_keep"),
-    _option("gpu_workers", "gpu.workers"),
-    _option("gpu_device", "gpu.device"),
-    _option("metrics_port", "metrics.port", with_resume=True),
-    _option("metrics_host", "metrics.host", with_resume=True),
-    _option("prometheus", "metrics.prometheus", with_resume=True),
-    _option("prometheus_port", "metrics.prometheus_port", with_resume=True),
-    _option("keep_prometheus", "metrics.keep_prometheus", with_resume=True),
+    *_panel(RUN,
+            _option("seed", ("seed", "scenario.seed")),
+            _option("run_dir", "run_dir")),
+    *_panel(SCENARIO,
+            _option("clients", "scenario.num_clients"),
+            _option("dataset", "scenario.dataset"),
+            _option("data_root", "data_root", convert=_paths, with_resume=True),
+            _option("download", "download"),
+            _option("tasks", "scenario.num_tasks"),
+            _option("partition", "scenario.partition"),
+            _option("beta", "scenario.dirichlet_beta")),
+    *_panel(TRAINING,
+            _option("method", "method"),
+            _option("method_option", "method_options", cli_type=list[str], convert=_method_options,
+                    metavar="KEY=VALUE"),
+            _option("model", "model"),
+            _option("local_epochs", "training.local_epochs"),
+            _option("lr", "training.lr"),
+            _option("device", "device")),
+    *_panel(ROUNDS,
+            _option("clients_per_round", "rounds.clients_per_round"),
+            _option("rounds_per_task", "rounds.rounds_per_task"),
+            _option("round_deadline", "rounds.deadline_s"),
+            _option("min_participants", "rounds.min_participants"),
+            _option("overcommit", "rounds.overcommit"),
+            _option("late_updates", "rounds.late_updates"),
+            _option("clock", "rounds.clock")),
+    *_panel(EDGE,
+            _option("nodes", "nodes", commands=UP_ONLY),
+            _option("bind", "network.bind"),
+            _option("join_timeout", "network.join_timeout_s"),
+            _option("availability", "edge.availability"),
+            _option("crash_rate", "edge.crash_rate"),
+            _option("device_profiles", "edge.device_profiles")),
+    *_panel(BACKENDS,
+            _option("backend", "containers.backend", commands=UP_ONLY, with_resume=True),
+            _option("image", "containers.image", commands=UP_ONLY, with_resume=True),
+            _option("node_cpus", "containers.cpus", commands=UP_ONLY),
+            _option("node_memory", "containers.memory", commands=UP_ONLY),
+            _option("faults", "containers.faults", commands=UP_ONLY),
+            _option("advertise", "containers.advertise", commands=UP_ONLY, with_resume=True),
+            _option("gpu_workers", "gpu.workers"),
+            _option("gpu_device", "gpu.device")),
+    *_panel(SECURITY,
+            _option("insecure", "security.transport", sets="plain"),
+            _option("keys", "security.keys"),
+            _option("secagg", "secagg.enabled"),
+            _option("secagg_neighbors", "secagg.neighbors"),
+            _option("secagg_threshold", "secagg.threshold"),
+            _option("max_update_norm", "security.max_update_norm"),
+            _option("clip_norm", "security.clip_norm"),
+            _option("adaptive_clip", "security.adaptive_clip", cli_type=str, metavar="MULTIPLE|off"),
+            _option("aggregator", "security.aggregator"),
+            _option("trim_fraction", "security.trim_fraction"),
+            _option("byzantine", "security.byzantine"),
+            _option("multikrum_keep", "security.multikrum_keep")),
+    *_panel(PRIVACY,
+            _option("privacy", "privacy.mode"),
+            _option("dp_noise_multiplier", "privacy.noise_multiplier"),
+            _option("dp_clip", "privacy.clip"),
+            _option("dp_adaptive_clipping", "privacy.adaptive.enabled"),
+            _option("dp_target_quantile", "privacy.adaptive.target_quantile"),
+            _option("dp_clip_learning_rate", "privacy.adaptive.learning_rate"),
+            _option("dp_delta", "privacy.delta"),
+            _option("dp_noise_seed", "privacy.noise_seed")),
+    *_panel(MONITORING,
+            _option("metrics_port", "metrics.port", with_resume=True),
+            _option("metrics_host", "metrics.host", with_resume=True),
+            _option("prometheus", "metrics.prometheus", with_resume=True),
+            _option("prometheus_port", "metrics.prometheus_port", with_resume=True),
+            _option("keep_prometheus", "metrics.keep_prometheus", with_resume=True)),
 )
 OPTIONS = {o.name: o for o in RUN_OPTIONS}
 
 # Where each config field is set on the command line, for validation errors.
 FLAG_OF: dict[tuple[str, ...], str] = {path: o.flag for o in RUN_OPTIONS for path in o.fields}
+
+
+def elsewhere(name: str) -> Any:
+    """The typer declaration of run flag ``name`` for a command that is not a run (``keys``, the benchmarks),
+    in that command's own options panel."""
+    return dataclasses.replace(OPTIONS[name], panel="").annotation
 
 
 def flag_for(loc: tuple) -> str:
@@ -248,12 +284,15 @@ def refused_with_resume(values: dict[str, Any]) -> list[str]:
     return [o.flag for o in RUN_OPTIONS if not o.with_resume and o.given(values.get(o.name))]
 
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file; flags override it.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file; flags override it.",
+                                                   rich_help_panel=RUN)]
 ResumeOpt = Annotated[Optional[Path], typer.Option(
-    "--resume", metavar="RUN_DIR", help="Continue the interrupted run in RUN_DIR from its last checkpoint, "
-    "same address and run id (docs/resume.md). Only --data-root, --metrics-*, --prometheus* and --verbose "
-    "may go with it.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v")]
+    "--resume", metavar="RUN_DIR", rich_help_panel=RUN,
+    help=f"Continue the interrupted run in RUN_DIR from its last checkpoint, same address and run id "
+         f"(docs/resume.md). Only {', '.join(o.flag for o in RUN_OPTIONS if o.with_resume)} and --verbose may go "
+         f"with it.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose/--no-verbose", "-v", help="Log debug messages too. Default off.",
+                                          show_default=False, rich_help_panel=RUN)]
 
 
 def run_command(command: str, *arguments: tuple[str, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -266,7 +305,7 @@ def run_command(command: str, *arguments: tuple[str, Any]) -> Callable[[Callable
                     for name, annotation in arguments),
                   inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigOpt, default=None),
                   *(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
-                                      default=o.default) for o in offered),
+                                      default=None) for o in offered),
                   inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=ResumeOpt, default=None),
                   inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
                                     default=False)]

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -85,7 +86,7 @@ def summary_table(summary: RunSummary) -> Table:
     def pct(v):
         return "-" if v is None else f"{v:.2f}"
 
-    table.add_row("status", summary.status)
+    table.add_row("status", escape(summary.status))  # a reason may name an extra: fcl-emu[text]
     table.add_row("average accuracy (%)", pct(summary.average_accuracy))
     table.add_row("average incremental accuracy (%)", pct(summary.average_incremental_accuracy))
     table.add_row("average forgetting (%)", pct(summary.average_forgetting))

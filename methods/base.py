@@ -379,6 +379,7 @@ class ClientPart:
         return {}
 
     def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
+        """SGD over the model's parameters."""
         s = ctx.settings
         return LocalSGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
 

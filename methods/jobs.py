@@ -57,6 +57,14 @@ def job(kind: str) -> Callable[[JobFunction], JobFunction]:
     return register
 
 
+def kinds(prefix: str) -> dict[str, JobFunction]:
+    """The job kinds ``<prefix>.*`` (a method's name: its server-side jobs), their module imported."""
+    module = JOB_MODULES.get(prefix)
+    if module is not None:
+        importlib.import_module(module)
+    return {kind: fn for kind, fn in sorted(_JOBS.items()) if kind.startswith(prefix + ".")}
+
+
 def get(kind: str) -> JobFunction:
     module = JOB_MODULES.get(kind.split(".", 1)[0])
     if module is not None:

@@ -268,6 +268,7 @@ class LanderServer(SynthesisServer):
         self.label_text()  # before the task's first round opens: a job inside a round holds its clients
 
     def learning_rate(self, task: int, task_round: int, base: float) -> float:
+        """Cosine over each task's rounds from training.lr down to lr_min (lr_schedule: cosine), or constant."""
         if self.options.lr_schedule == "constant":
             return base
         return cosine_lr(base, self.options.lr_min, task_round, self.ctx.rounds_per_task)
@@ -363,6 +364,7 @@ class LanderClient(SyntheticReplayClient):
             ctx.job["old_projector"] = old_proj
 
     def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
+        """SGD over the model and the projector together."""
         s = ctx.settings
         return LocalSGD([*model.parameters(), *ctx.job["projector"].parameters()], lr=s.lr, momentum=s.momentum,
                         weight_decay=s.weight_decay)
@@ -407,4 +409,5 @@ SPEC = register(MethodSpec(
                 "loss) and drive the server's data-free generator; distillation on synthetic data",
     options=LanderOptions, server=LanderServer, client=LanderClient,
     training={"lr": 0.04, "momentum": 0.9, "weight_decay": 5e-4},  # the code's client SGD (cosine: lr_schedule)
+    requires_extras=("text",),  # the label-text encoder of lander.text_embeddings
 ))

@@ -173,6 +173,7 @@ class MFCLServer(ServerPart):
         self._old: Arrays | None = None
 
     def learning_rate(self, task: int, task_round: int, base: float) -> float:
+        """Exponential decay over each task's rounds from training.lr to lr_end_ratio times it."""
         return base * self.options.lr_end_ratio ** (task_round / self.ctx.rounds_per_task)
 
     def end_task(self, task: int) -> None:

@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from methods import requirements
 from methods.base import ClientPart, Options, ServerPart
 
 BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc", "methods.mfcl",
@@ -29,6 +30,14 @@ class MethodSpec:
     # section: lr, momentum, weight_decay): they apply where the run config leaves that key unset, and the
     # resolved values are what the run's config.json records. Empty: the project's defaults.
     training: Mapping[str, float] = field(default_factory=dict)
+    # The extras (pyproject.toml's optional dependencies, methods.requirements.EXTRAS) the method imports: a run
+    # checks them before it starts; `fcl-emu methods` names them.
+    requires_extras: tuple[str, ...] = ()
+
+    @property
+    def refusals(self) -> dict[str, str]:
+        """The run features the method refuses, each with why (:func:`methods.requirements.refusals`)."""
+        return requirements.refusals(self.name, self.server)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

@@ -72,7 +72,9 @@ class NetworkConfig(pydantic.BaseModel):
                                          "fixed port for a swarm's other hosts)")
     heartbeat_interval_s: float = pydantic.Field(1.0, gt=0)
     liveness_timeout_s: float = pydantic.Field(10.0, gt=0)
-    join_timeout_s: float = pydantic.Field(120.0, gt=0, description="how long to wait for the clients to join")
+    join_timeout_s: float = pydantic.Field(
+        120.0, gt=0, description="seconds the coordinator waits for the clients to join before the first round (and "
+                                 "to come back on --resume): longer for edge nodes that start on other hosts")
     max_message_bytes: int = pydantic.Field(1 << 30, ge=1 << 16)
     heartbeat_budget_per_s: float = pydantic.Field(
         1000.0, gt=0, description="heartbeats per second the coordinator takes from all clients together: with more "
@@ -437,22 +439,10 @@ class RunConfig(pydantic.BaseModel):
         return self.rounds.clock == "emulated"
 
     def _check_secagg(self, spec) -> None:
-        from methods.base import DELTA
+        from methods.requirements import SECAGG
 
-        server = spec.server
-        if server.side_channels:
-            raise ValueError(f"--secagg: method {spec.name!r} sends {', '.join(server.side_channels)} on a channel "
-                             f"of its own that bypasses aggregation by design (its server needs each one "
-                             f"unmasked); secure aggregation would hide the model deltas but not that channel, so "
-                             f"the combination is refused")
-        if server.individual_payload is not None:
-            raise ValueError(f"--secagg: method {spec.name!r} uploads {server.individual_payload} per client, "
-                             f"which a masked sum cannot carry; secure aggregation sums model deltas only")
-        extra = [p for p in server.summable if p != DELTA]
-        if extra:
-            raise ValueError(f"--secagg: method {spec.name!r} also uploads {', '.join(extra)} (summed beside the "
-                             f"model delta), but secure aggregation masks and sums the model's delta/ tensors "
-                             f"only: {', '.join(extra)} would travel unmasked, so the combination is refused")
+        if SECAGG in spec.refusals:
+            raise ValueError(f"--secagg: {spec.refusals[SECAGG]}")
         if self.security.max_update_norm is not None or self.security.clip_norm is not None:
             raise ValueError("--secagg hides each client's delta from the server, so the server cannot bound or "
                              "clip its norm: --max-update-norm and --clip-norm need plain aggregation")
@@ -466,20 +456,17 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError("--secagg needs at least 3 clients per round")
 
     def _check_privacy(self, spec) -> None:
-        from methods.base import DELTA, ServerPart
+        from methods.requirements import CENTRAL_DP
 
-        server, cohort = spec.server, self.rounds.clients_per_round
+        cohort = self.rounds.clients_per_round
         if importlib.util.find_spec("dp_accounting") is None:
             raise ValueError("--privacy central needs Google's dp-accounting library for its privacy accountant: "
                              "pip install 'fcl-emu[dp]'")
         if self.secagg.enabled:
             raise ValueError("--privacy central cannot be combined with --secagg: the coordinator must see each "
                              "delta to clip it (distributed DP under secure aggregation is not implemented)")
-        if (server.aggregate is not ServerPart.aggregate or set(server.summable) != {DELTA}
-                or server.individual_payload is not None or server.side_channels):
-            raise ValueError(f"--privacy central: the server of method {spec.name!r} does more than add the mean of "
-                             f"the clients' model deltas (its own aggregation, or uploads the noise would not "
-                             f"cover); central DP needs a method that does only that, e.g. fedavg")
+        if CENTRAL_DP in spec.refusals:
+            raise ValueError(f"--privacy central: {spec.refusals[CENTRAL_DP]}")
         if self.security.aggregator != "mean":
             raise ValueError(f"--privacy central averages the clipped deltas itself, with equal weights: it cannot "
                              f"be combined with --aggregator {self.security.aggregator}")
@@ -493,13 +480,11 @@ class RunConfig(pydantic.BaseModel):
                              f"count_stddev, default clients_per_round / 20), which it includes")
 
     def _check_aggregator(self, spec) -> None:
-        from methods.base import DELTA
+        from methods.requirements import ROBUST
 
-        rule, server = self.security.aggregator, spec.server
-        if DELTA not in server.summable:
-            raise ValueError(f"--aggregator {rule}: the server of method {spec.name!r} does not average model deltas "
-                             f"(it fuses {server.individual_payload or 'what its clients upload'}), so it has no "
-                             f"mean for a robust rule to replace; use --aggregator mean")
+        rule = self.security.aggregator
+        if ROBUST in spec.refusals:
+            raise ValueError(f"--aggregator {rule}: {spec.refusals[ROBUST]}")
         if self.secagg.enabled:
             raise ValueError(f"--aggregator {rule} needs each client's delta, which --secagg hides from the server "
                              f"(it sees only their sum)")

