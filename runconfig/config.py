@@ -372,6 +372,12 @@ class RunConfig(pydantic.BaseModel):
         """The default ``rounds.clients_per_round`` that this config's smaller population replaced, if it did."""
         return self._capped_cohort
 
+    def __eq__(self, other: object) -> bool:
+        """The same settings, however they were given (:attr:`capped_cohort` says how, not what)."""
+        if not isinstance(other, RunConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
     @pydantic.model_validator(mode="before")
     @classmethod
     def _method_training(cls, data: Any) -> Any:
