@@ -49,6 +49,7 @@ import zmq
 
 from edge_node.churn import Churn
 from edge_node.client import EmulatedClient
+from edge_node.connection import JoinWatch
 from edge_node.secure_session import SECAGG_DOWN, SecureSessions
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from edge_node.client import TrainJob, TrainResult
@@ -105,6 +106,7 @@ class EdgeNode:
         self._churn = Churn(self.clients, join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
+        self._joins = JoinWatch(self.name, connect, len(self.clients))
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
@@ -170,6 +172,7 @@ class EdgeNode:
                 raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: dataset "
                                      f"{exc.dataset!r} is not under its data roots ({roots})") from None
             client.welcomed = True
+            self._joins.welcomed(client.id, msg.body.run_id)
             self._churn.start(client, msg.body.edge, time.monotonic())
         elif msg.type == "task_start":
             client.task = msg.task
@@ -278,6 +281,7 @@ class EdgeNode:
         """Serve until every client was shut down (or ``stop`` is set)."""
         stop = stop or threading.Event()
         self._trainer.start()
+        self._joins.start(time.monotonic())
         for client in self.clients:
             self._join(client)
         try:
@@ -301,6 +305,7 @@ class EdgeNode:
                 self._run_timers(now)
                 self._churn.tick(now)
                 self._heartbeats(now)
+                self._joins.tick(now)
         except NodeSetupError as exc:
             log.error("%s", exc)
             for client in self.clients:  # the coordinator stops counting on them at once
