@@ -79,9 +79,10 @@ class ProgressView:
             self.progress.update(self.bar, left=self.time_left())
         elif kind == "task_end":
             row = " ".join("-" if a is None else f"{a:.1f}" for a in info["accuracy"])
+            last = info["task"] + 1 == self.config.scenario.num_tasks
             self.progress.update(self.bar, description=(
                 f"task {info['task'] + 1}/{self.config.scenario.num_tasks} done | "
-                f"acc(seen) {info['accuracy_seen']:.1f}%"))
+                f"acc(seen) {info['accuracy_seen']:.1f}%"), **({"left": "done"} if last else {}))
             self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
             self.accuracy = None
         else:

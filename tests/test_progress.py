@@ -71,6 +71,12 @@ def test_the_bar_shows_the_accuracy_of_the_last_evaluation_not_a_stale_one():
     description = v.progress.tasks[v.bar].description
     assert "acc(seen) 20.2%" in description and "11.3" not in description
     assert "task 1 done: accuracy per task [20.2 -]" in out.getvalue()
+    for task_round in range(3):
+        v("round", round_info(1, task_round))
+    assert v.progress.tasks[v.bar].fields["left"] == "time left: final evaluation"
+    v("task_end", {"task": 1, "accuracy": [15.0, 25.0], "accuracy_seen": 20.0})
+    assert v.progress.tasks[v.bar].fields["left"] == "done"
+    assert "acc(seen) 20.0%" in v.progress.tasks[v.bar].description
 
 
 def test_server_jobs_and_warnings_print_one_line_each():
