@@ -81,7 +81,8 @@ class EdgeNode:
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
-        ensure_socket_capacity(self.context, len(client_indices) + 1)  # the clients' DEALERs and the wake pair
+        # the clients' DEALERs, the wake pair and the socket monitor's pair while the clients join
+        ensure_socket_capacity(self.context, len(client_indices) + 3)
         self.counters = Counters.empty()
         # Prometheus metrics (served only when asked: ``metrics.serve``, see ``fcl-emu node --metrics-port``)
         self.metrics = EdgeNodeMetrics()
@@ -107,6 +108,8 @@ class EdgeNode:
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
         self._joins = JoinWatch(self.name, connect, len(self.clients))
+        if self.clients:
+            self._joins.watch(self.clients[0].endpoint.sock)
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
@@ -329,6 +332,7 @@ class EdgeNode:
 
     def close(self) -> None:
         """Close the sockets. The metrics endpoint stays up (``metrics.close()`` ends it)."""
+        self._joins.close()
         for client in self.clients:
             client.endpoint.close()
         self._trainer.close()

@@ -144,6 +144,6 @@ def test_an_edge_node_at_a_closed_port_says_so_within_seconds(tmp_path):
         node.kill()
         node.wait()
     connecting = [line for line in lines if f"edge-a: connecting to tcp://127.0.0.1:{port} with 4 clients" in line]
-    warned = [line for line in lines if f"edge-a: no answer from the coordinator at tcp://127.0.0.1:{port} after 3 s"
-              in line]
+    warned = [line for line in lines if f"edge-a: no answer from the coordinator at tcp://127.0.0.1:{port} after 3 s: "
+              f"cannot connect" in line]
     assert connecting and warned, lines
