@@ -30,8 +30,9 @@ class ServerJobs:
         clients. Raises :class:`JobFailed` if any failed after its retries."""
         state = self.state
         kinds = list(dict.fromkeys(kind for kind, _, _ in specs))
+        where = self.pool.device if state.config.gpu.workers == 0 else f"GPU workers ({self.pool.device})"
         about = {"kind": ", ".join(dict.fromkeys(jobs.label(k) for k in kinds)), "jobs": kinds, "task": state.task,
-                 "round": state.global_round}
+                 "round": state.global_round, "device": where}
         start = None if state.recorder is None else state.recorder.elapsed()
         t0 = time.perf_counter()
         state.progress("server_job_start", about)

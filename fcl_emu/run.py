@@ -106,7 +106,8 @@ class ProgressView:
             text, style = f"warning: {info['message']}", "yellow"
         elif kind == "server_job_start":
             where = f"round {info['round']}/{self.total}" if info["round"] else "before the first round"
-            text = f"server job started: {info['kind']} ({', '.join(info['jobs'])}), task {info['task'] + 1}, {where}"
+            text = (f"server job started: {info['kind']} ({', '.join(info['jobs'])}) on {info['device']}, "
+                    f"task {info['task'] + 1}, {where}")
         elif kind == "server_job_end":
             outcome = "done" if info["ok"] else "failed"
             text, style = f"server job {outcome}: {info['kind']} in {info['duration_s']:.1f} s", (

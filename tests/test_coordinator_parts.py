@@ -376,6 +376,8 @@ def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_h
 class DonePool:
     """Stands in for the GPU worker pool: every job is done at once, failed if its kind says so."""
 
+    device = "cpu (in the coordinator)"
+
     def __init__(self):
         self.ids = 0
 
@@ -411,8 +413,8 @@ def test_a_server_job_is_an_event_and_its_start_and_end_are_heard(tmp_path, kind
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["job", "server_job"]
     server = events[1]
-    assert {k: server[k] for k in ("kind", "jobs", "task", "round", "ok")} == {
-        "kind": label, "jobs": [kind], "task": 1, "round": 3, "ok": ok}
+    assert {k: server[k] for k in ("kind", "jobs", "task", "round", "device", "ok")} == {
+        "kind": label, "jobs": [kind], "task": 1, "round": 3, "device": "cpu (in the coordinator)", "ok": ok}
     assert 0 <= server["start"] <= server["end"] and server["duration_s"] >= 0
     assert [what for what, _ in heard] == ["server_job_start", "server_job_end"]
     assert heard[1][1]["ok"] is ok and heard[1][1]["duration_s"] == server["duration_s"]

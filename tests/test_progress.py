@@ -82,12 +82,12 @@ def test_the_bar_shows_the_accuracy_of_the_last_evaluation_not_a_stale_one():
 def test_server_jobs_and_warnings_print_one_line_each():
     v, out, _ = view()
     v("warning", {"setting": "rounds.clients_per_round", "message": "clients per round is 4"})
-    about = {"kind": "proxy", "jobs": ["glfc.proxy"], "task": 0, "round": 2}
+    about = {"kind": "proxy", "jobs": ["glfc.proxy"], "task": 0, "round": 2, "device": "cpu (in the coordinator)"}
     v("server_job_start", about)
     v("server_job_end", {**about, "duration_s": 100.04, "ok": True})
     lines = out.getvalue().splitlines()
     assert lines == ["warning: clients per round is 4",
-                     "server job started: proxy (glfc.proxy), task 1, round 2/6",
+                     "server job started: proxy (glfc.proxy) on cpu (in the coordinator), task 1, round 2/6",
                      "server job done: proxy in 100.0 s"]
 
 
