@@ -3,6 +3,8 @@ once at its start (a warning line and a ``config_warning`` event in ``events.jso
 
 - ``rounds.clients_per_round`` left unset is the default cohort, or every client where there are fewer;
 - ``rounds.overcommit``: a round cannot select more clients than there are;
+- ``rounds.late_updates: next_round`` drops late updates all the same for a method that uploads more than the
+  model delta;
 - ``secagg.neighbors`` is capped at n - 1 for a round of n sampled clients;
 - ``network.heartbeat_interval_s`` and ``liveness_timeout_s`` are stretched to the heartbeat budget.
 """
@@ -39,6 +41,10 @@ def adjustments(config: RunConfig) -> list[Adjustment]:
         found.append(Adjustment("rounds.overcommit", round(clients / cohort, 4), (
             f"overcommit {rounds.overcommit:g} asks for ceil({cohort} x {rounds.overcommit:g}) = {selected} "
             f"clients a round, more than the {clients} clients: every round selects all {clients}")))
+    if rounds.late_updates == "next_round" and not _accepts_stale_updates(config.method):
+        found.append(Adjustment("rounds.late_updates", "drop", (
+            f"late updates are dropped: method {config.method!r} uploads more than the model delta, which "
+            f"--late-updates next_round cannot carry into a later round")))
     neighbors = config.secagg.neighbors
     if config.secagg.enabled and neighbors is not None:
         sampled = min(selected, clients)
@@ -55,3 +61,11 @@ def adjustments(config: RunConfig) -> list[Adjustment]:
             f"liveness timeout {network.liveness_timeout_s:g} s to {timeout:.3g} s: {clients} clients exceed "
             f"the budget of {network.heartbeat_budget_per_s:g} heartbeats a second")))
     return found
+
+
+def _accepts_stale_updates(method: str) -> bool:
+    """Whether the method's server part aggregates late deltas in a later round (a property of its class)."""
+    from methods import registry
+    from methods.base import ServerPart
+
+    return ServerPart.accepts_stale_updates.fget(registry.get(method).server)

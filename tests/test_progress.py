@@ -108,6 +108,9 @@ def test_overcommit_secagg_neighbours_and_stretched_heartbeats_are_warnings():
     secure = load_config(None, {"scenario": {"num_clients": 10}, "rounds": {"clients_per_round": 10},
                                 "secagg": {"enabled": True, "neighbors": 12}})
     assert [(a.setting, a.value) for a in adjustments(secure)] == [("secagg.neighbors", 9)]
+    late = load_config(None, {"method": "affcl", "rounds": {"late_updates": "next_round"}})
+    assert [(a.setting, a.value) for a in adjustments(late)] == [("rounds.late_updates", "drop")]
+    assert adjustments(load_config(None, {"method": "fedavg", "rounds": {"late_updates": "next_round"}})) == []
     crowd = load_config(None, {"scenario": {"num_clients": 5000}})
     assert [(a.setting, a.value) for a in adjustments(crowd)] == [("network.heartbeat_interval_s", 5.0)]
 
