@@ -101,7 +101,7 @@ class JoinWatch:
                 return
             if event == zmq.EVENT_MONITOR_STOPPED:  # the socket was closed (its client crashed)
                 self.close()
-            else:
+            elif self._link != "refused" or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # reconnects fail alike
                 self._link = _LINK.get(event, self._link)
 
     def close(self) -> None:
