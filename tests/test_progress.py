@@ -150,3 +150,36 @@ def test_an_edge_node_at_a_closed_port_says_so_within_seconds(tmp_path):
     warned = [line for line in lines if f"edge-a: no answer from the coordinator at tcp://127.0.0.1:{port} after 3 s: "
               f"cannot connect" in line]
     assert connecting and warned, lines
+
+
+def test_a_node_that_connects_without_an_answer_says_so_and_then_that_it_joined(caplog):
+    import logging
+
+    import zmq
+
+    from edge_node.connection import JoinWatch
+
+    context = zmq.Context()
+    with socket.socket() as listener:  # accepts TCP connections, never speaks ZeroMQ
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        sock = context.socket(zmq.DEALER)
+        watch = JoinWatch("edge-b", address, clients=2, first_warning_s=0.5)
+        watch.watch(sock)
+        sock.connect(address)
+        with caplog.at_level(logging.INFO, logger="fcl_emu.edge_node.connection"):
+            watch.start(time.monotonic())
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not any(r.levelname == "WARNING" for r in caplog.records):
+                watch.tick(time.monotonic())
+                time.sleep(0.05)
+            watch.welcomed("client-0000", "run-1")
+            watch.welcomed("client-0001", "run-1")
+            watch.tick(time.monotonic() + 1000)  # joined: no more warnings
+    sock.close(linger=0)
+    context.term()  # the monitor's sockets were closed once the clients joined
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == f"edge-b: connecting to {address} with 2 clients"
+    assert "connected, but no answer" in messages[1]
+    assert messages[2:] == [f"edge-b: joined run run-1 at {address} with 2 clients"]
