@@ -52,6 +52,7 @@ from monitoring.metrics import CoordinatorMetrics
 from monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy, failure_status)
 from runconfig import RunConfig, gpu_worker_metrics_port
+from runconfig.adjustments import adjustments
 from scenario.datasets import load_dataset
 from scenario.devices import load_profiles
 from scenario.scenario import build_scenario
@@ -261,6 +262,7 @@ class Coordinator:
         state.recorder = recorder
         self.time.restart()
         try:
+            self._warn_adjustments()
             with spent("start"):
                 self._start_pool(run_dir)
             state.metrics.run_started(
@@ -320,6 +322,14 @@ class Coordinator:
             recorder.close()
         return summary
 
+    def _warn_adjustments(self) -> None:
+        """Tell once, at the session's start, each setting that another setting changes
+        (:mod:`runconfig.adjustments`): a ``config_warning`` event and a ``warning`` for the progress display."""
+        for adjusted in adjustments(self.config):
+            self.state.event("config_warning", setting=adjusted.setting, value=adjusted.value,
+                             message=adjusted.message)
+            self.progress("warning", {"setting": adjusted.setting, "message": adjusted.message})
+
     def _end_task(self, task: int, matrix: list[list[float | None]]):
         """The method's task-end work, then the accuracy row (appended to ``matrix``), its event and metrics.
         Returns the evaluation's (correct, samples) per seen class."""
@@ -342,7 +352,7 @@ class Coordinator:
             average_accuracy=average_accuracy(matrix), average_forgetting=average_forgetting(matrix),
             average_incremental_accuracy=average_incremental_accuracy(matrix),
             phases_s={"end_task": t_end_task, "evaluate": t_evaluate})
-        self.progress("task_end", {"task": task, "accuracy": row})
+        self.progress("task_end", {"task": task, "accuracy": row, "accuracy_seen": seen})
         return class_hits
 
     def _start_pool(self, run_dir: Path) -> None:

@@ -1,5 +1,7 @@
 """Server-side jobs (generator training, proxy inversion, VAE fusion...) run on the GPU worker pool while the
-coordinator keeps serving its clients; each finished job is an event and counts in the summary."""
+coordinator keeps serving its clients. Each finished job is a ``job`` event and counts in the summary; each call
+(one or several jobs side by side) is a ``server_job`` event, and the progress display hears when it starts and
+ends (``server_job_start``, ``server_job_end``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from coordinator.clock import Serve
 from coordinator.errors import JobFailed
 from coordinator.gpu_pool import Job, WorkerPool
 from coordinator.state import RunState
+from methods import jobs
 
 JobSpec = tuple[str, dict[str, np.ndarray], dict | None]  # (kind, inputs, options)
 
@@ -25,14 +28,27 @@ class ServerJobs:
     def run(self, specs: list[JobSpec]) -> list[Job]:
         """Run jobs side by side (as many at once as there are workers) and wait for them while serving the
         clients. Raises :class:`JobFailed` if any failed after its retries."""
+        state = self.state
+        kinds = list(dict.fromkeys(kind for kind, _, _ in specs))
+        where = self.pool.device if state.config.gpu.workers == 0 else f"GPU workers ({self.pool.device})"
+        about = {"kind": ", ".join(dict.fromkeys(jobs.label(k) for k in kinds)), "jobs": kinds, "task": state.task,
+                 "round": state.global_round, "device": where}
+        start = None if state.recorder is None else state.recorder.elapsed()
+        t0 = time.perf_counter()
+        state.progress("server_job_start", about)
         submitted = [self.pool.submit(kind, inputs, options) for kind, inputs, options in specs]
         self.serve(lambda: all(j.done for j in submitted), time.monotonic() + 10**9)  # the pool's timeouts end them
+        duration_s = round(time.perf_counter() - t0, 4)
         for job in submitted:
             self.finished.append(job)
-            self.state.event("job", id=job.id, job_kind=job.kind, ok=job.ok, worker=job.worker,
-                             attempts=job.attempts, queue_s=job.queue_s, run_s=job.run_s,
-                             error=job.error or None, metrics=job.metrics)
+            state.event("job", id=job.id, job_kind=job.kind, ok=job.ok, worker=job.worker,
+                        attempts=job.attempts, queue_s=job.queue_s, run_s=job.run_s,
+                        error=job.error or None, metrics=job.metrics)
         failed = [j for j in submitted if not j.ok]
+        state.event("server_job", **about, start=start,
+                    end=None if state.recorder is None else state.recorder.elapsed(), duration_s=duration_s,
+                    ok=not failed)
+        state.progress("server_job_end", {**about, "duration_s": duration_s, "ok": not failed})
         if failed:
             raise JobFailed("; ".join(f"server-side job {j.kind!r} failed: {j.error}" for j in failed))
         return submitted

@@ -97,7 +97,7 @@ class RunState:
     task: int = 0
     global_round: int = 0
 
-    def event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, /, **fields) -> None:
         """An event into ``events.jsonl`` (none before the run's recorder exists)."""
         if self.recorder is not None:
             self.recorder.event(kind, **fields)

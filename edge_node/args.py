@@ -162,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
 def run_node(args: NodeArgs) -> int:
     """Run the node of ``args`` until the coordinator's shutdown, SIGTERM or SIGINT; its exit code: 0, or 1 after
     one error line when it cannot run (no data root, an unreadable key, too few sockets, a failed set-up)."""
+    from edge_node.connection import show_connection_lines
     from edge_node.node import EdgeNode, NodeSetupError
     from wire.auth import ClientKeyring, KeyFileError
     from wire.sockets import SocketCapacityError
@@ -181,6 +182,7 @@ def run_node(args: NodeArgs) -> int:
         except KeyFileError as exc:
             return fail(str(exc))
     setup_logging(args.verbose)
+    show_connection_lines()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -49,6 +49,7 @@ import zmq
 
 from edge_node.churn import Churn
 from edge_node.client import EmulatedClient
+from edge_node.connection import JoinWatch
 from edge_node.secure_session import SECAGG_DOWN, SecureSessions
 from edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from edge_node.client import TrainJob, TrainResult
@@ -80,7 +81,8 @@ class EdgeNode:
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
-        ensure_socket_capacity(self.context, len(client_indices) + 1)  # the clients' DEALERs and the wake pair
+        # the clients' DEALERs, the wake pair and the socket monitor's pair while the clients join
+        ensure_socket_capacity(self.context, len(client_indices) + 3)
         self.counters = Counters.empty()
         # Prometheus metrics (served only when asked: ``metrics.serve``, see ``fcl-emu node --metrics-port``)
         self.metrics = EdgeNodeMetrics()
@@ -105,6 +107,9 @@ class EdgeNode:
         self._churn = Churn(self.clients, join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
+        self._joins = JoinWatch(self.name, connect, len(self.clients))
+        if self.clients:
+            self._joins.watch(self.clients[0].endpoint.sock)
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
@@ -170,6 +175,7 @@ class EdgeNode:
                 raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: dataset "
                                      f"{exc.dataset!r} is not under its data roots ({roots})") from None
             client.welcomed = True
+            self._joins.welcomed(client.id, msg.body.run_id)
             self._churn.start(client, msg.body.edge, time.monotonic())
         elif msg.type == "task_start":
             client.task = msg.task
@@ -278,6 +284,7 @@ class EdgeNode:
         """Serve until every client was shut down (or ``stop`` is set)."""
         stop = stop or threading.Event()
         self._trainer.start()
+        self._joins.start(time.monotonic())
         for client in self.clients:
             self._join(client)
         try:
@@ -301,6 +308,7 @@ class EdgeNode:
                 self._run_timers(now)
                 self._churn.tick(now)
                 self._heartbeats(now)
+                self._joins.tick(now)
         except NodeSetupError as exc:
             log.error("%s", exc)
             for client in self.clients:  # the coordinator stops counting on them at once
@@ -324,6 +332,7 @@ class EdgeNode:
 
     def close(self) -> None:
         """Close the sockets. The metrics endpoint stays up (``metrics.close()`` ends it)."""
+        self._joins.close()
         for client in self.clients:
             client.endpoint.close()
         self._trainer.close()

@@ -36,28 +36,40 @@ from scenario.datasets import find_dataset
 
 
 class ProgressView:
-    """Progress hook for the coordinator: one bar over all rounds, with the latest numbers."""
+    """Progress hook for the coordinator: a bar of the clients joining, then one bar over all rounds with the
+    latest numbers and the time left (the rounds left times the mean wall time of this session's rounds so far);
+    a line for each warning, server job start and end, edge-node exit, fault and task end."""
 
-    def __init__(self, config: RunConfig, console: Console):
-        self.config = config
+    def __init__(self, config: RunConfig, console: Console, clock: Callable[[], float] = time.monotonic):
+        self.config, self.clock = config, clock
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console, transient=False)
-        total = config.scenario.num_tasks * config.rounds.rounds_per_task
-        self.bar = self.progress.add_task("waiting for clients", total=total)
-        self.online = 0
-        self.task = 0
+                                 TimeElapsedColumn(), TextColumn("{task.fields[left]}"), console=console,
+                                 transient=False)
+        self.join_bar = self.progress.add_task("clients joined", total=config.scenario.num_clients, left="")
+        self.total = config.scenario.num_tasks * config.rounds.rounds_per_task
+        self.bar = self.progress.add_task("rounds", total=self.total, left="", start=False, visible=False)
+        self.joined: set[str] = set()
+        self.rounds_started: float | None = None  # this session's first task start
+        self.rounds_done = 0  # in this session
         self.accuracy: float | None = None
 
     def __call__(self, kind: str, info: dict) -> None:
-        if kind == "join":
-            self.online += 1
-            self.progress.update(self.bar, description=f"waiting for clients: {self.online} joined")
-        elif kind == "resume":
-            self.progress.update(self.bar, completed=info["rounds"], description=(
-                f"resumed at task {info['task'] + 1} round {info['task_round'] + 1}"))
+        if kind == "join" and self.rounds_started is None:
+            self.joined.add(info["client"])
+            self.progress.update(self.join_bar, completed=len(self.joined))
+        elif kind in ("ready", "resume"):
+            self.progress.stop_task(self.join_bar)
+            if kind == "resume":
+                self.progress.update(self.bar, completed=info["rounds"], description=(
+                    f"resumed at task {info['task'] + 1} round {info['task_round'] + 1}"))
         elif kind == "task_start":
-            self.task = info["task"]
+            if self.rounds_started is None:
+                self.rounds_started = self.clock()
+                self.progress.stop_task(self.join_bar)
+                self.progress.start_task(self.bar)
+                self.progress.update(self.bar, visible=True, left="time left: estimating")
         elif kind == "round":
+            self.rounds_done += 1
             if info["accuracy_seen"] is not None:
                 self.accuracy = info["accuracy_seen"]
             acc = "-" if self.accuracy is None else f"{self.accuracy:.1f}%"
@@ -65,17 +77,55 @@ class ProgressView:
                 f"task {info['task'] + 1}/{self.config.scenario.num_tasks} "
                 f"round {info['task_round'] + 1}/{self.config.rounds.rounds_per_task} | "
                 f"{info['participants']}/{info['selected']} clients | acc(seen) {acc}"))
-        elif kind == "node_exit":
-            self.progress.console.print(f"edge node {info['node']} exited (code {info['code']}): {info['error']}",
-                                        style="red", markup=False, highlight=False)
-        elif kind == "fault":
-            applied = "" if info.get("applied", True) else f" (not applied: {info.get('error')})"
-            self.progress.console.print(f"fault: {info['action']} {info.get('node') or ''}{applied}", style="yellow",
-                                        markup=False, highlight=False)
+            self.progress.update(self.bar, left=self.time_left())
         elif kind == "task_end":
             row = " ".join("-" if a is None else f"{a:.1f}" for a in info["accuracy"])
+            last = info["task"] + 1 == self.config.scenario.num_tasks
+            self.progress.update(self.bar, description=(
+                f"task {info['task'] + 1}/{self.config.scenario.num_tasks} done | "
+                f"acc(seen) {info['accuracy_seen']:.1f}%"), **({"left": "done"} if last else {}))
             self.progress.console.print(f"task {info['task'] + 1} done: accuracy per task [{row}]")
             self.accuracy = None
+        else:
+            self._line(kind, info)
+
+    def time_left(self) -> str:
+        """The rounds left times the mean wall time of this session's rounds (task ends and server jobs
+        included); ``estimating`` until a round has finished."""
+        done = self.progress.tasks[self.bar].completed
+        if not self.rounds_done or self.rounds_started is None:
+            return "time left: estimating"
+        if done >= self.total:
+            return "time left: final evaluation"
+        mean_s = (self.clock() - self.rounds_started) / self.rounds_done
+        return f"time left: ~{_hours(mean_s * (self.total - done))}"
+
+    def _line(self, kind: str, info: dict) -> None:
+        """The events that print a line of their own."""
+        text, style = None, None
+        if kind == "warning":
+            text, style = f"warning: {info['message']}", "yellow"
+        elif kind == "server_job_start":
+            where = f"round {info['round']}/{self.total}" if info["round"] else "before the first round"
+            text = (f"server job started: {info['kind']} ({', '.join(info['jobs'])}) on {info['device']}, "
+                    f"task {info['task'] + 1}, {where}")
+        elif kind == "server_job_end":
+            outcome = "done" if info["ok"] else "failed"
+            text, style = f"server job {outcome}: {info['kind']} in {info['duration_s']:.1f} s", (
+                None if info["ok"] else "red")
+        elif kind == "node_exit":
+            text, style = f"edge node {info['node']} exited (code {info['code']}): {info['error']}", "red"
+        elif kind == "fault":
+            applied = "" if info.get("applied", True) else f" (not applied: {info.get('error')})"
+            text, style = f"fault: {info['action']} {info.get('node') or ''}{applied}", "yellow"
+        if text is not None:
+            self.progress.console.print(text, style=style, markup=False, highlight=False)
+
+
+def _hours(seconds: float) -> str:
+    """``H:MM:SS``."""
+    seconds = round(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def summary_table(summary: RunSummary) -> Table:

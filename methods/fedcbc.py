@@ -252,7 +252,7 @@ def join_vaes(vaes: Mapping[int, Mapping[str, np.ndarray]], prefix: str) -> Arra
 
 
 # --------------------------------------------------------------------- jobs
-@jobs.job("fedcbc.pretrain")
+@jobs.job("fedcbc.pretrain", label="pretraining")
 def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
                        device: torch.device) -> jobs.JobOutput:
     """Pretrain the backbone on the server's labelled subset (inputs ``x``: uint8 images ``(N, H, W, C)``,
@@ -289,7 +289,7 @@ def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, A
                            "train_accuracy": float((predicted == y).float().mean())})
 
 
-@jobs.job("fedcbc.fuse")
+@jobs.job("fedcbc.fuse", label="fusion")
 def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """Selective knowledge fusion (eq. 7) of every class in the inputs: ``source/<class>/<i>/<param>`` (the
     local VAEs and the previous global VAE of the class) and ``start/<class>/<param>`` (the student's start).

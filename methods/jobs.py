@@ -41,6 +41,7 @@ class JobOutput:
 JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.device], JobOutput]
 
 _JOBS: dict[str, JobFunction] = {}
+_LABELS: dict[str, str] = {}  # kind -> what the job makes, in a word or two (the progress display, events)
 
 # kind prefix -> module that registers its jobs (imported on first use, by workers too)
 JOB_MODULES = {"device": "methods.jobs", "mfcl": "methods.mfcl", "target": "methods.target",
@@ -48,11 +49,14 @@ JOB_MODULES = {"device": "methods.jobs", "mfcl": "methods.mfcl", "target": "meth
                "affcl": "methods.affcl", "fedcbc": "methods.fedcbc"}
 
 
-def job(kind: str) -> Callable[[JobFunction], JobFunction]:
+def job(kind: str, label: str | None = None) -> Callable[[JobFunction], JobFunction]:
+    """Register a job function under ``kind``; ``label``: what the job makes, for users (default: the part of
+    ``kind`` after the dot)."""
     def register(fn: JobFunction) -> JobFunction:
         if kind in _JOBS and _JOBS[kind] is not fn:
             raise ValueError(f"job kind {kind!r} registered twice")
         _JOBS[kind] = fn
+        _LABELS[kind] = label or kind.partition(".")[2] or kind
         return fn
     return register
 
@@ -63,6 +67,15 @@ def kinds(prefix: str) -> dict[str, JobFunction]:
     if module is not None:
         importlib.import_module(module)
     return {kind: fn for kind, fn in sorted(_JOBS.items()) if kind.startswith(prefix + ".")}
+
+
+def label(kind: str) -> str:
+    """What a job of ``kind`` makes (``proxy``, ``generator``, ``fusion``...), as registered with :func:`job`."""
+    try:
+        get(kind)
+    except KeyError:
+        return kind.partition(".")[2] or kind
+    return _LABELS[kind]
 
 
 def get(kind: str) -> JobFunction:
@@ -97,7 +110,7 @@ def run(kind: str, inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
     return out
 
 
-@job("device.matmul")
+@job("device.matmul", label="device check")
 def matmul_burn(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> JobOutput:
     """Square float32 matrix products on the device for ``seconds`` (default 1): the worker's health check
     and throughput probe (``size``, default 1024). Returns the achieved GFLOP/s and the product count."""

@@ -164,7 +164,7 @@ def task_weights(known: int, total: int, cur: float, pre: float) -> tuple[float,
     return cur * (1 + 1 / alpha) / beta, pre * alpha * beta
 
 
-@jobs.job("lander.text_embeddings")
+@jobs.job("lander.text_embeddings", label="text embeddings")
 def text_embeddings(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """Sentence embeddings of ``prompt.format(name)`` for each of ``names`` (options), as ``embeddings``."""
     try:
@@ -222,7 +222,7 @@ class _LanderProblem(SynthesisProblem):
         return list(self.s_proj.parameters())
 
 
-@jobs.job("lander.synthesize")
+@jobs.job("lander.synthesize", label="generator")
 def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D)."""
     o = LanderOptions(**options["method_options"])

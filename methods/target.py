@@ -169,7 +169,7 @@ def prepare_synthesis(inputs: Mapping[str, np.ndarray], options: Mapping[str, An
     return teacher, student, normalizer(options["mean"], options["std"], device)
 
 
-@jobs.job("target.synthesize")
+@jobs.job("target.synthesize", label="generator")
 def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """TARGET's synthetic set from the frozen global model; returns ``images`` (uint8, N x C x H x W)."""
     o = TargetOptions(**options["method_options"])

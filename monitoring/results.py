@@ -395,10 +395,10 @@ class RunRecorder:
         self._lost = False  # a write of events.jsonl failed (a full disk, say): the run is ending
         self.started = time.time() - elapsed_s
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: str, /, **fields: Any) -> None:
         """Append an event; the first that cannot be written raises an :class:`OSError` naming events.jsonl, and
         the later ones (while the run ends) are dropped."""
-        record = {"event": kind, "time": round(time.time() - self.started, 4), **fields}
+        record = {"event": kind, "time": self.elapsed(), **fields}
         line = json.dumps(record, default=_json_default) + "\n"
         with self._lock:
             if self._lost:
@@ -408,6 +408,10 @@ class RunRecorder:
             except OSError as exc:
                 self._lost = True
                 raise _naming(exc, Path(self._events.name))
+
+    def elapsed(self) -> float:
+        """Seconds since the run started (resumed runs go on from their elapsed time): every event's ``time``."""
+        return round(time.time() - self.started, 4)
 
     def round(self, record: RoundRecord) -> None:
         self.event("round", **asdict(record))

@@ -352,18 +352,37 @@ class RunConfig(pydantic.BaseModel):
     seed: int = pydantic.Field(0, description="seed of the scenario, sampling and training")
     run_dir: Path | None = pydantic.Field(None, description="run directory (unset: runs/<time>-...)")
 
-    @pydantic.model_validator(mode="before")
+    # the default clients_per_round that a smaller population replaced (None: the config's own value)
+    _capped_cohort: int | None = pydantic.PrivateAttr(None)
+
+    @pydantic.model_validator(mode="wrap")
     @classmethod
-    def _default_cohort(cls, data: Any) -> Any:
-        """Unset ``rounds.clients_per_round`` is the default cohort, or every client where there are fewer."""
-        if not isinstance(data, dict):
-            return data
-        rounds, scenario = data.get("rounds", {}), data.get("scenario", {})
+    def _default_cohort(cls, data: Any, handler: pydantic.ModelWrapValidatorHandler) -> "RunConfig":
+        """Unset ``rounds.clients_per_round`` is the default cohort, or every client where there are fewer
+        (:attr:`capped_cohort` then says so)."""
+        capped = None
+        rounds = data.get("rounds", {}) if isinstance(data, dict) else None
+        scenario = data.get("scenario", {}) if isinstance(data, dict) else None
         if isinstance(rounds, dict) and "clients_per_round" not in rounds and isinstance(scenario, dict):
             clients = scenario.get("num_clients", ScenarioSpec().num_clients)
-            if isinstance(clients, int) and 0 < clients < RoundConfig().clients_per_round:
-                data = {**data, "rounds": {**rounds, "clients_per_round": clients}}
-        return data
+            default = RoundConfig().clients_per_round
+            if isinstance(clients, int) and 0 < clients < default:
+                data, capped = {**data, "rounds": {**rounds, "clients_per_round": clients}}, default
+        config = handler(data)
+        if capped is not None:
+            config._capped_cohort = capped
+        return config
+
+    @property
+    def capped_cohort(self) -> int | None:
+        """The default ``rounds.clients_per_round`` that this config's smaller population replaced, if it did."""
+        return self._capped_cohort
+
+    def __eq__(self, other: object) -> bool:
+        """The same settings, however they were given (:attr:`capped_cohort` says how, not what)."""
+        if not isinstance(other, RunConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
 
     @pydantic.model_validator(mode="before")
     @classmethod

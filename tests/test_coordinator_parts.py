@@ -370,3 +370,51 @@ def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_h
             if (is_none and names & {"clock", "timeline"}) or kind_check:
                 asking.append(f"{path.name}:{node.lineno}")
     assert not asking, f"branches on the clock's kind: {asking}"
+
+
+# ------------------------------------------------------------------------------------------- server jobs
+class DonePool:
+    """Stands in for the GPU worker pool: every job is done at once, failed if its kind says so."""
+
+    device = "cpu (in the coordinator)"
+
+    def __init__(self):
+        self.ids = 0
+
+    def submit(self, kind, inputs, options):
+        from coordinator.gpu_pool import Job
+
+        self.ids += 1
+        ok = not kind.endswith("fail")
+        return Job(self.ids, kind, inputs, options or {}, done=True, ok=ok, worker="w0", attempts=1,
+                   errors=[] if ok else ["boom"])
+
+
+@pytest.mark.parametrize("kind, label, ok", [("fedcbc.fuse", "fusion", True), ("device.fail", "fail", False)])
+def test_a_server_job_is_an_event_and_its_start_and_end_are_heard(tmp_path, kind, label, ok):
+    import json
+
+    from coordinator.errors import JobFailed
+    from coordinator.server_jobs import ServerJobs
+    from monitoring.results import RunRecorder
+
+    state = make_state()
+    state.recorder = RunRecorder(tmp_path, "")
+    state.task, state.global_round = 1, 3
+    heard = []
+    state.progress = lambda what, info: heard.append((what, info))
+    jobs = ServerJobs(state, DonePool(), serve=lambda until, deadline: None)
+    if ok:
+        jobs.run([(kind, {}, None)])
+    else:
+        with pytest.raises(JobFailed):
+            jobs.run([(kind, {}, None)])
+    state.recorder.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["job", "server_job"]
+    server = events[1]
+    assert {k: server[k] for k in ("kind", "jobs", "task", "round", "device", "ok")} == {
+        "kind": label, "jobs": [kind], "task": 1, "round": 3, "device": "cpu (in the coordinator)", "ok": ok}
+    assert 0 <= server["start"] <= server["end"] and server["duration_s"] >= 0
+    assert [what for what, _ in heard] == ["server_job_start", "server_job_end"]
+    assert heard[1][1]["ok"] is ok and heard[1][1]["duration_s"] == server["duration_s"]
