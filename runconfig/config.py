@@ -514,7 +514,7 @@ class RunConfig(pydantic.BaseModel):
         rounds = self.rounds
         sampled = math.ceil(rounds.clients_per_round * rounds.overcommit)
         noise = DistributedNoise(self.privacy.noise_multiplier, rounds.clients_per_round)
-        if noise.levels(self.secagg.ring_bits, sampled, 1) < 2:
+        if not noise.fits(self.secagg.ring_bits, sampled, 1):
             raise ValueError(f"--privacy distributed: a {self.secagg.ring_bits}-bit ring cannot hold the clipped sum "
                              f"of {sampled} clients plus noise of multiplier {noise.multiplier:g} without wrapping "
                              f"around; raise secagg.ring_bits (at most 32) or lower the noise")

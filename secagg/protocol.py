@@ -166,7 +166,7 @@ class RoundParams:
                 raise bad(f"noise must be a DistributedNoise, got {self.noise!r}")
             if self.max_weight != 1:
                 raise bad(f"with distributed DP every client weighs 1, got max_weight={self.max_weight}")
-            if self.levels < 2:
+            if not self.noise.fits(self.ring_bits, self.n, self.dim):
                 raise bad(f"a {self.ring_bits}-bit ring cannot hold the clipped sum of {self.n} clients of "
                           f"{self.dim} values plus noise of multiplier {self.noise.multiplier:g} without wrapping "
                           f"around (raise secagg.ring_bits, at most {MAX_RING_BITS}, or lower the noise)")
