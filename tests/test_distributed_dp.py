@@ -168,7 +168,7 @@ def test_a_secagg_run_with_distributed_dp_reports_central_epsilon_and_refuses_a_
                                       rounds={"clients_per_round": 6, "rounds_per_task": 3, "eval_every": 10},
                                       training={"local_epochs": 1},
                                       secagg={"enabled": True, "neighbors": 5, "threshold": 3},
-                                      privacy={"mode": "distributed", "noise_multiplier": 1.0, "clip": 1.0}),
+                                      privacy={"mode": "distributed", "noise_multiplier": 1.0, "clip": 0.01}),
                          {"data_root": [str(mnist_root)]})
     config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
@@ -209,7 +209,7 @@ def test_a_secagg_run_with_distributed_dp_reports_central_epsilon_and_refuses_a_
     assert [r["secagg"]["outcome"] for r in rounds] == ["completed"] * 3
     assert [r["secagg"]["refused_keys"] for r in rounds] == [0, 1, 0] and len(swapped) == 1
     assert [r["participants"] for r in rounds] == [6, 5, 6]
-    central = CentralPrivacy(PrivacyConfig(mode="central", noise_multiplier=1.0, clip=1.0), 6, sampling_rate=6 / 20)
+    central = CentralPrivacy(PrivacyConfig(mode="central", noise_multiplier=1.0, clip=0.01), 6, sampling_rate=6 / 20)
     layout = DeltaLayout.of({"w": np.zeros(1, np.float32)})
     first = central.noised_mean([], layout, 1) and central.report()["epsilon"]
     assert rounds[0]["privacy"]["epsilon"] == pytest.approx(first, rel=1e-12)  # the same as central DP's
