@@ -186,7 +186,8 @@ class DistributedPrivacy:
 
     def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> list[ClientUpdate]:
         """The unmasked mean already holds the noise (one update, its weight the clients in the sum): compose the
-        round with the multiplier of the noise those clients added."""
+        round with the multiplier of the noise those clients added. A client without samples adds its noise but
+        weighs 0: leaving it out of the count only lowers the multiplier accounted, which is conservative."""
         summed = sum(u.num_samples for u in updates)
         self.last_multiplier = self.noise.effective_multiplier(min(summed, self.cohort))
         self.accountant.step(noise_multiplier=self.last_multiplier)
