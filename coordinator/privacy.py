@@ -1,5 +1,5 @@
-"""Central differential privacy of the aggregate: DP-FedAvg with fixed or adaptive clipping, and its accountant
-(``privacy`` in the run config; docs/security.md).
+"""Differential privacy of the aggregate: central DP-FedAvg with fixed or adaptive clipping, distributed DP under
+SecAgg+, and their accountant (``privacy`` in the run config; docs/security.md).
 
 **DP-FedAvg** (McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models", Algorithm 1
 with its fixed-denominator estimator): the coordinator clips each client's model delta to L2 norm C,
@@ -30,6 +30,13 @@ q = ceil(K x overcommit) / num_clients, composed over the noised rounds by the R
 dp-accounting library (``dp_accounting.rdp.RdpAccountant``, Poisson sampling as in the McMahan and Andrew
 analyses; the emulator samples a fixed number of clients without replacement). Epsilon for ``privacy.delta`` is
 reported after every round.
+
+**Distributed DP** (``privacy.mode: distributed``, under SecAgg+; :mod:`secagg.noise`): the clients clip their
+own deltas to C and each adds integer Skellam noise of variance z^2 Delta^2 / K in the quantised domain, so the
+masked sum of the K planned clients carries the central mechanism's noise, in levels; the coordinator divides
+the unmasked sum by K. The accountant is the same with the same z. With m < K clients in the sum (dropouts) the
+noise's multiplier is only z sqrt(m / K), and the round is composed with that smaller multiplier: the epsilon
+reported covers the noise actually added.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from methods.base import ClientUpdate, DeltaLayout
 from monitoring.results import Privacy, RoundRecord
 from runconfig import RunConfig
 from runconfig.config import PrivacyConfig
+from secagg.noise import DistributedNoise
+from secagg.settings import SecAggSettings
 
 NOISED_UPDATE = "central-dp"  # the client name of the one update the server part receives
 
@@ -62,19 +71,23 @@ class PrivacyAccountant:
         import dp_accounting
         from dp_accounting import rdp
 
-        self._event = dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(
-            noise_multiplier))
+        self._dp = dp_accounting
         self._accountant = rdp.RdpAccountant() if orders is None else rdp.RdpAccountant(list(orders))
-        self.noise_multiplier, self.steps = noise_multiplier, 0
+        self.noise_multiplier, self.sampling_rate, self.steps = noise_multiplier, sampling_rate, 0
+        self._noiseless = noise_multiplier == 0  # a round composed without noise: no guarantee
 
-    def step(self, count: int = 1) -> None:
-        """Compose ``count`` more rounds."""
-        self._accountant.compose(self._event, count)
+    def step(self, count: int = 1, noise_multiplier: float | None = None) -> None:
+        """Compose ``count`` more rounds (with ``noise_multiplier`` instead of the run's, where given)."""
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        self._noiseless |= z == 0
+        if z > 0:
+            self._accountant.compose(self._dp.PoissonSampledDpEvent(
+                self.sampling_rate, self._dp.GaussianDpEvent(z)), count)
         self.steps += count
 
     def epsilon(self, delta: float) -> float | None:
         """Epsilon for ``delta`` after the rounds composed so far (None without noise: no guarantee)."""
-        if self.noise_multiplier == 0:
+        if self._noiseless:
             return None
         return float(self._accountant.get_epsilon(delta)) if self.steps else 0.0
 
@@ -124,6 +137,10 @@ class CentralPrivacy:
         self.accountant.step()
         return ClientUpdate(NOISED_UPDATE, 1, layout.unflatten(mean))
 
+    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> list[ClientUpdate]:
+        """What the method's server part aggregates: the noised mean, as one update."""
+        return [self.noised_mean(updates, layout, round_number)]
+
     def report(self) -> dict[str, float | int | None]:
         """The round record's ``privacy``: epsilon for delta so far, noised rounds, the clip norm the last one
         used and the noise's standard deviation on its mean, the clip norm of the next."""
@@ -145,6 +162,58 @@ class CentralPrivacy:
         return np.random.default_rng() if seed is None else np.random.default_rng([seed, round_number])
 
 
+class DistributedPrivacy:
+    """The run's distributed DP under SecAgg+: the noise its clients add to each round's masked sum, and the
+    privacy spent so far (the module docstring)."""
+
+    def __init__(self, settings: PrivacyConfig, cohort: int, sampling_rate: float):
+        self.settings, self.cohort, self.clip = settings, cohort, settings.clip
+        self.noise = DistributedNoise(settings.noise_multiplier, cohort)
+        self.last_multiplier = settings.noise_multiplier  # of the last round's summed noise
+        self.accountant = PrivacyAccountant(settings.noise_multiplier, sampling_rate)
+
+    @classmethod
+    def of(cls, config: RunConfig) -> DistributedPrivacy | None:
+        """The run's distributed DP, or None unless ``privacy.mode: distributed``."""
+        if not config.privacy.distributed:
+            return None
+        return cls(config.privacy, config.rounds.clients_per_round, sampling_rate(config))
+
+    def secagg_settings(self, settings: SecAggSettings) -> SecAggSettings:
+        """The run's SecAgg+ settings as distributed DP runs them: values clipped to the L2 clip norm C (which
+        bounds every value too), every client weighing 1."""
+        return settings.model_copy(update={"clip": self.clip, "max_weight": 1})
+
+    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> list[ClientUpdate]:
+        """The unmasked mean already holds the noise (one update, its weight the clients in the sum): compose the
+        round with the multiplier of the noise those clients added. A client without samples adds its noise but
+        weighs 0: leaving it out of the count only lowers the multiplier accounted, which is conservative."""
+        summed = sum(u.num_samples for u in updates)
+        self.last_multiplier = self.noise.effective_multiplier(min(summed, self.cohort))
+        self.accountant.step(noise_multiplier=self.last_multiplier)
+        return updates
+
+    def report(self) -> dict[str, float | int | None]:
+        """The round record's ``privacy``, as central DP's; ``noise_multiplier``: of the last round's noise."""
+        return {"epsilon": self.accountant.epsilon(self.settings.delta), "delta": self.settings.delta,
+                "steps": self.accountant.steps, "clip": self.clip,
+                "noise_std": self.last_multiplier * self.clip / self.cohort, "next_clip": self.clip,
+                "noise_multiplier": self.last_multiplier}
+
+    def restore(self, rounds: Sequence[RoundRecord]) -> None:
+        """Compose again the rounds of a resumed run, each with the multiplier its record names."""
+        steps = 0
+        for report in (r.privacy for r in rounds if r.privacy is not None):
+            if report["steps"] > steps:
+                self.accountant.step(report["steps"] - steps, report.get("noise_multiplier"))
+                steps = report["steps"]
+
+
+def run_privacy_part(config: RunConfig) -> CentralPrivacy | DistributedPrivacy | None:
+    """The run's differential privacy, central or distributed (None with ``privacy.mode: off``)."""
+    return CentralPrivacy.of(config) or DistributedPrivacy.of(config)
+
+
 def sampling_rate(config: RunConfig) -> float:
     """q: the clients a round selects over the clients of the scenario."""
     rounds = config.rounds
@@ -152,9 +221,10 @@ def sampling_rate(config: RunConfig) -> float:
 
 
 def run_privacy(config: RunConfig, rounds: Sequence[RoundRecord]) -> Privacy | None:
-    """``summary.json``'s ``privacy``: the settings and the last round's report (None without central DP)."""
+    """``summary.json``'s ``privacy``: the settings and the last round's report (None without differential
+    privacy)."""
     s = config.privacy
-    if not s.central:
+    if s.mode == "off":
         return None
     last = next((r.privacy for r in reversed(rounds) if r.privacy is not None), None)
     return Privacy(mode=s.mode, noise_multiplier=s.noise_multiplier, clip=s.clip if last is None else last["clip"],

@@ -31,7 +31,7 @@ from coordinator.clock import RunClock
 from coordinator.dispatch import Dispatcher
 from coordinator.guard import clip_to_cohort, clip_update
 from coordinator.open_round import OpenRound, StaleUpdates
-from coordinator.privacy import CentralPrivacy
+from coordinator.privacy import DistributedPrivacy, run_privacy_part
 from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.state import RunState
 from methods.base import ClientUpdate, DeltaLayout
@@ -56,7 +56,7 @@ class RoundRunner:
     def __init__(self, state: RunState, dispatcher: Dispatcher, clock: RunClock, stale: StaleUpdates):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.dispatcher, self.clock, self.stale = dispatcher, clock, stale
-        self.privacy = CentralPrivacy.of(state.config)  # None without central DP
+        self.privacy = run_privacy_part(state.config)  # central or distributed DP; None without
 
     def _train_s_by_class(self, r: OpenRound) -> dict[str, float] | None:
         """Mean reported local training time of the round's participants per device class (with device profiles;
@@ -219,10 +219,11 @@ class RoundRunner:
 
     def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:
         """What the method's server part aggregates: the updates, or under central DP their clipped, equally
-        weighted and noised mean as one update (:mod:`coordinator.privacy`)."""
+        weighted and noised mean as one update; under distributed DP the noised mean the secure round unmasked,
+        once the round is accounted for (:mod:`coordinator.privacy`)."""
         if self.privacy is None:
             return updates
-        return [self.privacy.noised_mean(updates, DeltaLayout.of(self.state.server.global_state), number)]
+        return self.privacy.release(updates, DeltaLayout.of(self.state.server.global_state), number)
 
     def _phase_evaluate(self, task: int, task_round: int) -> float | None:
         """Accuracy on the seen classes every ``eval_every`` rounds (a task's last round: at task end)."""
@@ -248,11 +249,15 @@ class RoundRunner:
     # ----------------------------------------------------------------- helpers
     def _open_secure_round(self, r: OpenRound) -> SecureRound | SecureOutcome:
         """The SecAgg+ round over the chosen clients; weights clipped to the largest client dataset of the task
-        unless ``secagg.max_weight`` is set."""
+        unless ``secagg.max_weight`` is set; under distributed DP, its clients' clipping and noise."""
         sa, scenario = self.config.secagg, self.state.scenario
         max_weight = sa.max_weight or max([1] + [len(scenario.client_indices(self.registry.records[c].index, r.task))
                                                  for c in r.chosen])
+        noise = None
+        if isinstance(self.privacy, DistributedPrivacy):
+            sa, noise = self.privacy.secagg_settings(sa), self.privacy.noise
         return SecureRound.open(r.chosen, DeltaLayout.of(self.state.server.global_state), sa, max_weight,
+                                noise=noise,
                                 run_id=self.state.run_id, number=r.number,
                                 seed=self.config.seed * 1_000_003 + r.number,
                                 send=lambda c, t, body: self.dispatcher.send(c, t, body, task=r.task, round=r.number),

@@ -15,7 +15,10 @@ and sends the next messages.
 - ``unmasking`` waits at most ``phase_timeout_s``.
 
 The coordinator only ever sees masked vectors, added into one running sum as
-they arrive (``SecAggServer.receive_masked``), and the unmasked sum.
+they arrive (``SecAggServer.receive_masked``), and the unmasked sum. Under
+distributed DP (``noise``) that sum already holds the clients' noise, and the
+mean divides it by the planned cohort K, as central DP's fixed-denominator
+estimator does.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from methods.base import Arrays, DeltaLayout
+from secagg.noise import DistributedNoise
 from secagg.protocol import PHASES, SecAggAbort, SecAggError
 from secagg.server import SecAggServer
 from secagg.settings import SecAggSettings
@@ -65,14 +70,15 @@ class SecureOutcome:
 
 class SecureRound:
     def __init__(self, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, *, run_id: str, number: int,
-                 seed: int, send: Send, metrics: Any, max_weight: int | None = None):
+                 seed: int, send: Send, metrics: Any, max_weight: int | None = None,
+                 noise: DistributedNoise | None = None):
         """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k)."""
         self.number = number
         self.layout = layout
         self.send = send
         self.metrics = metrics
         self.phase_timeout_s = settings.phase_timeout_s
-        self.server = SecAggServer(roster, layout.dim, settings, round_id(run_id, number), seed, max_weight)
+        self.server = SecAggServer(roster, layout.dim, settings, round_id(run_id, number), seed, max_weight, noise)
         self.replied: dict[int, set[str]] = {p: set() for p in range(1, len(PHASES))}
         self.reported: dict[str, tuple[float, float]] = {}  # client -> (train_time_s, loss) of its masked input
         self.phase_s: dict[str, float] = {}
@@ -82,12 +88,14 @@ class SecureRound:
 
     @classmethod
     def open(cls, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, max_weight: int, *, run_id: str,
-             number: int, seed: int, send: Send, metrics: Any) -> SecureRound | SecureOutcome:
+             number: int, seed: int, send: Send, metrics: Any,
+             noise: DistributedNoise | None = None) -> SecureRound | SecureOutcome:
         """The round over ``roster`` under the run's ``secagg`` settings (``max_weight``: the weight clip where they
-        leave it unset); an aborted outcome if it cannot even start (too few clients, t > k)."""
+        leave it unset; ``noise``: distributed DP's); an aborted outcome if it cannot even start (too few clients,
+        t > k, a ring too small for the noise)."""
         try:
             return cls(roster, layout, settings, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
-                       max_weight=max_weight)
+                       max_weight=max_weight, noise=noise)
         except (SecAggAbort, SecAggError) as exc:
             log.warning("round %d: secure aggregation cannot start: %s", number, exc)
             metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
@@ -108,7 +116,8 @@ class SecureRound:
             return self.abort(str(exc), [c for c in self.server.roster if online(c)])
 
     def setup_messages(self) -> dict[str, SecAggSetup]:
-        return {c: SecAggSetup(params=SecAggParams(**m["params"]), index=m["index"], neighbors=m["neighbors"])
+        return {c: SecAggSetup(params=msgspec.convert(m["params"], SecAggParams), index=m["index"],
+                               neighbors=m["neighbors"])
                 for c, m in self.server.setup().items()}
 
     # ----------------------------------------------------------------- receiving
@@ -168,6 +177,9 @@ class SecureRound:
             for c, m in peer_keys.items()})
         short = min(deadline, time.monotonic() + self.phase_timeout_s)
         relays = self._exchange(2, serve, lambda: not self.waiting(2, alive), short, self.server.close_shares)
+        for peer, by in sorted(self.server.refused_keys.items()):
+            log.warning("round %d: %s refused the SecAgg+ keys advertised for %s (bad signature): %s is dropped",
+                        self.number, ", ".join(sorted(by)), peer, peer)
         self._send_all("secagg_relay", {c: SecAggRelay(**m) for c, m in relays.items()})
         requests = self._exchange(
             3, serve, lambda: len(self.replied[3]) >= wanted or not self.waiting(3, alive), deadline,
@@ -181,11 +193,13 @@ class SecureRound:
         result = self._exchange(4, serve, lambda: not self.waiting(4, alive),
                                 time.monotonic() + self.phase_timeout_s, self.server.close_unmask)
         total, weight = result.decode()
+        noise = self.server.params.noise
+        divisor = weight if noise is None else noise.cohort  # distributed DP: the fixed denominator K
         recovered = self.dropouts["masked_input"]
         self.metrics.secagg_round(outcome="completed", dropouts=self.dropouts, recovered=recovered)
         record = self.record(outcome="completed", clients=len(result.clients), recovered=recovered)
         losses = tuple(self.reported[c][1] for c in result.clients)
-        delta = None if weight == 0 else self.layout.unflatten((total / weight).astype(np.float32))
+        delta = None if weight == 0 else self.layout.unflatten((total / divisor).astype(np.float32))
         return SecureOutcome(delta, weight, result.clients, record, losses)
 
     def abort(self, reason: str, clients: list[str]) -> SecureOutcome:
@@ -198,5 +212,5 @@ class SecureRound:
         p = self.server.params
         return {"neighbors": p.neighbors, "threshold": p.threshold, "dim": p.dim, "clip": p.clip,
                 "max_weight": p.max_weight, "phase_s": dict(self.phase_s), "dropouts": dict(self.dropouts),
-                **extra}
+                "refused_keys": len(self.server.refused_keys), **extra}
 

@@ -103,7 +103,7 @@ class EdgeNode:
         self.clients = [self._new_client(i) for i in client_indices]
         self.heartbeat_interval_s = 1.0
         self._secure = SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed,
-                                      metrics=self.metrics)
+                                      metrics=self.metrics, keys=keys)
         self._churn = Churn(self.clients, join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)

@@ -5,7 +5,10 @@ the replies of the client's :class:`secagg.client.SecAggClient`, and sends
 its masked input once both the relayed shares and its training result are
 there, in whichever order they come. A refused message or an aborted
 protocol ends the client's session and is reported as an ``error`` (code
-``secagg``).
+``secagg``). Where the node's keys come with signing keys, each client signs
+the public keys it advertises and checks its neighbours' signatures against
+the run's signers (``secagg_signers.json``, :mod:`secagg.identity`); a
+neighbour whose signature fails is refused and logged.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import numpy as np
 from edge_node.client import EmulatedClient, SecAggSession, TrainResult
 from monitoring.metrics import EdgeNodeMetrics
 from secagg.client import SecAggClient
+from secagg.identity import KeySigner, KeyVerifier
 from secagg.protocol import SecAggAbort, SecAggError
+from wire.auth import ClientKeyring
 from wire.framing import Message
 from wire.messages import Error, SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
 
@@ -37,19 +42,31 @@ class SecureSessions:
     """The secure-aggregation side of every client of a node (each client's session is ``client.secagg``).
 
     ``send`` sends a message now; ``upload`` sends a training result through the client's emulated device;
-    ``seed`` is the run's seed (it seeds the stochastic rounding of each masked input)."""
+    ``seed`` is the run's seed (it seeds the stochastic rounding of each masked input); ``keys``: the node's
+    keys, whose signing keys and signers' list sign and check the advertised SecAgg+ keys (None: plain TCP)."""
 
-    def __init__(self, *, send: Send, upload: Upload, seed: Callable[[], int], metrics: EdgeNodeMetrics):
+    def __init__(self, *, send: Send, upload: Upload, seed: Callable[[], int], metrics: EdgeNodeMetrics,
+                 keys: ClientKeyring | None = None):
         self._send = send
         self._upload = upload
         self._seed = seed
         self._metrics = metrics
+        self._keys = keys
+        self._verifier = None if keys is None or keys.signers is None else KeyVerifier(keys.signers)
+        if keys is not None and keys.signers is None:
+            log.warning("no secagg_signers.json beside the coordinator's key: the SecAgg+ keys of neighbours are "
+                        "not checked against their signatures")
+
+    def _protocol(self, client: EmulatedClient) -> SecAggClient:
+        """A fresh protocol state for the client's round, signing and checking keys where the node can."""
+        signing = None if self._keys is None else self._keys.for_identity(client.id).signing
+        return SecAggClient(client.id, None if signing is None else KeySigner(signing), self._verifier)
 
     def on_message(self, client: EmulatedClient, msg: Message) -> None:
         """One SecAgg+ message of the coordinator (a type in :data:`SECAGG_DOWN`)."""
         session = client.secagg
         if msg.type == "secagg_setup":
-            session = client.secagg = SecAggSession(msg.round, SecAggClient(client.id))
+            session = client.secagg = SecAggSession(msg.round, self._protocol(client))
         elif session is None or session.round != msg.round:
             if msg.type != "secagg_abort":
                 self._failed(client, msg.round, msg.task, f"{msg.type} for round {msg.round}, but this "
@@ -61,7 +78,11 @@ class SecureSessions:
             if msg.type == "secagg_setup":
                 self._reply(client, msg, "advertise_keys", "secagg_keys", SecAggKeys, protocol.on_setup(body))
             elif msg.type == "secagg_peer_keys":
-                self._reply(client, msg, "share_keys", "secagg_shares", SecAggShares, protocol.on_keys(body))
+                reply = protocol.on_keys(body)
+                if protocol.refused:
+                    log.warning("%s: refused the SecAgg+ keys of %s in round %d: bad signature", client.id,
+                                ", ".join(protocol.refused), msg.round)
+                self._reply(client, msg, "share_keys", "secagg_shares", SecAggShares, reply)
             elif msg.type == "secagg_relay":
                 session.relay = body
                 self._send_masked(client)

@@ -8,6 +8,7 @@ naming the option. The resolved config is written into the run directory.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -227,9 +228,11 @@ class PrivacyConfig(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["off", "central"] = pydantic.Field(
-        "off", description="differential privacy: off, or central (the coordinator clips each model delta, "
-                           "averages them with equal weights and adds Gaussian noise: DP-FedAvg; docs/security.md)")
+    mode: Literal["off", "central", "distributed"] = pydantic.Field(
+        "off", description="differential privacy: off; central (the coordinator clips each model delta, averages "
+                           "them with equal weights and adds Gaussian noise: DP-FedAvg); or distributed (with "
+                           "--secagg: each client clips its delta and adds its share of the noise under the mask; "
+                           "docs/security.md)")
     noise_multiplier: float = pydantic.Field(
         1.0, ge=0, le=100, description="central DP: noise standard deviation over the clip norm (z; 0: no noise "
                                        "and no privacy)")
@@ -245,6 +248,10 @@ class PrivacyConfig(pydantic.BaseModel):
     @property
     def central(self) -> bool:
         return self.mode == "central"
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode == "distributed"
 
 
 class MetricsConfig(pydantic.BaseModel):
@@ -432,6 +439,8 @@ class RunConfig(pydantic.BaseModel):
             self._check_secagg(spec)
         if self.privacy.central:
             self._check_privacy(spec)
+        if self.privacy.distributed:
+            self._check_distributed_privacy()
         if self.security.aggregator != "mean":
             self._check_aggregator(spec)
         if self.nodes > self.scenario.num_clients:
@@ -483,7 +492,7 @@ class RunConfig(pydantic.BaseModel):
                              "pip install 'fcl-emu[dp]'")
         if self.secagg.enabled:
             raise ValueError("--privacy central cannot be combined with --secagg: the coordinator must see each "
-                             "delta to clip it (distributed DP under secure aggregation is not implemented)")
+                             "delta to clip it (under secure aggregation use --privacy distributed)")
         if CENTRAL_DP in spec.refusals:
             raise ValueError(f"--privacy central: {spec.refusals[CENTRAL_DP]}")
         if self.security.aggregator != "mean":
@@ -497,6 +506,28 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"--dp-adaptive-clipping: the noise multiplier {z:g} must be less than twice the "
                              f"count noise sigma_b = {adaptive.count_noise(cohort):g} (privacy.adaptive."
                              f"count_stddev, default clients_per_round / 20), which it includes")
+
+    def _check_distributed_privacy(self) -> None:
+        """Distributed DP runs under SecAgg+ (whose checks cover the method, the aggregator and late updates)
+        with a fixed clip norm, and its ring must hold the clipped sum plus the noise."""
+        from secagg.noise import DistributedNoise
+
+        if importlib.util.find_spec("dp_accounting") is None:
+            raise ValueError("--privacy distributed needs Google's dp-accounting library for its privacy "
+                             "accountant: pip install 'fcl-emu[dp]'")
+        if not self.secagg.enabled:
+            raise ValueError("--privacy distributed adds the noise under SecAgg+ masks: it needs --secagg (without "
+                             "it, use --privacy central)")
+        if self.privacy.adaptive.enabled:
+            raise ValueError("--privacy distributed clips to a fixed norm (--dp-clip): adaptive clipping needs the "
+                             "count of unclipped updates, which the server cannot see under SecAgg+")
+        rounds = self.rounds
+        sampled = math.ceil(rounds.clients_per_round * rounds.overcommit)
+        noise = DistributedNoise(self.privacy.noise_multiplier, rounds.clients_per_round)
+        if not noise.fits(self.secagg.ring_bits, sampled, 1):
+            raise ValueError(f"--privacy distributed: a {self.secagg.ring_bits}-bit ring cannot hold the clipped sum "
+                             f"of {sampled} clients plus noise of multiplier {noise.multiplier:g} without wrapping "
+                             f"around; raise secagg.ring_bits (at most 32) or lower the noise")
 
     def _check_aggregator(self, spec) -> None:
         from methods.requirements import ROBUST

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from secagg import protocol
+from secagg.identity import KeySigner, KeyVerifier
+from secagg.noise import add_skellam, clip_l2
 from secagg.protocol import (PHASES, RING_DTYPE, SECRET_BYTES, SHARE_BYTES, Quantizer, RoundParams, SecAggAbort,
                              SecAggError, X25519PrivateKey, X25519PublicKey, agree, decrypt_share, describe,
                              encrypt_share, keypair, pair_mask_key, prg_stream, public_key, seed_commitment,
@@ -43,10 +45,15 @@ class SecAggClient:
     ``timings`` holds the seconds spent on each reply, under the name of the phase it belongs to
     (``advertise_keys``, ``share_keys``, ``masked_input``, ``unmasking``), and the ``quantize`` /
     ``mask`` split of ``masked_input``.
+
+    With a ``signer`` the client signs the keys it advertises; with a ``verifier`` it uses a neighbour's keys
+    only if their signature checks out, and refuses the others (:attr:`refused`; :mod:`secagg.identity`).
     """
 
-    def __init__(self, client: str):
+    def __init__(self, client: str, signer: KeySigner | None = None, verifier: KeyVerifier | None = None):
         self.client = _id(client, "client")
+        self.signer, self.verifier = signer, verifier
+        self.refused: list[str] = []  # neighbours whose advertised keys failed the signature check
         self.params: RoundParams | None = None
         self.index = 0
         self.neighbors: dict[str, int] = {}       # peer id -> roster index (1-based)
@@ -96,13 +103,17 @@ class SecAggClient:
         self._c_sk, c_pk = keypair()
         self._s_sk, s_pk = keypair()
         self._phase = 1
+        reply = {"c_pk": c_pk, "s_pk": s_pk}
+        if self.signer is not None:
+            reply["sig"] = self.signer.sign(params.round_id, self.client, c_pk, s_pk)
         self.timings["advertise_keys"] = time.perf_counter() - start
-        return {"c_pk": c_pk, "s_pk": s_pk}
+        return reply
 
     # --- phase 1 -> 2 ----------------------------------------------------------------------
     def on_keys(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """Neighbours' public keys ``{"keys": {peer: {"c_pk", "s_pk"}}}`` -> encrypted shares
-        ``{"shares": {peer: ciphertext}, "b_commit": bytes}``."""
+        """Neighbours' public keys ``{"keys": {peer: {"c_pk", "s_pk", "sig"}}}`` -> encrypted shares
+        ``{"shares": {peer: ciphertext}, "b_commit": bytes}``, and ``"refused": [peer...]``: the neighbours
+        whose keys failed the signature check (with a verifier), which get no share."""
         start = time.perf_counter()
         self._expect(1, "keys")
         p = self.params
@@ -119,6 +130,10 @@ class SecAggClient:
                 raise SecAggError(f"{what}: keys of {peer!r} must be a dict")
             raw = (entry.get("c_pk"), entry.get("s_pk"))
             pks = (public_key(raw[0], f"{what}: c_pk of {peer!r}"), public_key(raw[1], f"{what}: s_pk of {peer!r}"))
+            if self.verifier is not None and not self.verifier.verify(p.round_id, peer, bytes(raw[0]),
+                                                                      bytes(raw[1]), entry.get("sig")):
+                self.refused.append(peer)
+                continue
             for r in raw:
                 if bytes(r) in seen:
                     raise SecAggError(f"{what}: public key of {peer!r} repeats another key (reflected or reused)")
@@ -140,8 +155,11 @@ class SecAggClient:
             self._recv_keys[peer] = share_key(shared, p.round_id, self.neighbors[peer], self.index)
             out[peer] = encrypt_share(send, share_ad(p.round_id, self.client, peer), bs + ss)
         self._phase = 2
+        reply = {"shares": out, "b_commit": seed_commitment(self._b, p.round_id, self.client)}
+        if self.refused:
+            reply["refused"] = sorted(self.refused)
         self.timings["share_keys"] = time.perf_counter() - start
-        return {"shares": out, "b_commit": seed_commitment(self._b, p.round_id, self.client)}
+        return reply
 
     # --- phase 2 -> 3 ----------------------------------------------------------------------
     def on_shares(self, msg: Mapping[str, Any], vector: Any, weight: Any,
@@ -150,7 +168,9 @@ class SecAggClient:
         its sample weight and the generator for stochastic rounding -> ``{"y": uint32 array (dim + 1)}``.
 
         The senders are the neighbours that survived the share phase: the client masks with exactly those.
-        Shares are decrypted and authenticated here, before the masked input leaves the client.
+        Shares are decrypted and authenticated here, before the masked input leaves the client. With
+        distributed DP (``params.noise``) the vector is clipped to L2 norm ``clip`` and each value gets the
+        client's share of the noise, drawn from the OS's entropy (:mod:`secagg.noise`).
         """
         start = time.perf_counter()
         self._expect(2, "shares")
@@ -169,6 +189,10 @@ class SecAggClient:
             raise SecAggAbort(f"only {len(held)} neighbours sent shares, threshold t={p.threshold}", PHASES[2])
         quantizer = Quantizer(p)
         x, w = quantizer.check_input(vector, weight)
+        noise_mu, noise_rng = 0.0, None
+        if p.noise is not None:
+            x = clip_l2(x, p.clip)
+            noise_mu, noise_rng = p.noise.share_variance(p.levels, p.dim) / 2, np.random.default_rng()
         t_mask = time.perf_counter()  # the masking proper starts here (key agreement and expansion)
         pair_keys = [(pair_mask_key(agree(self._s_sk, self._peer_keys[peer][1], f"{peer!r}"), p.round_id,
                                     self.index, self.neighbors[peer]), self.index < self.neighbors[peer])
@@ -187,6 +211,8 @@ class SecAggClient:
             chunk, mask = y[lo:hi], scratch[:hi - lo]
             t0 = time.perf_counter()
             quantizer.encode_into(x, w, rng, chunk, lo, hi, buffers)
+            if noise_rng is not None and lo < p.dim:
+                add_skellam(chunk[:min(hi, p.dim) - lo], noise_mu, noise_rng)
             t_quant += time.perf_counter() - t0
             zeros, out = zero_bytes(mask.nbytes), raw[:mask.nbytes]
             for stream, plus in streams:

@@ -60,6 +60,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from secagg.noise import DistributedNoise, centred_sum
+
 PROTOCOL = b"fcl-emu/secagg/v1"
 PHASES = ("setup", "advertise_keys", "share_keys", "masked_input", "unmasking")
 
@@ -116,8 +118,10 @@ class RoundParams:
     elements, the last one the sample weight); ``neighbors``: the degree k of the
     graph; ``threshold``: t, shares needed to reconstruct a secret and the minimum
     number of participants in every phase; ``clip``: inputs are clipped to
-    [-clip, clip]; ``max_weight``: sample weights above it are clipped to it. The user-facing settings they
-    are resolved from, with their defaults: :class:`secagg.settings.SecAggSettings`.
+    [-clip, clip]; ``max_weight``: sample weights above it are clipped to it; ``noise``: distributed DP, each
+    client clips its vector to L2 norm ``clip`` and adds its share of the noise (:mod:`secagg.noise`; weights are
+    then equal: ``max_weight`` is 1). The user-facing settings they are resolved from, with their defaults:
+    :class:`secagg.settings.SecAggSettings`.
     """
 
     round_id: int
@@ -128,6 +132,7 @@ class RoundParams:
     ring_bits: int
     clip: float
     max_weight: int
+    noise: DistributedNoise | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SecAggError:
@@ -156,6 +161,15 @@ class RoundParams:
             raise bad(f"clip must be a finite number > 0, got {self.clip!r}")
         if self.max_weight < 1:
             raise bad(f"max_weight must be >= 1, got {self.max_weight}")
+        if self.noise is not None:
+            if not isinstance(self.noise, DistributedNoise):
+                raise bad(f"noise must be a DistributedNoise, got {self.noise!r}")
+            if self.max_weight != 1:
+                raise bad(f"with distributed DP every client weighs 1, got max_weight={self.max_weight}")
+            if not self.noise.fits(self.ring_bits, self.n, self.dim):
+                raise bad(f"a {self.ring_bits}-bit ring cannot hold the clipped sum of {self.n} clients of "
+                          f"{self.dim} values plus noise of multiplier {self.noise.multiplier:g} without wrapping "
+                          f"around (raise secagg.ring_bits, at most {MAX_RING_BITS}, or lower the noise)")
         if self.levels < 1:
             raise bad(f"a {self.ring_bits}-bit ring cannot hold the sum of {self.n} clients")
         if self.max_weight > self.levels:
@@ -166,7 +180,10 @@ class RoundParams:
     @property
     def levels(self) -> int:
         """M = floor((2^bits - 1) / n): every client's ring value lies in [0, M], so n of them sum to at
-        most n*M <= 2^bits - 1 and the ring sum never wraps."""
+        most n*M <= 2^bits - 1 and the ring sum never wraps; with distributed DP the smaller M that leaves room
+        for the noise (:meth:`secagg.noise.DistributedNoise.levels`)."""
+        if self.noise is not None:
+            return self.noise.levels(self.ring_bits, self.n, self.dim)
         return (2**self.ring_bits - 1) // self.n
 
     @property
@@ -180,17 +197,23 @@ class RoundParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The setup message's ``params``: on the wire a ``wire.messages.SecAggParams`` (same names, same
-        order, so the same bytes); :meth:`from_dict` reads it back and checks it."""
-        return {"round": int(self.round_id), "n": int(self.n), "dim": int(self.dim),
-                "neighbors": int(self.neighbors), "threshold": int(self.threshold),
-                "ring_bits": int(self.ring_bits), "clip": float(self.clip), "max_weight": int(self.max_weight)}
+        order, so the same bytes; ``noise`` only with distributed DP); :meth:`from_dict` reads it back and
+        checks it."""
+        out = {"round": int(self.round_id), "n": int(self.n), "dim": int(self.dim),
+               "neighbors": int(self.neighbors), "threshold": int(self.threshold),
+               "ring_bits": int(self.ring_bits), "clip": float(self.clip), "max_weight": int(self.max_weight)}
+        return out if self.noise is None else {**out, "noise": self.noise.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RoundParams:
         try:
+            noise = None if d.get("noise") is None else DistributedNoise.from_dict(d["noise"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SecAggError(f"secagg parameters: bad noise {d.get('noise')!r}: {e}") from None
+        try:
             return cls(round_id=d["round"], n=d["n"], dim=d["dim"], neighbors=d["neighbors"],
                        threshold=d["threshold"], ring_bits=d["ring_bits"], clip=d["clip"],
-                       max_weight=d["max_weight"])
+                       max_weight=d["max_weight"], noise=noise)
         except KeyError as e:
             raise SecAggError(f"secagg parameters: missing field {e.args[0]!r}") from None
 
@@ -281,6 +304,10 @@ class Quantizer:
         ring_sum = np.asarray(ring_sum)
         if ring_sum.shape != (self.dim + 1,):
             raise SecAggError(f"ring sum has shape {ring_sum.shape}, expected ({self.dim + 1},)")
+        if self.params.noise is not None:  # centred: the noise may take the sum below 0 (mod 2^bits)
+            q = centred_sum(ring_sum[:self.dim], count, self.levels, self.params.ring_bits)
+            q *= self.step
+            return q, int(ring_sum[self.dim])
         q = ring_sum[:self.dim].astype(np.float64)
         q *= self.step
         q -= count * self.clip

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from secagg.identity import SIGNATURE_BYTES
+from secagg.noise import DistributedNoise
 from secagg.protocol import (CIPHERTEXT_BYTES, COMMIT_BYTES, PHASES, RING_DTYPE, SHARE_BYTES, Quantizer, RoundParams,
                               SecAggAbort, SecAggError, X25519PrivateKey, agree, check_commitment,
                               harary_neighbors, pair_mask_key, prg_into, public_key, self_mask_key, shamir_combine)
@@ -66,16 +68,16 @@ class SecAggServer:
     """The server of one SecAgg+ round over ``roster`` (the sampled clients; roster index = position + 1)."""
 
     def __init__(self, roster: Sequence[str], dim: int, settings: SecAggSettings | None = None, round_id: int = 0,
-                 seed: int = 0, max_weight: int | None = None):
+                 seed: int = 0, max_weight: int | None = None, noise: DistributedNoise | None = None):
         """``max_weight``: the sample-weight clip where ``settings`` leave it unset
-        (:meth:`SecAggSettings.resolve`)."""
+        (:meth:`SecAggSettings.resolve`); ``noise``: distributed DP's noise, which every client adds."""
         roster = list(roster)
         if len(set(roster)) != len(roster):
             raise SecAggError("the roster repeats a client id")
         for c in roster:
             if not isinstance(c, str) or not c:
                 raise SecAggError(f"client ids are non-empty strings, got {c!r}")
-        self.params = (settings or SecAggSettings()).resolve(len(roster), dim, round_id, max_weight)
+        self.params = (settings or SecAggSettings()).resolve(len(roster), dim, round_id, max_weight, noise)
         self.roster = tuple(roster)
         self.index = {c: i + 1 for i, c in enumerate(roster)}
         graph = harary_neighbors(len(roster), self.params.neighbors, np.random.default_rng(seed))
@@ -88,6 +90,8 @@ class SecAggServer:
         self.timings: dict[str, float] = {}      # server seconds per phase (close_* and receive_* together)
         # phase state
         self._keys: dict[str, tuple[bytes, bytes]] = {}
+        self._signatures: dict[str, bytes] = {}            # client -> signature of its advertised keys
+        self.refused_keys: dict[str, list[str]] = {}       # client -> the neighbours that refused its keys
         self._holders: dict[str, tuple[str, ...]] = {}    # dealer -> its share holders, rank r holds x = r+1
         self._shares: dict[str, Mapping[str, bytes]] = {}  # dealer -> {holder: ciphertext}
         self._commits: dict[str, bytes] = {}
@@ -172,11 +176,17 @@ class SecAggServer:
             raw.append(bytes(v))
         if raw[0] == raw[1] or any(r in pair for pair in self._keys.values() for r in raw):
             raise SecAggError(f"{PHASES[1]}: a public key of {client!r} repeats a key already advertised")
+        sig = reply.get("sig")
+        if sig is not None and (not isinstance(sig, (bytes, bytearray)) or len(sig) != SIGNATURE_BYTES):
+            raise SecAggError(f"{PHASES[1]}: 'sig' of {client!r} must be {SIGNATURE_BYTES} bytes")
         self._keys[client] = (raw[0], raw[1])
+        if sig is not None:
+            self._signatures[client] = bytes(sig)
         self._time(PHASES[1], start)
 
     def close_keys(self) -> dict[str, dict[str, Any]]:
-        """End of key advertisement -> every remaining client's message ``{"keys": {peer: {c_pk, s_pk}}}``."""
+        """End of key advertisement -> every remaining client's message ``{"keys": {peer: {c_pk, s_pk}}}``
+        (and ``sig``, the peer's signature of them, where it sent one)."""
         start = time.perf_counter()
         self._check_close(1)
         self._drop(self.active - set(self._keys), f"no reply in {PHASES[1]}")
@@ -187,19 +197,29 @@ class SecAggServer:
         for c in sorted(self.active):
             holders = tuple(sorted(self.graph[c] & self.active, key=self.index.__getitem__))
             self._holders[c] = holders
-            out[c] = {"keys": {v: {"c_pk": self._keys[v][0], "s_pk": self._keys[v][1]} for v in holders}}
+            out[c] = {"keys": {v: self._advertised(v) for v in holders}}
         self.phase = 2
         self._time(PHASES[1], start)
         return out
 
+    def _advertised(self, client: str) -> dict[str, bytes]:
+        keys = {"c_pk": self._keys[client][0], "s_pk": self._keys[client][1]}
+        return keys if client not in self._signatures else {**keys, "sig": self._signatures[client]}
+
     # --- phase 2: share keys -----------------------------------------------------------------
     def receive_shares(self, client: str, reply: Mapping[str, Any]) -> None:
+        """Checks ``{"shares": {holder: ciphertext}, "b_commit": bytes, "refused": [peer...]}``: a share for
+        every neighbour that advertised keys except those whose keys the client ``refused`` (their signature
+        failed its check): those are dropped from the round when the phase closes."""
         start = time.perf_counter()
         client = self._check_reply(2, client, reply, self._shares)
         shares = reply.get("shares")
         if not isinstance(shares, Mapping):
             raise SecAggError(f"{PHASES[2]}: 'shares' of {client!r} must be a dict")
-        expected = set(self._holders[client])
+        refused = reply.get("refused", [])
+        if not isinstance(refused, (list, tuple)) or not set(refused) <= set(self._holders[client]):
+            raise SecAggError(f"{PHASES[2]}: 'refused' of {client!r} must list neighbours it was sent keys of")
+        expected = set(self._holders[client]) - set(refused)
         got = set(shares)
         if got != expected:
             raise SecAggError(f"{PHASES[2]}: {client!r} sent shares for unexpected recipients "
@@ -212,6 +232,10 @@ class SecAggServer:
             raise SecAggError(f"{PHASES[2]}: 'b_commit' of {client!r} must be {COMMIT_BYTES} bytes")
         self._shares[client] = {v: bytes(ct) for v, ct in shares.items()}
         self._commits[client] = bytes(commit)
+        if refused:  # the client ranked its share holders without them
+            self._holders[client] = tuple(v for v in self._holders[client] if v not in refused)
+            for v in refused:
+                self.refused_keys.setdefault(v, []).append(client)
         self._time(PHASES[2], start)
 
     def close_shares(self) -> dict[str, dict[str, Any]]:
@@ -220,6 +244,8 @@ class SecAggServer:
         start = time.perf_counter()
         self._check_close(2)
         self._drop(self.active - set(self._shares), f"no reply in {PHASES[2]}")
+        for v, by in sorted(self.refused_keys.items()):
+            self._drop([v], f"its advertised keys failed the signature check of {', '.join(sorted(by))}")
         self._require(len(self.active), "clients shared their keys", 2)
         self._prune(2)
         self._require(len(self.active), "clients with at least t live neighbours remain", 2)

@@ -11,6 +11,7 @@ import math
 
 import pydantic
 
+from secagg.noise import DistributedNoise
 from secagg.protocol import (MAX_RING_BITS, MIN_RING_BITS, MIN_THRESHOLD, PHASES, RoundParams, SecAggAbort,
                              default_threshold)
 
@@ -65,9 +66,11 @@ class SecAggSettings(pydantic.BaseModel):
         """t for degree ``k``: the setting, or :func:`secagg.protocol.default_threshold` when unset."""
         return default_threshold(k) if self.threshold is None else self.threshold
 
-    def resolve(self, n: int, dim: int, round_id: int, max_weight: int | None = None) -> RoundParams:
+    def resolve(self, n: int, dim: int, round_id: int, max_weight: int | None = None,
+                noise: DistributedNoise | None = None) -> RoundParams:
         """The parameters of one round of ``n`` sampled clients with ``dim`` values each; ``max_weight`` is the
-        weight clip where the settings leave it unset (default :data:`DEFAULT_MAX_WEIGHT`). Raises
+        weight clip where the settings leave it unset (default :data:`DEFAULT_MAX_WEIGHT`); ``noise``: the
+        distributed DP noise every client adds (:mod:`secagg.noise`; ``clip`` is then the L2 clip). Raises
         :class:`SecAggAbort` when the round cannot run (fewer than 3 clients, t above the possible k)."""
         if n < 3:
             raise SecAggAbort(f"{n} clients sampled: secure aggregation needs at least 3", PHASES[0])
@@ -77,4 +80,5 @@ class SecAggSettings(pydantic.BaseModel):
             raise SecAggAbort(f"threshold t={t} exceeds the degree k={k} possible with {n} sampled clients",
                               PHASES[0])
         return RoundParams(round_id=round_id, n=n, dim=dim, neighbors=k, threshold=t, ring_bits=self.ring_bits,
-                           clip=self.clip, max_weight=self.max_weight or max_weight or DEFAULT_MAX_WEIGHT)
+                           clip=self.clip, max_weight=self.max_weight or max_weight or DEFAULT_MAX_WEIGHT,
+                           noise=noise)

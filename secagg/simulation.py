@@ -54,14 +54,16 @@ class PhaseStats:
 def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tuple[Any, int, np.random.Generator]],
                    settings: SecAggSettings | None = None, round_id: int = 0, seed: int = 0,
                    dropout: Mapping[str, int] | None = None, stats: PhaseStats | None = None,
-                   server: SecAggServer | None = None) -> SecAggResult:
+                   server: SecAggServer | None = None,
+                   clients: Mapping[str, SecAggClient] | None = None) -> SecAggResult:
     """Runs one round in this process (tests, benchmarks): ``inputs(client)`` gives (vector, weight, rng)
     when the client masks; ``dropout[client] = p`` makes it go silent from phase p on (1: no keys,
-    2: no shares, 3: no masked input, 4: no unmasking answer). Raises :class:`SecAggAbort` as the server does.
+    2: no shares, 3: no masked input, 4: no unmasking answer); ``clients``: the clients' protocol objects (default:
+    plain ones). Raises :class:`SecAggAbort` as the server does.
     """
     dropout = dict(dropout or {})
     server = server or SecAggServer(roster, dim, settings, round_id, seed)
-    clients = {c: SecAggClient(c) for c in roster}
+    clients = dict(clients or {c: SecAggClient(c) for c in roster})
     st = stats
 
     def exchange(phase: int, msgs: Mapping[str, Any], step: Callable[[SecAggClient, Any], Any],

@@ -18,8 +18,14 @@ A key directory (written by :func:`write_keys`, read by :func:`load_server_keys`
     coordinator.key_secret  the coordinator's secret key: only the coordinator
     roster.json             public key (Z85) -> grant name and identities: only the coordinator
     <grant>.key_secret      one per grant (node-0, client-0004, gpu-workers): only the host it runs on
+    secagg_signers.json     grant name -> its identities, its CurveZMQ public key and its Ed25519 signing public
+                            key: every node needs it, beside coordinator.key
 
-Certificates are pyzmq's ZPL key files (:func:`zmq.auth.create_certificates`), written with mode 0600.
+Certificates are pyzmq's ZPL key files (:func:`zmq.auth.create_certificates`), written with mode 0600. Each
+grant's certificate also holds, in its metadata, the grant's Ed25519 signing key (``secagg-signing-key``, 32
+raw bytes in hex): its clients sign the SecAgg+ public keys they advertise with it, and the other clients check
+the signatures against ``secagg_signers.json``, which binds each signing key to the same grant as its
+CurveZMQ key (:mod:`secagg.identity`).
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from zmq.auth.thread import ThreadAuthenticator
 
 SERVER_NAME = "coordinator"
 ROSTER_FILE = "roster.json"
+SIGNERS_FILE = "secagg_signers.json"
+SIGNING_METADATA = "secagg-signing-key"  # the metadata entry of a grant's certificate that holds its signing key
 #: Why the allow-list refused a handshake: a key not in the roster (libzmq builds the ZAP request itself, so a
 #: peer cannot make it refuse for another reason; one without a key or with another coordinator's fails earlier).
 HANDSHAKE_REFUSALS = ("unknown_key",)
@@ -65,11 +74,13 @@ class Grant:
 
 @dataclass(frozen=True)
 class ClientKeys:
-    """What a connecting socket holds: the coordinator's public key and its own key pair."""
+    """What a connecting socket holds: the coordinator's public key and its own key pair; and its grant's Ed25519
+    signing key (32 raw bytes), where its certificate holds one."""
 
     server_public: bytes
     public: bytes
     secret: bytes
+    signing: bytes | None = None
 
 
 def _secret_file(directory: Path, name: str) -> Path:
@@ -77,7 +88,8 @@ def _secret_file(directory: Path, name: str) -> Path:
 
 
 def write_keys(directory: Path, grants: Mapping[str, Iterable[str]]) -> Path:
-    """Write a key directory: the coordinator's key pair and one key pair per grant (name -> identities).
+    """Write a key directory: the coordinator's key pair, and one key pair and signing key per grant (name ->
+    identities) with the signers' list.
 
     An existing coordinator key pair is kept (nodes already configured with its public key keep working);
     grant keys are always new. Returns the directory.
@@ -87,19 +99,23 @@ def write_keys(directory: Path, grants: Mapping[str, Iterable[str]]) -> Path:
     os.chmod(directory, 0o700)
     if not _secret_file(directory, SERVER_NAME).is_file():
         _create(directory, SERVER_NAME)
-    roster = {}
+    roster, signers = {}, {}
     for name, identities in grants.items():
-        public, _ = _create(directory, name)
+        signing = Ed25519PrivateKey.generate()
+        public, _ = _create(directory, name, {SIGNING_METADATA: signing.private_bytes_raw().hex()})
         (directory / f"{name}.key").unlink()  # the roster holds the public keys
         roster[public.decode()] = {"name": name, "identities": sorted(set(identities))}
-    path = directory / ROSTER_FILE
-    path.write_text(json.dumps(roster, indent=1))
-    os.chmod(path, 0o600)
+        signers[name] = {"identities": sorted(set(identities)), "curve_key": public.decode(),
+                         "signing_key": signing.public_key().public_bytes_raw().hex()}
+    for file, content in ((ROSTER_FILE, roster), (SIGNERS_FILE, signers)):
+        path = directory / file
+        path.write_text(json.dumps(content, indent=1))
+        os.chmod(path, 0o600)
     return directory
 
 
-def _create(directory: Path, name: str) -> tuple[bytes, bytes]:
-    public_file, secret_file = zmq.auth.create_certificates(directory, name)
+def _create(directory: Path, name: str, metadata: Mapping[str, str] | None = None) -> tuple[bytes, bytes]:
+    public_file, secret_file = zmq.auth.create_certificates(directory, name, dict(metadata or {}))
     for path in (public_file, secret_file):
         os.chmod(path, 0o600)
     return zmq.auth.load_certificate(secret_file)
@@ -130,21 +146,45 @@ def load_server_keys(directory: Path) -> ServerKeys:
     return ServerKeys(public, secret, grants)
 
 
+def _signing_key(path: Path) -> bytes | None:
+    """The grant's signing key from a certificate's metadata (None in one written without it)."""
+    prefix = f"{SIGNING_METADATA} ="
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip().startswith(prefix):
+                return bytes.fromhex(line.split("=", 1)[1].strip(' \t"'))
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"cannot read the signing key in {path}: {exc}") from None
+    return None
+
+
+def load_signers(path: Path) -> dict[str, bytes]:
+    """Each identity's Ed25519 signing public key (32 raw bytes) from a signers' list."""
+    try:
+        return {identity: bytes.fromhex(entry["signing_key"])
+                for entry in json.loads(Path(path).read_text()).values() for identity in entry["identities"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KeyFileError(f"cannot read {path}: {exc!r}") from None
+
+
 class ClientKeyring:
     """The keys of a node's (or worker's) sockets: the coordinator's public key file and either one
     ``.key_secret`` file for all of them, or a directory with ``<identity>.key_secret`` per device. Files are
-    checked when the ring is made, per-device ones when first used."""
+    checked when the ring is made, per-device ones when first used. ``signers``: every identity's signing public
+    key, from ``secagg_signers.json`` beside the coordinator's key (None where there is none)."""
 
     def __init__(self, server_key: Path, key: Path):
         self.server_public, _ = _load(Path(server_key), secret=False)
         self.key = Path(key)
+        signers = Path(server_key).parent / SIGNERS_FILE
+        self.signers = load_signers(signers) if signers.is_file() else None
         self._shared: ClientKeys | None = None
         if not self.key.is_dir():
             self._shared = self._read(self.key)
 
     def _read(self, path: Path) -> ClientKeys:
         public, secret = _load(path, secret=True)
-        return ClientKeys(self.server_public, public, secret)
+        return ClientKeys(self.server_public, public, secret, _signing_key(path))
 
     def for_identity(self, identity: str) -> ClientKeys:
         return self._shared or self._read(_secret_file(self.key, identity))

@@ -159,9 +159,18 @@ class Shutdown(Body):
 # The bodies carry what secagg/server.py and secagg/client.py exchange; the masked input rides in a
 # uint32 tensor frame named "y". Every secagg message names its round in the header.
 
-class SecAggParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SecAggNoise(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Distributed DP (``secagg.noise.DistributedNoise``): every client adds its share of noise of multiplier
+    ``multiplier`` for a planned cohort of ``cohort`` clients."""
+
+    multiplier: float
+    cohort: int
+
+
+class SecAggParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """One round's SecAgg+ parameters, the map ``secagg.protocol.RoundParams.to_dict()`` writes (in its order,
-    so the bytes are those of that map); the protocol checks their ranges (``RoundParams``)."""
+    so the bytes are those of that map; ``noise`` only under distributed DP); the protocol checks their ranges
+    (``RoundParams``)."""
 
     round: int  # the protocol's 64-bit round id
     n: int
@@ -171,6 +180,7 @@ class SecAggParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ring_bits: int
     clip: float
     max_weight: int
+    noise: SecAggNoise | None = None
 
 
 class SecAggSetup(Body):
@@ -181,9 +191,10 @@ class SecAggSetup(Body):
     neighbors: dict[str, int]
 
 
-class SecAggPublicKeys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SecAggPublicKeys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     c_pk: bytes  # X25519 key for share encryption
     s_pk: bytes  # X25519 key for pairwise masks
+    sig: bytes | None = None  # Ed25519 signature of (round, client, c_pk, s_pk) by the client's grant (secagg.identity)
 
 
 class SecAggKeys(SecAggPublicKeys, Body):
@@ -196,11 +207,13 @@ class SecAggPeerKeys(Body):
     keys: dict[str, SecAggPublicKeys]
 
 
-class SecAggShares(Body):
-    """Client -> coordinator (share_keys): its encrypted shares, one per neighbour, and a commitment."""
+class SecAggShares(Body, omit_defaults=True):
+    """Client -> coordinator (share_keys): its encrypted shares, one per neighbour, and a commitment; the
+    neighbours whose advertised keys failed its signature check get no share and are listed in ``refused``."""
 
     shares: dict[str, bytes]
     b_commit: bytes
+    refused: list[Name] = []
 
 
 class SecAggRelay(Body):
