@@ -296,7 +296,8 @@ def keys(
     path = write_run_keys(directory, blocks, per_device=per_device)
     commands = host_commands(path, blocks, bind, coordinator_host or socket.gethostname(), per_device=per_device)
     lines = [f"keys for {count} clients on {len(blocks)} nodes in {path} (keep coordinator.key_secret and "
-             f"roster.json on the coordinator's host only; copy coordinator.key and each node's key to its host)",
+             f"roster.json on the coordinator's host only; copy coordinator.key, secagg_signers.json and each node's "
+             f"key to its host)",
              *(f"  {command}" for command in commands),
              "  (the run's flags go to the coordinator's command alone: --method, --dataset, ..., and --join-timeout "
              "SECONDS where the nodes start later; the nodes take the run's settings from the coordinator)"]

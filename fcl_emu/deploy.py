@@ -37,7 +37,7 @@ from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
 from monitoring import stack
 from runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
-from wire.auth import ROSTER_FILE, SERVER_NAME
+from wire.auth import ROSTER_FILE, SERVER_NAME, SIGNERS_FILE
 
 COORDINATOR_PORT = 5555
 METRICS_PORT = 9100
@@ -71,8 +71,12 @@ COORDINATOR_SECRETS = [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER
                        f"{WORKER_KEY_NAME}.key_secret"]  # the last for the GPU workers it starts
 
 
+# What every edge node reads beside the coordinator's public key: the clients' SecAgg+ signing keys.
+NODE_SHARED_SECRETS = [f"{SERVER_NAME}.key", SIGNERS_FILE]
+
+
 def _secret_names(config: RunConfig) -> list[str]:
-    return [*COORDINATOR_SECRETS, *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
+    return [*COORDINATOR_SECRETS, SIGNERS_FILE, *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
 def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) -> Deployment:
@@ -179,7 +183,7 @@ def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:
     args = args.with_paths(server_key=f"{SECRETS}/{SERVER_NAME}.key", key=f"{SECRETS}/{key_file}")
     service = {**_common(image), "hostname": spec.name, "entrypoint": node_entrypoint(spec.limits.uplink_mbit),
                "command": args.to_argv(),
-               "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro"], "secrets": [f"{SERVER_NAME}.key", key_file],
+               "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro"], "secrets": [*NODE_SHARED_SECRETS, key_file],
                "environment": {"OMP_NUM_THREADS": "1"}}
     limits = spec.limits
     resources = {k: v for k, v in (("cpus", None if limits.cpus is None else f"{limits.cpus:g}"),

@@ -1,7 +1,7 @@
 """A run's CurveZMQ keys (docs/security.md): who may speak for which clients, written as a key directory.
 
-``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret`` and ``coordinator.key`` to the
-host that runs it), giving node n a contiguous block of clients, and prints each host's command
+``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret``, ``coordinator.key`` and ``secagg_signers.json``
+to the host that runs it), giving node n a contiguous block of clients, and prints each host's command
 (:func:`host_commands`); ``fcl-emu up`` writes its own into the run
 directory (:class:`RunKeys`), following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for
 the clients node n hosts, or, with per-device keys, ``client-<i>`` for client i alone; ``gpu-workers`` for the

@@ -32,7 +32,7 @@ from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LAB
                                                node_entrypoint, node_exit, remove_when_free, run_label, split_endpoint)
 from runconfig import RunConfig, node_metrics_port
 from scenario.devices import memory_bytes
-from wire.auth import SERVER_NAME
+from wire.auth import SERVER_NAME, SIGNERS_FILE
 
 log = logging.getLogger("fcl_emu.launchers")
 
@@ -84,9 +84,10 @@ class SwarmLauncher(EngineLauncher):
         host, port = split_endpoint(address)
         advertise = config.containers.advertise or self.node_address
         dial = f"tcp://{advertise if host in ANY | LOOPBACK else host}:{port}"
-        server_secret = self._secret(config, f"{SERVER_NAME}.key") if config.security.keys else None
+        shared = [self._secret(config, name) for name in (f"{SERVER_NAME}.key", SIGNERS_FILE)
+                  if config.security.keys]  # beside each other in /run/secrets, as a node looks for them
         for spec in node_specs(config):
-            service = self._create_service(spec, dial, config, server_secret)
+            service = self._create_service(spec, dial, config, shared)
             with self._lock:
                 self._nodes.append((spec, service))
         threading.Thread(target=self._watch, name="swarm-tasks", daemon=True).start()
@@ -101,14 +102,14 @@ class SwarmLauncher(EngineLauncher):
         self._secrets.append(secret)
         return docker.types.SecretReference(secret.id, secret.name, filename=filename, mode=0o400)
 
-    def _create_service(self, spec: NodeSpec, dial: str, config: RunConfig, server_secret):
+    def _create_service(self, spec: NodeSpec, dial: str, config: RunConfig, shared_secrets: list):
         import docker
 
         args = node_args(dial, spec.clients, config, spec.name, spec.number, metrics_host="0.0.0.0")
         secrets = []
-        if server_secret is not None:
+        if shared_secrets:
             key_file = f"{node_key_name(spec.number)}.key_secret"
-            secrets = [server_secret, self._secret(config, key_file)]
+            secrets = [*shared_secrets, self._secret(config, key_file)]
             args = args.with_paths(server_key=f"{SECRETS_DIR}/{SERVER_NAME}.key", key=f"{SECRETS_DIR}/{key_file}")
         limits = spec.limits
         constraints = []
