@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -212,7 +213,6 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
 # ------------------------------------------------------------------- an insider under the default configuration
 INSIDER_CLIENTS = 10  # 0-4 on one edge node, 5-8 on another, 9 the insider (in the clean run: honest, on the second)
 INSIDER = "client-0009"
-INSIDER_SAMPLES = 600  # scenario.samples_per_client_task: what every client, the insider too, holds in a task
 
 
 class Insider(threading.Thread):
@@ -220,9 +220,10 @@ class Insider(threading.Thread):
     signs) and the sample count it really holds, so no check but the norm bound can tell it from an honest
     client."""
 
-    def __init__(self, ctx: zmq.Context, address: str, keys: ClientKeyring):
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClientKeyring, shares: list[int]):
         super().__init__(daemon=True)
         self.endpoint = ClientEndpoint(ctx, address, INSIDER, keys=keys.for_identity(INSIDER))
+        self.shares = shares  # its samples in each task
         self.stop = threading.Event()
         self.poisoned = 0
         self.rng = np.random.default_rng(0)
@@ -243,26 +244,25 @@ class Insider(threading.Thread):
                 delta = {"delta/" + k: np.where(self.rng.random(v.shape) < 0.5, -100, 100).astype(v.dtype)
                          if v.dtype.kind == "f" else np.zeros_like(v) for k, v in msg.tensors.items()}
                 self.poisoned += 1
-                self.endpoint.send("update", Update(num_samples=INSIDER_SAMPLES, train_time_s=0.1, loss=0.1),
+                self.endpoint.send("update", Update(num_samples=self.shares[msg.task], train_time_s=0.1, loss=0.1),
                                    round=msg.round, task=msg.task, tensors=delta)
 
 
 def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: bool) -> tuple[RunSummary, int]:
-    """A small MNIST run (10 clients on 2 edge nodes, 2 tasks of 2 rounds of 4 clients, seed 0) under the default
-    defences plus ``flags``; with ``insider``, client 9 is :class:`Insider`. Returns its summary and how many
-    poisoned updates the insider sent."""
+    """A small MNIST run (10 clients on 2 edge nodes, 2 tasks of 2 rounds of 4 clients, 2 local epochs, seed 0)
+    under the default defences plus ``flags``; with ``insider``, client 9 is :class:`Insider`. Returns its summary
+    and how many poisoned updates the insider sent."""
     port, work = free_port(), tmp_path / name
     work.mkdir()
     address = f"tcp://127.0.0.1:{port}"
     keys, node_keys = device_keys(work / "keys", INSIDER_CLIENTS)
-    config = small_config(work / "c.yaml", scenario={"num_clients": INSIDER_CLIENTS,
-                                                     "samples_per_client_task": INSIDER_SAMPLES},
-                          training={"local_epochs": 1}, seed=0)
+    config = small_config(work / "c.yaml", scenario={"num_clients": INSIDER_CLIENTS}, seed=0)
     run_dir, log = work / "run", open(work / "coordinator.log", "wb")
     coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--keys", str(keys),
                           "--data-root", str(mnist_root), "--run-dir", str(run_dir), *flags, stdout=log, stderr=log)
     ctx = zmq.Context()
-    attacker = Insider(ctx, address, ClientKeyring(keys / "coordinator.key", keys)) if insider else None
+    attacker = Insider(ctx, address, ClientKeyring(keys / "coordinator.key", keys), _shares(config, mnist_root)) \
+        if insider else None
     nodes = []
     try:
         wait_for(lambda: (run_dir / "events.jsonl").exists(), 120, "the coordinator to listen")
@@ -283,6 +283,19 @@ def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: bool) -> 
         ctx.term()
         log.close()
     return RunSummary.load(run_dir / "summary.json"), 0 if attacker is None else attacker.poisoned
+
+
+def _shares(config: Path, mnist_root: Path) -> list[int]:
+    """Client 9's samples in each task of the run configured in ``config``, as the coordinator counts them."""
+    import yaml
+
+    from runconfig import RunConfig
+    from scenario.datasets import load_dataset
+    from scenario.scenario import build_scenario
+
+    spec = RunConfig.model_validate(yaml.safe_load(config.read_text())).scenario
+    scenario = build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
+    return [len(scenario.client_indices(9, t)) for t in range(scenario.num_tasks)]
 
 
 @pytest.fixture(scope="module")
@@ -392,31 +405,52 @@ def one_round(attack: dict | None = None) -> tuple[RunState, object]:
 HONEST_MEAN = np.full(3, 0.3, np.float32)  # clients 1-5, 10 samples each: 0.1 x (1 + 2 + 3 + 4 + 5) / 5
 
 
-@pytest.mark.parametrize("attack, reason", [
-    ({"delta/w": np.zeros(3, np.int32)}, "bad_dtype"),  # refused by the coordinator's checks
-    ({"delta/w": np.array([0.0, np.nan, 1.0], np.float32)}, "non_finite"),  # refused by the wire layer, decoding
-], ids=["int32", "nan"])
+ATTACKS = [
+    pytest.param({"delta/w": np.zeros(3, np.int32)}, "bad_dtype", id="int32"),  # refused by the coordinator's checks
+    pytest.param({"delta/w": np.array([0.0, np.nan, 1.0], np.float32)}, "non_finite", id="nan"),  # by the wire layer
+]
+
+
+@pytest.mark.parametrize("attack, reason", ATTACKS)
 def test_a_refused_update_neither_crashes_nor_stalls_its_round(attack, reason):
     """An all-zero int32 delta, or a non-finite one, from a selected client: refused, its client failed at once,
     the round closes in about a clean round's time (far below its deadline) with the honest clients' mean."""
     _, clean = one_round()
     state, attacked = one_round(attack)
-    assert state.tally.rejected == {reason: 1}
-    assert (attacked.participants, attacked.failed, attacked.skipped) == (ROUND_CLIENTS - 1, 1, False)
-    assert attacked.duration_s < 5 * clean.duration_s + 1.0 < DEADLINE_S, (attacked.duration_s, clean.duration_s)
     (_, _, mean), = state.server.aggregated
-    np.testing.assert_allclose(mean["w"], HONEST_MEAN, rtol=1e-6)
+    np.testing.assert_allclose(mean["w"], HONEST_MEAN, rtol=1e-6)  # what the attacker wanted to change
+    assert attacked.duration_s < 5 * clean.duration_s + 1.0 < DEADLINE_S, (attacked.duration_s, clean.duration_s)
+    assert (attacked.participants, attacked.failed, attacked.skipped) == (ROUND_CLIENTS - 1, 1, False)
+    assert state.tally.rejected == {reason: 1}
+
+
+class _Forgetful(set):
+    """A round's failed clients that forget every refused one (the audit below)."""
+
+    def add(self, client):
+        pass
+
+
+@pytest.mark.parametrize("attack, reason", ATTACKS)
+def test_without_failing_a_refused_client_at_once_its_round_waits_for_the_deadline(monkeypatch, attack, reason):
+    """The audit of the test above: when a refused update no longer fails its client, the same attack holds the
+    round until its deadline."""
+    select = RoundRunner._phase_select
+
+    def forgetting(self, task, task_round):
+        r = select(self, task, task_round)
+        r.failed = _Forgetful()
+        return r
+
+    monkeypatch.setattr(RoundRunner, "_phase_select", forgetting)
+    state, attacked = one_round(attack)
+    assert state.tally.rejected == {reason: 1} and attacked.duration_s >= DEADLINE_S
 
 
 # --------------------------------------------------------------------------- a message of millions of frames
-EMPTY_FRAMES = 1_000_000
-
-
-def test_a_message_of_millions_of_empty_frames_is_refused_in_bounded_memory_and_time():
-    """Header + a million empty frames on the coordinator's socket: the dispatcher refuses it (``frame_count``)
-    holding a few frames at a time (the former path held a Python object per frame: about 200 MB), in
-    microseconds per frame (1 to 5 on an idle machine; the bound allows a loaded one under tracemalloc); the
-    message after it is served."""
+def frames_refused(frames: int) -> tuple[RunState, int, float]:
+    """A header and ``frames`` empty frames, then a join, on the coordinator's socket: the state after the
+    dispatcher drained both, the peak bytes Python allocated meanwhile and its seconds."""
     state = make_state()
     ctx = zmq.Context()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
@@ -424,7 +458,7 @@ def test_a_message_of_millions_of_empty_frames_is_refused_in_bounded_memory_and_
                           StaleUpdates.for_rounds(3, 1.0), RateLimiter(), welcome=WELCOME)
     peer = ClientEndpoint(ctx, endpoint.address, client_id(1))
     try:
-        peer.sock.send_multipart([peer.encode("heartbeat", Heartbeat())[0]] + [b""] * EMPTY_FRAMES)
+        peer.sock.send_multipart([peer.encode("heartbeat", Heartbeat())[0]] + [b""] * frames)
         peer.send("join", Join(node="node-0", pid=1, client_index=1))
         assert endpoint.sock.poll(60_000)
         time.sleep(1)  # libzmq delivers the message whole: it is all here now, and the join behind it
@@ -433,10 +467,39 @@ def test_a_message_of_millions_of_empty_frames_is_refused_in_bounded_memory_and_
         peer.close(0)
         endpoint.close()
         ctx.term()
+    return state, peak, seconds
+
+
+def test_a_message_of_a_million_empty_frames_is_refused_in_bounded_memory_and_time():
+    """Header + a million empty frames on the coordinator's socket: the dispatcher refuses it (``frame_count``)
+    holding a few frames at a time, in microseconds per frame (1 to 5 on an idle machine; the bound allows a
+    loaded one under tracemalloc); the message after it is served."""
+    frames = 1_000_000
+    state, peak, seconds = frames_refused(frames)
     assert state.tally.rejected == {"frame_count": 1}
     assert state.registry.is_online(client_id(1))  # the join after it was served
     assert peak < 4 << 20, peak
-    assert seconds < 60e-6 * EMPTY_FRAMES, seconds
+    assert seconds < 60e-6 * frames, seconds
+
+
+def _whole_message(sock: zmq.Socket, limits) -> list:
+    """The former receive path (the audit below): the message taken whole, then its frames counted."""
+    from wire.framing import refused_unread
+
+    frames = sock.recv_multipart(copy=False)
+    if len(frames) > limits.max_tensors + 1:
+        raise refused_unread("frame_count", f"{len(frames)} frames", frames[0], limits)
+    return frames
+
+
+def test_without_the_per_frame_bounds_the_receiver_holds_every_frame(monkeypatch):
+    """The audit of the test above: a receiver taking each message whole holds a Python object per frame, about
+    200 bytes each (100,000 frames here, to keep it short)."""
+    import wire.sockets
+
+    monkeypatch.setattr(wire.sockets, "receive_frames", _whole_message)
+    state, peak, _ = frames_refused(100_000)
+    assert state.tally.rejected == {"frame_count": 1} and peak > 4 << 20, peak
 
 
 def _traced(call) -> tuple[int, float]:
@@ -542,7 +605,8 @@ def test_the_gpu_pools_socket_bounds_refuses_counts_and_logs_once(tmp_path, monk
             def refused_all() -> bool:
                 if sock.poll(0):
                     pool.on_readable(sock)
-                return sum(pool.rejected.values()) >= 301
+                return sum(metrics.registry.get_sample_value("fcl_wire_rejected_messages_total", {
+                    "role": "coordinator", "reason": reason}) for reason in ("frame_count", "not_authorized")) >= 301
 
             wait_for(refused_all, 30, "the refusals")
             time.sleep(1)  # anything else (the stranger's hello, were it let in) would be here by now
