@@ -298,30 +298,20 @@ def _shares(config: Path, mnist_root: Path) -> list[int]:
     return [len(scenario.client_indices(9, t)) for t in range(scenario.num_tasks)]
 
 
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory, mnist_root) -> RunSummary:
-    summary, _ = insider_run(tmp_path_factory.mktemp("clean"), mnist_root, "clean", insider=False)
-    assert summary.completed and summary.average_accuracy > 40
-    return summary
-
-
-@pytest.mark.parametrize("flags, defended", [((), True), (("--adaptive-clip", "off"), False)],
-                         ids=["defaults", "without-adaptive-clip"])
-def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_path, mnist_root, clean_run, flags,
-                                                                          defended):
+@pytest.mark.timeout(600)  # two runs that train: about a minute each on an idle 2-core machine
+def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_path, mnist_root):
     """With the default configuration (adaptive clipping at 10x the cohort's median norm, the mean) an insider
     answering +-100 per weight with its real sample count leaves the final accuracy within 2 points of the clean
-    run with the same seed; without the bound the same insider destroys the model (the audit of the bound)."""
-    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", *flags, insider=True)
-    assert summary.completed and poisoned >= 1  # selected at least once with this seed
+    run with the same seed. (Run with ``--adaptive-clip off``, the same insider takes it from 49.3 % to 9.6 %:
+    docs/security.md, "What each defence stops".)"""
+    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=False)
+    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=True)
+    assert clean.completed and summary.completed and poisoned >= 1  # selected at least once with this seed
     # no update of it was refused (its heartbeats after the run's end may be, as a stranger's): only the bound acts
     assert set(summary.rejected_messages) <= {"unknown_sender"}, summary.rejected_messages
-    if defended:
-        assert abs(summary.average_accuracy - clean_run.average_accuracy) <= 2.0, \
-            (summary.average_accuracy, clean_run.average_accuracy)
-    else:
-        assert summary.average_accuracy < clean_run.average_accuracy - 20, \
-            (summary.average_accuracy, clean_run.average_accuracy)
+    assert clean.average_accuracy > 40
+    assert abs(summary.average_accuracy - clean.average_accuracy) <= 2.0, (summary.average_accuracy,
+                                                                           clean.average_accuracy)
 
 
 # ----------------------------------------------------- one round in this process, over real sockets (plain TCP)
