@@ -1,10 +1,17 @@
-"""Hostile peers against a live coordinator over real sockets (docs/security.md).
+"""Hostile peers against the coordinator over real sockets: one test per defence (docs/security.md, "What each
+defence stops, and the test that shows it").
 
-One run: a coordinator process under CurveZMQ with per-device keys, an honest edge node with clients 0-4, and
-in this process a malicious client (client-0005, its own valid key) that floods and poisons, a peer holding
-another device's key that tries to speak for honest clients, and strangers without a listed key. The run must
-complete with every refusal counted under its reason, the coordinator's memory and records bounded and its log
-one line per peer and reason.
+- One live run: a coordinator process under CurveZMQ with per-device keys, an honest edge node with clients 0-4,
+  and in this process a malicious client (client-0005, its own valid key) that floods and poisons, a peer holding
+  another device's key that tries to speak for honest clients, and strangers without a listed key. The run must
+  complete with every refusal counted under its reason, the coordinator's memory and records bounded and its log
+  one line per peer and reason.
+- An insider sending +-100 per weight under the default configuration, against the clean run of the same seed.
+- In this process, the real dispatcher and round runner over real sockets: refused int32 and non-finite updates,
+  a message of a million empty frames, a stranger with and without the allow-list, the GPU pool's socket.
+
+Where the attack is cheap, a test beside the defence's runs it with the defence taken out and asserts that it
+succeeds, so a test that would pass without its defence shows.
 """
 
 from __future__ import annotations
