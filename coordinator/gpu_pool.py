@@ -111,6 +111,7 @@ class WorkerPool:
         self._count = count
         self._limits = Limits(max_total_bytes=max_message_bytes)
         self._log_once = LogOnce(log)  # what its socket refuses, within the coordinator's log budgets
+        self.rejected: collections.Counter[str] = collections.Counter()  # what its socket refused, by reason
         self._log_dir: Path | None = None
         self._keys = keys
         self._key_dir = key_dir
@@ -207,6 +208,7 @@ class WorkerPool:
             try:
                 peer, msg = self._endpoint.recv()
             except WireError as exc:
+                self.rejected[exc.reason] += 1
                 if self.metrics is not None:
                     self.metrics.rejected(exc.reason)
                 self._log_once(exc.peer, exc.reason, f"gpu pool: rejected a message from {exc.peer!r} ({exc})")

@@ -87,6 +87,9 @@ class SummaryBuilder:
             late_updates=tally.late_updates,
             late_side_channel=tally.late_side_channel,
             rejected_messages=dict(tally.rejected),
+            refused_handshakes=(_refused_handshakes(st.metrics) if self.config.security.transport == "curve"
+                                else None),
+            rejected_gpu_pool=dict(self.jobs.pool.rejected),
             secagg=_secagg_summary(rounds) if self.config.secagg.enabled else None,
             gpu_jobs=_jobs_summary(self.jobs.finished, self.config.gpu.workers, self.jobs.pool.device),
             resumes=self.checkpointer.resumes,
@@ -109,6 +112,13 @@ class SummaryBuilder:
         per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
         trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
         return results.KnowledgeRetention(temporal=temporal, **spatial_retention(*class_hits, trained))
+
+
+def _refused_handshakes(metrics) -> dict[str, int]:
+    """The allow-list's refusals by reason, as counted in ``fcl_refused_handshakes_total`` (the ZAP handler's thread
+    counts them there)."""
+    return {sample.labels["reason"]: int(sample.value) for metric in metrics.refused_handshakes.collect()
+            for sample in metric.samples if sample.name.endswith("_total")}
 
 
 def _jobs_summary(jobs: list[Job], workers: int, device: str) -> results.GpuJobs:

@@ -338,6 +338,10 @@ class RunSummary(SummaryPart, kw_only=True):
     late_updates: int = 0
     late_side_channel: int = 0
     rejected_messages: dict[str, int] = {}
+    # CurveZMQ handshakes the allow-list refused, by reason, since the coordinator started (a resumed run counts
+    # its last session's); None: a plain-TCP run, or a run from before they were recorded
+    refused_handshakes: dict[str, int] | None = None
+    rejected_gpu_pool: dict[str, int] = {}  # messages the GPU pool's socket refused, by reason
     secagg: SecAggTotals | None = None  # None: a run without --secagg
     gpu_jobs: GpuJobs | None = None
     resumes: int = 0

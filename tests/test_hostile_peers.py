@@ -1,16 +1,26 @@
-"""Hostile peers against a live coordinator over real sockets (docs/security.md).
+"""Hostile peers against the coordinator over real sockets: one test per defence (docs/security.md, "What each
+defence stops, and the test that shows it").
 
-One run: a coordinator process under CurveZMQ with per-device keys, an honest edge node with clients 0-4, and
-in this process a malicious client (client-0005, its own valid key) that floods and poisons, a peer holding
-another device's key that tries to speak for honest clients, and strangers without a listed key. The run must
-complete with every refusal counted under its reason, the coordinator's memory and records bounded and its log
-one line per peer and reason.
+- One live run: a coordinator process under CurveZMQ with per-device keys, an honest edge node with clients 0-4,
+  and in this process a malicious client (client-0005, its own valid key) that floods and poisons, a peer holding
+  another device's key that tries to speak for honest clients, and strangers without a listed key. The run must
+  complete with every refusal counted under its reason, the coordinator's memory and records bounded and its log
+  one line per peer and reason.
+- An insider sending +-100 per weight under the default configuration, against the clean run of the same seed.
+- In this process, the real dispatcher and round runner over real sockets: refused int32 and non-finite updates,
+  a message of a million empty frames, a stranger with and without the allow-list, the GPU pool's socket.
+
+Where the attack is cheap, a test beside the defence's runs it with the defence taken out and asserts that it
+succeeds, so a test that would pass without its defence shows.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -18,12 +28,21 @@ import psutil
 import pytest
 import zmq
 
+from coordinator.clock import make_clock
+from coordinator.dispatch import Dispatcher
+from coordinator.guard import RateLimiter
+from coordinator.open_round import StaleUpdates
+from coordinator.rounds import RoundRunner
+from coordinator.state import RunState
+from methods.base import fedavg
+from monitoring.metrics import CoordinatorMetrics
+from monitoring.results import RunSummary
 from tests.conftest import device_keys, events, exit_code, fcl_emu, free_port, raw_header, small_config, wait_for
+from tests.test_coordinator_parts import FakeServer, make_state
 from wire.auth import ClientKeyring
 from wire.framing import encode
-from wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update
-from wire.sockets import ClientEndpoint
-from monitoring.results import RunSummary
+from wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update, client_id
+from wire.sockets import ClientEndpoint, ServerEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +192,10 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
     for reason in ("bad_header", "not_authorized", "rate_limited", "bad_body", "too_large", "implausible",
                    "norm_bound"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
-    assert rejected["not_authorized"] >= 4  # the spoofed leave, the foreign join, the thief's leave and update
+    # the spoofed leave, the join as another client, the thief's leave and update; none of the strangers' messages
+    # (their handshakes were refused: without the allow-list each would be one more)
+    assert rejected["not_authorized"] == 4, rejected
+    assert summary.refused_handshakes["unknown_key"] >= 1, summary.refused_handshakes
     assert rejected["rate_limited"] >= 200
     assert attacker.poisoned >= 2  # selected at least twice with this seed: both poisons refused
     assert rejected["implausible"] + rejected["norm_bound"] == attacker.poisoned
@@ -193,3 +215,412 @@ def test_hostile_peers_are_refused_and_the_run_completes(tmp_path, mnist_root):
     assert len(refusal_lines) <= 12, refusal_lines  # once per peer and reason, not per message
     assert (run_dir / "events.jsonl").stat().st_size < 100_000
     assert (run_dir / "checkpoint" / "state.json").stat().st_size < 100_000
+
+
+# ------------------------------------------------------------------- an insider under the default configuration
+INSIDER_CLIENTS = 10  # 0-4 on one edge node, 5-8 on another, 9 the insider (in the clean run: honest, on the second)
+INSIDER = "client-0009"
+
+
+class Insider(threading.Thread):
+    """client-0009 with its own valid key: answers every train request with +-100 on every float weight (random
+    signs) and the sample count it really holds, so no check but the norm bound can tell it from an honest
+    client."""
+
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClientKeyring, shares: list[int]):
+        super().__init__(daemon=True)
+        self.endpoint = ClientEndpoint(ctx, address, INSIDER, keys=keys.for_identity(INSIDER))
+        self.shares = shares  # its samples in each task
+        self.stop = threading.Event()
+        self.poisoned = 0
+        self.rng = np.random.default_rng(0)
+
+    def run(self) -> None:
+        self.endpoint.send("join", Join(node="insider", pid=1, client_index=9))
+        last_beat = 0.0
+        while not self.stop.is_set():
+            if time.monotonic() - last_beat > 0.3:
+                self.endpoint.send("heartbeat", Heartbeat())
+                last_beat = time.monotonic()
+            if not self.endpoint.sock.poll(20):
+                continue
+            msg = self.endpoint.recv()
+            if msg.type == "shutdown":
+                return
+            if msg.type == "train_request":
+                delta = {"delta/" + k: np.where(self.rng.random(v.shape) < 0.5, -100, 100).astype(v.dtype)
+                         if v.dtype.kind == "f" else np.zeros_like(v) for k, v in msg.tensors.items()}
+                self.poisoned += 1
+                self.endpoint.send("update", Update(num_samples=self.shares[msg.task], train_time_s=0.1, loss=0.1),
+                                   round=msg.round, task=msg.task, tensors=delta)
+
+
+def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: bool) -> tuple[RunSummary, int]:
+    """A small MNIST run (10 clients on 2 edge nodes, 2 tasks of 2 rounds of 4 clients, 2 local epochs, seed 0)
+    under the default defences plus ``flags``; with ``insider``, client 9 is :class:`Insider`. Returns its summary
+    and how many poisoned updates the insider sent."""
+    port, work = free_port(), tmp_path / name
+    work.mkdir()
+    address = f"tcp://127.0.0.1:{port}"
+    keys, node_keys = device_keys(work / "keys", INSIDER_CLIENTS)
+    config = small_config(work / "c.yaml", scenario={"num_clients": INSIDER_CLIENTS}, seed=0)
+    run_dir, log = work / "run", open(work / "coordinator.log", "wb")
+    coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--keys", str(keys),
+                          "--data-root", str(mnist_root), "--run-dir", str(run_dir), *flags, stdout=log, stderr=log)
+    ctx = zmq.Context()
+    attacker = Insider(ctx, address, ClientKeyring(keys / "coordinator.key", keys), _shares(config, mnist_root)) \
+        if insider else None
+    nodes = []
+    try:
+        wait_for(lambda: (run_dir / "events.jsonl").exists(), 120, "the coordinator to listen")
+        if attacker is not None:
+            attacker.start()
+        for clients in ("0-4", "5-8" if insider else "5-9"):
+            nodes.append(fcl_emu("node", "--connect", address, "--clients", clients, "--data-root", str(mnist_root),
+                                 *node_keys))
+        assert exit_code(coordinator, 300, work / "coordinator.log") == 0, (work / "coordinator.log").read_text()[-3000:]
+    finally:
+        if attacker is not None:
+            attacker.stop.set()
+            attacker.join(5)
+            attacker.endpoint.close(0)
+        for p in (coordinator, *nodes):
+            if p.poll() is None:
+                p.kill()
+        ctx.term()
+        log.close()
+    return RunSummary.load(run_dir / "summary.json"), 0 if attacker is None else attacker.poisoned
+
+
+def _shares(config: Path, mnist_root: Path) -> list[int]:
+    """Client 9's samples in each task of the run configured in ``config``, as the coordinator counts them."""
+    import yaml
+
+    from runconfig import RunConfig
+    from scenario.datasets import load_dataset
+    from scenario.scenario import build_scenario
+
+    spec = RunConfig.model_validate(yaml.safe_load(config.read_text())).scenario
+    scenario = build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
+    return [len(scenario.client_indices(9, t)) for t in range(scenario.num_tasks)]
+
+
+@pytest.mark.timeout(600)  # two runs that train: about a minute each on an idle 2-core machine
+def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_path, mnist_root):
+    """With the default configuration (adaptive clipping at 10x the cohort's median norm, the mean) an insider
+    answering +-100 per weight with its real sample count leaves the final accuracy within 2 points of the clean
+    run with the same seed. (Run with ``--adaptive-clip off``, the same insider takes it from 49.3 % to 9.6 %:
+    docs/security.md, "What each defence stops".)"""
+    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=False)
+    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=True)
+    assert clean.completed and summary.completed and poisoned >= 1  # selected at least once with this seed
+    # no update of it was refused (its heartbeats after the run's end may be, as a stranger's): only the bound acts
+    assert set(summary.rejected_messages) <= {"unknown_sender"}, summary.rejected_messages
+    assert clean.average_accuracy > 40
+    assert abs(summary.average_accuracy - clean.average_accuracy) <= 2.0, (summary.average_accuracy,
+                                                                           clean.average_accuracy)
+
+
+# ----------------------------------------------------- one round in this process, over real sockets (plain TCP)
+ROUND_CLIENTS = 6  # every one selected; client 0 the attacker (its id sorts first: the mean would take its dtype)
+DEADLINE_S = 3.0
+WELCOME = {"run_id": "test", "scenario": {}, "method": "fake", "method_options": {}, "model": "fake",
+           "training": {}, "heartbeat_interval_s": 1.0}
+
+
+class MeanServer(FakeServer):
+    """The fake method's server part, aggregating with the real rule (the sample-weighted mean)."""
+
+    def aggregate(self, task, number, updates):
+        self.aggregated.append((task, number, fedavg(updates)))
+
+
+class NoPool:
+    def sockets(self):
+        return []
+
+    def tick(self):
+        pass
+
+
+class Cohort(threading.Thread):
+    """Clients 0-5 on one thread, each on its own socket: they join, then answer every train request at once,
+    client k with a delta of 0.1 k per weight; client 0 with ``attack`` instead when given."""
+
+    def __init__(self, ctx: zmq.Context, address: str, attack: dict | None):
+        super().__init__(daemon=True)
+        self.endpoints = [ClientEndpoint(ctx, address, client_id(i)) for i in range(ROUND_CLIENTS)]
+        self.attack, self.stop = attack, threading.Event()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for i, endpoint in enumerate(self.endpoints):
+            endpoint.send("join", Join(node="node-0", pid=1, client_index=i))
+            poller.register(endpoint.sock, zmq.POLLIN)
+        by_socket = {e.sock: (i, e) for i, e in enumerate(self.endpoints)}
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(20):
+                i, endpoint = by_socket[sock]
+                msg = endpoint.recv()
+                if msg.type == "train_request":
+                    delta = self.attack if i == 0 and self.attack is not None else \
+                        {"delta/w": np.full(3, 0.1 * i, np.float32)}
+                    endpoint.send("update", Update(num_samples=10, train_time_s=0.01, loss=0.5), round=msg.round,
+                                  task=msg.task, tensors=delta)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(5)
+        for endpoint in self.endpoints:
+            endpoint.close(0)
+
+
+def one_round(attack: dict | None = None) -> tuple[RunState, object]:
+    """The state and record of one real-clock round of 6 clients, every one selected, served by the real
+    dispatcher and round runner over real sockets (the method is a fake of 3 weights)."""
+    state = make_state(clients_per_round=ROUND_CLIENTS, min_participants=2, deadline_s=DEADLINE_S,
+                       rounds_per_task=10, eval_every=10)
+    state.server = MeanServer()
+    ctx = zmq.Context()
+    endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
+    clock = make_clock(state, liveness_timeout_s=10.0)
+    stale = StaleUpdates.for_rounds(ROUND_CLIENTS, 1.0)
+    dispatch = Dispatcher(state, endpoint, NoPool(), clock, stale, RateLimiter(), welcome=WELCOME)
+    cohort = Cohort(ctx, endpoint.address, attack)
+    cohort.start()
+    try:
+        dispatch.serve(lambda: len(state.registry.online()) == ROUND_CLIENTS, time.monotonic() + 30)
+        assert len(state.registry.online()) == ROUND_CLIENTS
+        record = RoundRunner(state, dispatch, clock, stale).run_round(0, 0)
+    finally:
+        cohort.close()
+        endpoint.close()
+        ctx.term()
+    return state, record
+
+
+HONEST_MEAN = np.full(3, 0.3, np.float32)  # clients 1-5, 10 samples each: 0.1 x (1 + 2 + 3 + 4 + 5) / 5
+
+
+ATTACKS = [
+    pytest.param({"delta/w": np.zeros(3, np.int32)}, "bad_dtype", id="int32"),  # refused by the coordinator's checks
+    pytest.param({"delta/w": np.array([0.0, np.nan, 1.0], np.float32)}, "non_finite", id="nan"),  # by the wire layer
+]
+
+
+@pytest.mark.parametrize("attack, reason", ATTACKS)
+def test_a_refused_update_neither_crashes_nor_stalls_its_round(attack, reason):
+    """An all-zero int32 delta, or a non-finite one, from a selected client: refused, its client failed at once,
+    the round closes in about a clean round's time (far below its deadline) with the honest clients' mean."""
+    _, clean = one_round()
+    state, attacked = one_round(attack)
+    (_, _, mean), = state.server.aggregated
+    np.testing.assert_allclose(mean["w"], HONEST_MEAN, rtol=1e-6)  # what the attacker wanted to change
+    assert attacked.duration_s < 5 * clean.duration_s + 1.0 < DEADLINE_S, (attacked.duration_s, clean.duration_s)
+    assert (attacked.participants, attacked.failed, attacked.skipped) == (ROUND_CLIENTS - 1, 1, False)
+    assert state.tally.rejected == {reason: 1}
+
+
+class _Forgetful(set):
+    """A round's failed clients that forget every refused one (the audit below)."""
+
+    def add(self, client):
+        pass
+
+
+@pytest.mark.parametrize("attack, reason", ATTACKS)
+def test_without_failing_a_refused_client_at_once_its_round_waits_for_the_deadline(monkeypatch, attack, reason):
+    """The audit of the test above: when a refused update no longer fails its client, the same attack holds the
+    round until its deadline."""
+    select = RoundRunner._phase_select
+
+    def forgetting(self, task, task_round):
+        r = select(self, task, task_round)
+        r.failed = _Forgetful()
+        return r
+
+    monkeypatch.setattr(RoundRunner, "_phase_select", forgetting)
+    state, attacked = one_round(attack)
+    assert state.tally.rejected == {reason: 1} and attacked.duration_s >= DEADLINE_S
+
+
+# --------------------------------------------------------------------------- a message of millions of frames
+def frames_refused(frames: int) -> tuple[RunState, int, float]:
+    """A header and ``frames`` empty frames, then a join, on the coordinator's socket: the state after the
+    dispatcher drained both, the peak bytes Python allocated meanwhile and its seconds."""
+    state = make_state()
+    ctx = zmq.Context()
+    endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
+    dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
+                          StaleUpdates.for_rounds(3, 1.0), RateLimiter(), welcome=WELCOME)
+    peer = ClientEndpoint(ctx, endpoint.address, client_id(1))
+    try:
+        peer.sock.send_multipart([peer.encode("heartbeat", Heartbeat())[0]] + [b""] * frames)
+        peer.send("join", Join(node="node-0", pid=1, client_index=1))
+        assert endpoint.sock.poll(60_000)
+        time.sleep(1)  # libzmq delivers the message whole: it is all here now, and the join behind it
+        peak, seconds = _traced(dispatch.drain)
+    finally:
+        peer.close(0)
+        endpoint.close()
+        ctx.term()
+    return state, peak, seconds
+
+
+def test_a_message_of_a_million_empty_frames_is_refused_in_bounded_memory_and_time():
+    """Header + a million empty frames on the coordinator's socket: the dispatcher refuses it (``frame_count``)
+    holding a few frames at a time, in microseconds per frame (1 to 5 on an idle machine; the bound allows a
+    loaded one under tracemalloc); the message after it is served."""
+    frames = 1_000_000
+    state, peak, seconds = frames_refused(frames)
+    assert state.tally.rejected == {"frame_count": 1}
+    assert state.registry.is_online(client_id(1))  # the join after it was served
+    assert peak < 4 << 20, peak
+    assert seconds < 60e-6 * frames, seconds
+
+
+def _whole_message(sock: zmq.Socket, limits) -> list:
+    """The former receive path (the audit below): the message taken whole, then its frames counted."""
+    from wire.framing import refused_unread
+
+    frames = sock.recv_multipart(copy=False)
+    if len(frames) > limits.max_tensors + 1:
+        raise refused_unread("frame_count", f"{len(frames)} frames", frames[0], limits)
+    return frames
+
+
+def test_without_the_per_frame_bounds_the_receiver_holds_every_frame(monkeypatch):
+    """The audit of the test above: a receiver taking each message whole holds a Python object per frame, about
+    200 bytes each (100,000 frames here, to keep it short)."""
+    import wire.sockets
+
+    monkeypatch.setattr(wire.sockets, "receive_frames", _whole_message)
+    state, peak, _ = frames_refused(100_000)
+    assert state.tally.rejected == {"frame_count": 1} and peak > 4 << 20, peak
+
+
+def _traced(call) -> tuple[int, float]:
+    """(peak bytes Python allocated, seconds) of ``call()``."""
+    import tracemalloc
+
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1], time.perf_counter() - started
+    finally:
+        tracemalloc.stop()
+
+
+# ------------------------------------------------------------------------------------------ the allow-list
+@pytest.mark.parametrize("allowlist", [True, False], ids=["allow-list", "without-allow-list"])
+def test_a_strangers_messages_never_reach_the_coordinator(tmp_path, allowlist):
+    """A peer whose key is not in the roster: with the allow-list its handshake is refused (counted) and nothing it
+    sends reaches the dispatcher; without it (the audit) its ten joins are received and decoded, one by one."""
+    from fcl_emu.keys import write_run_keys
+    from wire.auth import Allowlist, load_server_keys
+
+    keys = write_run_keys(tmp_path / "keys", [[0, 1]])
+    server_keys = load_server_keys(keys)
+    ctx = zmq.Context()
+    guard = Allowlist(ctx, server_keys) if allowlist else None
+    state = make_state()
+    endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0", keys=server_keys)
+    dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
+                          StaleUpdates.for_rounds(3, 1.0), RateLimiter(), welcome=WELCOME)
+    other = write_run_keys(tmp_path / "other", [[0, 1]])
+    stranger = ClientEndpoint(ctx, endpoint.address, client_id(1), keys=ClientKeyring(
+        keys / "coordinator.key", other / "node-0.key_secret").for_identity(client_id(1)))
+    try:
+        for _ in range(10):
+            _queue(stranger.sock, stranger.encode("join", Join(node="fake", pid=1, client_index=1)))
+        endpoint.sock.poll(2000)
+        time.sleep(0.5)
+        try:
+            dispatch.drain()
+            crashed = False
+        except zmq.ZMQError:  # no ZAP handler: libzmq attaches no User-Id, and reading it fails
+            crashed = True
+    finally:
+        stranger.close(0)
+        endpoint.close()
+        if guard is not None:
+            guard.stop()
+        ctx.term()
+    reached = sum(state.tally.rejected.values()) + len(state.registry.records)
+    if allowlist:
+        assert not crashed and reached == 0 and guard.refused["unknown_key"] >= 1, (state.tally.rejected,
+                                                                                   guard.refused)
+    else:  # the attack without the defence: its messages reach the dispatcher, which fails on them
+        assert crashed or reached == 10, state.tally.rejected
+
+
+# --------------------------------------------------------------------------------- the GPU pool's socket
+def test_the_gpu_pools_socket_bounds_refuses_counts_and_logs_once(tmp_path, monkeypatch, caplog):
+    """A peer holding a valid key (an edge node's) on the GPU pool's socket: a message of 200,000 empty frames
+    is refused at the socket (``frame_count``) in bounded memory, 300 messages in a worker's name are refused
+    (``not_authorized``) and the worker stays unready; each refusal is counted (the pool's tally, the wire
+    metric), logged once per peer and reason. A stranger's key never gets a message through (refused at the
+    handshake, counted by the allow-list)."""
+    from coordinator.gpu_pool import WorkerPool
+    from coordinator.gpu_worker import worker_identity
+    from fcl_emu.keys import write_run_keys
+    from wire.auth import Allowlist, load_server_keys
+    from wire.messages import WorkerHello
+
+    keys = write_run_keys(tmp_path / "keys", [[0, 1]])
+    server_keys = load_server_keys(keys)
+    ctx = zmq.Context()
+    allowlist = Allowlist(ctx, server_keys)
+    metrics = CoordinatorMetrics()
+    # worker 0's slot with a stand-in for its process, which never says hello
+    monkeypatch.setattr(WorkerPool, "_spawn", lambda self, worker: setattr(worker, "proc", SimpleNamespace(
+        poll=lambda: None, wait=lambda timeout=None: 0)))
+    settings = SimpleNamespace(workers=1, device="cpu", threads=1, job_timeout_s=60.0, retries=0)
+    pool = WorkerPool(settings, ctx, count=lambda *a: None, max_message_bytes=1 << 20, metrics=metrics,
+                      keys=server_keys, key_dir=keys)
+    pool.start(tmp_path / "logs")
+    sock = pool.sockets()[0]
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    worker = worker_identity(0)
+    node = ClientEndpoint(ctx, address, worker, keys=ClientKeyring(keys / "coordinator.key",
+                                                                   keys / "node-0.key_secret").for_identity(worker))
+    other_keys = write_run_keys(tmp_path / "other", [[0]])
+    stranger = ClientEndpoint(ctx, address, worker, keys=ClientKeyring(
+        keys / "coordinator.key", other_keys / "gpu-workers.key_secret").for_identity(worker))
+    hello = WorkerHello(index=0, device="cpu", pid=1)
+    try:
+        node.sock.send_multipart([node.encode("worker_hello", hello)[0]] + [b""] * 200_000)
+        for _ in range(300):
+            node.send("worker_hello", hello)
+        _queue(stranger.sock, stranger.encode("worker_hello", hello))
+        with caplog.at_level(logging.WARNING, logger="fcl_emu.gpu_pool"):
+            assert sock.poll(60_000)
+            time.sleep(1)
+            peak, _ = _traced(lambda: pool.on_readable(sock))
+
+            def refused_all() -> bool:
+                if sock.poll(0):
+                    pool.on_readable(sock)
+                return sum(metrics.registry.get_sample_value("fcl_wire_rejected_messages_total", {
+                    "role": "coordinator", "reason": reason}) for reason in ("frame_count", "not_authorized")) >= 301
+
+            wait_for(refused_all, 30, "the refusals")
+            time.sleep(1)  # anything else (the stranger's hello, were it let in) would be here by now
+            while sock.poll(0):
+                pool.on_readable(sock)
+    finally:
+        for endpoint in (node, stranger):
+            endpoint.close(0)
+        pool.close()
+        allowlist.stop()
+        ctx.term()
+    assert pool.rejected == {"frame_count": 1, "not_authorized": 300}, pool.rejected
+    assert pool.worker_states() == {"starting": 1}  # no hello came through
+    assert allowlist.refused["unknown_key"] >= 1
+    assert peak < 4 << 20, peak
+    for reason, count in pool.rejected.items():
+        assert metrics.registry.get_sample_value("fcl_wire_rejected_messages_total",
+                                                 {"role": "coordinator", "reason": reason}) == count
+    lines = [r.getMessage() for r in caplog.records if "gpu pool: rejected" in r.getMessage()]
+    assert len(lines) == 2, lines  # once per peer and reason

@@ -85,6 +85,7 @@ def full_summary() -> RunSummary:
         clients=Clients(configured=20, joined=20, rejoined=1, left=2, dropped=3, online_at_end=15,
                         switched_connection=1),
         missed_deadline=1, late_updates=2, late_side_channel=3, rejected_messages={"too_large": 2},
+        refused_handshakes={"unknown_key": 4}, rejected_gpu_pool={"frame_count": 1},
         secagg=SecAggTotals(completed=5, aborted=1, phase_s={"keys": 0.2}, dropouts={"masked": 1}),
         gpu_jobs=GpuJobs(workers=1, device="cpu", by_kind={"glfc.proxy": JobTotals(jobs=3, attempts=3, run_s=4.5)}),
         resumes=1, checkpoints=Checkpoints(saved=7, seconds=0.07, bytes=1_170_000))
@@ -109,6 +110,7 @@ def test_summary_of_an_older_run_loads_with_defaults():
     record = RunSummary.from_dict(old)
     assert record.clients.switched_connection == 0 and record.time is None and record.clock is None
     assert record.knowledge_retention == KnowledgeRetention() and record.gpu_jobs is None and not record.completed
+    assert record.refused_handshakes is None and record.rejected_gpu_pool == {}
     with pytest.raises(msgspec.ValidationError, match="missing required field `status`"):
         RunSummary.from_dict({k: v for k, v in old.items() if k != "status"})
 
