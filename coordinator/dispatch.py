@@ -57,6 +57,7 @@ class Dispatcher:
         self.secure: SecureRound | None = None  # its secure aggregation while the round collects
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
+        self._listened_at = time.monotonic()  # when the waiting messages were last all handled
 
     # ------------------------------------------------------------------ the loop
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
@@ -73,13 +74,20 @@ class Dispatcher:
                 return
             for ready in dict(poller.poll(min(tick_ms, int(1000 * (deadline - now)) + 1))):
                 if ready is sock:
-                    while sock.poll(0):
-                        self._receive_one()
+                    self._receive_waiting()
                 else:
                     self.pool.on_readable(ready)
             self.pool.tick()
             self._expire()
             self.on_tick()
+
+    def _receive_waiting(self) -> None:
+        """Handle every message waiting; those queued while the coordinator did not listen (a task's end, a
+        long aggregation) are rate-limited as sent over that time, not as a burst."""
+        with self.rate_limiter.backlog(time.monotonic() - self._listened_at):
+            while self.endpoint.sock.poll(0):
+                self._receive_one()
+        self._listened_at = time.monotonic()
 
     def _receive_one(self) -> None:
         """Receive, validate and handle one message; time it by message type."""
@@ -102,8 +110,7 @@ class Dispatcher:
     def drain(self) -> None:
         """Handle every message already waiting, without blocking; then expire silent clients and look at the
         edge nodes (a node that died while nothing was served, at a task's end, say, is noticed here)."""
-        while self.endpoint.sock.poll(0):
-            self._receive_one()
+        self._receive_waiting()
         self._expire()
         self.on_tick()
 

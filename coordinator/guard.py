@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -40,11 +41,24 @@ class RateLimiter:
                  max_tracked: int = MAX_TRACKED):
         self.rate, self.burst, self.max_tracked = rate_per_s, burst, max_tracked
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, time)
+        self._backlog = 0.0  # extra tokens a bucket may hold while a backlog is handled
+
+    @contextmanager
+    def backlog(self, unheard_s: float):
+        """Messages handled inside were queued while the coordinator did not listen for ``unheard_s`` seconds
+        (evaluating, aggregating, a busy host): each was sent on time but they arrive at once, so a bucket may
+        hold the tokens of that whole time, not only a burst. A peer gains nothing it could not send at the
+        sustained rate."""
+        self._backlog = max(0.0, unheard_s) * self.rate
+        try:
+            yield
+        finally:
+            self._backlog = 0.0
 
     def allow(self, peer: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         tokens, then = self._buckets.pop(peer, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        tokens = min(self.burst + self._backlog, tokens + (now - then) * self.rate)
         allowed = tokens >= 1.0
         self._buckets[peer] = (tokens - allowed, now)
         if len(self._buckets) > self.max_tracked:

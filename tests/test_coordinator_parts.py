@@ -6,6 +6,7 @@ dispatcher is fed decoded wire messages by a fake endpoint and answers into it."
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -418,3 +419,21 @@ def test_a_server_job_is_an_event_and_its_start_and_end_are_heard(tmp_path, kind
     assert 0 <= server["start"] <= server["end"] and server["duration_s"] >= 0
     assert [what for what, _ in heard] == ["server_job_start", "server_job_end"]
     assert heard[1][1]["ok"] is ok and heard[1][1]["duration_s"] == server["duration_s"]
+
+
+def test_heartbeats_queued_while_the_coordinator_did_not_listen_are_not_refused_as_a_flood():
+    state = make_state()
+    d, endpoint = dispatcher(state)
+    d.rate_limiter = RateLimiter(rate_per_s=20.0, burst=3)
+    ids = join_all(state)
+    endpoint.push(ids[0], "heartbeat", Heartbeat())
+    d.drain()
+    time.sleep(1.0)  # the coordinator busy at a task's end: the client's heartbeats (20/s here) wait in the queue
+    for _ in range(15):
+        endpoint.push(ids[0], "heartbeat", Heartbeat())
+    d.drain()
+    assert "rate_limited" not in state.tally.rejected
+    for _ in range(15):  # as many again at once, with the coordinator listening: a flood
+        endpoint.push(ids[0], "heartbeat", Heartbeat())
+    d.drain()
+    assert state.tally.rejected["rate_limited"] >= 10

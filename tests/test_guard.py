@@ -110,3 +110,12 @@ def test_the_default_defences_contain_an_insider_sending_100_per_weight():
     median = fedavg(clip_to_cohort(cohort, security.adaptive_clip), RunConfig(
         security={"aggregator": "median"}).security.robust_aggregator())["w"]
     assert np.linalg.norm(median - honest_mean) < 0.1 * scale  # a robust rule as well: hardly moved
+
+
+def test_a_backlog_holds_the_tokens_of_the_time_nobody_listened_then_the_burst_applies_again():
+    limiter = RateLimiter(rate_per_s=2.0, burst=3)
+    assert limiter.allow("a", now=0.0)
+    with limiter.backlog(10.0):  # 10 s unheard: up to 3 + 20 tokens
+        assert sum(limiter.allow("a", now=10.0) for _ in range(30)) == 22
+    assert limiter.allow("a", now=10.0) is False
+    assert sum(limiter.allow("a", now=20.0) for _ in range(30)) == 3
