@@ -19,6 +19,8 @@ def test_schedule_is_seeded_and_draws_every_kind_per_cycle():
     assert first == soak.schedule(soak.KINDS, 7, 20, seed=3)
     assert sorted(f.kind for f in soak.schedule(soak.KINDS, 5, 20, seed=3)) == sorted(soak.KINDS)
     assert [f.at_round for f in first] == sorted(f.at_round for f in first)
+    kinds = [f.kind for f in first]
+    assert kinds[-kinds.count("node_kill"):] == ["node_kill"] * kinds.count("node_kill") and "node_kill" in kinds
     assert all(1 <= f.at_round <= 19 for f in first)
     for f in first:  # delays stay well inside the liveness timeout; the others have no duration
         assert (0 < f.duration_s < 0.5 * soak.LIVENESS_S) == (f.kind in ("node_stop", "net_cut"))
@@ -29,8 +31,11 @@ def _round(n, contributors):
 
 
 def test_double_counts_allow_a_round_again_only_after_a_resume():
-    events = [_round(1, ["a", "b"]), _round(2, ["a"]), {"event": "resume"}, _round(2, ["a", "b"]), _round(3, ["b"])]
+    events = [_round(1, ["a", "b"]), _round(2, ["a"]), {"event": "resume", "after_round": 1}, _round(2, ["a", "b"]),
+              _round(3, ["b"])]
     assert soak.double_counts(events) == []
+    assert soak.double_counts(events[:3] + [_round(1, ["a"])]) == [
+        "round 1 run again after resuming from a checkpoint after round 1"]
     assert soak.double_counts([_round(1, ["a", "a"])]) == ["round 1: an update aggregated twice (['a', 'a'])"]
     assert soak.double_counts([_round(1, ["a"]), _round(1, ["a"])]) == [
         "round 1 recorded twice without a resume between"]
@@ -54,6 +59,14 @@ def test_compare_explains_differences_by_node_kills_only():
     assert len(explained["cells_differing"]) == 2
     unexplained = soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, faulted, [])
     assert unexplained["problems"] == ["node_exit of node-1 without a node kill"]
+    rerun = [_round(1, ["a", "b"]), {"event": "task_end", "task": 0}, _round(2, ["a", "b"]), {"event": "resume"},
+             {"event": "node_exit", "node": "node-1"}, _round(2, ["a"])]  # round 2 run again after the kill
+    assert soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, rerun,
+                        [kill])["problems"] == []
+    early = [_round(1, ["b"]), {"event": "task_end", "task": 0}, {"event": "node_exit", "node": "node-1"}]
+    assert soak.compare(_summary([[90.0]]), _summary([[91.0]]), base[:2], early, [kill])["problems"] == [
+        "rounds [1] aggregated other clients before any node exit",
+        "accuracy rows [0] differ although their tasks ended before any node exit"]
     delayed = soak.compare(_summary([[90.0]]), _summary([[89.0]]), base[:1], base[:1], [])
     assert delayed["problems"] == ["the run differs from the baseline with no node exit"]
 

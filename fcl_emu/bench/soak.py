@@ -15,7 +15,8 @@ process injects faults into it, one after another, at rounds drawn from ``--seed
 - ``disk_full``: the run directory lives on a small tmpfs (root only); a filler file takes all its space, the
   run must end ``failed: disk full (PATH)`` with its last checkpoint intact, and resume once the filler is gone.
 
-Kinds come in shuffled cycles, so ``--faults`` at least the number of kinds injects each kind at least once.
+Kinds come in shuffled cycles, so ``--faults`` at least the number of kinds injects each kind at least once;
+node kills are given the schedule's last rounds, so that everything before them is checked exactly.
 Checks, besides each fault's own: no round aggregates a client's update twice and no round is recorded twice
 without a resume between (the ``contributors`` of each round event in ``events.jsonl``); the checkpoint's
 position never goes back and the checkpoint loads (SHA-256 checked) whenever the coordinator is down; no
@@ -89,13 +90,15 @@ class Fault:
 
 
 def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> list[Fault]:
-    """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in [1, total_rounds - 1]."""
+    """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in [1, total_rounds - 1]. Node
+    kills take the last rounds: up to the first, the run must match the baseline round by round."""
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < count:
         cycle = list(kinds)
         rng.shuffle(cycle)
         order += cycle
+    order = sorted(order[:count], key=lambda kind: kind == "node_kill")
     last = max(1, total_rounds - 1)  # distinct rounds while there are enough
     rounds = sorted(rng.sample(range(1, last + 1), min(count, last)) + [rng.randint(1, last)
                                                                          for _ in range(count - last)])
@@ -103,7 +106,7 @@ def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> 
     longest = {"node_stop": 0.4 * LIVENESS_S, "net_cut": 0.25 * LIVENESS_S}
     return [Fault(kind, at, round(rng.uniform(0.0, 1.0), 3),
                   round(rng.uniform(0.5, 1.0) * longest.get(kind, 0.0), 2), rng.random())
-            for kind, at in zip(order[:count], rounds)]
+            for kind, at in zip(order, rounds)]
 
 
 # ------------------------------------------------------------------ the faulted run
@@ -399,19 +402,22 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
 
 # ------------------------------------------------------------------ checks after the run
 def double_counts(events: list[dict]) -> list[str]:
-    """A client's update aggregated twice in a round, or a round recorded twice with no resume between."""
-    problems, last_seen, resumes = [], {}, 0
+    """A client's update aggregated twice in a round; a round recorded twice by one coordinator; a round recorded
+    after a resume from a checkpoint that already held it (each would count updates twice)."""
+    problems, this_run, after = [], set(), 0
     for e in events:
         if e["event"] == "resume":
-            resumes += 1
+            this_run, after = set(), e.get("after_round", 0)
         if e["event"] != "round":
             continue
         n, contributors = e["round"], e.get("contributors") or []
         if len(set(contributors)) != len(contributors):
             problems.append(f"round {n}: an update aggregated twice ({contributors})")
-        if last_seen.get(n) == resumes:
+        if n in this_run:
             problems.append(f"round {n} recorded twice without a resume between")
-        last_seen[n] = resumes
+        elif n <= after:
+            problems.append(f"round {n} run again after resuming from a checkpoint after round {after}")
+        this_run.add(n)
     return problems
 
 
@@ -440,10 +446,15 @@ def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dic
         if rounds or a != b:
             problems.append("the run differs from the baseline with no node exit")
         return result
-    before = max((e["round"] for e in events[:exits[0][0]] if e["event"] == "round"), default=0)
-    early = [r["round"] for r in rounds if r["round"] <= before]
+    counted = {e["round"]: i for i, e in enumerate(events) if e["event"] == "round"}  # a round's last record
+    before = max((n for n, i in counted.items() if i < exits[0][0]), default=0)
+    early = [r["round"] for r in rounds if counted.get(r["round"], len(events)) < exits[0][0]]
     if early:
         problems.append(f"rounds {early} aggregated other clients before any node exit")
+    ended = {e["task"]: i for i, e in enumerate(events) if e["event"] == "task_end"}
+    rows = [t for t, i in sorted(ended.items()) if i < exits[0][0] and t < min(len(a), len(b)) and a[t] != b[t]]
+    if rows:
+        problems.append(f"accuracy rows {rows} differ although their tasks ended before any node exit")
     if not rounds and a != b:
         problems.append("the matrix differs although every round aggregated the same clients")
     nodes = ", ".join(sorted({n for _, n in exits}))
