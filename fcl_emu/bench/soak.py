@@ -370,6 +370,16 @@ def fill(path: Path) -> int:
                 chunk = chunk[:len(chunk) // 2]
 
 
+def _stray_arrays(directory: Path) -> list[str]:
+    """The arrays files beside the one the checkpoint names: what a discarded save left behind."""
+    try:
+        named = json.loads((directory / "state.json").read_text())["arrays"]["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # checkpoint_problems says what is wrong with it
+    stray = sorted(p.name for p in directory.glob("arrays-*.npz") if p.name != named)
+    return [f"the discarded checkpoint left {', '.join(stray)}"] if stray else []
+
+
 def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> None:
     if mount is None:
         fault.skipped = "the run directory is not on its own small file system (see the soak's disk_full note)"
@@ -395,6 +405,7 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
         if not status.startswith(("failed: disk full (", "(no summary.json)")):
             fault.problems.append(f"status {status!r}")
         fault.detail = f"filler of {size / 1e6:.1f} MB; exit {run.proc.returncode}; {status}"
+        fault.problems += _stray_arrays(run.run_dir / "checkpoint")
     finally:
         filler.unlink()
     _resume(run, fault)
