@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from fcl_emu.bench import soak
+from fcl_emu.bench import soak, soak_checks
 from fcl_emu.launchers.process import node_env
 
 
@@ -33,11 +33,11 @@ def _round(n, contributors):
 def test_double_counts_allow_a_round_again_only_after_a_resume():
     events = [_round(1, ["a", "b"]), _round(2, ["a"]), {"event": "resume", "after_round": 1}, _round(2, ["a", "b"]),
               _round(3, ["b"])]
-    assert soak.double_counts(events) == []
-    assert soak.double_counts(events[:3] + [_round(1, ["a"])]) == [
+    assert soak_checks.double_counts(events) == []
+    assert soak_checks.double_counts(events[:3] + [_round(1, ["a"])]) == [
         "round 1 run again after resuming from a checkpoint after round 1"]
-    assert soak.double_counts([_round(1, ["a", "a"])]) == ["round 1: an update aggregated twice (['a', 'a'])"]
-    assert soak.double_counts([_round(1, ["a"]), _round(1, ["a"])]) == [
+    assert soak_checks.double_counts([_round(1, ["a", "a"])]) == ["round 1: an update aggregated twice (['a', 'a'])"]
+    assert soak_checks.double_counts([_round(1, ["a"]), _round(1, ["a"])]) == [
         "round 1 recorded twice without a resume between"]
 
 
@@ -47,27 +47,28 @@ def _summary(matrix):
 
 def test_compare_explains_differences_by_node_kills_only():
     base = [_round(1, ["a", "b"]), {"event": "task_end", "task": 0}, _round(2, ["a", "b"])]
-    kill = soak.Fault("node_kill", 1, 0.0, 0.0, 0.0, target="node-1", injected_at_s=1.0)
+    kill = {"node-1"}
     faulted = [_round(1, ["a", "b"]), {"event": "task_end", "task": 0}, {"event": "node_exit", "node": "node-1"},
                _round(2, ["a"])]
-    same = soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [80.0, 70.0]]), base, base, [])
+    same = soak_checks.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [80.0, 70.0]]), base, base, set())
     assert same["problems"] == [] and same["same"]
-    explained = soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, faulted,
-                             [kill])
+    explained = soak_checks.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, faulted,
+                             kill)
     assert explained["problems"] == [] and [r["round"] for r in explained["rounds_differing"]] == [2]
     assert "node node-1 SIGKILLed (first after round 1)" in explained["explanation"]
     assert len(explained["cells_differing"]) == 2
-    unexplained = soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, faulted, [])
+    unexplained = soak_checks.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base,
+                                      faulted, set())
     assert unexplained["problems"] == ["node_exit of node-1 without a node kill"]
     rerun = [_round(1, ["a", "b"]), {"event": "task_end", "task": 0}, _round(2, ["a", "b"]), {"event": "resume"},
              {"event": "node_exit", "node": "node-1"}, _round(2, ["a"])]  # round 2 run again after the kill
-    assert soak.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, rerun,
-                        [kill])["problems"] == []
+    assert soak_checks.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base, rerun,
+                        kill)["problems"] == []
     early = [_round(1, ["b"]), {"event": "task_end", "task": 0}, {"event": "node_exit", "node": "node-1"}]
-    assert soak.compare(_summary([[90.0]]), _summary([[91.0]]), base[:2], early, [kill])["problems"] == [
+    assert soak_checks.compare(_summary([[90.0]]), _summary([[91.0]]), base[:2], early, kill)["problems"] == [
         "rounds [1] aggregated other clients before any node exit",
         "accuracy rows [0] differ although their tasks ended before any node exit"]
-    delayed = soak.compare(_summary([[90.0]]), _summary([[89.0]]), base[:1], base[:1], [])
+    delayed = soak_checks.compare(_summary([[90.0]]), _summary([[89.0]]), base[:1], base[:1], set())
     assert delayed["problems"] == ["the run differs from the baseline with no node exit"]
 
 

@@ -21,7 +21,8 @@ Checks, besides each fault's own: no round aggregates a client's update twice an
 without a resume between (the ``contributors`` of each round event in ``events.jsonl``); the checkpoint's
 position never goes back and the checkpoint loads (SHA-256 checked) whenever the coordinator is down; no
 process of the run is left afterwards; the accuracy matrix equals the baseline's, or, after a node kill,
-equals it in every row of a task that ended before the first ``node_exit``, with the differences recorded.
+equals it in every row of a task that ended before the first ``node_exit``, with the differences recorded
+(:mod:`fcl_emu.bench.soak_checks`).
 
 Writes ``OUT/soak.json`` (configuration, faults, checks, comparison, faults survived per hour) and
 ``OUT/faults.csv`` (one row per fault); the runs are ``OUT/baseline/`` and ``OUT/faulted/``.
@@ -51,6 +52,7 @@ from rich.table import Table
 from coordinator.checkpoint import CheckpointError
 from coordinator.checkpoint import load as load_checkpoint
 from fcl_emu.bench.churn import _merge, emulated_base, run_point
+from fcl_emu.bench.soak_checks import compare, double_counts, read_events
 from monitoring.results import RunSummary
 
 KINDS = ("node_stop", "net_cut", "node_kill", "coordinator_kill", "disk_full")
@@ -110,21 +112,6 @@ def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> 
 
 
 # ------------------------------------------------------------------ the faulted run
-def read_events(run_dir: Path) -> list[dict]:
-    """``run_dir/events.jsonl`` as it stands (a line being written is left out)."""
-    try:
-        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 class FaultedRun:
     """The ``up`` process of the faulted run (started again on resume), its events, nodes and checkpoint."""
 
@@ -411,73 +398,6 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
     _resume(run, fault)
 
 
-# ------------------------------------------------------------------ checks after the run
-def double_counts(events: list[dict]) -> list[str]:
-    """A client's update aggregated twice in a round; a round recorded twice by one coordinator; a round recorded
-    after a resume from a checkpoint that already held it (each would count updates twice)."""
-    problems, this_run, after = [], set(), 0
-    for e in events:
-        if e["event"] == "resume":
-            this_run, after = set(), e.get("after_round", 0)
-        if e["event"] != "round":
-            continue
-        n, contributors = e["round"], e.get("contributors") or []
-        if len(set(contributors)) != len(contributors):
-            problems.append(f"round {n}: an update aggregated twice ({contributors})")
-        if n in this_run:
-            problems.append(f"round {n} recorded twice without a resume between")
-        elif n <= after:
-            problems.append(f"round {n} run again after resuming from a checkpoint after round {after}")
-        this_run.add(n)
-    return problems
-
-
-def contributors_by_round(events: list[dict]) -> dict[int, Optional[list[str]]]:
-    """Each round's aggregated clients; a round run again after a resume counts as its last record."""
-    return {e["round"]: e.get("contributors") for e in events if e["event"] == "round"}
-
-
-def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dict], events: list[dict],
-            faults: list[Fault]) -> dict:
-    """The faulted run against the baseline, round by round (the clients aggregated) and by accuracy matrix:
-    the same, or differences that start after a node kill and that the kill explains."""
-    a, b = baseline.accuracy_matrix, faulted.accuracy_matrix
-    cells = [{"task": i, "column": j, "baseline": a[i][j], "faulted": b[i][j]}
-             for i in range(min(len(a), len(b))) for j in range(min(len(a[i]), len(b[i]))) if a[i][j] != b[i][j]]
-    was, got = contributors_by_round(baseline_events), contributors_by_round(events)
-    rounds = [{"round": n, "baseline": was.get(n), "faulted": got.get(n)}
-              for n in sorted(set(was) | set(got)) if was.get(n) != got.get(n)]
-    exits = [(i, e["node"]) for i, e in enumerate(events) if e["event"] == "node_exit"]
-    killed = {f.target for f in faults if f.kind == "node_kill" and f.injected_at_s is not None and not f.skipped}
-    problems = [f"node_exit of {node} without a node kill" for node in sorted({n for _, n in exits} - killed)]
-    result: dict[str, Any] = {"baseline": a, "faulted": b, "same": a == b, "cells_differing": cells,
-                              "rounds_differing": rounds, "problems": problems}
-    if not exits:
-        result["explanation"] = "no node exited: every fault only delayed the run or was resumed, so it must match"
-        if rounds or a != b:
-            problems.append("the run differs from the baseline with no node exit")
-        return result
-    counted = {e["round"]: i for i, e in enumerate(events) if e["event"] == "round"}  # a round's last record
-    before = max((n for n, i in counted.items() if i < exits[0][0]), default=0)
-    early = [r["round"] for r in rounds if counted.get(r["round"], len(events)) < exits[0][0]]
-    if early:
-        problems.append(f"rounds {early} aggregated other clients before any node exit")
-    ended = {e["task"]: i for i, e in enumerate(events) if e["event"] == "task_end"}
-    rows = [t for t, i in sorted(ended.items()) if i < exits[0][0] and t < min(len(a), len(b)) and a[t] != b[t]]
-    if rows:
-        problems.append(f"accuracy rows {rows} differ although their tasks ended before any node exit")
-    if not rounds and a != b:
-        problems.append("the matrix differs although every round aggregated the same clients")
-    nodes = ", ".join(sorted({n for _, n in exits}))
-    result["explanation"] = (
-        f"node {nodes} SIGKILLed (first after round {before}): " + (
-            f"rounds {[r['round'] for r in rounds]} aggregated other clients than the baseline's (the killed "
-            f"node's clients were gone until `up --resume` started every node again, or to the end), so "
-            f"{len(cells)} cells of the accuracy matrix differ" if rounds else
-            "a resume started its clients again before a round of theirs was lost, so the run matches"))
-    return result
-
-
 # ------------------------------------------------------------------ the soak
 def soak_config(base: dict, clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int, seed: int,
                 data_roots: list[Path], out: Path) -> dict:
@@ -577,7 +497,8 @@ def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, 
         "orphans": [f"processes left: {orphans}"] if orphans else [],
     }
     if baseline is not None and faulted is not None:
-        comparison = compare(baseline, faulted, read_events(out / "baseline"), events, faults)
+        killed = {f.target for f in faults if f.kind == "node_kill" and f.injected_at_s is not None and not f.skipped}
+        comparison = compare(baseline, faulted, read_events(out / "baseline"), events, killed)
     else:
         comparison = {"problems": [f"no summary to compare (baseline {baseline_status})"]}
     checks["comparison"] = comparison["problems"]
