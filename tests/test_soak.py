@@ -21,7 +21,7 @@ def test_schedule_is_seeded_and_draws_every_kind_per_cycle():
     assert [f.at_round for f in first] == sorted(f.at_round for f in first)
     kinds = [f.kind for f in first]
     assert kinds[-kinds.count("node_kill"):] == ["node_kill"] * kinds.count("node_kill") and "node_kill" in kinds
-    assert all(1 <= f.at_round <= 19 for f in first)
+    assert all(1 <= f.at_round <= 15 for f in first)
     for f in first:  # delays stay well inside the liveness timeout; the others have no duration
         assert (0 < f.duration_s < 0.5 * soak.LIVENESS_S) == (f.kind in ("node_stop", "net_cut"))
 
@@ -97,11 +97,11 @@ def test_fill_stops_at_a_full_disk(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_short_soak_survives_every_fault(tmp_path, mnist_root):
-    """Five faults, one of each kind, into a 6-client, 3-node, 2 x 6-round MNIST run: every check passes."""
+    """Five faults, one of each kind, into a 6-client, 3-node, 2 x 8-round MNIST run: every check passes."""
     out = tmp_path / "soak"
     proc = subprocess.run(
         [sys.executable, "-m", "fcl_emu", "bench", "soak", "--faults", "5", "--clients", "6", "--nodes", "3",
-         "--rounds-per-task", "6", "--samples", "32", "--data-root", str(mnist_root), "--out", str(out)],
+         "--rounds-per-task", "8", "--samples", "32", "--data-root", str(mnist_root), "--out", str(out)],
         env=node_env(), capture_output=True, text=True, timeout=400)
     result = json.loads((out / "soak.json").read_text())
     problems = {**result["checks"], **{f"{f['kind']}@{f['at_round']}": f["problems"] for f in result["faults"]}}

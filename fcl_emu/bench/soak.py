@@ -16,7 +16,9 @@ process injects faults into it, one after another, at rounds drawn from ``--seed
   run must end ``failed: disk full (PATH)`` with its last checkpoint intact, and resume once the filler is gone.
 
 Kinds come in shuffled cycles, so ``--faults`` at least the number of kinds injects each kind at least once;
-node kills are given the schedule's last rounds, so that everything before them is checked exactly.
+faults fall in the run's first three quarters, node kills on the last of their rounds, so that everything
+before them is checked exactly. A fault whose round has passed (the ones before it took longer) comes at once;
+one that finds the run ended is recorded as not injected.
 Checks, besides each fault's own: no round aggregates a client's update twice and no round is recorded twice
 without a resume between (the ``contributors`` of each round event in ``events.jsonl``); the checkpoint's
 position never goes back and the checkpoint loads (SHA-256 checked) whenever the coordinator is down; no
@@ -64,7 +66,8 @@ LIVENESS_S = 20.0
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": 8, "samples_per_client_task": 200},
-    "rounds": {"clients_per_round": 4, "rounds_per_task": 10, "deadline_s": 60.0, "clock": "emulated"},
+    "rounds": {"clients_per_round": 4, "rounds_per_task": 10, "deadline_s": 60.0, "clock": "emulated",
+               "eval_every": 10**6},  # the accuracy matrix only: rounds stay short, faults many
     "training": {"local_epochs": 1},
     "network": {"heartbeat_interval_s": 0.5, "liveness_timeout_s": LIVENESS_S, "join_timeout_s": 120.0},
     "model": "cnn",
@@ -92,8 +95,9 @@ class Fault:
 
 
 def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> list[Fault]:
-    """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in [1, total_rounds - 1]. Node
-    kills take the last rounds: up to the first, the run must match the baseline round by round."""
+    """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in the first three quarters of the
+    run (the rest leaves room for faults that lag behind a fast run). Node kills take the last of these rounds:
+    up to the first, the run must match the baseline round by round."""
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < count:
@@ -101,7 +105,7 @@ def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> 
         rng.shuffle(cycle)
         order += cycle
     order = sorted(order[:count], key=lambda kind: kind == "node_kill")
-    last = max(1, total_rounds - 1)  # distinct rounds while there are enough
+    last = max(1, 3 * total_rounds // 4)  # distinct rounds while there are enough
     rounds = sorted(rng.sample(range(1, last + 1), min(count, last)) + [rng.randint(1, last)
                                                                          for _ in range(count - last)])
     # a TCP retransmission after a cut comes up to the cut's length later: cuts stay under a quarter of the timeout
