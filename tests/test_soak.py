@@ -57,6 +57,7 @@ def test_compare_explains_differences_by_node_kills_only():
     assert explained["problems"] == [] and [r["round"] for r in explained["rounds_differing"]] == [2]
     assert "node node-1 SIGKILLed (first after round 1)" in explained["explanation"]
     assert len(explained["cells_differing"]) == 2
+    assert explained["emulated_time"] == {"rounds": 1, "max_clock_difference_s": 0.0, "extra_bytes_sent": 0}
     unexplained = soak_checks.compare(_summary([[90.0], [80.0, 70.0]]), _summary([[90.0], [81.0, 69.0]]), base,
                                       faulted, set())
     assert unexplained["problems"] == ["node_exit of node-1 without a node kill"]

@@ -545,3 +545,9 @@ def _print(result: dict, console: Console) -> None:
     comparison = result["comparison"]
     console.print(f"accuracy matrix: {'the same as' if comparison.get('same') else 'differs from'} the baseline's; "
                   f"{comparison.get('explanation', '-')}", markup=False, highlight=False)
+    drift = comparison.get("emulated_time")
+    if drift:
+        console.print(f"emulated clock over the {drift['rounds']} rounds before any node exit: at most "
+                      f"{drift['max_clock_difference_s']:.6f} s from the baseline's; {drift['extra_bytes_sent']} bytes "
+                      f"more sent (task starts sent again to the clients of nodes a resume started)",
+                      markup=False, highlight=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from monitoring.results import RunSummary
 
@@ -45,9 +45,22 @@ def double_counts(events: list[dict]) -> list[str]:
     return problems
 
 
-def contributors_by_round(events: list[dict]) -> dict[int, Optional[list[str]]]:
-    """Each round's aggregated clients; a round run again after a resume counts as its last record."""
-    return {e["round"]: e.get("contributors") for e in events if e["event"] == "round"}
+def last_records(events: list[dict]) -> dict[int, dict]:
+    """Each round's record; a round run again after a resume counts as its last record."""
+    return {e["round"]: e for e in events if e["event"] == "round"}
+
+
+def emulated_drift(baseline: dict[int, dict], faulted: dict[int, dict], upto: int) -> dict[str, Any]:
+    """Rounds up to ``upto`` in both runs: the largest difference of the emulated clock at a round's close and the
+    bytes the faulted run sent more. Each resume starts new edge nodes, whose clients are sent their task's start
+    again: the emulated clock counts its transfer."""
+    common = [n for n in baseline if n in faulted and n <= upto]
+    return {"rounds": len(common),
+            "max_clock_difference_s": max((abs((faulted[n].get("emulated_clock_s") or 0.0)
+                                               - (baseline[n].get("emulated_clock_s") or 0.0)) for n in common),
+                                          default=0.0),
+            "extra_bytes_sent": sum(faulted[n].get("bytes_sent", 0) - baseline[n].get("bytes_sent", 0)
+                                    for n in common)}
 
 
 def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dict], events: list[dict],
@@ -57,14 +70,16 @@ def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dic
     a, b = baseline.accuracy_matrix, faulted.accuracy_matrix
     cells = [{"task": i, "column": j, "baseline": a[i][j], "faulted": b[i][j]}
              for i in range(min(len(a), len(b))) for j in range(min(len(a[i]), len(b[i]))) if a[i][j] != b[i][j]]
-    was, got = contributors_by_round(baseline_events), contributors_by_round(events)
-    rounds = [{"round": n, "baseline": was.get(n), "faulted": got.get(n)}
-              for n in sorted(set(was) | set(got)) if was.get(n) != got.get(n)]
+    was, got = last_records(baseline_events), last_records(events)
+    contributors = {n: (was.get(n, {}).get("contributors"), got.get(n, {}).get("contributors"))
+                    for n in sorted(set(was) | set(got))}
+    rounds = [{"round": n, "baseline": old, "faulted": new} for n, (old, new) in contributors.items() if old != new]
     exits = [(i, e["node"]) for i, e in enumerate(events) if e["event"] == "node_exit"]
     problems = [f"node_exit of {node} without a node kill" for node in sorted({n for _, n in exits} - killed)]
     result: dict[str, Any] = {"baseline": a, "faulted": b, "same": a == b, "cells_differing": cells,
                               "rounds_differing": rounds, "problems": problems}
     if not exits:
+        result["emulated_time"] = emulated_drift(was, got, max(got, default=0))
         result["explanation"] = "no node exited: every fault only delayed the run or was resumed, so it must match"
         if rounds or a != b:
             problems.append("the run differs from the baseline with no node exit")
@@ -80,11 +95,13 @@ def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dic
         problems.append(f"accuracy rows {rows} differ although their tasks ended before any node exit")
     if not rounds and a != b:
         problems.append("the matrix differs although every round aggregated the same clients")
+    result["emulated_time"] = emulated_drift(was, got, before)
     nodes = ", ".join(sorted({n for _, n in exits}))
+    numbers = [r["round"] for r in rounds]
     result["explanation"] = (
         f"node {nodes} SIGKILLed (first after round {before}): " + (
-            f"rounds {[r['round'] for r in rounds]} aggregated other clients than the baseline's (the killed "
-            f"node's clients were gone until `up --resume` started every node again, or to the end), so "
+            f"{len(numbers)} rounds from round {numbers[0]} to {numbers[-1]} aggregated other clients than the "
+            f"baseline's (the killed node's clients were gone until `up --resume` started every node again, or to the end), so "
             f"{len(cells)} cells of the accuracy matrix differ" if rounds else
             "a resume started its clients again before a round of theirs was lost, so the run matches"))
     return result
