@@ -295,16 +295,27 @@ def inject_net_cut(run: FaultedRun, fault: Fault) -> None:
     _iptables("-N", IPTABLES_CHAIN)
     _iptables("-I", "OUTPUT", "-j", IPTABLES_CHAIN)
     try:
-        for p in ports:  # on loopback every packet passes OUTPUT: from the node (sport) and to it (dport)
-            for flag in ("--sport", "--dport"):
-                rule = _iptables("-A", IPTABLES_CHAIN, "-p", "tcp", flag, str(p), "-j", "DROP")
+        for p in ports:  # every packet passes OUTPUT on its way: from the node, and to it (only this connection)
+            for source, destination in ((p, port), (port, p)):
+                rule = _iptables("-A", IPTABLES_CHAIN, "-p", "tcp", "--sport", str(source), "--dport",
+                                 str(destination), "-j", "DROP")
                 if rule.returncode != 0:
                     raise RuntimeError(f"iptables: {rule.stderr.strip()}")
         time.sleep(fault.duration_s)
+        dropped = _dropped_packets()
     finally:
         remove_net_cut()
-    fault.detail = f"{len(ports)} TCP connections of pid {node.pid} dropped for {fault.duration_s:g} s"
+    fault.detail = (f"{len(ports)} TCP connections of pid {node.pid} cut for {fault.duration_s:g} s "
+                    f"({dropped} packets dropped)")
+    if not dropped:  # heartbeats go out twice a second: a cut that drops nothing cut nothing
+        fault.problems.append("the cut dropped no packet")
     _delayed_only(run, fault)
+
+
+def _dropped_packets() -> int:
+    """Packets the cut's rules have dropped so far."""
+    listing = _iptables("-L", IPTABLES_CHAIN, "-v", "-n", "-x").stdout.splitlines()
+    return sum(int(line.split()[0]) for line in listing[2:] if line.split() and line.split()[0].isdigit())
 
 
 def remove_net_cut() -> None:
