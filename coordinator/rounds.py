@@ -121,6 +121,8 @@ class RoundRunner:
             host_timeout=r.host_timeout,
             bytes_discarded=r.bytes_discarded,
             privacy=None if self.privacy is None else self.privacy.report(),
+            contributors=None if outcome is not None else [] if skipped else sorted(
+                u.client for u in r.updates if u.num_samples > 0),
         )
         self._phase_record(record)
         return record

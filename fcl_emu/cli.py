@@ -583,5 +583,33 @@ def bench_churn(
     raise typer.Exit(0 if all(r["status"] == "completed" for r in sweep.rows) else 1)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    faults: Annotated[int, typer.Option(min=1, help="Faults to inject, one after another.")] = 10,
+    kinds: Annotated[str, typer.Option(help="Comma-separated fault kinds, drawn in shuffled cycles.")]
+        = "node_stop,net_cut,node_kill,coordinator_kill,disk_full",
+    clients: Annotated[int, typer.Option(min=2, help="Clients.")] = 8,
+    nodes: Annotated[int, typer.Option(min=2, help="Edge nodes.")] = 4,
+    tasks: Annotated[int, typer.Option(min=1, help="Tasks.")] = 2,
+    rounds_per_task: Annotated[int, typer.Option(min=2, help="Rounds per task.")] = 10,
+    samples: Annotated[int, typer.Option(min=1, help="Training samples per client and task.")] = 200,
+    seed: Annotated[int, typer.Option(help="Seed of the run and of the fault schedule.")] = 0,
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes soak.json, faults.csv and both runs here.")]
+        = Path("runs/soak"),
+) -> None:
+    """Fault soak: one emulated-clock run under seeded real faults, checked against the same run without them."""
+    from fcl_emu.bench import soak
+    from runconfig import default_data_roots
+
+    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+    if not chosen or set(chosen) - set(soak.KINDS):
+        raise typer.BadParameter(f"{kinds!r}: choose from {', '.join(soak.KINDS)}", param_hint="--kinds")
+    _writable(out)
+    result = soak.run(faults, chosen, clients, nodes, tasks, rounds_per_task, samples, seed,
+                      [Path(p) for p in data_root] if data_root else default_data_roots(), out, Console())
+    raise typer.Exit(0 if result["ok"] else 1)
+
+
 if __name__ == "__main__":
     app()

@@ -200,6 +200,8 @@ class RoundRecord:
     # central DP (coordinator/privacy.py) after this round: epsilon for delta (None without noise), noised rounds
     # so far, the clip norm the last one used, the noise's standard deviation on its mean, the next clip norm
     privacy: dict[str, Any] | None = None
+    # plain rounds: the clients whose own update of this round was aggregated (skipped round: none; secure: None)
+    contributors: list[str] | None = None
 
 
 # ------------------------------------------------------------------ summary.json

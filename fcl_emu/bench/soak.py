@@ -1,0 +1,564 @@
+"""``fcl-emu bench soak``: one long run on the emulated clock under a seeded schedule of real faults.
+
+The same ``fcl-emu up`` run (MNIST, the process backend, ``rounds.clock: emulated``, every client a phone of one
+fixed cost so emulated times are exact) is run twice: once undisturbed (the baseline) and once while this
+process injects faults into it, one after another, at rounds drawn from ``--seed``:
+
+- ``node_stop``: SIGSTOP to an edge node, SIGCONT after a while (well within the liveness timeout): only a delay;
+- ``net_cut``: every TCP connection of an edge node to the coordinator dropped by the kernel for a while
+  (iptables DROP rules on the node's ports, both ways; root only): only a delay. A running node cannot be moved
+  into another network namespace and ``up`` forks its nodes in its own, so rules on the node's connections are
+  the closest real cut of one node: its packets are lost and TCP retransmits them once the cut is lifted;
+- ``node_kill``: SIGKILL to an edge node: its clients and their updates are gone (a ``node_exit`` event), so the
+  accuracy matrix may differ from the baseline's from that task on;
+- ``coordinator_kill``: SIGKILL to ``up`` (its edge nodes end with it), then ``fcl-emu up --resume RUN_DIR``;
+- ``disk_full``: the run directory lives on a small tmpfs (root only); a filler file takes all its space, the
+  run must end ``failed: disk full (PATH)`` with its last checkpoint intact, and resume once the filler is gone.
+
+Kinds come in shuffled cycles, so ``--faults`` at least the number of kinds injects each kind at least once;
+faults fall in the run's first three quarters, node kills on the last of their rounds, so that everything
+before them is checked exactly. A fault whose round has passed (the ones before it took longer) comes at once;
+one that finds the run ended is recorded as not injected.
+Checks, besides each fault's own: no round aggregates a client's update twice and no round is recorded twice
+without a resume between (the ``contributors`` of each round event in ``events.jsonl``); the checkpoint's
+position never goes back and the checkpoint loads (SHA-256 checked) whenever the coordinator is down; no
+process of the run is left afterwards; the accuracy matrix equals the baseline's, or, after a node kill,
+equals it in every row of a task that ended before the first ``node_exit``, with the differences recorded
+(:mod:`fcl_emu.bench.soak_checks`).
+
+Writes ``OUT/soak.json`` (configuration, faults, checks, comparison, faults survived per hour) and
+``OUT/faults.csv`` (one row per fault); the runs are ``OUT/baseline/`` and ``OUT/faulted/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import psutil
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.checkpoint import CheckpointError
+from coordinator.checkpoint import load as load_checkpoint
+from fcl_emu.bench.churn import _merge, emulated_base, run_point
+from fcl_emu.bench.soak_checks import compare, double_counts, read_events
+from monitoring.results import RunSummary
+
+KINDS = ("node_stop", "net_cut", "node_kill", "coordinator_kill", "disk_full")
+CSV_COLUMNS = ["kind", "at_round", "target", "injected_at_s", "duration_s", "survived", "skipped", "problems",
+               "detail"]
+TMPFS_SIZE = "64m"
+IPTABLES_CHAIN = "FCL_SOAK"
+LIVENESS_S = 20.0
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": 8, "samples_per_client_task": 200},
+    "rounds": {"clients_per_round": 4, "rounds_per_task": 10, "deadline_s": 60.0, "clock": "emulated",
+               "eval_every": 10**6},  # the accuracy matrix only: rounds stay short, faults many
+    "training": {"local_epochs": 1},
+    "network": {"heartbeat_interval_s": 0.5, "liveness_timeout_s": LIVENESS_S, "join_timeout_s": 120.0},
+    "model": "cnn",
+    "nodes": 4,
+    "device": "cpu",
+}
+
+
+@dataclass
+class Fault:
+    """One fault of the schedule and, once injected, what happened."""
+
+    kind: str
+    at_round: int  # injected once the run has recorded this global round
+    offset_s: float  # and this long after, so that it lands inside the next round
+    duration_s: float  # node_stop, net_cut: how long
+    pick: float  # in [0, 1): which of the live nodes (sorted by name)
+    target: Optional[str] = None
+    injected_at_s: Optional[float] = None
+    events_before: int = 0  # lines of events.jsonl when it was injected
+    skipped: Optional[str] = None
+    problems: list[str] = field(default_factory=list)
+    detail: str = ""
+    survived: Optional[bool] = None
+
+
+def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> list[Fault]:
+    """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in the first three quarters of the
+    run (the rest leaves room for faults that lag behind a fast run). Node kills take the last of these rounds:
+    up to the first, the run must match the baseline round by round."""
+    rng = random.Random(seed)
+    order: list[str] = []
+    while len(order) < count:
+        cycle = list(kinds)
+        rng.shuffle(cycle)
+        order += cycle
+    order = sorted(order[:count], key=lambda kind: kind == "node_kill")
+    last = max(1, 3 * total_rounds // 4)  # distinct rounds while there are enough
+    rounds = sorted(rng.sample(range(1, last + 1), min(count, last)) + [rng.randint(1, last)
+                                                                         for _ in range(count - last)])
+    # a TCP retransmission after a cut comes up to the cut's length later: cuts stay under a quarter of the timeout
+    longest = {"node_stop": 0.4 * LIVENESS_S, "net_cut": 0.25 * LIVENESS_S}
+    return [Fault(kind, at, round(rng.uniform(0.0, 1.0), 3),
+                  round(rng.uniform(0.5, 1.0) * longest.get(kind, 0.0), 2), rng.random())
+            for kind, at in zip(order, rounds)]
+
+
+# ------------------------------------------------------------------ the faulted run
+class FaultedRun:
+    """The ``up`` process of the faulted run (started again on resume), its events, nodes and checkpoint."""
+
+    def __init__(self, config_path: Path, run_dir: Path, log_path: Path):
+        self.config_path, self.run_dir, self.log_path = config_path, run_dir, log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.seen: dict[int, float] = {}  # every process of the run: pid -> create time
+        self.positions: list[tuple[int, int, int]] = []  # checkpoint positions as polled
+        self.orphans: list[int] = []  # processes of the run alive after it ended
+        self.started = time.monotonic()
+
+    # -------------------------------------------------------------- processes
+    def start(self, resume: bool = False) -> None:
+        command = [sys.executable, "-m", "fcl_emu", "up"]
+        command += ["--resume", str(self.run_dir)] if resume else ["--config", str(self.config_path), "--run-dir",
+                                                                   str(self.run_dir)]
+        with open(self.log_path, "ab") as log:
+            log.write(("$ " + " ".join(command) + "\n").encode())
+            log.flush()
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, "COLUMNS": "120"})
+        self.seen[self.proc.pid] = psutil.Process(self.proc.pid).create_time()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        for child in children:
+            try:
+                self.seen.setdefault(child.pid, child.create_time())
+            except psutil.Error:
+                pass
+        return children
+
+    def nodes(self) -> dict[str, psutil.Process]:
+        """The live edge nodes by name (a forked node shows ``fcl-emu node ... --name NAME``)."""
+        found = {}
+        for child in self.descendants():
+            try:
+                argv = child.cmdline()
+                if child.status() != psutil.STATUS_ZOMBIE and argv[:2] == ["fcl-emu", "node"] and "--name" in argv:
+                    found[argv[argv.index("--name") + 1]] = child
+            except (psutil.Error, IndexError):
+                continue
+        return dict(sorted(found.items()))
+
+    def alive_of_run(self) -> list[int]:
+        """Processes of this run still alive: any seen one, or any whose command line names the run directory."""
+        alive = []
+        for pid, created in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                pass
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if proc.info["pid"] not in alive and str(self.run_dir) in " ".join(proc.info["cmdline"] or ()):
+                alive.append(proc.info["pid"])
+        return sorted(alive)
+
+    # -------------------------------------------------------------- files
+    def events(self) -> list[dict]:
+        return read_events(self.run_dir)
+
+    def last_round(self) -> int:
+        return max((e["round"] for e in self.events() if e["event"] == "round"), default=0)
+
+    def poll_position(self) -> None:
+        try:
+            state = json.loads((self.run_dir / "checkpoint" / "state.json").read_text())
+            position = (state["next"]["task"], state["next"]["task_round"], state["global_round"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if not self.positions or self.positions[-1] != position:
+            self.positions.append(position)
+
+    def checkpoint_problems(self) -> list[str]:
+        """With the coordinator down: the checkpoint must load and be at least as far as any seen before."""
+        try:
+            state = load_checkpoint(self.run_dir / "checkpoint").state
+        except CheckpointError as exc:
+            return [f"checkpoint lost: {exc}"]
+        position = (state["next"]["task"], state["next"]["task_round"], state["global_round"])
+        if self.positions and position < max(self.positions):
+            return [f"checkpoint went back to {position} from {max(self.positions)}"]
+        self.poll_position()
+        return []
+
+    # -------------------------------------------------------------- waiting
+    def wait(self, until: Callable[[], bool], timeout_s: float) -> bool:
+        """Poll (processes, checkpoint) until ``until()`` or the timeout; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.descendants()
+            self.poll_position()
+            if until():
+                return True
+            time.sleep(0.25)
+        return until()
+
+    def stop_all(self) -> None:
+        """SIGKILL whatever of the run is left (after a failed check or Ctrl-C)."""
+        for pid in self.alive_of_run():
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------ injectors
+def _pick_node(run: FaultedRun, fault: Fault) -> Optional[psutil.Process]:
+    nodes = run.nodes()
+    if not nodes:
+        fault.skipped = "no live edge node"
+        return None
+    name = list(nodes)[int(fault.pick * len(nodes))]
+    fault.target = name
+    return nodes[name]
+
+
+def _node_exits(run: FaultedRun, after: int) -> list[str]:
+    return [e["node"] for e in run.events()[after:] if e["event"] == "node_exit"]
+
+
+def inject_node_stop(run: FaultedRun, fault: Fault) -> None:
+    node = _pick_node(run, fault)
+    if node is None:
+        return
+    node.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(fault.duration_s)
+    finally:
+        node.send_signal(signal.SIGCONT)
+    fault.detail = f"SIGSTOP pid {node.pid}, SIGCONT after {fault.duration_s:g} s"
+    _delayed_only(run, fault)
+
+
+def _delayed_only(run: FaultedRun, fault: Fault) -> None:
+    """A delay must not cost the node: no ``node_exit`` of it (its clients silent past the liveness timeout)."""
+    run.wait(lambda: False, 1.0)
+    if fault.target in _node_exits(run, fault.events_before):
+        fault.problems.append("the node was declared gone (node_exit)")
+
+
+def _iptables(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True)
+
+
+def net_cut_unavailable() -> Optional[str]:
+    """Why a network cut cannot be injected here, or None."""
+    if os.geteuid() != 0:
+        return "not root: iptables rules need CAP_NET_ADMIN"
+    if shutil.which("iptables") is None:
+        return "iptables is not installed"
+    probe = _iptables("-L", "OUTPUT", "-n")
+    return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.strip()}"
+
+
+def inject_net_cut(run: FaultedRun, fault: Fault) -> None:
+    node = _pick_node(run, fault)
+    if node is None:
+        return
+    argv = node.cmdline()
+    port = int(argv[argv.index("--connect") + 1].rsplit(":", 1)[1])
+    ports = sorted({c.laddr.port for c in node.net_connections("tcp") if c.raddr and c.raddr.port == port})
+    if not ports:
+        fault.skipped = "the node has no connection to the coordinator"
+        return
+    _iptables("-N", IPTABLES_CHAIN)
+    _iptables("-I", "OUTPUT", "-j", IPTABLES_CHAIN)
+    try:
+        for p in ports:  # every packet passes OUTPUT on its way: from the node, and to it (only this connection)
+            for source, destination in ((p, port), (port, p)):
+                rule = _iptables("-A", IPTABLES_CHAIN, "-p", "tcp", "--sport", str(source), "--dport",
+                                 str(destination), "-j", "DROP")
+                if rule.returncode != 0:
+                    raise RuntimeError(f"iptables: {rule.stderr.strip()}")
+        time.sleep(fault.duration_s)
+        dropped = _dropped_packets()
+    finally:
+        remove_net_cut()
+    fault.detail = (f"{len(ports)} TCP connections of pid {node.pid} cut for {fault.duration_s:g} s "
+                    f"({dropped} packets dropped)")
+    if not dropped:  # heartbeats go out twice a second: a cut that drops nothing cut nothing
+        fault.problems.append("the cut dropped no packet")
+    _delayed_only(run, fault)
+
+
+def _dropped_packets() -> int:
+    """Packets the cut's rules have dropped so far."""
+    listing = _iptables("-L", IPTABLES_CHAIN, "-v", "-n", "-x").stdout.splitlines()
+    return sum(int(line.split()[0]) for line in listing[2:] if line.split() and line.split()[0].isdigit())
+
+
+def remove_net_cut() -> None:
+    _iptables("-D", "OUTPUT", "-j", IPTABLES_CHAIN)
+    _iptables("-F", IPTABLES_CHAIN)
+    _iptables("-X", IPTABLES_CHAIN)
+
+
+def inject_node_kill(run: FaultedRun, fault: Fault) -> None:
+    if len(run.nodes()) < 2:
+        fault.skipped = "last live node (killing it ends the run: every edge node exited)"
+        return
+    node = _pick_node(run, fault)
+    node.send_signal(signal.SIGKILL)
+    fault.detail = f"SIGKILL pid {node.pid}"
+    if not run.wait(lambda: fault.target in _node_exits(run, fault.events_before) or not run.running(), 15.0) \
+            or fault.target not in _node_exits(run, fault.events_before):
+        fault.problems.append("no node_exit event recorded")
+
+
+def _resume(run: FaultedRun, fault: Fault) -> None:
+    """Check the coordinator's processes are gone and its checkpoint intact, then ``up --resume``."""
+    if not run.wait(lambda: not [p for p in run.alive_of_run()], 15.0):
+        fault.problems.append(f"orphan processes after the coordinator ended: {run.alive_of_run()}")
+        run.stop_all()
+    fault.problems += run.checkpoint_problems()
+    count = len([e for e in run.events() if e["event"] == "resume"])
+    run.start(resume=True)
+    if not run.wait(lambda: len([e for e in run.events() if e["event"] == "resume"]) > count or not run.running(),
+                    180.0):
+        fault.problems.append("no resume event within 180 s")
+
+
+def inject_coordinator_kill(run: FaultedRun, fault: Fault) -> None:
+    fault.target = "coordinator"
+    fault.detail = f"SIGKILL pid {run.proc.pid}, then up --resume"
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait()
+    _resume(run, fault)
+
+
+def fill(path: Path) -> int:
+    """Write zeros to ``path`` until the file system is full; the bytes written."""
+    written, chunk = 0, b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    return written
+                chunk = chunk[:len(chunk) // 2]
+
+
+def _stray_arrays(directory: Path) -> list[str]:
+    """The arrays files beside the one the checkpoint names: what a discarded save left behind."""
+    try:
+        named = json.loads((directory / "state.json").read_text())["arrays"]["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # checkpoint_problems says what is wrong with it
+    stray = sorted(p.name for p in directory.glob("arrays-*.npz") if p.name != named)
+    return [f"the discarded checkpoint left {', '.join(stray)}"] if stray else []
+
+
+def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> None:
+    if mount is None:
+        fault.skipped = "the run directory is not on its own small file system (see the soak's disk_full note)"
+        return
+    fault.target = str(mount)
+    filler = mount / "filler"
+    size = fill(filler)
+    try:
+        if not run.wait(lambda: not run.running(), 180.0):
+            fault.problems.append("the run did not end within 180 s of the disk filling")
+            run.stop_all()
+        log = run.log_path.read_text(errors="replace")
+        last = log[log.rfind("$ "):]
+        if run.proc.returncode == 0:
+            fault.skipped = "the run completed before it wrote to the full disk"
+            return
+        if "run failed: disk full (" not in last:
+            fault.problems.append("no 'run failed: disk full (PATH)' line")
+        try:
+            status = RunSummary.load(run.run_dir / "summary.json").status
+        except (OSError, ValueError):  # allowed when the disk is still too full for it, and then said
+            status = "(no summary.json)" if "summary.json could not be written" in last else "(summary.json lost)"
+        if not status.startswith(("failed: disk full (", "(no summary.json)")):
+            fault.problems.append(f"status {status!r}")
+        fault.detail = f"filler of {size / 1e6:.1f} MB; exit {run.proc.returncode}; {status}"
+        fault.problems += _stray_arrays(run.run_dir / "checkpoint")
+    finally:
+        filler.unlink()
+    _resume(run, fault)
+
+
+# ------------------------------------------------------------------ the soak
+def soak_config(base: dict, clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int, seed: int,
+                data_roots: list[Path], out: Path) -> dict:
+    config = _merge(base, {"scenario": {"num_clients": clients, "num_tasks": tasks, "samples_per_client_task": samples,
+                                        "seed": seed},
+                           "rounds": {"rounds_per_task": rounds_per_task,
+                                      "clients_per_round": min(clients, base["rounds"]["clients_per_round"])},
+                           "nodes": nodes, "seed": seed, "data_root": [str(Path(p).resolve()) for p in data_roots]})
+    return emulated_base(config, out)
+
+
+def _mount_tmpfs(mount: Path) -> tuple[Optional[Path], Optional[str]]:
+    """A small tmpfs at ``mount`` for the run directory; (mount, None) or (None, why not)."""
+    if os.geteuid() != 0:
+        return None, "not root: mounting a tmpfs needs CAP_SYS_ADMIN"
+    mount.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    return (mount, None) if done.returncode == 0 else (None, f"mount refused: {done.stderr.strip()}")
+
+
+def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) -> tuple[FaultedRun, dict]:
+    """The faulted run, with ``faults`` injected in order; (the run, notes on what could not be injected)."""
+    notes: dict[str, str] = {}
+    mount, why = _mount_tmpfs(out / "faulted-tmpfs") if "disk_full" in {f.kind for f in faults} else (None, None)
+    if why:
+        notes["disk_full"] = why
+    cut = net_cut_unavailable() if "net_cut" in {f.kind for f in faults} else None
+    if cut:
+        notes["net_cut"] = cut
+    run_dir = (mount or out) / "faulted"
+    config_path = out / "faulted-config.yaml"
+    config_path.write_text(yaml.safe_dump({**config, "run_dir": str(run_dir)}, sort_keys=False))
+    run = FaultedRun(config_path, run_dir, out / "faulted-up.log")
+    injectors = {"node_stop": inject_node_stop, "net_cut": inject_net_cut, "node_kill": inject_node_kill,
+                 "coordinator_kill": inject_coordinator_kill,
+                 "disk_full": lambda r, f: inject_disk_full(r, f, mount)}
+    try:
+        run.start()
+        for fault in faults:
+            if not run.wait(lambda: run.last_round() >= fault.at_round or not run.running(), 900.0) \
+                    or not run.running():
+                fault.skipped = "the run had ended"
+                continue
+            time.sleep(fault.offset_s)
+            if fault.kind in notes:
+                fault.skipped = notes[fault.kind]
+                continue
+            fault.events_before = len(run.events())
+            fault.injected_at_s = round(time.monotonic() - run.started, 2)
+            injectors[fault.kind](run, fault)
+            console.print(f"{fault.injected_at_s:8.1f} s  round {fault.at_round:3d}  {fault.kind:16s} "
+                          f"{fault.target or '':12s} {fault.skipped or fault.detail} "
+                          f"{'; '.join(fault.problems)}", markup=False, highlight=False)
+        if not run.wait(lambda: not run.running(), 1800.0):
+            notes["end"] = "the run did not end within 30 minutes of the last fault"
+        run.wait(lambda: not run.alive_of_run(), 15.0)
+        run.orphans = run.alive_of_run()
+    finally:
+        run.stop_all()
+        if "net_cut" in {f.kind for f in faults} and not cut:
+            remove_net_cut()
+        if mount is not None:
+            if run_dir.exists():
+                shutil.copytree(run_dir, out / "faulted", dirs_exist_ok=True)
+            subprocess.run(["umount", str(mount)], capture_output=True)
+            run.run_dir = out / "faulted"
+    return run, notes
+
+
+def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int,
+        seed: int, data_roots: list[Path], out: Path, console: Console) -> dict:
+    """The baseline, the faulted run and every check; writes ``soak.json`` and ``faults.csv``; the result."""
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config = soak_config(DEFAULT_CONFIG, clients, nodes, tasks, rounds_per_task, samples, seed, data_roots, out)
+    faults = schedule(kinds, count, tasks * rounds_per_task, seed)
+    started = time.monotonic()
+    baseline, baseline_status = run_point(config, out / "baseline", 1800.0)
+    baseline_s = time.monotonic() - started
+    console.print(f"baseline: {baseline_status} in {baseline_s:.0f} s", markup=False, highlight=False)
+    started = time.monotonic()
+    faulted_run, notes = run_faulted(config, faults, out, console)
+    faulted_s = time.monotonic() - started
+    events, orphans = faulted_run.events(), faulted_run.orphans
+    try:
+        faulted = RunSummary.load(faulted_run.run_dir / "summary.json")
+    except (OSError, ValueError):
+        faulted = None
+    checks: dict[str, list[str]] = {
+        "status": [] if faulted is not None and faulted.status == "completed" else
+        [f"faulted run ended {faulted.status if faulted else '(no summary.json)'}"],
+        "double_counts": double_counts(events),
+        "checkpoint": faulted_run.checkpoint_problems() + (
+            [] if faulted_run.positions == sorted(faulted_run.positions) else
+            [f"checkpoint positions not monotone: {faulted_run.positions}"]),
+        "orphans": [f"processes left: {orphans}"] if orphans else [],
+    }
+    if baseline is not None and faulted is not None:
+        killed = {f.target for f in faults if f.kind == "node_kill" and f.injected_at_s is not None and not f.skipped}
+        comparison = compare(baseline, faulted, read_events(out / "baseline"), events, killed)
+    else:
+        comparison = {"problems": [f"no summary to compare (baseline {baseline_status})"]}
+    checks["comparison"] = comparison["problems"]
+    for fault in faults:
+        later = events[fault.events_before:]
+        progressed = any(e["event"] == "round" for e in later) or any(
+            e["event"] == "end" and e.get("status") == "completed" for e in later)
+        if fault.injected_at_s is not None and not fault.skipped:
+            fault.survived = not fault.problems and progressed and not checks["status"]
+    survived = [f for f in faults if f.survived]
+    injected = [f for f in faults if f.injected_at_s is not None and not f.skipped]
+    result = {
+        "config": config, "seed": seed, "baseline_s": round(baseline_s, 1), "faulted_s": round(faulted_s, 1),
+        "faults_injected": len(injected), "faults_survived": len(survived),
+        "faults_per_hour": round(len(survived) / (faulted_s / 3600), 1) if faulted_s > 0 else None,
+        "skipped": notes, "faults": [asdict(f) for f in faults], "checks": checks, "comparison": comparison,
+        "ok": not any(checks.values()) and len(survived) == len(injected),
+    }
+    (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    with open(out / "faults.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for fault in faults:
+            writer.writerow({**asdict(fault), "problems": "; ".join(fault.problems)})
+    _print(result, console)
+    return result
+
+
+def _print(result: dict, console: Console) -> None:
+    table = Table(title=f"soak: {result['faults_survived']} of {result['faults_injected']} faults survived in "
+                        f"{result['faulted_s']:.0f} s ({result['faults_per_hour']} per hour)")
+    for column in ("kind", "round", "target", "survived", "what happened"):
+        table.add_column(column)
+    for f in result["faults"]:
+        table.add_row(f["kind"], str(f["at_round"]), f["target"] or "", str(f["survived"]),
+                      f["skipped"] or "; ".join([f["detail"], *f["problems"]]))
+    console.print(table)
+    for name, problems in result["checks"].items():
+        console.print(f"{name}: {'ok' if not problems else '; '.join(problems)}", markup=False, highlight=False)
+    comparison = result["comparison"]
+    console.print(f"accuracy matrix: {'the same as' if comparison.get('same') else 'differs from'} the baseline's; "
+                  f"{comparison.get('explanation', '-')}", markup=False, highlight=False)
+    drift = comparison.get("emulated_time")
+    if drift:
+        console.print(f"emulated clock over the {drift['rounds']} rounds before any node exit: at most "
+                      f"{drift['max_clock_difference_s']:.6f} s from the baseline's; {drift['extra_bytes_sent']} bytes "
+                      f"more sent (task starts sent again to the clients of nodes a resume started)",
+                      markup=False, highlight=False)
