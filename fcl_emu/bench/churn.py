@@ -89,7 +89,7 @@ def emulated_base(base: dict, out: Path) -> dict:
     path = Path(out) / DEVICES_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({"profiles": [EMULATED_DEVICE]}))
-    return _merge(base, {"edge": {"device_profiles": str(path.resolve())}})
+    return merge_config(base, {"edge": {"device_profiles": str(path.resolve())}})
 
 
 # ------------------------------------------------------------------ configs
@@ -120,10 +120,10 @@ def parse_rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def merge_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_config(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -143,7 +143,7 @@ def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, t
             raise ValueError(f"--config: {config_file} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"--config: {config_file} must hold a mapping at the top level")
-    config = _merge(DEFAULT_CONFIG, loaded)
+    config = merge_config(DEFAULT_CONFIG, loaded)
     flags: dict[str, Any] = {"scenario": {}, "rounds": {}}
     for section, key, value in (("scenario", "num_clients", clients), ("scenario", "num_tasks", tasks),
                                 ("rounds", "rounds_per_task", rounds_per_task),
@@ -151,7 +151,7 @@ def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, t
                                 ("rounds", "min_participants", min_participants)):
         if value is not None:
             flags[section][key] = value
-    config = _merge(config, flags)
+    config = merge_config(config, flags)
     rounds = config.setdefault("rounds", {})
     if "min_participants" not in rounds:  # a quorum: half the round's clients
         rounds["min_participants"] = max(1, math.ceil(int(rounds.get("clients_per_round", 30)) / 2))
@@ -195,7 +195,7 @@ def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, 
             plan_path.parent.mkdir(parents=True, exist_ok=True)
             plan_path.write_text(yaml.safe_dump(plan))
             containers["faults"] = str(plan_path)
-    config = _merge(base, {"method": method, "seed": seed, "scenario": {"seed": seed}, "edge": edge,
+    config = merge_config(base, {"method": method, "seed": seed, "scenario": {"seed": seed}, "edge": edge,
                            **({"containers": containers} if containers else {})})
     try:
         RunConfig.model_validate(config)

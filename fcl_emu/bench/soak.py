@@ -53,7 +53,7 @@ from rich.table import Table
 
 from coordinator.checkpoint import CheckpointError
 from coordinator.checkpoint import load as load_checkpoint
-from fcl_emu.bench.churn import _merge, emulated_base, run_point
+from fcl_emu.bench.churn import merge_config, emulated_base, run_point
 from fcl_emu.bench.soak_checks import compare, double_counts, read_events
 from monitoring.results import RunSummary
 
@@ -416,7 +416,7 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
 # ------------------------------------------------------------------ the soak
 def soak_config(base: dict, clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int, seed: int,
                 data_roots: list[Path], out: Path) -> dict:
-    config = _merge(base, {"scenario": {"num_clients": clients, "num_tasks": tasks, "samples_per_client_task": samples,
+    config = merge_config(base, {"scenario": {"num_clients": clients, "num_tasks": tasks, "samples_per_client_task": samples,
                                         "seed": seed},
                            "rounds": {"rounds_per_task": rounds_per_task,
                                       "clients_per_round": min(clients, base["rounds"]["clients_per_round"])},
