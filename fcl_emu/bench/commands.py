@@ -1,0 +1,237 @@
+"""``fcl-emu bench ...``: the benchmarks, each printing ratios against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from fcl_emu import options
+from fcl_emu.command_line import console, folder, writable
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
+ClientsOpt = options.elsewhere("clients")
+PerRoundOpt = options.elsewhere("clients_per_round")
+DataRootOpt = options.elsewhere("data_root")
+TasksOpt = options.elsewhere("tasks")
+RoundsOpt = options.elsewhere("rounds_per_task")
+
+
+@bench_app.command("wire")
+def bench_wire(
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    seconds: Annotated[float, typer.Option(help="Measuring time per case.")] = 2.0,
+) -> None:
+    """Framing throughput between two processes vs raw zero-copy pyzmq and pickle."""
+    from fcl_emu.bench.wire import run
+
+    writable(folder(json_path))
+    run(json_path, seconds, console)
+
+
+@bench_app.command("round")
+def bench_round(
+    clients: Annotated[int, typer.Option(help="Emulated clients.")] = 300,
+    rounds: Annotated[int, typer.Option(help="Rounds to time.")] = 5,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    data_root: DataRootOpt = None,
+) -> None:
+    """Coordinator time per round outside client training, and memory per idle client."""
+    from fcl_emu.bench.round import run
+
+    writable(folder(json_path))
+    run(clients, rounds, json_path, data_root, console)
+
+
+@bench_app.command("secagg")
+def bench_secagg(
+    clients: Annotated[int, typer.Option(min=3, help="Clients in the round (N).")] = 100,
+    dim: Annotated[int, typer.Option(min=1, help="Values per client (D).")] = 1_000_000,
+    neighbors: Annotated[Optional[int], typer.Option(
+        help="Neighbours per client (K; default 2*ceil(log2 N); N-1: SecAgg).")] = None,
+    threshold: Annotated[Optional[int], typer.Option(help="Shamir threshold t (default floor(K/2)+1).")] = None,
+    dropout: Annotated[float, typer.Option(help="Probability that a client drops, at a random phase.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the inputs, graph and dropouts.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    flower: Annotated[bool, typer.Option(
+        "--flower/--no-flower", help="Also time Flower's SecAgg+ client on the same N, K, D (needs flwr).")] = True,
+) -> None:
+    """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound and Flower."""
+    from fcl_emu.bench.secagg import run
+
+    writable(folder(json_path))
+    try:
+        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower)
+    except ValueError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+@bench_app.command("metrics")
+def bench_metrics(
+    clients: Annotated[int, typer.Option(help="Clients of the simulated run that fills the registries.")] = 300,
+    url: Annotated[Optional[list[str]], typer.Option(
+        "--url", help="Also time scrapes of this live /metrics URL (repeatable).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Prometheus metrics overhead: time per update, scrape time and size at --clients clients."""
+    from fcl_emu.bench.metrics import run
+
+    writable(folder(json_path))
+    run(clients, list(url or []), json_path, console)
+
+
+@bench_app.command("scale")
+def bench_scale(
+    populations: Annotated[str, typer.Option(help="Comma-separated client populations.")] = "100,300,1000,3000,10000",
+    cohort: Annotated[int, typer.Option(min=1, help="Clients per round at every point (fewer if N is smaller).")]
+        = 100,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per point.")] = 3,
+    share: Annotated[int, typer.Option(min=1, help="Training samples per client (MNIST: N x share <= 60,000).")] = 6,
+    clients_per_node: Annotated[int, typer.Option(min=1, help="Clients per edge-node process.")] = 5000,
+    idle_s: Annotated[float, typer.Option(min=1, help="Seconds of idle serving measured at each point.")] = 5.0,
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes scale.csv and scale.png here.")] = Path("runs/scale"),
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Scaling sweep: join time, coordinator overhead, idle CPU and memory per client against the population."""
+    from fcl_emu.bench.scale import run
+
+    try:
+        sizes = [int(p) for p in populations.split(",") if p.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{populations!r}: use comma-separated integers", param_hint="--populations") from None
+    if not sizes or min(sizes) < 2:
+        raise typer.BadParameter("every population needs at least 2 clients", param_hint="--populations")
+    writable(out, folder(json_path))
+    try:
+        run(sizes, cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root, console)
+    except RuntimeError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("containers")
+def bench_containers(
+    clients: Annotated[int, typer.Option(min=2, help="Clients (IID shares of MNIST).")] = 100,
+    cohort: Annotated[int, typer.Option(min=1, help="Clients per round.")] = 20,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per run.")] = 3,
+    nodes: Annotated[int, typer.Option(min=1, help="Edge nodes (containers).")] = 4,
+    data_root: DataRootOpt = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Edge nodes in containers against host processes: start-up, idle memory, round time, CPU-limit slow-down."""
+    from containers.docker_client import EngineError
+    from containers.image import ImageError
+    from fcl_emu.bench.containers import run
+    from runconfig import default_data_roots
+
+    writable(folder(json_path))
+    try:
+        run(clients, cohort, rounds, nodes, [Path(p) for p in data_root] if data_root else default_data_roots(),
+            json_path, Console())
+    except (EngineError, ImageError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("flower")
+def bench_flower(
+    points: Annotated[str, typer.Option(help="Comma-separated N:K points (clients : clients per round).")]
+        = "100:10,300:30",
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds on both sides.")] = 3,
+    epochs: Annotated[int, typer.Option(min=1, help="Local epochs on both sides.")] = 1,
+    data_root: DataRootOpt = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """fcl-emu against Flower's simulation engine on the same FedAvg workload: wall clock, memory, accuracy."""
+    from fcl_emu.bench.flower import flower_version, run
+
+    try:
+        parsed = [tuple(int(v) for v in p.split(":")) for p in points.split(",") if p.strip()]
+        assert parsed and all(len(p) == 2 and 0 < p[1] <= p[0] for p in parsed)
+    except (ValueError, AssertionError):
+        raise typer.BadParameter(f"{points!r}: use N:K pairs with 0 < K <= N, e.g. 100:10,300:30",
+                                 param_hint="--points") from None
+    if flower_version() is None:
+        console.print("error: the comparison needs Flower's simulation engine: pip install 'flwr[simulation]'",
+                      style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
+    writable(folder(json_path))
+    try:
+        run(parsed, rounds, epochs, data_root, json_path, console)
+    except RuntimeError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("churn")
+def bench_churn(
+    methods: Annotated[str, typer.Option(help="Comma-separated learning methods.")] = "fedavg,fedlwf2t",
+    rates: Annotated[str, typer.Option(
+        help="Comma-separated churn rates c in [0, 1): P(client unavailable in a slot); runs bernoulli:(1-c).")]
+        = "0,0.1,0.2,0.3,0.4,0.5",
+    crash_rate: Annotated[float, typer.Option(
+        "--crash-rate", min=0, max=1, help="edge.crash_rate of every run.")] = 0.0,
+    clients: ClientsOpt = None,
+    tasks: TasksOpt = None,
+    rounds_per_task: RoundsOpt = None,
+    clients_per_round: PerRoundOpt = None,
+    min_participants: Annotated[Optional[int], typer.Option(
+        "--min-participants", help="Fewer updates: round skipped (default: half of --clients-per-round).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
+    faults: Annotated[str, typer.Option(
+        help="emulated (the nodes tell clients to leave and crash), containers (edge nodes in Docker: nodes "
+             "paused and restarted at the same per-round rates), or both, comma-separated.")] = "emulated",
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes churn.csv, churn.png and runs/ here.")] = Path("runs/churn"),
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="Base YAML config (over the bench's defaults; the flags above override it).")] = None,
+) -> None:
+    """Churn sweep: accuracy, forgetting, completed rounds and bytes against the churn rate (real `up` runs)."""
+    from fcl_emu.bench import churn
+
+    writable(out)
+    try:
+        base = churn.base_config(config, clients=clients, tasks=tasks, rounds_per_task=rounds_per_task,
+                                 clients_per_round=clients_per_round, min_participants=min_participants,
+                                 data_root=data_root)
+        modes = churn.parse_list(faults, "--faults")
+        unknown = sorted(set(modes) - set(churn.FAULT_MODES))
+        if unknown:
+            raise ValueError(f"--faults: unknown {', '.join(unknown)}; choose from {', '.join(churn.FAULT_MODES)}")
+        sweep = churn.run(churn.parse_list(methods, "--methods"), churn.parse_rates(rates), crash_rate, seed, out,
+                          base, console, modes)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(0 if all(r["status"] == "completed" for r in sweep.rows) else 1)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    faults: Annotated[int, typer.Option(min=1, help="Faults to inject, one after another.")] = 10,
+    kinds: Annotated[str, typer.Option(help="Comma-separated fault kinds, drawn in shuffled cycles.")]
+        = "node_stop,net_cut,node_kill,coordinator_kill,disk_full",
+    clients: Annotated[int, typer.Option(min=2, help="Clients.")] = 8,
+    nodes: Annotated[int, typer.Option(min=2, help="Edge nodes.")] = 4,
+    tasks: Annotated[int, typer.Option(min=1, help="Tasks.")] = 2,
+    rounds_per_task: Annotated[int, typer.Option(min=2, help="Rounds per task.")] = 10,
+    samples: Annotated[int, typer.Option(min=1, help="Training samples per client and task.")] = 200,
+    seed: Annotated[int, typer.Option(help="Seed of the run and of the fault schedule.")] = 0,
+    data_root: DataRootOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="Writes soak.json, faults.csv and both runs here.")]
+        = Path("runs/soak"),
+) -> None:
+    """Fault soak: one emulated-clock run under seeded real faults, checked against the same run without them."""
+    from fcl_emu.bench import soak
+    from runconfig import default_data_roots
+
+    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+    if not chosen or set(chosen) - set(soak.KINDS):
+        raise typer.BadParameter(f"{kinds!r}: choose from {', '.join(soak.KINDS)}", param_hint="--kinds")
+    writable(out)
+    result = soak.run(faults, chosen, clients, nodes, tasks, rounds_per_task, samples, seed,
+                      [Path(p) for p in data_root] if data_root else default_data_roots(), out, Console())
+    raise typer.Exit(0 if result["ok"] else 1)
