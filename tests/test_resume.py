@@ -367,7 +367,7 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
 def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_command(tmp_path, mnist_root):
     """SIGTERM (what `timeout`, Slurm and systemd send) mid-run: the nodes stop, summary.json says
     `interrupted: SIGTERM`, the checkpoint stays, the summary table and the exact resume command are printed,
-    exit 143; `up --resume` then finishes the run."""
+    exit 143; `up --resume` then finishes the run with the uninterrupted run's accuracy matrix."""
     import psutil
 
     config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40},
@@ -375,6 +375,8 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
                           training={"local_epochs": 1}, nodes=2)
     run_dir = tmp_path / "run"
     common = ["--data-root", str(mnist_root)]
+    reference = tmp_path / "reference"
+    assert fcl_emu("up", "--config", str(config), "--run-dir", str(reference), *common).wait(timeout=180) == 0
     up = fcl_emu("up", "--config", str(config), "--run-dir", str(run_dir), *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     resumed = None
@@ -399,6 +401,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
                 p.kill()
     summary = RunSummary.load(run_dir / "summary.json")
     assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
+    assert summary.accuracy_matrix == RunSummary.load(reference / "summary.json").accuracy_matrix
 
 
 def test_a_task_that_trained_nothing_is_never_reported_completed():
