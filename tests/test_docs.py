@@ -17,7 +17,7 @@ METRIC = re.compile(r"\bfcl_[a-z0-9_]+\*?")
 # A project's docs are read by its users: no notes from one working session to the next.
 # Services of a Swarm stack deployed under the name `fcl` (fcl_coordinator, fcl_node-0): not metrics.
 STACK_SERVICE = re.compile(r"fcl_(coordinator|prometheus|grafana|node)$")
-TEAM_JARGON = re.compile(r"\bstop \d+\b|\bthe issue\b|\bmeasured here\b", re.IGNORECASE)
+TEAM_JARGON = re.compile(r"\bstop \d+\b|\bissues?\b|\bmeasured here\b", re.IGNORECASE)
 
 
 def exported_names() -> set[str]:
