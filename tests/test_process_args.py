@@ -128,3 +128,15 @@ def test_gpu_worker_args_refuse_bad_values(fields, flag):
     with pytest.raises(ArgsError) as caught:
         GpuWorkerArgs(**{"connect": "tcp://h:1", "index": 0, **fields})
     assert caught.value.flag == flag
+
+
+def test_a_nodes_exit_names_its_last_error_not_its_progress_lines():
+    from fcl_emu.launchers.base import last_error_line, signal_exit
+
+    log = ("2026-11-26 04:29:08,001 fcl_emu.edge_node.connection INFO node-1: connecting to tcp://h:1 with 4 clients\n"
+           "Traceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device\n\n"
+           "2026-11-26 04:29:09,132 fcl_emu.edge_node.connection INFO node-1: joined run 24a0 at tcp://h:1\n")
+    assert last_error_line(log) == "OSError: [Errno 28] No space left on device"
+    assert last_error_line("2026-11-26 04:29:09,132 fcl_emu.edge_node.connection INFO node-1: joined\n") == ""
+    assert signal_exit(137) == "ended by signal 9 (SIGKILL)" == signal_exit(-9)
+    assert signal_exit(0) == signal_exit(1) == signal_exit(None) == ""

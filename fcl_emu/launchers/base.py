@@ -4,6 +4,8 @@ arguments (:class:`~edge_node.args.NodeArgs`) that start one."""
 from __future__ import annotations
 
 import abc
+import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,15 +16,36 @@ from runconfig import RunConfig, node_metrics_port
 from scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles
 
 
-def last_error(log_file: Path, max_chars: int = 300) -> str:
-    """The last non-empty line of a node's log (a traceback's last line names the error)."""
+# A progress line of a node's log ("<date> <time> <logger> INFO ..."): it names no error.
+PROGRESS_LINE = re.compile(r"\S+ \S+ \S+ (DEBUG|INFO) ")
+
+
+def last_error_line(text: str, max_chars: int = 300) -> str:
+    """The last line of a node's output that is not a progress line (a traceback's last line names the error);
+    empty when it wrote nothing else."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not PROGRESS_LINE.match(line.strip())]
+    return lines[-1][:max_chars] if lines else ""
+
+
+def signal_exit(code: int | None) -> str:
+    """What an exit code says when a signal ended the process (a subprocess's -N, a container's 128 + N)."""
+    number = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
+    if number is None:
+        return ""
+    try:
+        return f"ended by signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"ended by signal {number}"
+
+
+def last_error(log_file: Path) -> str:
+    """:func:`last_error_line` of the end of a node's log file."""
     try:
         with open(log_file, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - 8192))
-            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+            return last_error_line(f.read().decode("utf-8", "replace"))
     except OSError:
         return ""
-    return lines[-1][:max_chars] if lines else ""
 
 
 def node_assignment(num_clients: int, nodes: int) -> list[list[int]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from containers.docker_client import client
 from containers.faults import Target
 from coordinator.lifecycle import NodeExit
-from fcl_emu.launchers.base import NodeLauncher, NodeSpec
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error_line, signal_exit
 
 log = logging.getLogger("fcl_emu.launchers")
 
@@ -53,13 +53,6 @@ def node_entrypoint(uplink_mbit: float | None) -> list[str]:
     return NODE_PROGRAM.split() if uplink_mbit is None else tbf_entrypoint(uplink_mbit)
 
 
-def last_log_line(container, max_chars: int = 300) -> str:
-    """The last non-empty line a container wrote (a traceback's last line names the error)."""
-    text = container.logs(stdout=True, stderr=True, tail=50).decode("utf-8", "replace")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:max_chars] if lines else ""
-
-
 def node_exit(spec: NodeSpec, code: int, container=None, reported: str = "") -> NodeExit:
     """The exit of ``spec``'s node: an out-of-memory kill named as such, else its last log line (``container``
     when it is on this host), else what the engine ``reported``, else the signal that ended it."""
@@ -69,10 +62,9 @@ def node_exit(spec: NodeSpec, code: int, container=None, reported: str = "") -> 
         if container.attrs["State"].get("OOMKilled"):
             error = f"out of memory: the kernel killed it at its container's {spec.limits.memory} memory limit"
         else:
-            error = last_log_line(container) or error
-    if not error and code > 128:
-        error = f"ended by signal {code - 128}" + (" (SIGKILL)" if code == 137 else "")
-    return NodeExit(spec.name, code, len(spec.clients), error)
+            output = container.logs(stdout=True, stderr=True, tail=50).decode("utf-8", "replace")
+            error = last_error_line(output) or error
+    return NodeExit(spec.name, code, len(spec.clients), error or signal_exit(code))
 
 
 def remove_when_free(obj, timeout_s: float = 20.0) -> None:

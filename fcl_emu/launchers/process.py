@@ -12,7 +12,7 @@ from pathlib import Path
 from coordinator.lifecycle import NodeExit
 from edge_node.args import NodeArgs
 from fcl_emu.launchers import zygote
-from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs
+from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs, signal_exit
 from fcl_emu.launchers.zygote import ForkedProcess
 from runconfig import RunConfig
 
@@ -66,7 +66,7 @@ class ProcessLauncher(NodeLauncher):
         return {node.name: p.pid for p, (node, _log) in zip(self.procs, self._nodes) if p.poll() is None}
 
     def exited(self) -> list[NodeExit]:
-        return [NodeExit(node.name, p.returncode, len(node.clients), last_error(log_file))
+        return [NodeExit(node.name, p.returncode, len(node.clients), last_error(log_file) or signal_exit(p.returncode))
                 for p, (node, log_file) in zip(self.procs, self._nodes) if p.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> None:
