@@ -107,7 +107,7 @@ def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags:
 
     from fcl_emu import run
 
-    refused = ["--config"] * (config_file is not None) + options.refused_with_resume(flags)
+    refused = ["--config"] * (config_file is not None) + sorted(options.refused_with_resume(flags))
     if refused:
         raise typer.BadParameter(f"{', '.join(refused)} cannot be combined with --resume: a resumed run keeps "
                                  f"the configuration in RUN_DIR/config.yaml", param_hint="--resume")
