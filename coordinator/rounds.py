@@ -174,13 +174,14 @@ class RoundRunner:
                 if not sent:
                     continue
                 record.assets_task, record.restarted = task, False
-            if setups and not self.dispatcher.send(client_id, "secagg_setup", setups[client_id], task=task,
-                                                   round=r.number):
+            setup = setups and self.dispatcher.send(client_id, "secagg_setup", setups[client_id], task=task,
+                                                    round=r.number)
+            if setups and not setup:
                 continue
             sent_request = self.dispatcher.send(client_id, "train_request", request, task=task, round=r.number,
                                                 tensors=payload)
             if sent_request:
-                self.clock.dispatched(r, client_id, record.profile, sent + sent_request)
+                self.clock.dispatched(r, client_id, record.profile, sent + (setup or 0) + sent_request)
         return secure
 
     def _phase_collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None) -> SecureOutcome | None:
