@@ -56,6 +56,7 @@ Send = Callable[[str, str, Any], int]  # (client, message type, body) -> bytes h
 Serve = Callable[[Callable[[], bool], float], None]  # the coordinator's serve(until, deadline)
 Alive = Callable[[str], bool]
 Wait = Callable[[int], None]  # wait(phase): serve until the phase is over, as the clock has it
+Reject = Callable[[WireError], None]  # the dispatcher's: count, log and answer a refused message
 
 
 def round_id(run_id: str, number: int) -> int:
@@ -78,11 +79,13 @@ class SecureOutcome:
 class SecureRound:
     def __init__(self, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, *, run_id: str, number: int,
                  seed: int, send: Send, metrics: Any, max_weight: int | None = None,
-                 noise: DistributedNoise | None = None):
-        """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k)."""
+                 noise: DistributedNoise | None = None, reject: Reject | None = None):
+        """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k). ``reject``: what
+        becomes of a held reply the protocol refuses when it is admitted (:meth:`admit`; default: logged)."""
         self.number = number
         self.layout = layout
         self.send = send
+        self.reject = reject
         self.metrics = metrics
         self.phase_timeout_s = settings.phase_timeout_s
         self.server = SecAggServer(roster, layout.dim, settings, round_id(run_id, number), seed, max_weight, noise)
@@ -98,14 +101,14 @@ class SecureRound:
 
     @classmethod
     def open(cls, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, max_weight: int, *, run_id: str,
-             number: int, seed: int, send: Send, metrics: Any,
-             noise: DistributedNoise | None = None) -> SecureRound | SecureOutcome:
+             number: int, seed: int, send: Send, metrics: Any, noise: DistributedNoise | None = None,
+             reject: Reject | None = None) -> SecureRound | SecureOutcome:
         """The round over ``roster`` under the run's ``secagg`` settings (``max_weight``: the weight clip where they
         leave it unset; ``noise``: distributed DP's); an aborted outcome if it cannot even start (too few clients,
         t > k, a ring too small for the noise)."""
         try:
             return cls(roster, layout, settings, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
-                       max_weight=max_weight, noise=noise)
+                       max_weight=max_weight, noise=noise, reject=reject)
         except (SecAggAbort, SecAggError) as exc:
             log.warning("round %d: secure aggregation cannot start: %s", number, exc)
             metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
@@ -164,13 +167,18 @@ class SecureRound:
 
     def admit(self, phase: int, clients: set[str]) -> None:
         """Take the held replies of ``clients`` in ``phase`` into the protocol (in roster order); the others are
-        left out, so the phase's close drops their senders. A reply the protocol refuses is logged and left out."""
+        left out, so the phase's close drops their senders. A reply the protocol refuses is left out too, and
+        rejected as it would have been on arrival."""
         for peer, msg in sorted(self.held[phase].items(), key=lambda item: self.server.index[item[0]]):
             if peer in clients:
                 try:
                     self._receive(phase, peer, msg)
                 except WireError as exc:
-                    log.warning("round %d: %s: refused %s's reply: %s", self.number, PHASES[phase], peer, exc)
+                    exc.peer, exc.msg_type, exc.round = peer, msg.type, msg.round
+                    if self.reject is None:
+                        log.warning("round %d: refused %s's %s: %s", self.number, peer, msg.type, exc)
+                    else:
+                        self.reject(exc)
         self.held[phase].clear()
 
     def _receive(self, phase: int, peer: str, msg: Message) -> None:
