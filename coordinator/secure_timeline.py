@@ -30,8 +30,9 @@ round has replied or is known to be gone. A client's reply counts if it arrives 
 client left: its availability model turned it off (noticed at once) or it crashed (``edge.crash_rate``, the
 seeded draw of plain rounds, at a uniform point of the longest a secure round lasts, ``deadline_s +
 phase_timeout_s``; noticed after ``min(liveness timeout, crash_downtime_s)`` as in plain rounds; a crash
-drawn past the round's close does not happen in this round). A reply that does not count is left out of the protocol, whose phase close then drops its sender:
-the later phases recover its masks, or the round aborts with fewer than t clients.
+drawn past the round's close does not happen in this round). A reply that does not count is left out of
+the protocol, whose phase close then drops its sender: the later phases recover its masks, or the round
+aborts with fewer than t clients.
 
 Why the coordinator leaves the reply out rather than the node not sending it: the emulated clock is the
 coordinator's (the nodes emulate nothing in host time under it, and a node cannot know when the others'
