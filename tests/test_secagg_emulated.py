@@ -134,16 +134,22 @@ def profiles(tmp_path, clients: dict[int, str], **classes: dict) -> str:
 
 def busy_and_quiet(tmp_path, mnist_root, **common):
     """The same seeded secure run on one edge node beside two busy-loop processes, and on three edge nodes on a
-    quiet host; their summaries and round records."""
+    quiet host (a 10 s liveness timeout: a starved node's heartbeats are the host's, not the federation's);
+    their summaries and round records."""
+    common["network"] = {"liveness_timeout_s": 10}
     loaded = seeded_run(tmp_path, mnist_root, "loaded", hogs=2, nodes=1, secagg=SECURE, **common)
     quiet = seeded_run(tmp_path, mnist_root, "quiet", nodes=3, secagg=SECURE, **common)
     return loaded, quiet
 
 
-def phases(rounds: list[dict]) -> list[tuple]:
-    """What a round's secure aggregation decided: outcome, survivors and emulated seconds per phase."""
-    keys = ("outcome", "survivors", "emulated_phase_s", "dropouts")
-    return [tuple(r["secagg"][k] for k in keys) for r in rounds]
+def same_phases(a: list[dict], b: list[dict]) -> bool:
+    """Whether two runs' secure rounds decided alike: outcome, survivors and dropouts per phase, and each
+    phase's emulated seconds (to the microseconds a message header's varying length moves them on a slow
+    link)."""
+    keys = ("outcome", "survivors", "dropouts")
+    return ([[r["secagg"][k] for k in keys] for r in a] == [[r["secagg"][k] for k in keys] for r in b]
+            and all(x["secagg"]["emulated_phase_s"] == pytest.approx(y["secagg"]["emulated_phase_s"], abs=1e-3)
+                    for x, y in zip(a, b)))
 
 
 @pytest.mark.slow
@@ -161,11 +167,11 @@ def test_the_same_survivors_per_phase_and_accuracy_on_a_busy_host_with_one_node_
         rounds={"clients_per_round": 5, "rounds_per_task": 3, "deadline_s": 3, "eval_every": 3},
         edge={"device_profiles": devices})
     assert loaded.clock == quiet.clock == "emulated"
-    assert phases(loaded_rounds) == phases(quiet_rounds)
+    assert same_phases(loaded_rounds, quiet_rounds)
     recovered = [r for r in quiet_rounds if r["secagg"]["outcome"] == "completed" and r["secagg"]["recovered"]]
     assert recovered and all(r["late"] == r["secagg"]["recovered"] for r in recovered)  # the slow ones' inputs
     assert loaded.accuracy_matrix == quiet.accuracy_matrix
-    assert loaded.emulated_s == quiet.emulated_s
+    assert loaded.emulated_s == pytest.approx(quiet.emulated_s, abs=1e-3)
     assert loaded.host_timeouts == quiet.host_timeouts == 0
 
 
@@ -184,7 +190,7 @@ def test_a_client_gone_between_its_masked_input_and_the_unmasking_is_recovered_a
         scenario={"num_clients": 5, "num_tasks": 1, "samples_per_client_task": 100},
         rounds={"clients_per_round": 5, "rounds_per_task": 2, "deadline_s": 10, "eval_every": 2},
         edge={"device_profiles": devices, "availability": f"trace:{trace}"})
-    assert phases(loaded_rounds) == phases(quiet_rounds)
+    assert same_phases(loaded_rounds, quiet_rounds)
     assert loaded.accuracy_matrix == quiet.accuracy_matrix
     first, second = quiet_rounds
     everyone = EVERYONE
