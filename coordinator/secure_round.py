@@ -2,7 +2,8 @@
 
 The engine sends every selected client a ``secagg_setup`` (before its train
 request, so the client's session exists before its training ends), then
-hands control to :meth:`SecureRound.until_masked` and :meth:`SecureRound.unmask`.
+the run's clock runs the phases (:meth:`SecureRound.run`, each served by the
+clock's ``wait``; :meth:`SecureRound.collect` is the real clock's).
 Each phase of :class:`secagg.server.SecAggServer` becomes one exchange
 over the ROUTER socket: the coordinator serves the socket (joins, heartbeats
 and leaves go on being handled) until every client still in the round has
