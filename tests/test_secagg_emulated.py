@@ -72,14 +72,18 @@ class Federation:
         return sum(np.clip(self.inputs[c][0], -1, 1) for c in clients) / len(clients)
 
 
-def secure_round(tmp_path, off_at: dict[int, float], uplinks: dict[int, float], deadline_s: float = 10.0):
+def secure_round(tmp_path, off_at: dict[int, float], uplinks: dict[int, float], deadline_s: float = 10.0,
+                 crash_points: dict[int, float] | None = None):
     """One secure round of :class:`Federation` on the emulated clock: 0.5 s latency each way, 2 ms per sample
-    (100 samples); client i turns off at ``off_at[i]`` (a trace), uploads ``uplinks[i]`` bytes/s."""
+    (100 samples); client i turns off at ``off_at[i]`` (a trace), uploads ``uplinks[i]`` bytes/s, crashes at
+    ``crash_points[i]`` of the longest the round lasts (``deadline_s`` + 30 s)."""
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({str(i): {"active": [0], "inactive": [off_at.get(i, 1000)], "finish_time": 1000}
                                  for i in range(5)}))
     model = EmulatedClock(parse_availability(f"trace:{trace}"), seed=0, slot_s=10.0, trace_time_scale=1.0,
                           crash_rate=0.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
+    if crash_points:
+        model.crash_point = lambda index, number: crash_points.get(index)
     fed = Federation()
     r = OpenRound(0, 1, list(EVERYONE), set(EVERYONE), wanted=5)
     for i, c in enumerate(EVERYONE):
@@ -88,11 +92,11 @@ def secure_round(tmp_path, off_at: dict[int, float], uplinks: dict[int, float], 
     timeline = SecureTimeline(model, r, fed.round, {c: i for i, c in enumerate(EVERYONE)},
                               {c: 100 for c in EVERYONE}, deadline_s)
     outcome = timeline.run(fed.serve, time.monotonic() + 30, lambda c: True, lambda c: True, 1)
-    return fed, r, timeline, outcome
+    return fed, r, timeline, outcome, model
 
 
 def test_a_client_off_before_its_keys_arrive_drops_out_of_the_first_phase(tmp_path):
-    fed, r, timeline, outcome = secure_round(tmp_path, off_at={0: 0.7}, uplinks={})
+    fed, r, timeline, outcome, _ = secure_round(tmp_path, off_at={0: 0.7}, uplinks={})
     assert outcome.record["survivors"]["advertise_keys"] == EVERYONE[1:]
     assert outcome.record["dropouts"]["advertise_keys"] == 1 and outcome.clients == tuple(EVERYONE[1:])
     assert timeline.phase_s["advertise_keys"] == pytest.approx(1.0)  # keys out at 0.5, in at 1.0
@@ -102,7 +106,7 @@ def test_a_client_off_before_its_keys_arrive_drops_out_of_the_first_phase(tmp_pa
 def test_a_client_off_between_masked_input_and_unmasking_stays_in_the_sum(tmp_path):
     """Phases close at 1, 2, 3, 4 s: client 0 goes off at 3.5 s, after its masked input arrived (3.0 s) and
     before its unmasking reply would (4.0 s): its self-mask is rebuilt from its neighbours' shares."""
-    fed, r, timeline, outcome = secure_round(tmp_path, off_at={0: 3.5}, uplinks={})
+    fed, r, timeline, outcome, _ = secure_round(tmp_path, off_at={0: 3.5}, uplinks={})
     assert outcome.record["survivors"]["masked_input"] == EVERYONE
     assert outcome.record["survivors"]["unmasking"] == EVERYONE[1:]
     assert outcome.record["dropouts"]["unmasking"] == 1 and outcome.clients == tuple(EVERYONE)
@@ -114,11 +118,24 @@ def test_a_client_off_between_masked_input_and_unmasking_stays_in_the_sum(tmp_pa
 
 def test_a_masked_input_past_the_deadline_is_left_out_and_its_masks_removed(tmp_path):
     """Client 1 uploads 1,000 bytes/s: its masked input arrives 1 s after the others', past the 4 s deadline."""
-    fed, r, timeline, outcome = secure_round(tmp_path, off_at={}, uplinks={1: 1000.0}, deadline_s=4.0)
+    fed, r, timeline, outcome, _ = secure_round(tmp_path, off_at={}, uplinks={1: 1000.0}, deadline_s=4.0)
     assert outcome.record["survivors"]["share_keys"] == EVERYONE
     assert outcome.record["survivors"]["masked_input"] == [c for c in EVERYONE if c != EVERYONE[1]]
     assert timeline.late_masked == {EVERYONE[1]} and outcome.record["recovered"] == 1
     assert np.allclose(outcome.delta[DELTA + "w"], fed.mean(set(EVERYONE) - {EVERYONE[1]}), atol=1e-4)
+
+
+def test_a_crash_between_masked_input_and_unmasking_is_noticed_after_the_liveness_delay(tmp_path):
+    """Client 2 crashes at 0.09 x 40 s = 3.6 s: its masked input is in (3.0 s), its unmasking reply would
+    come at 4.0 s. The coordinator notices the crash 2 s later (the liveness timeout), so the unmasking
+    closes at 5.6 s; the client is away for its 5 s downtime."""
+    fed, r, timeline, outcome, model = secure_round(tmp_path, off_at={}, uplinks={}, crash_points={2: 0.09})
+    assert outcome.record["survivors"]["unmasking"] == [c for c in EVERYONE if c != EVERYONE[2]]
+    assert outcome.clients == tuple(EVERYONE) and timeline.opened == pytest.approx(5.6)
+    assert timeline.crashed() == {EVERYONE[2]}
+    assert model.availability_at(8.5, [(EVERYONE[2], 2)]) == {EVERYONE[2]: False}
+    assert model.availability_at(8.7, [(EVERYONE[2], 2)]) == {EVERYONE[2]: True}
+    assert np.allclose(outcome.delta[DELTA + "w"], fed.mean(EVERYONE), atol=1e-4)
 
 
 # ------------------------------------------------------------------ real runs
