@@ -6,7 +6,7 @@
 - :class:`EmulatedTime` (the default): the federation's time is computed (:mod:`coordinator.emulated`) from each
   client's own work, device and bytes, so the same seed gives the same rounds on a busy or a quiet host. The
   nodes emulate nothing in host time; a round waits until every selected client answered or is gone, then is
-  closed in emulated time.
+  closed in emulated time (a secure round: each of its SecAgg+ phases, :mod:`coordinator.secure_timeline`).
 
 The round runner and the dispatcher call the same methods on either; neither asks which one it has.
 """
@@ -22,6 +22,7 @@ import numpy as np
 from coordinator.emulated import ClientRound, EmulatedClock
 from coordinator.open_round import OpenRound
 from coordinator.secure_round import SecureOutcome, SecureRound
+from coordinator.secure_timeline import SecureTimeline
 from coordinator.state import RunState
 from scenario.availability import AvailabilitySpec, client_availability, parse_availability
 from scenario.devices import DeviceProfile
@@ -168,8 +169,9 @@ class EmulatedTime(RunClock):
     def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
                 side_channel: SideChannel) -> SecureOutcome | None:
         """Serve until every selected client answered or is gone (or the host-side safety timeout), then close
-        the round in emulated time. Secure rounds run under the real clock only (the config refuses both)."""
-        assert secure is None, "secure aggregation runs under the real clock"
+        the round in emulated time. A secure round closes each of its phases so (:mod:`coordinator.secure_timeline`)."""
+        if secure is not None:
+            return self._collect_secure(r, secure, serve)
         online = self.state.registry.is_online
         serve(lambda: not r.pending(online), time.monotonic() + self.state.config.rounds.host_timeout_s)
         self._close(r, side_channel)
@@ -225,14 +227,8 @@ class EmulatedTime(RunClock):
                 side_channel(client, r.task, kind, tensors)
             else:
                 tally.late_side_channel += 1
-        for client in closing.crashed:
-            record = registry.records[client]
-            record.restarted, record.assets_task = True, -1
-            if registry.set_away(client, True, crashed=True):
-                state.metrics.client_dropped("crash")
-        tally.late_updates += len(late)
-        for _ in late:
-            state.metrics.late_update()
+        self._crashed(closing.crashed)
+        self._late(len(late))
         if cfg.late_updates == "next_round" and state.server.accepts_stale_updates:
             r.kept_late = [u for u in late if u.num_samples > 0]
         r.late = len(closing.late - r.failed)
@@ -240,6 +236,49 @@ class EmulatedTime(RunClock):
         r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.lost_uploads)
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+
+    def _collect_secure(self, r: OpenRound, secure: SecureRound | SecureOutcome, serve: Serve) -> SecureOutcome:
+        """Run a secure round's phases, each closed in emulated time; then count the late, the gone and the
+        crashed as :meth:`_close` does."""
+        if isinstance(secure, SecureOutcome):  # aborted before it started
+            return secure
+        state = self.state
+        cfg, registry, online = state.config.rounds, state.registry, state.registry.is_online
+        indices = {c: registry.records[c].index for c in r.timeline}
+        epochs = state.config.training.local_epochs
+        samples = {c: epochs * len(state.scenario.client_indices(i, r.task)) for c, i in indices.items()}
+        timeline = SecureTimeline(self.model, r, secure, indices, samples, cfg.deadline_s)
+        outcome = timeline.run(serve, time.monotonic() + cfg.host_timeout_s,
+                               lambda c: online(c) and c not in r.failed and c not in r.lost, online,
+                               cfg.min_participants)
+        closed_at = timeline.opened
+        if r.host_timeout:
+            state.log_once(None, "host timeout", f"round {r.number}: clients still working after the host-side "
+                                                 f"safety timeout of {cfg.host_timeout_s:g} s; they count as late")
+        self._crashed(timeline.crashed())
+        self._late(len(timeline.late_masked))
+        gone = {c for c, t in timeline.gone_at.items() if t <= closed_at}
+        r.late = len(r.timeline.keys() - r.masked - r.failed - gone)
+        r.dropped = len(gone - r.masked) + len(r.selected - r.timeline.keys())
+        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in gone - r.masked)
+        r.emulated_s = closed_at - r.started_at
+        r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+        self.model.now = max(self.model.now, closed_at)
+        return outcome
+
+    def _crashed(self, clients: set[str]) -> None:
+        """``clients`` crashed in the round: away, and their next task start restarts them."""
+        registry = self.state.registry
+        for client in clients:
+            record = registry.records[client]
+            record.restarted, record.assets_task = True, -1
+            if registry.set_away(client, True, crashed=True):
+                self.state.metrics.client_dropped("crash")
+
+    def _late(self, count: int) -> None:
+        self.state.tally.late_updates += count
+        for _ in range(count):
+            self.state.metrics.late_update()
 
 
 def make_clock(state: RunState, liveness_timeout_s: float) -> RunClock:

@@ -149,6 +149,14 @@ class EmulatedClock:
         """The earliest time after now at which one of ``clients`` may become available."""
         return min((self._of(c, i).next_change(self.now) for c, i in clients), default=math.inf)
 
+    def off_after(self, client: str, index: int, start: float, until: float) -> float:
+        """The first time in (start, until] the client's availability model turns it off; inf if none."""
+        return self._of(client, index).off_between(start, until)
+
+    def crashed(self, client: str, index: int, at: float) -> None:
+        """The client crashed at ``at``: it is away for ``crash_downtime_s``."""
+        self._of(client, index).down_until = at + self.crash_downtime_s
+
     # ------------------------------------------------------------------ rounds
     def crash_point(self, index: int, round: int) -> float | None:
         """Where in its round (a fraction) a selected client crashes, or None (seeded per client and round)."""

@@ -174,13 +174,14 @@ class RoundRunner:
                 if not sent:
                     continue
                 record.assets_task, record.restarted = task, False
-            if setups and not self.dispatcher.send(client_id, "secagg_setup", setups[client_id], task=task,
-                                                   round=r.number):
+            setup = self.dispatcher.send(client_id, "secagg_setup", setups[client_id], task=task,
+                                         round=r.number) if setups else 0
+            if setups and not setup:
                 continue
             sent_request = self.dispatcher.send(client_id, "train_request", request, task=task, round=r.number,
                                                 tensors=payload)
             if sent_request:
-                self.clock.dispatched(r, client_id, record.profile, sent + sent_request)
+                self.clock.dispatched(r, client_id, record.profile, sent + setup + sent_request)
         return secure
 
     def _phase_collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None) -> SecureOutcome | None:
@@ -263,7 +264,7 @@ class RoundRunner:
                                 run_id=self.state.run_id, number=r.number,
                                 seed=self.config.seed * 1_000_003 + r.number,
                                 send=lambda c, t, body: self.dispatcher.send(c, t, body, task=r.task, round=r.number),
-                                metrics=self.metrics)
+                                metrics=self.metrics, reject=self.dispatcher.reject)
 
     def _update_handling_s(self) -> float:
         """Seconds spent so far receiving and handling updates, plain and masked."""

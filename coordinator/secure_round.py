@@ -2,7 +2,8 @@
 
 The engine sends every selected client a ``secagg_setup`` (before its train
 request, so the client's session exists before its training ends), then
-hands control to :meth:`SecureRound.until_masked` and :meth:`SecureRound.unmask`.
+the run's clock runs the phases (:meth:`SecureRound.run`, each served by the
+clock's ``wait``; :meth:`SecureRound.collect` is the real clock's).
 Each phase of :class:`secagg.server.SecAggServer` becomes one exchange
 over the ROUTER socket: the coordinator serves the socket (joins, heartbeats
 and leaves go on being handled) until every client still in the round has
@@ -14,8 +15,14 @@ and sends the next messages.
   deadline, or until ``wanted`` masked inputs arrived (overcommit);
 - ``unmasking`` waits at most ``phase_timeout_s``.
 
+How long each phase waits is its clock's (:mod:`coordinator.clock`): the
+above is the real clock's; on the emulated clock the round holds each phase's
+replies until the phase closes in emulated time and takes only those that
+arrived in time (:mod:`coordinator.secure_timeline`).
+
 The coordinator only ever sees masked vectors, added into one running sum as
-they arrive (``SecAggServer.receive_masked``), and the unmasked sum. Under
+they arrive (``SecAggServer.receive_masked``; held until their phase closes
+on the emulated clock), and the unmasked sum. Under
 distributed DP (``noise``) that sum already holds the clients' noise, and the
 mean divides it by the planned cohort K, as central DP's fixed-denominator
 estimator does.
@@ -46,9 +53,11 @@ __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-Send = Callable[[str, str, Any], bool]  # (client, message type, body) -> delivered to the socket
+Send = Callable[[str, str, Any], int]  # (client, message type, body) -> bytes handed to the socket (0: not sent)
 Serve = Callable[[Callable[[], bool], float], None]  # the coordinator's serve(until, deadline)
 Alive = Callable[[str], bool]
+Wait = Callable[[int], None]  # wait(phase): serve until the phase is over, as the clock has it
+Reject = Callable[[WireError], None]  # the dispatcher's: count, log and answer a refused message
 
 
 def round_id(run_id: str, number: int) -> int:
@@ -71,11 +80,13 @@ class SecureOutcome:
 class SecureRound:
     def __init__(self, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, *, run_id: str, number: int,
                  seed: int, send: Send, metrics: Any, max_weight: int | None = None,
-                 noise: DistributedNoise | None = None):
-        """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k)."""
+                 noise: DistributedNoise | None = None, reject: Reject | None = None):
+        """Raises :class:`SecAggAbort` if the round cannot be run (fewer than 3 clients, t > k). ``reject``: what
+        becomes of a held reply the protocol refuses when it is admitted (:meth:`admit`; default: logged)."""
         self.number = number
         self.layout = layout
         self.send = send
+        self.reject = reject
         self.metrics = metrics
         self.phase_timeout_s = settings.phase_timeout_s
         self.server = SecAggServer(roster, layout.dim, settings, round_id(run_id, number), seed, max_weight, noise)
@@ -83,19 +94,22 @@ class SecureRound:
         self.reported: dict[str, tuple[float, float]] = {}  # client -> (train_time_s, loss) of its masked input
         self.phase_s: dict[str, float] = {}
         self.dropouts: dict[str, int] = {p: 0 for p in PHASES[1:]}
+        self.survivors: dict[str, list[str]] = {}  # phase -> the clients still in the round when it closed
+        self.sent: dict[str, int] = {}  # client -> bytes of the latest phase's message to it
+        self.held: dict[int, dict[str, Message]] | None = None  # phase -> replies held until it closes (hold())
         self._requests: dict[str, SecAggUnmaskRequest] = {}
         self._started = time.monotonic()
 
     @classmethod
     def open(cls, roster: list[str], layout: DeltaLayout, settings: SecAggSettings, max_weight: int, *, run_id: str,
-             number: int, seed: int, send: Send, metrics: Any,
-             noise: DistributedNoise | None = None) -> SecureRound | SecureOutcome:
+             number: int, seed: int, send: Send, metrics: Any, noise: DistributedNoise | None = None,
+             reject: Reject | None = None) -> SecureRound | SecureOutcome:
         """The round over ``roster`` under the run's ``secagg`` settings (``max_weight``: the weight clip where they
         leave it unset; ``noise``: distributed DP's); an aborted outcome if it cannot even start (too few clients,
         t > k, a ring too small for the noise)."""
         try:
             return cls(roster, layout, settings, run_id=run_id, number=number, seed=seed, send=send, metrics=metrics,
-                       max_weight=max_weight, noise=noise)
+                       max_weight=max_weight, noise=noise, reject=reject)
         except (SecAggAbort, SecAggError) as exc:
             log.warning("round %d: secure aggregation cannot start: %s", number, exc)
             metrics.secagg_round(outcome="aborted", dropouts={}, recovered=0)
@@ -103,14 +117,25 @@ class SecureRound:
 
     def collect(self, serve: Serve, online: Alive, alive: Alive, wanted: int, deadline: float,
                 min_participants: int) -> SecureOutcome:
-        """Run the protocol's phases while the clients train (``alive``: online and still in the round); the
-        round's outcome (aborted: no delta)."""
+        """The real clock's round: run the protocol's phases while the clients train (``alive``: online and still
+        in the round), each for its time in host seconds (the module docstring); the round's outcome (aborted:
+        no delta)."""
+        def wait(phase: int) -> None:
+            if phase == 3:
+                serve(lambda: len(self.replied[3]) >= wanted or not self.waiting(3, alive), deadline)
+            else:
+                end = time.monotonic() + self.phase_timeout_s
+                serve(lambda: not self.waiting(phase, alive), end if phase == 4 else min(deadline, end))
+        return self.run(wait, online, min_participants)
+
+    def run(self, wait: Wait, online: Alive, min_participants: int) -> SecureOutcome:
+        """Run the four phases, each served by ``wait(phase)`` before it closes; the round's outcome."""
         try:
-            masked = self.until_masked(serve, alive, wanted, deadline)
+            masked = self.until_masked(wait)
             if masked < min_participants:
                 raise SecAggAbort(f"only {masked} masked inputs, rounds.min_participants is {min_participants}",
                                   "masked_input")
-            return self.unmask(serve, alive)
+            return self.unmask(wait)
         except SecAggAbort as exc:
             log.warning("round %d: secure aggregation aborted: %s", self.number, exc)
             return self.abort(str(exc), [c for c in self.server.roster if online(c)])
@@ -127,6 +152,37 @@ class SecureRound:
         phase = PHASES.index(SECAGG_REPLIES[msg.type])
         if self.server.phase != phase or self.server.aborted is not None:
             return False
+        if self.held is not None:
+            if peer not in self.server.active or peer in self.replied[phase]:
+                raise WireError("secagg", f"{PHASES[phase]}: no reply expected from {peer!r}")
+            self.held[phase][peer] = msg
+        else:
+            self._receive(phase, peer, msg)
+        self.replied[phase].add(peer)
+        return True
+
+    def hold(self) -> None:
+        """From now on hold each phase's replies until :meth:`admit` takes those that count (the emulated
+        clock's)."""
+        self.held = {p: {} for p in range(1, len(PHASES))}
+
+    def admit(self, phase: int, clients: set[str]) -> None:
+        """Take the held replies of ``clients`` in ``phase`` into the protocol (in roster order); the others are
+        left out, so the phase's close drops their senders. A reply the protocol refuses is left out too, and
+        rejected as it would have been on arrival."""
+        for peer, msg in sorted(self.held[phase].items(), key=lambda item: self.server.index[item[0]]):
+            if peer in clients:
+                try:
+                    self._receive(phase, peer, msg)
+                except WireError as exc:
+                    exc.peer, exc.msg_type, exc.round = peer, msg.type, msg.round
+                    if self.reject is None:
+                        log.warning("round %d: refused %s's %s: %s", self.number, peer, msg.type, exc)
+                    else:
+                        self.reject(exc)
+        self.held[phase].clear()
+
+    def _receive(self, phase: int, peer: str, msg: Message) -> None:
         body = plain_body(msg.body)
         try:
             if phase == 1:
@@ -140,58 +196,52 @@ class SecureRound:
                 self.server.receive_unmask(peer, body)
         except SecAggError as exc:
             raise WireError("secagg", str(exc)) from None
-        self.replied[phase].add(peer)
-        return True
 
     def waiting(self, phase: int, alive: Callable[[str], bool]) -> set[str]:
         """Clients still in the round that owe a reply in ``phase`` and may still send it."""
         return {c for c in self.server.active - self.replied[phase] if alive(c)}
 
     # ------------------------------------------------------------------- phases
-    def _exchange(self, phase: int, serve: Callable[[Callable[[], bool], float], None], done: Callable[[], bool],
-                  deadline: float, close: Callable[[], Any]) -> Any:
-        """Serve until ``done()`` or ``deadline``, then close the phase; time it and count who dropped."""
-        serve(done, deadline)
+    def _exchange(self, phase: int, wait: Wait, close: Callable[[], Any]) -> Any:
+        """Serve the phase (``wait``), then close it; time it, count who dropped, note who is left."""
+        wait(phase)
         before = len(self.server.dropped)
         try:
             return close()
         finally:
             name = PHASES[phase]
             self.dropouts[name] += len(self.server.dropped) - before
+            self.survivors[name] = sorted(self.server.active, key=self.server.index.__getitem__)
             now = time.monotonic()
             self.phase_s[name] = now - self._started
             self.metrics.secagg_phase(name, now - self._started)
             self._started = now
 
     def _send_all(self, msg_type: str, messages: Mapping[str, Any]) -> None:
-        for client, body in messages.items():
-            self.send(client, msg_type, body)
+        self.sent = {client: self.send(client, msg_type, body) for client, body in messages.items()}
 
-    def until_masked(self, serve: Serve, alive: Alive, wanted: int, deadline: float) -> int:
+    def until_masked(self, wait: Wait) -> int:
         """Run key advertisement, share exchange and masked input; returns how many masked inputs are in the
         sum. Raises :class:`SecAggAbort` if a phase keeps fewer than t clients."""
-        short = min(deadline, time.monotonic() + self.phase_timeout_s)
-        peer_keys = self._exchange(1, serve, lambda: not self.waiting(1, alive), short, self.server.close_keys)
+        peer_keys = self._exchange(1, wait, self.server.close_keys)
         self._send_all("secagg_peer_keys", {
             c: SecAggPeerKeys(keys={v: SecAggPublicKeys(**k) for v, k in m["keys"].items()})
             for c, m in peer_keys.items()})
-        short = min(deadline, time.monotonic() + self.phase_timeout_s)
-        relays = self._exchange(2, serve, lambda: not self.waiting(2, alive), short, self.server.close_shares)
+        relays = self._exchange(2, wait, self.server.close_shares)
         for peer, by in sorted(self.server.refused_keys.items()):
             log.warning("round %d: %s refused the SecAgg+ keys advertised for %s (bad signature): %s is dropped",
                         self.number, ", ".join(sorted(by)), peer, peer)
         self._send_all("secagg_relay", {c: SecAggRelay(**m) for c, m in relays.items()})
-        requests = self._exchange(
-            3, serve, lambda: len(self.replied[3]) >= wanted or not self.waiting(3, alive), deadline,
-            self.server.close_masked)
+        requests = self._exchange(3, wait, self.server.close_masked)
         self._requests = {c: SecAggUnmaskRequest(**m) for c, m in requests.items()}
         return len(requests)
 
-    def unmask(self, serve: Serve, alive: Alive) -> SecureOutcome:
+    def unmask(self, wait: Wait) -> SecureOutcome:
         """Ask the survivors for their shares, remove the masks, decode the mean delta."""
         self._send_all("secagg_unmask_request", self._requests)
-        result = self._exchange(4, serve, lambda: not self.waiting(4, alive),
-                                time.monotonic() + self.phase_timeout_s, self.server.close_unmask)
+        result = self._exchange(4, wait, self.server.close_unmask)
+        self.dropouts[PHASES[4]] = len(result.silent)  # in the sum all the same: their self-masks were rebuilt
+        self.survivors[PHASES[4]] = [c for c in result.clients if c not in result.silent]
         total, weight = result.decode()
         noise = self.server.params.noise
         divisor = weight if noise is None else noise.cohort  # distributed DP: the fixed denominator K
@@ -212,5 +262,5 @@ class SecureRound:
         p = self.server.params
         return {"neighbors": p.neighbors, "threshold": p.threshold, "dim": p.dim, "clip": p.clip,
                 "max_weight": p.max_weight, "phase_s": dict(self.phase_s), "dropouts": dict(self.dropouts),
-                "refused_keys": len(self.server.refused_keys), **extra}
+                "survivors": dict(self.survivors), "refused_keys": len(self.server.refused_keys), **extra}
 

@@ -8,12 +8,16 @@ protocol ends the client's session and is reported as an ``error`` (code
 ``secagg``). Where the node's keys come with signing keys, each client signs
 the public keys it advertises and checks its neighbours' signatures against
 the run's signers (``secagg_signers.json``, :mod:`secagg.identity`); a
-neighbour whose signature fails is refused and logged.
+neighbour whose signature fails is refused and logged. Each reply carries the
+CPU seconds the client's cryptography took for it (``cpu_s``; ``mask_cpu_s``
+for the masked input), which the emulated clock places on the client's
+timeline as it places training.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -74,20 +78,23 @@ class SecureSessions:
             return
         body = plain_body(msg.body)
         protocol = session.protocol
+        cpu_started = time.thread_time()
         try:
             if msg.type == "secagg_setup":
-                self._reply(client, msg, "advertise_keys", "secagg_keys", SecAggKeys, protocol.on_setup(body))
+                self._reply(client, msg, "advertise_keys", "secagg_keys", SecAggKeys, protocol.on_setup(body),
+                            cpu_started)
             elif msg.type == "secagg_peer_keys":
                 reply = protocol.on_keys(body)
                 if protocol.refused:
                     log.warning("%s: refused the SecAgg+ keys of %s in round %d: bad signature", client.id,
                                 ", ".join(protocol.refused), msg.round)
-                self._reply(client, msg, "share_keys", "secagg_shares", SecAggShares, reply)
+                self._reply(client, msg, "share_keys", "secagg_shares", SecAggShares, reply, cpu_started)
             elif msg.type == "secagg_relay":
                 session.relay = body
                 self._send_masked(client)
             elif msg.type == "secagg_unmask_request":
-                self._reply(client, msg, "unmasking", "secagg_unmask", SecAggUnmask, protocol.on_unmask(body))
+                self._reply(client, msg, "unmasking", "secagg_unmask", SecAggUnmask, protocol.on_unmask(body),
+                            cpu_started)
             else:  # secagg_abort
                 client.secagg = None
         except (SecAggError, SecAggAbort) as exc:
@@ -102,9 +109,11 @@ class SecureSessions:
             self._send_masked(client)
 
     def _reply(self, client: EmulatedClient, msg: Message, phase: str, msg_type: str, body_type,
-               reply: dict[str, Any]) -> None:
+               reply: dict[str, Any], cpu_started: float) -> None:
+        """Send the protocol's reply with the CPU seconds its cryptography took since ``cpu_started``."""
         self._metrics.secagg_phase(phase, client.secagg.protocol.timings[phase])
-        self._send(client, msg_type, body_type(**reply), round=msg.round, task=msg.task)
+        self._send(client, msg_type, body_type(**reply, cpu_s=time.thread_time() - cpu_started), round=msg.round,
+                   task=msg.task)
 
     def _send_masked(self, client: EmulatedClient) -> None:
         """Mask and send the training result once both it and the relayed shares are there."""
@@ -118,6 +127,7 @@ class SecureSessions:
                        round=result.round, task=result.task)
             return
         rng = np.random.default_rng(zlib.crc32(f"{self._seed()}/secagg/{client.index}/{result.round}".encode()))
+        cpu_started = time.thread_time()
         try:
             y = session.protocol.on_shares(session.relay, result.vector, result.num_samples, rng)["y"]
         except (SecAggError, SecAggAbort) as exc:
@@ -125,7 +135,8 @@ class SecureSessions:
             return
         session.relay = session.result = None  # the shares stay in the protocol state; the inputs can go
         self._metrics.secagg_phase("masked_input", session.protocol.timings["masked_input"])
-        self._upload(client, result, "secagg_masked", SecAggMasked(**result.report()), {"y": y})
+        self._upload(client, result, "secagg_masked",
+                     SecAggMasked(**result.report(), mask_cpu_s=time.thread_time() - cpu_started), {"y": y})
 
     def _failed(self, client: EmulatedClient, round: int, task: int, detail: str) -> None:
         client.secagg = None

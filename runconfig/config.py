@@ -58,8 +58,8 @@ class RoundConfig(pydantic.BaseModel):
                             "that accept stale deltas) aggregated in the next round of the same task")
     clock: Literal["auto", "emulated", "real"] = pydantic.Field(
         "auto", description="the clock of deadlines, stragglers, availability and crashes: emulated (independent "
-                            "of the host's load), real (host seconds) or auto (emulated, except real for secure "
-                            "aggregation and container backends; docs/edge.md)")
+                            "of the host's load), real (host seconds) or auto (emulated, except real for container "
+                            "backends; docs/edge.md)")
     host_timeout_s: float = pydantic.Field(
         900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
                                  "(a safety net, reported when it fires)")
@@ -463,7 +463,7 @@ class RunConfig(pydantic.BaseModel):
     def emulated_clock(self) -> bool:
         """Whether rounds run on the emulated clock (``rounds.clock``, ``auto`` resolved)."""
         if self.rounds.clock == "auto":
-            return not self.secagg.enabled and self.containers.backend == "process"
+            return self.containers.backend == "process"
         return self.rounds.clock == "emulated"
 
     def _check_secagg(self, spec) -> None:
@@ -474,9 +474,6 @@ class RunConfig(pydantic.BaseModel):
         if self.security.max_update_norm is not None or self.security.clip_norm is not None:
             raise ValueError("--secagg hides each client's delta from the server, so the server cannot bound or "
                              "clip its norm: --max-update-norm and --clip-norm need plain aggregation")
-        if self.rounds.clock == "emulated":
-            raise ValueError("--secagg runs on the real clock (its dropout handling is timed in host seconds): "
-                             "use --clock real or auto")
         if self.rounds.late_updates == "next_round":
             raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
                              "cannot join another round's sum")

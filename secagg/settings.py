@@ -49,8 +49,8 @@ class SecAggSettings(pydantic.BaseModel):
                                 f"of the task, which the emulated server knows from the scenario; else "
                                 f"{DEFAULT_MAX_WEIGHT})")
     phase_timeout_s: float = pydantic.Field(
-        30.0, gt=0, description="how long the key, share and unmasking phases wait for replies (the masked "
-                                "input waits until the round deadline)")
+        30.0, gt=0, description="how long the key, share and unmasking phases wait for replies, in the run "
+                                "clock's seconds (the masked input waits until the round deadline)")
 
     @pydantic.model_validator(mode="after")
     def _threshold(self) -> "SecAggSettings":

@@ -93,6 +93,29 @@ def small_config(path: Path, **overrides) -> Path:
     return path
 
 
+HOG = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"  # a busy loop
+
+
+def seeded_run(tmp_path: Path, mnist_root: Path, name: str, *, hogs: int = 0, **overrides):
+    """One seeded `fcl-emu up` run of :func:`small_config` with ``overrides``, beside ``hogs`` processes that
+    keep a core busy each all along; its summary and its round records."""
+    from monitoring.results import RunSummary
+
+    config = small_config(tmp_path / f"{name}.yaml", **overrides)
+    busy = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
+    try:
+        proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir",
+                       str(tmp_path / name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        for h in busy:
+            h.kill()
+            h.wait()
+    assert proc.returncode == 0, output
+    summary = RunSummary.load(tmp_path / name / "summary.json")
+    return summary, [e for e in events(tmp_path / name) if e.get("event") == "round"]
+
+
 def device_keys(directory: Path, clients: int) -> tuple[Path, list[str]]:
     """Per-device CurveZMQ keys for ``clients`` clients in ``directory``: (the key directory for `fcl-emu
     coordinator --keys`, the key arguments of any `fcl-emu node` hosting some of them)."""

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -17,8 +15,7 @@ from coordinator.clients import ClientRegistry
 from runconfig.config import RunConfig
 from scenario.availability import AvailabilitySpec, parse_availability
 from scenario.devices import DeviceProfile, assign_profile, load_profiles
-from monitoring.results import RunSummary
-from tests.conftest import fcl_emu, small_config
+from tests.conftest import seeded_run
 
 
 def clock(availability: AvailabilitySpec = AvailabilitySpec("always"), **kw) -> EmulatedClock:
@@ -132,38 +129,16 @@ def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
     assert DeviceProfile.from_wire(first.to_wire()) == first
 
 
-def test_clock_auto_is_emulated_except_for_secure_aggregation_and_containers():
+def test_clock_auto_is_emulated_except_for_containers():
     assert RunConfig().emulated_clock
     assert not RunConfig(rounds={"clock": "real"}).emulated_clock
-    assert not RunConfig(secagg={"enabled": True}).emulated_clock
+    assert RunConfig(secagg={"enabled": True}).emulated_clock
+    assert not RunConfig(secagg={"enabled": True}, rounds={"clock": "real"}).emulated_clock
     assert not RunConfig(containers={"backend": "docker"}).emulated_clock
     assert RunConfig(containers={"backend": "docker"}, rounds={"clock": "emulated"}).emulated_clock
-    with pytest.raises(ValueError, match="secagg runs on the real clock"):
-        RunConfig(secagg={"enabled": True}, rounds={"clock": "emulated"})
 
 
 # ------------------------------------------------------------- real runs
-HOG = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
-
-
-def run(tmp_path, mnist_root, name: str, *, hog: bool = False, **overrides):
-    """One seeded run; with ``hog``, a process keeps one of the host's cores busy all along."""
-    config = small_config(tmp_path / f"{name}.yaml", **overrides)
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG])] if hog else []
-    try:
-        proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir",
-                       str(tmp_path / name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    assert proc.returncode == 0, output
-    summary = RunSummary.load(tmp_path / name / "summary.json")
-    events = [json.loads(line) for line in (tmp_path / name / "events.jsonl").read_text().splitlines()]
-    return summary, [e for e in events if e.get("event") == "round"]
-
-
 def profiles_file(tmp_path, slow: dict) -> str:
     """Clients 0-3 are ``slow``, the others an ideal device."""
     path = tmp_path / "profiles.yaml"
@@ -183,8 +158,8 @@ def test_same_seed_same_rounds_and_accuracy_whatever_the_host_load_and_the_node_
     common = dict(scenario=SCENARIO, training={"local_epochs": 1},
                   rounds={"clients_per_round": 6, "rounds_per_task": 3, "deadline_s": 3, "eval_every": 3},
                   edge={"device_profiles": profiles_file(tmp_path, {"uplink_mbps": 2})}, seed=5)
-    quiet, quiet_rounds = run(tmp_path, mnist_root, "quiet", nodes=2, **common)
-    loaded, loaded_rounds = run(tmp_path, mnist_root, "loaded", hog=True, nodes=3, **common)
+    quiet, quiet_rounds = seeded_run(tmp_path, mnist_root, "quiet", nodes=2, **common)
+    loaded, loaded_rounds = seeded_run(tmp_path, mnist_root, "loaded", hogs=1, nodes=3, **common)
     outcome = [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in quiet_rounds]
     assert outcome == [(r["selected"], r["participants"], r["late"], r["dropped"]) for r in loaded_rounds]
     assert sum(r["late"] for r in quiet_rounds) > 0  # the slow clients did miss deadlines
@@ -206,14 +181,15 @@ def test_a_4x_slower_device_misses_the_deadline_the_others_make_on_a_quiet_and_a
                   edge={"device_profiles": profiles_file(tmp_path, {"compute_factor": 4})})
     every_client = {"clients_per_round": 12, "rounds_per_task": 3, "eval_every": 3}
     # calibrate: the ideal class's emulated compute time on this machine, with no deadline pressure
-    _, calibration = run(tmp_path, mnist_root, "calibrate", rounds={**every_client, "deadline_s": 1000}, **common)
+    _, calibration = seeded_run(tmp_path, mnist_root, "calibrate", rounds={**every_client, "deadline_s": 1000},
+                                **common)
     ok = max(r["train_s_by_class"]["ok"] for r in calibration)
     slow = min(r["train_s_by_class"]["slow"] for r in calibration)
     assert slow > 3 * ok  # compute_factor 4 on the CPU time of the same work
     deadline = 2 * ok  # halfway (geometrically) between the classes
-    for name, hog in (("quiet", False), ("loaded", True)):
-        summary, rounds = run(tmp_path, mnist_root, name, hog=hog, rounds={**every_client, "deadline_s": deadline},
-                              **common)
+    for name, hogs in (("quiet", 0), ("loaded", 1)):
+        summary, rounds = seeded_run(tmp_path, mnist_root, name, hogs=hogs,
+                                     rounds={**every_client, "deadline_s": deadline}, **common)
         assert [(r["participants"], r["late"]) for r in rounds] == [(8, 4)] * 3, name
         assert all(r["emulated_s"] == pytest.approx(deadline) for r in rounds)
         assert summary.missed_deadline == 12 and summary.emulated_s == pytest.approx(3 * deadline)
@@ -231,8 +207,8 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
                   rounds={"clients_per_round": 4, "rounds_per_task": 6, "overcommit": 1.5, "eval_every": 6},
                   edge={"availability": "onoff:0.6:0.4", "crash_rate": 0.3, "crash_downtime_s": 0.5,
                         "device_profiles": str(profiles)}, seed=2)
-    quiet, quiet_rounds = run(tmp_path, mnist_root, "quiet", **common)
-    loaded, loaded_rounds = run(tmp_path, mnist_root, "loaded", hog=True, nodes=3, **common)
+    quiet, quiet_rounds = seeded_run(tmp_path, mnist_root, "quiet", **common)
+    loaded, loaded_rounds = seeded_run(tmp_path, mnist_root, "loaded", hogs=1, nodes=3, **common)
     clients = quiet.clients
     assert clients.left > 0 and clients.rejoined > 0 and clients.dropped > 0
     assert sum(r["dropped"] for r in quiet_rounds) > 0

@@ -57,14 +57,16 @@ def _arrays_reachable_from(root: object) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
-    """A 4-round SecAgg+ run, coordinator and two edge nodes in this process (threads, real sockets).
+    """A 4-round SecAgg+ run on the real clock (the emulated clock's rounds: tests/test_secagg_emulated.py),
+    coordinator and two edge nodes in this process (threads, real sockets).
 
     Records every client's plaintext input, and the arrays the coordinator holds after each masked input
     it takes. Round 2: one client fails after the share exchange (its masks are recovered). Round 3: three
     fail, fewer than t masked inputs remain and the round aborts; round 4 goes on as usual."""
     tmp_path = tmp_path_factory.mktemp("secagg")
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 100, "num_tasks": 2},
-                                      rounds={"clients_per_round": 6, "rounds_per_task": 2, "eval_every": 10},
+                                      rounds={"clients_per_round": 6, "rounds_per_task": 2, "eval_every": 10,
+                                              "clock": "real"},
                                       training={"local_epochs": 1},
                                       secagg={"enabled": True, "neighbors": 5, "threshold": 4}),
                          {"data_root": [str(mnist_root)]})
@@ -97,8 +99,8 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
 
     original_unmask = SecureRound.unmask
 
-    def unmask(self, serve, alive):
-        outcome = original_unmask(self, serve, alive)
+    def unmask(self, wait):
+        outcome = original_unmask(self, wait)
         outcomes[self.number] = outcome
         return outcome
 

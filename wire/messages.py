@@ -200,6 +200,8 @@ class SecAggPublicKeys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
 class SecAggKeys(SecAggPublicKeys, Body):
     """Client -> coordinator (advertise_keys): its two fresh public keys."""
 
+    cpu_s: Seconds = 0.0  # CPU seconds of the client's cryptography for this reply (what the emulated clock scales)
+
 
 class SecAggPeerKeys(Body):
     """Coordinator -> client: its live neighbours' public keys."""
@@ -214,6 +216,7 @@ class SecAggShares(Body, omit_defaults=True):
     shares: dict[str, bytes]
     b_commit: bytes
     refused: list[Name] = []
+    cpu_s: Seconds = 0.0
 
 
 class SecAggRelay(Body):
@@ -230,7 +233,8 @@ class SecAggMasked(Body):
     train_time_s: float
     loss: float
     metrics: Metrics = {}
-    cpu_s: Seconds = 0.0
+    cpu_s: Seconds = 0.0  # of its training
+    mask_cpu_s: Seconds = 0.0  # of its masking
 
 
 class SecAggUnmaskRequest(Body):
@@ -246,6 +250,7 @@ class SecAggUnmask(Body):
 
     b_shares: dict[str, bytes]
     s_shares: dict[str, bytes]
+    cpu_s: Seconds = 0.0
 
 
 class SecAggAbort(Body):
