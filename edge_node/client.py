@@ -92,6 +92,7 @@ class TrainResult:
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
     vector: np.ndarray | None = None
     stale: bool = False  # not trained: its client had moved on to a newer task (nothing is sent)
+    cancelled: bool = False  # stopped: the coordinator cancelled it (nothing is sent)
 
     def report(self) -> dict[str, Any]:
         """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""

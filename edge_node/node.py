@@ -199,6 +199,8 @@ class EdgeNode:
             self._trainer.submit(TrainJob(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
                                           client.generation, now, msg.body))
             self._churn.draw_crash(client, msg.round, self.setup.seed, now)
+        elif msg.type == "cancel":  # the emulated clock knows this round's update would come too late
+            self._trainer.cancel(client.id, msg.round)
         elif msg.type in SECAGG_DOWN:
             self._secure.on_message(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node

@@ -205,6 +205,7 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("min_participants", "rounds.min_participants"),
             _option("overcommit", "rounds.overcommit"),
             _option("late_updates", "rounds.late_updates"),
+            _option("skip_late", "rounds.skip_late", with_resume=True),
             _option("clock", "rounds.clock")),
     *_panel(EDGE,
             _option("nodes", "nodes", commands=UP_ONLY),

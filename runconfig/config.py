@@ -60,6 +60,10 @@ class RoundConfig(pydantic.BaseModel):
         "auto", description="the clock of deadlines, stragglers, availability and crashes: emulated (independent "
                             "of the host's load), real (host seconds) or auto (emulated, except real for secure "
                             "aggregation and container backends; docs/edge.md)")
+    skip_late: bool = pydantic.Field(
+        True, description="emulated clock: cancel the training of a selected client whose update the clock "
+                          "knows cannot count (it arrives after the round closes); the results stay the same, "
+                          "the host does less work (docs/edge.md)")
     host_timeout_s: float = pydantic.Field(
         900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
                                  "(a safety net, reported when it fires)")

@@ -63,6 +63,25 @@ def test_a_round_closes_at_its_deadline_or_at_the_wanted_update_or_when_all_are_
     assert (closing.closed_at, closing.on_time, closing.late) == (3.0, {"a"}, {"b"})
 
 
+def test_the_earliest_arrival_of_a_per_sample_profile_and_who_is_late_whatever_happens():
+    profile = DeviceProfile(ms_per_sample=5.0, uplink_bytes_s=1000.0, downlink_bytes_s=2000.0, latency_s=0.05)
+    c = ClientRound(profile, down_bytes=1000, samples_trained=200)
+    # 1000 B down at 2000 B/s + 50 ms = 10.55; 200 x 5 ms = 1.0 -> 11.55; at least 300 B up at 1000 B/s + 50 ms
+    assert EmulatedClock.earliest_arrival(10.0, c, min_up_bytes=300) == pytest.approx(11.9)
+    assert EmulatedClock.earliest_arrival(10.0, ClientRound(DeviceProfile()), 300) is None  # measured compute
+    indices = {k: i for i, k in enumerate("abcdef")}
+    clients = rounds_of({"a": 1.0, "b": 2.0, "c": None, "d": None, "e": None, "f": None})
+    for k, earliest in zip("cdef", (1.5, 2.5, 40.0, None)):
+        clients[k].earliest = earliest
+    # two wanted, both in and sure: nobody whose earliest arrival is after 2.0 can count ("f": not known)
+    assert clock().beyond_close(0.0, 30.0, 2, clients, indices, {"a", "b"}, 1) == {"d", "e"}
+    # "b" sent an empty update: the round may close as late as its deadline
+    assert clock().beyond_close(0.0, 30.0, 2, clients, indices, {"a"}, 1) == {"e"}
+    # a client drawn to crash in the round is never given up in advance (its crash point needs its arrival)
+    crashing = clock(crash_rate=1.0)
+    assert crashing.beyond_close(0.0, 30.0, 2, clients, indices, {"a", "b"}, 1) == set()
+
+
 def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the_downtime():
     c = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
     indices = {"a": 0, "b": 1}
@@ -243,3 +262,30 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
     assert quiet.emulated_s == loaded.emulated_s
     # the uploads of clients gone before they would have arrived crossed the host's wire, not the federation's
     assert quiet.bytes_discarded == loaded.bytes_discarded > 0
+
+
+@pytest.mark.slow
+def test_late_trainings_are_cancelled_and_the_results_stay_the_same(tmp_path, mnist_root):
+    """Six selected for three wanted (overcommit 2): clients 0-1 need 40 s per round (past the 30 s deadline),
+    2-3 need 10 s, the others 0.4 s. The host cancels the trainings that cannot count; accuracy matrix, rounds
+    and emulated times are those of the run that trains every selected client."""
+    profiles = tmp_path / "per_sample.yaml"
+    profiles.write_text(yaml.safe_dump({
+        "profiles": [{"name": "fast", "ms_per_sample": 2}, {"name": "slow", "ms_per_sample": 50},
+                     {"name": "hopeless", "ms_per_sample": 200}],
+        "clients": {0: "hopeless", 1: "hopeless", 2: "slow", 3: "slow"} | {i: "fast" for i in range(4, 12)}}))
+    common = dict(scenario=SCENARIO, training={"local_epochs": 1}, seed=4,
+                  edge={"device_profiles": str(profiles)})
+    rounds = {"clients_per_round": 3, "overcommit": 2.0, "rounds_per_task": 3, "deadline_s": 30, "eval_every": 3}
+    skipping, skipping_rounds = run(tmp_path, mnist_root, "skip", rounds=rounds, **common)
+    training, training_rounds = run(tmp_path, mnist_root, "train", rounds={**rounds, "skip_late": False}, **common)
+    keys = ("selected", "participants", "late", "dropped", "contributors", "emulated_s", "emulated_clock_s",
+            "train_s_by_class")
+    assert [[r[k] for k in keys] for r in skipping_rounds] == [[r[k] for k in keys] for r in training_rounds]
+    assert skipping.accuracy_matrix == training.accuracy_matrix
+    assert skipping.emulated_s == training.emulated_s
+    assert skipping.skipped_trainings > 0 and training.skipped_trainings == 0
+    assert skipping.host_cpu_saved_s > 0
+    assert skipping.late_updates + skipping.skipped_trainings == training.late_updates
+    assert skipping.bytes["cancel"]["sent"] > 0
+    assert skipping.bytes["update"]["received"] < training.bytes["update"]["received"]
