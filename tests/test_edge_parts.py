@@ -226,3 +226,23 @@ def test_a_job_whose_client_moved_on_to_a_newer_task_is_not_trained():
     result = trainer._train(job, {})
     assert result.stale and result.uploads is None and result.error is None
     trainer.wake.close()
+
+
+def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
+    import zmq
+
+    from wire.messages import TrainRequest
+
+    payloads, metrics = RoundPayloads(), EdgeNodeMetrics()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=metrics, setup=lambda: None)
+    c = client()
+    job = TrainJob(c, round=3, task=0, model=payloads.acquire(3, {"head.weight": np.zeros((5, 4), np.float32)}),
+                   generation=c.generation, received_at=0.0, request=TrainRequest(local_epochs=1, lr=0.1))
+    trainer.submit(job)
+    trainer.cancel(c.id, 3)  # it came right behind the train request: the job has not started
+    trainer.start()
+    trainer.stop()
+    assert list(trainer.finished()) == []
+    assert metrics.registry.get_sample_value("fcl_client_train_jobs_total", {"outcome": "cancelled"}) == 1
+    assert trainer._cancelled == set()  # spent
+    trainer.close()
