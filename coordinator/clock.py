@@ -25,6 +25,7 @@ from coordinator.secure_round import SecureOutcome, SecureRound
 from coordinator.state import RunState
 from scenario.availability import AvailabilitySpec, client_availability, parse_availability
 from scenario.devices import DeviceProfile
+from scenario.network_trace import client_trace, load_network_trace
 from wire.messages import EdgeSettings
 
 Serve = Callable[[Callable[[], bool], float], None]  # serve(until, monotonic deadline): the dispatcher's loop
@@ -132,6 +133,7 @@ class EmulatedTime(RunClock):
                                    trace_time_scale=edge.trace_time_scale, crash_rate=edge.crash_rate,
                                    crash_downtime_s=edge.crash_downtime_s, liveness_timeout_s=liveness_timeout_s)
         self._trained = [0.0, 0]  # CPU seconds and samples the clients' trainings took: the host's cost per sample
+        self.traces = load_network_trace(edge.network_trace) if edge.network_trace else None
 
     @property
     def emulated_now(self) -> float:
@@ -155,10 +157,12 @@ class EmulatedTime(RunClock):
         r.started_at = self.model.now
 
     def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
-        c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes)
+        index = self.state.registry.records[client].index
+        c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes,
+                                             trace=client_trace(self.traces, index) if self.traces else None)
         if self.skips_late:
             state = self.state
-            samples = len(state.scenario.client_indices(state.registry.records[client].index, r.task))
+            samples = len(state.scenario.client_indices(index, r.task))
             c.samples_trained = samples * state.config.training.local_epochs
             # a useful update carries a delta of every tensor of the global model (the dispatcher checks it)
             min_up_bytes = sum(a.nbytes for a in state.server.global_state.values()) if samples else 0

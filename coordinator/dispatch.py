@@ -350,9 +350,11 @@ class Dispatcher:
             self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 
     def cancel(self, r: OpenRound, clients: list[str]) -> None:
-        """Tell ``clients`` to drop their training of round ``r``: the clock knows it can no longer count."""
+        """Tell ``clients`` to drop their training of round ``r``: the clock knows it can no longer count. Outside
+        the message sequence: the later messages' headers, whose bytes the emulated clock places, keep their
+        sizes."""
         for client in clients:
-            self.try_send(client, "cancel", Cancel(), task=r.task, round=r.number)
+            self.try_send(client, "cancel", Cancel(), task=r.task, round=r.number, sequenced=False)
 
     def try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
         """Send; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its

@@ -6,7 +6,8 @@ clock; the coordinator keeps it:
 
 - A round opens at emulated time ``T`` (the clock). Each selected client's update arrives at
   ``A = T + down + compute + up``: ``down`` is what the coordinator sent it for the round (task start, assets,
-  train request) through its downlink, ``compute`` its profile's compute time for its own training
+  train request) through its downlink (a network trace, :mod:`scenario.network_trace`, makes its bandwidth
+  vary with emulated time), ``compute`` its profile's compute time for its own training
   (:meth:`scenario.devices.DeviceProfile.compute_s`: the CPU time the node measured for that client alone,
   times ``compute_factor``, or ``ms_per_sample`` per sample trained), and ``up`` its side-channel messages and
   update through its uplink (:class:`scenario.links.Link`: bandwidth, FIFO, latency).
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from scenario.availability import AvailabilitySpec, client_availability, client_draw, transitions
 from scenario.devices import DeviceProfile
 from scenario.links import Link
+from scenario.network_trace import BandwidthTrace
 
 
 class _Presence:
@@ -103,6 +105,7 @@ class ClientRound:
     crashed: bool = False
     earliest: float | None = None  # a lower bound on its arrival known before it trains (a per-sample cost)
     samples_trained: int = 0  # what it is to train (local samples x local epochs), where ``earliest`` is known
+    trace: BandwidthTrace | None = None  # its bandwidth over time (a network trace), instead of its profile's
 
 
 @dataclass
@@ -169,7 +172,7 @@ class EmulatedClock:
     @staticmethod
     def arrival(start: float, c: ClientRound, cpu_s: float, samples_trained: int) -> float:
         """Emulated time at which a client's update arrives: downlink, its own compute, uplink."""
-        link = Link(c.profile)
+        link = Link(c.profile, c.trace)
         received = link.arrival("down", c.down_bytes, start)
         c.compute_s = c.profile.compute_s(cpu_s, samples_trained)
         return link.arrival("up", c.up_bytes, received + c.compute_s)
@@ -181,7 +184,7 @@ class EmulatedClock:
         without a per-sample cost."""
         if c.profile.ms_per_sample is None:
             return None
-        link = Link(c.profile)
+        link = Link(c.profile, c.trace)
         received = link.arrival("down", c.down_bytes, start)
         return link.arrival("up", min_up_bytes, received + c.profile.compute_s(0.0, c.samples_trained))
 

@@ -6,7 +6,12 @@ thread submits a :class:`TrainJob` per train request; the trainer hands each
 :attr:`Trainer.wake` socket, which the main thread polls with the clients'.
 A job the coordinator cancels (:meth:`Trainer.cancel`: its update could no
 longer count) is dropped if it waits, or stopped between two batches if it
-runs; nothing is sent for it.
+runs; nothing is sent for it. Jobs are trained round by round, and within a
+round in the order the node gives them (:meth:`Trainer.submit`): first come,
+first served, or under the emulated clock the ones expected to arrive first
+(the coordinator then learns early which others are too late and cancels
+them). The order changes no result: each job is seeded by its client and
+round, and loads the whole model it trains.
 The trainer keeps the last global classifier's model across jobs while its
 head size stays, warms up once before the first job, and measures each
 client's own CPU time (what the emulated clock scales).
@@ -14,7 +19,9 @@ client's own CPU time (what the emulated clock scales).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -89,7 +96,9 @@ class Trainer:
         self._payloads = payloads
         self._metrics = metrics
         self._setup = setup
-        self._jobs: queue.Queue[TrainJob | None] = queue.Queue()
+        # (round, order, arrival) -> job: round by round, by the node's order, then first come first served
+        self._jobs: queue.PriorityQueue[tuple[tuple[float, float, int], TrainJob | None]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._results: queue.Queue[TrainResult] = queue.Queue()
         self._cancelled: set[tuple[str, int]] = set()  # (client, round): jobs the coordinator cancelled
         self._cancel_lock = threading.Lock()
@@ -104,14 +113,15 @@ class Trainer:
 
     def stop(self) -> None:
         """End the thread after the jobs already queued."""
-        self._jobs.put(None)
+        self._jobs.put(((math.inf, 0.0, next(self._arrivals)), None))
         self._thread.join(timeout=30)
 
     def close(self) -> None:
         self.wake.close(linger=0)
 
-    def submit(self, job: TrainJob) -> None:
-        self._jobs.put(job)
+    def submit(self, job: TrainJob, order: float = 0.0) -> None:
+        """Queue ``job``; among its round's waiting jobs, those of lower ``order`` train first."""
+        self._jobs.put(((job.round, order, next(self._arrivals)), job))
 
     def cancel(self, client: str, round: int) -> None:
         """Drop ``client``'s job of ``round``: before it starts, or between two of its batches."""
@@ -143,7 +153,7 @@ class Trainer:
         model_cache: dict[int, Any] = {}
         warm = False
         try:
-            while (job := self._jobs.get()) is not None:
+            while (job := self._jobs.get()[1]) is not None:
                 if job.generation != job.client.generation or self._is_cancelled(job):  # left, crashed, cancelled
                     self._forget_cancels(job)
                     self._payloads.release(job.round, job.model)

@@ -151,6 +151,43 @@ def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
     assert DeviceProfile.from_wire(first.to_wire()) == first
 
 
+def test_a_network_trace_integrates_piecewise_constant_bandwidth_over_each_transfer(tmp_path):
+    """The example of docs/edge.md, by hand: 800 kbit/s (100 kB/s) until 60 s, an outage until 90 s, then
+    2400 kbit/s (300 kB/s)."""
+    from scenario.links import Link
+    from scenario.network_trace import client_trace, load_network_trace
+
+    path = tmp_path / "network.json"
+    path.write_text(json.dumps({"17": {"time": [0, 60, 90], "communication": [800, 0, 2400]},
+                                "3": {"time": [10], "communication": [8]}}))
+    traces = load_network_trace(path)
+    slow, varying = traces  # sorted ids: "3", then "17"
+    assert client_trace(traces, 1) is varying and client_trace(traces, 2) is slow  # wraps around
+    assert varying.finish(30.0, 3_000_000) == pytest.approx(60.0)  # exactly the first step's capacity
+    assert varying.finish(30.0, 8_000_000) == pytest.approx(90 + 5e6 / 3e5)  # 3 MB, outage, 5 MB
+    assert varying.finish(70.0, 300_000) == pytest.approx(91.0)  # starts in the outage
+    assert varying.finish(200.0, 600_000) == pytest.approx(202.0)  # the last value holds for ever
+    assert slow.finish(0.0, 1000) == pytest.approx(1.0)  # 1000 B/s, before its first time too
+    # the link: FIFO behind the message before it, then the profile's latency; both directions follow the trace
+    link = Link(DeviceProfile(uplink_bytes_s=1.0, latency_s=0.5), varying)
+    assert link.arrival("up", 3_000_000, 30.0) == pytest.approx(60.5)
+    assert link.arrival("up", 300_000, 30.0) == pytest.approx(91.5)  # queued until 60, then the outage
+    assert link.arrival("down", 100_000, 0.0) == pytest.approx(1.5)
+    c = ClientRound(DeviceProfile(ms_per_sample=1.0), down_bytes=1_000_000, up_bytes=3_000_000, trace=varying)
+    # 1 MB down at 100 kB/s: 10 s; 100 samples x 1 ms: 10.1 s; 3 MB up at 100 kB/s: 40.1 s
+    assert EmulatedClock.arrival(0.0, c, cpu_s=0.0, samples_trained=100) == pytest.approx(40.1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"1": {"time": [0, 5, 5], "communication": [1, 2, 3]}}))
+    with pytest.raises(ValueError, match="times must increase"):
+        load_network_trace(bad)
+    bad.write_text(yaml.safe_dump({"1": {"time": [0, 5], "communication": [1, 0]}}))
+    with pytest.raises(ValueError, match="last bandwidth must be positive"):
+        load_network_trace(bad)
+    assert RunConfig(edge={"network_trace": str(path)}).edge.network_trace == path
+    with pytest.raises(ValueError, match="--network-trace follows the emulated clock"):
+        RunConfig(edge={"network_trace": str(path)}, rounds={"clock": "real"})
+
+
 def test_clock_auto_is_emulated_except_for_secure_aggregation_and_containers():
     assert RunConfig().emulated_clock
     assert not RunConfig(rounds={"clock": "real"}).emulated_clock

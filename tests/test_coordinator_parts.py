@@ -254,6 +254,20 @@ def test_nothing_is_cancelled_where_late_work_counts_or_leaves_state():
         assert run.run_round(0, 0).skipped_trainings == 0 and "cancel" not in [t for _, t in fake.sent]
 
 
+def test_a_network_trace_sets_the_links_of_the_emulated_round(tmp_path):
+    """Every client at 8 kbit/s (1000 B/s) from the trace: 200 B down (task start, train request), 0.5 s of CPU,
+    200 B up: 0.9 s instead of the ideal link's 0.5 s."""
+    trace = tmp_path / "network.yaml"
+    trace.write_text('"0": {time: [0], communication: [8]}\n')
+    for path, expected in ((None, 0.5), (trace, 0.9)):
+        state = make_state("emulated")
+        state.config = state.config.model_copy(update={"edge": state.config.edge.model_copy(
+            update={"network_trace": path})})
+        join_all(state)
+        run, fake = runner(state)
+        assert run.run_round(0, 0).emulated_s == pytest.approx(expected)
+
+
 # ------------------------------------------------------------------------------------------- dispatcher
 class FakeSocket:
     def __init__(self, inbox):
