@@ -196,12 +196,15 @@ class EmulatedClock:
         away before they arrive). Such a client's exact arrival changes nothing of :meth:`close`: it comes
         after the close, and if it leaves first, it leaves after the close or at a time that does not depend
         on its arrival."""
+        waiting = {k: c.earliest for k, c in clients.items() if c.arrival is None and c.earliest is not None
+                   and self.crash_point(indices[k], number) is None}
+        if not waiting:
+            return set()
         sure = sorted(c.arrival for k, c in clients.items() if k in useful and c.arrival is not None
                       and self.crash_point(indices[k], number) is None
                       and self._of(k, indices[k]).off_between(start, c.arrival) >= c.arrival)
         latest_close = start + deadline_s if len(sure) < wanted else min(start + deadline_s, sure[wanted - 1])
-        return {k for k, c in clients.items() if c.arrival is None and c.earliest is not None
-                and c.earliest > latest_close and self.crash_point(indices[k], number) is None}
+        return {k for k, earliest in waiting.items() if earliest > latest_close}
 
     def close(self, start: float, deadline_s: float, wanted: int, clients: dict[str, ClientRound],
               indices: dict[str, int], useful: set[str], number: int) -> Closing:

@@ -219,9 +219,11 @@ class EdgeNode:
     def _train_order(self, client: EmulatedClient, msg: Message) -> float:
         """Under the emulated clock, with a cost per sample: when the client's update would arrive after the
         round opened (the train request down, its training, an update as large up), so that the node trains
-        the round's early clients first; 0 (first come, first served) otherwise."""
+        the round's early clients first; 0 (first come, first served) otherwise, and for a method whose jobs
+        leave client state behind (its late jobs are never cancelled)."""
         profile = client.profile
-        if self._churn.edge.clock != "emulated" or profile is None or profile.ms_per_sample is None:
+        if self._churn.edge.clock != "emulated" or profile is None or profile.ms_per_sample is None \
+                or self.setup.client_part.keeps_state:
             return 0.0
         samples = len(self.setup.scenario.client_indices(client.index, client.task)) * msg.body.local_epochs
         return (msg.nbytes / profile.downlink_bytes_s + profile.compute_s(0.0, samples)

@@ -323,6 +323,7 @@ def test_late_trainings_are_cancelled_and_the_results_stay_the_same(tmp_path, mn
     assert skipping.emulated_s == training.emulated_s
     assert skipping.skipped_trainings > 0 and training.skipped_trainings == 0
     assert skipping.host_cpu_saved_s > 0
-    assert skipping.late_updates + skipping.skipped_trainings == training.late_updates
+    # a cancel can cross a finished update on the wire: that update comes, late, all the same
+    assert skipping.late_updates <= training.late_updates <= skipping.late_updates + skipping.skipped_trainings
     assert skipping.bytes["cancel"]["sent"] > 0
     assert skipping.bytes["update"]["received"] < training.bytes["update"]["received"]

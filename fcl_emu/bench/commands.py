@@ -51,6 +51,7 @@ def bench_overcommit(
     clients_per_round: Annotated[int, typer.Option(min=1, help="Updates a round waits for (K).")] = 4,
     overcommit: Annotated[float, typer.Option(min=1.0, help="Clients selected per round: ceil(K x this).")] = 2.0,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per task (two tasks).")] = 3,
+    samples: Annotated[int, typer.Option(min=1, help="Training samples of each client per task.")] = 600,
     seed: Annotated[int, typer.Option(help="Seed of both runs.")] = 0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
     data_root: DataRootOpt = None,
@@ -60,7 +61,7 @@ def bench_overcommit(
 
     writable(folder(json_path))
     try:
-        run(clients, clients_per_round, overcommit, rounds, seed, json_path, data_root, console)
+        run(clients, clients_per_round, overcommit, rounds, samples, seed, json_path, data_root, console)
     except RuntimeError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None

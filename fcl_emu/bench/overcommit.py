@@ -1,8 +1,8 @@
 """``fcl-emu bench overcommit``: the host's CPU time of an overcommitted run on the emulated clock, training every
 selected client (``rounds.skip_late: false``) against cancelling the trainings that cannot count (the default).
 
-The same seeded run twice (MNIST, the small CNN, two edge-node processes, FedAvg): every client has a per-sample
-cost drawn from a lognormal and a link drawn from a range, so its earliest arrival is known before it trains
+The same seeded run twice (MNIST in two tasks, IID shards, the small CNN, two edge-node processes, FedAvg): every
+client has a per-sample cost drawn from a lognormal and a link drawn from a range, so its earliest arrival is known before it trains
 (docs/edge.md, "Late work is not done"). The host's CPU time is the coordinator process's plus its edge nodes'
 (reaped children). Both runs must give the same accuracy matrix and the same participants in every round.
 """
@@ -43,14 +43,14 @@ def _one(config: RunConfig, skip_late: bool, tmp: Path) -> tuple[float, float, d
     return _host_cpu_s() - cpu, time.perf_counter() - wall, {"summary": summary, "records": records}
 
 
-def run(clients: int, clients_per_round: int, overcommit: float, rounds: int, seed: int, json_path: Path | None,
-        data_root: list[Path] | None, console: Console) -> dict:
+def run(clients: int, clients_per_round: int, overcommit: float, rounds: int, samples: int, seed: int,
+        json_path: Path | None, data_root: list[Path] | None, console: Console) -> dict:
     with TemporaryDirectory() as tmp:
         profiles = Path(tmp) / "profiles.yaml"
         profiles.write_text(yaml.safe_dump(PROFILES))
         config = RunConfig.model_validate({
-            "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": clients, "partition": "task_pool",
-                         "samples_per_client_task": 200},
+            "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": clients,
+                         "samples_per_client_task": samples},
             "rounds": {"clients_per_round": clients_per_round, "overcommit": overcommit, "rounds_per_task": rounds,
                        "deadline_s": 60, "eval_every": rounds},
             "training": {"local_epochs": 1}, "model": "cnn", "nodes": 2, "device": "cpu", "seed": seed,
@@ -72,7 +72,7 @@ def run(clients: int, clients_per_round: int, overcommit: float, rounds: int, se
     s = skip["summary"]
     return emit("overcommit", rows, {
         "clients": clients, "clients_per_round": clients_per_round, "overcommit": overcommit,
-        "rounds": 2 * rounds, "seed": seed,
+        "rounds": 2 * rounds, "samples_per_client_task": samples, "seed": seed,
         "trainings": sum(r["selected"] for r in base["records"]),
         "skipped_trainings": s.skipped_trainings, "host_cpu_saved_s_estimate": s.host_cpu_saved_s,
         "same_accuracy_matrix_and_rounds": True, "accuracy_matrix": s.accuracy_matrix,
