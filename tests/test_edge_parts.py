@@ -246,3 +246,19 @@ def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
     assert metrics.registry.get_sample_value("fcl_client_train_jobs_total", {"outcome": "cancelled"}) == 1
     assert trainer._cancelled == set()  # spent
     trainer.close()
+
+
+def test_jobs_train_round_by_round_in_the_nodes_order_then_first_come_first_served():
+    import zmq
+
+    from wire.messages import TrainRequest
+
+    payloads = RoundPayloads()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=EdgeNodeMetrics(),
+                      setup=lambda: None)
+    request = TrainRequest(local_epochs=1, lr=0.1)
+    for index, round, order in ((1, 5, 3.0), (2, 5, 1.0), (3, 4, 9.0), (4, 5, 1.0), (5, 5, 0.5)):
+        c = client(index)
+        trainer.submit(TrainJob(c, round, 0, {}, c.generation, 0.0, request), order)
+    assert [trainer._jobs.get()[1].client.index for _ in range(5)] == [3, 5, 2, 4, 1]
+    trainer.close()
