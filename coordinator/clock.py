@@ -290,7 +290,8 @@ class EmulatedTime(RunClock):
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
         cpu_s, samples = self._trained  # the cancelled trainings' samples at the host's CPU time per sample
-        r.host_cpu_saved_s = sum(r.timeline[c].samples_trained for c in r.cancelled) * cpu_s / max(samples, 1)
+        skipped = r.cancelled - r.answered()  # a cancel may cross an update already sent
+        r.host_cpu_saved_s = sum(r.timeline[c].samples_trained for c in skipped) * cpu_s / max(samples, 1)
 
 
 def make_clock(state: RunState, liveness_timeout_s: float) -> RunClock:

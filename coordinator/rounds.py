@@ -120,7 +120,7 @@ class RoundRunner:
             emulated_clock_s=self.clock.emulated_now,
             host_timeout=r.host_timeout,
             bytes_discarded=r.bytes_discarded,
-            skipped_trainings=len(r.cancelled),
+            skipped_trainings=len(r.cancelled - r.answered()),  # a cancel may cross an update already sent
             host_cpu_saved_s=r.host_cpu_saved_s,
             privacy=None if self.privacy is None else self.privacy.report(),
             contributors=None if outcome is not None else [] if skipped else sorted(
