@@ -137,18 +137,11 @@ class EdgeConfig(pydantic.BaseModel):
         parse_availability(value)  # raises ValueError naming what is wrong
         return value
 
-    @pydantic.field_validator("device_profiles")
+    @pydantic.field_validator("device_profiles", "network_trace")
     @classmethod
-    def _profiles(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            load_profiles(value)
-        return value
-
-    @pydantic.field_validator("network_trace")
-    @classmethod
-    def _network_trace(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            load_network_trace(value)
+    def _files(cls, value: Path | None, info) -> Path | None:
+        if value is not None:  # read and checked now: a bad file fails before anything starts
+            (load_profiles if info.field_name == "device_profiles" else load_network_trace)(value)
         return value
 
 
