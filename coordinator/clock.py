@@ -26,6 +26,7 @@ from coordinator.secure_timeline import SecureTimeline
 from coordinator.state import RunState
 from scenario.availability import AvailabilitySpec, client_availability, parse_availability
 from scenario.devices import DeviceProfile
+from scenario.network_trace import client_trace, load_network_trace
 from wire.messages import EdgeSettings
 
 Serve = Callable[[Callable[[], bool], float], None]  # serve(until, monotonic deadline): the dispatcher's loop
@@ -71,6 +72,11 @@ class RunClock(ABC):
 
     def answered(self, r: OpenRound, client: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
         """A selected client's answer (update or error) of ``nbytes`` arrived, after ``cpu_s`` of its work."""
+
+    def hopeless(self, r: OpenRound) -> list[str]:
+        """Selected clients of round ``r`` whose update is now known to be unable to count: the host may cancel
+        their training (they join ``r.cancelled``). None under the real clock."""
+        return []
 
     def hold_side_channel(self, r: OpenRound, client: str, msg_type: str, nbytes: int,
                           tensors: dict[str, np.ndarray]) -> bool:
@@ -127,6 +133,8 @@ class EmulatedTime(RunClock):
         self.model = EmulatedClock(availability, seed=state.config.seed, slot_s=edge.availability_slot_s,
                                    trace_time_scale=edge.trace_time_scale, crash_rate=edge.crash_rate,
                                    crash_downtime_s=edge.crash_downtime_s, liveness_timeout_s=liveness_timeout_s)
+        self._trained = [0.0, 0]  # CPU seconds and samples the clients' trainings took: the host's cost per sample
+        self.traces = load_network_trace(edge.network_trace) if edge.network_trace else None
 
     @property
     def emulated_now(self) -> float:
@@ -150,13 +158,54 @@ class EmulatedTime(RunClock):
         r.started_at = self.model.now
 
     def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
-        r.timeline[client] = ClientRound(profile, down_bytes=down_bytes)
+        index = self.state.registry.records[client].index
+        c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes,
+                                             trace=client_trace(self.traces, index) if self.traces else None)
+        if self.skips_late:
+            state = self.state
+            samples = len(state.scenario.client_indices(index, r.task))
+            c.samples_trained = samples * state.config.training.local_epochs
+            # a useful update carries a delta of every tensor of the global model (the dispatcher checks it)
+            min_up_bytes = sum(a.nbytes for a in state.server.global_state.values()) if samples else 0
+            c.earliest = self.model.earliest_arrival(r.started_at, c, min_up_bytes)
 
     def answered(self, r: OpenRound, client: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
         timeline = r.timeline.get(client)
         if timeline is not None:
             timeline.up_bytes += nbytes
             timeline.arrival = self.model.arrival(r.started_at, timeline, cpu_s, samples_trained)
+        if samples_trained:
+            self._trained[0] += cpu_s
+            self._trained[1] += samples_trained
+
+    @property
+    def skips_late(self) -> bool:
+        """Whether late trainings are cancelled: asked for (``rounds.skip_late``), and nothing of the run
+        depends on them (no secure aggregation, no late updates kept for the next round, and a method whose
+        jobs leave no client state behind)."""
+        cfg, state = self.state.config, self.state
+        keeps_late = cfg.rounds.late_updates == "next_round" and state.server.accepts_stale_updates
+        return (cfg.rounds.skip_late and not cfg.secagg.enabled and not keeps_late
+                and not state.spec.client.keeps_state)
+
+    def hopeless(self, r: OpenRound) -> list[str]:
+        """The clients the emulated clock knows are late whatever happens (EmulatedClock.beyond_close), where
+        late trainings are cancelled. Their compute time is known: the round records it as if they trained."""
+        if not self.skips_late:
+            return []
+        registry, cfg = self.state.registry, self.state.config.rounds
+        useful = {u.client for u in r.updates if u.num_samples > 0}
+        indices = {c: registry.records[c].index for c in r.timeline}
+        late = self.model.beyond_close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful,
+                                       r.number)
+        cancelled = sorted(late - r.cancelled - r.answered() - r.lost)
+        for client in cancelled:
+            c = r.timeline[client]
+            c.compute_s = c.profile.compute_s(0.0, c.samples_trained)
+        r.cancelled.update(cancelled)
+        if cancelled:
+            self.state.metrics.skipped_trainings.inc(len(cancelled))
+        return cancelled
 
     def hold_side_channel(self, r: OpenRound, client: str, msg_type: str, nbytes: int,
                           tensors: dict[str, np.ndarray]) -> bool:
@@ -236,6 +285,9 @@ class EmulatedTime(RunClock):
         r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.lost_uploads)
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+        cpu_s, samples = self._trained  # the cancelled trainings' samples at the host's CPU time per sample
+        skipped = r.cancelled - r.answered()  # a cancel may cross an update already sent
+        r.host_cpu_saved_s = sum(r.timeline[c].samples_trained for c in skipped) * cpu_s / max(samples, 1)
 
     def _collect_secure(self, r: OpenRound, secure: SecureRound | SecureOutcome, serve: Serve) -> SecureOutcome:
         """Run a secure round's phases, each closed in emulated time; then count the late, the gone and the

@@ -29,7 +29,7 @@ from coordinator.state import RunState
 from methods.base import DELTA, ClientUpdate
 from scenario.devices import DeviceProfile, assign_profile
 from wire.framing import Message, WireError
-from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Error, Welcome, client_id
+from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -246,6 +246,7 @@ class Dispatcher:
         r.train_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
         self.clock.answered(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
+        self.cancel(r, self.clock.hopeless(r))
 
     def _keep_stale(self, peer: str, msg: Message) -> None:
         """Keep a late update for the next round (:class:`~coordinator.open_round.StaleUpdates`)."""
@@ -347,6 +348,13 @@ class Dispatcher:
         self.state.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
+
+    def cancel(self, r: OpenRound, clients: list[str]) -> None:
+        """Tell ``clients`` to drop their training of round ``r``: the clock knows it can no longer count. Outside
+        the message sequence: the later messages' headers, whose bytes the emulated clock places, keep their
+        sizes."""
+        for client in clients:
+            self.try_send(client, "cancel", Cancel(), task=r.task, round=r.number, sequenced=False)
 
     def try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
         """Send; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its

@@ -6,7 +6,8 @@ clock; the coordinator keeps it:
 
 - A round opens at emulated time ``T`` (the clock). Each selected client's update arrives at
   ``A = T + down + compute + up``: ``down`` is what the coordinator sent it for the round (task start, assets,
-  train request) through its downlink, ``compute`` its profile's compute time for its own training
+  train request) through its downlink (a network trace, :mod:`scenario.network_trace`, makes its bandwidth
+  vary with emulated time), ``compute`` its profile's compute time for its own training
   (:meth:`scenario.devices.DeviceProfile.compute_s`: the CPU time the node measured for that client alone,
   times ``compute_factor``, or ``ms_per_sample`` per sample trained), and ``up`` its side-channel messages and
   update through its uplink (:class:`scenario.links.Link`: bandwidth, FIFO, latency).
@@ -24,6 +25,14 @@ clock; the coordinator keeps it:
   ``min(liveness timeout, crash_downtime_s)`` (missed heartbeats, or its restart's join), it is away for
   ``crash_downtime_s``, and its next task start tells its node to drop its in-memory state and assets.
 
+Late work is not done (``rounds.skip_late``): a client whose profile has a per-sample cost has a known
+earliest arrival before it trains (its downlink, its exact compute time, its smallest possible upload). One
+whose earliest arrival is after the latest the round can close (the deadline, or the ``clients_per_round``-th
+useful update already in that no crash or leave can take away) is late whatever happens, and nothing of the
+round depends on when exactly it would arrive: the coordinator cancels its training
+(:meth:`EmulatedClock.beyond_close`). Not for clients drawn to crash in the round: where their crash falls
+depends on their arrival.
+
 Server-side work (aggregation, evaluation, generator training at task end) takes no emulated time, as in
 FedScale: the clock measures the federation, the host wall clock (recorded beside it) the emulation.
 """
@@ -38,6 +47,7 @@ from dataclasses import dataclass, field
 from scenario.availability import AvailabilitySpec, client_availability, client_draw, transitions
 from scenario.devices import DeviceProfile
 from scenario.links import Link
+from scenario.network_trace import BandwidthTrace
 
 
 class _Presence:
@@ -93,6 +103,9 @@ class ClientRound:
     gone_at: float | None = None  # left or crashed at this emulated time
     noticed_at: float | None = None  # when the coordinator learns that it is gone
     crashed: bool = False
+    earliest: float | None = None  # a lower bound on its arrival known before it trains (a per-sample cost)
+    samples_trained: int = 0  # what it is to train (local samples x local epochs), where ``earliest`` is known
+    trace: BandwidthTrace | None = None  # its bandwidth over time (a network trace), instead of its profile's
 
 
 @dataclass
@@ -167,10 +180,39 @@ class EmulatedClock:
     @staticmethod
     def arrival(start: float, c: ClientRound, cpu_s: float, samples_trained: int) -> float:
         """Emulated time at which a client's update arrives: downlink, its own compute, uplink."""
-        link = Link(c.profile)
+        link = Link(c.profile, c.trace)
         received = link.arrival("down", c.down_bytes, start)
         c.compute_s = c.profile.compute_s(cpu_s, samples_trained)
         return link.arrival("up", c.up_bytes, received + c.compute_s)
+
+    @staticmethod
+    def earliest_arrival(start: float, c: ClientRound, min_up_bytes: int) -> float | None:
+        """A lower bound on when a client's update arrives, known before it trains: with a per-sample cost
+        (``ms_per_sample``) its compute time is exact, and its upload is at least ``min_up_bytes``. None
+        without a per-sample cost."""
+        if c.profile.ms_per_sample is None:
+            return None
+        link = Link(c.profile, c.trace)
+        received = link.arrival("down", c.down_bytes, start)
+        return link.arrival("up", min_up_bytes, received + c.profile.compute_s(0.0, c.samples_trained))
+
+    def beyond_close(self, start: float, deadline_s: float, wanted: int, clients: dict[str, ClientRound],
+                     indices: dict[str, int], useful: set[str], number: int) -> set[str]:
+        """Clients of the round in progress whose update cannot count whatever the others do: not answered, no
+        crash drawn for the round, and an earliest arrival after the latest the round can close: its deadline,
+        or the ``wanted``-th of the useful updates already in that nothing takes from the round (no crash, not
+        away before they arrive). Such a client's exact arrival changes nothing of :meth:`close`: it comes
+        after the close, and if it leaves first, it leaves after the close or at a time that does not depend
+        on its arrival."""
+        waiting = {k: c.earliest for k, c in clients.items() if c.arrival is None and c.earliest is not None
+                   and self.crash_point(indices[k], number) is None}
+        if not waiting:
+            return set()
+        sure = sorted(c.arrival for k, c in clients.items() if k in useful and c.arrival is not None
+                      and self.crash_point(indices[k], number) is None
+                      and self._of(k, indices[k]).off_between(start, c.arrival) >= c.arrival)
+        latest_close = start + deadline_s if len(sure) < wanted else min(start + deadline_s, sure[wanted - 1])
+        return {k for k, earliest in waiting.items() if earliest > latest_close}
 
     def close(self, start: float, deadline_s: float, wanted: int, clients: dict[str, ClientRound],
               indices: dict[str, int], useful: set[str], number: int) -> Closing:

@@ -38,12 +38,14 @@ class OpenRound:
     host_timeout: bool = False
     kept_late: list[ClientUpdate] = field(default_factory=list)  # late updates for the next round
     bytes_discarded: int = 0  # uploads of clients gone (in emulated time) before they would have arrived
+    cancelled: set[str] = field(default_factory=set)  # told to drop their training: it could no longer count
+    host_cpu_saved_s: float = 0.0  # what that saved the host (an estimate)
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed
 
     def pending(self, online: Callable[[str], bool]) -> set[str]:
-        done = self.answered() | self.lost
+        done = self.answered() | self.lost | self.cancelled
         return {c for c in self.selected - done if online(c)}
 
     def done(self, online: Callable[[str], bool]) -> bool:

@@ -120,6 +120,8 @@ class RoundRunner:
             emulated_clock_s=self.clock.emulated_now,
             host_timeout=r.host_timeout,
             bytes_discarded=r.bytes_discarded,
+            skipped_trainings=len(r.cancelled - r.answered()),  # a cancel may cross an update already sent
+            host_cpu_saved_s=r.host_cpu_saved_s,
             privacy=None if self.privacy is None else self.privacy.report(),
             contributors=None if outcome is not None else [] if skipped else sorted(
                 u.client for u in r.updates if u.num_samples > 0),
@@ -182,6 +184,7 @@ class RoundRunner:
                                                 tensors=payload)
             if sent_request:
                 self.clock.dispatched(r, client_id, record.profile, sent + setup + sent_request)
+        self.dispatcher.cancel(r, self.clock.hopeless(r))
         return secure
 
     def _phase_collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None) -> SecureOutcome | None:

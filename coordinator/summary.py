@@ -69,6 +69,8 @@ class SummaryBuilder:
             emulated_s=self.clock.emulated_now,
             host_timeouts=sum(r.host_timeout for r in rounds),
             bytes_discarded=sum(r.bytes_discarded for r in rounds),
+            skipped_trainings=sum(r.skipped_trainings for r in rounds),
+            host_cpu_saved_s=sum(r.host_cpu_saved_s for r in rounds),
             time=self.time_account.accounting(),
             phase_s=dict(phases),
             handling_s=dict(tally.handling_s),

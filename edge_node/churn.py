@@ -61,7 +61,7 @@ class Churn:
         if client.transitions is None:
             try:
                 client.transitions = transitions(edge.availability)
-                profile = None if edge.profile is None else DeviceProfile.from_wire(edge.profile)
+                profile = client.profile = None if edge.profile is None else DeviceProfile.from_wire(edge.profile)
                 client.link = None if profile is None or edge.clock == "emulated" else Link(profile)
                 if client.link is not None:
                     self._metrics.link_profile(profile.name)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from edge_node.store import ArrayStore
+from scenario.devices import DeviceProfile
 from scenario.links import Link
 from secagg.client import SecAggClient
 from wire.messages import TrainRequest
@@ -36,6 +37,7 @@ class EmulatedClient:
     transitions: Iterator[tuple[float, bool]] | None = None
     next_transition: tuple[float, bool] | None = None
     link: Link | None = None
+    profile: DeviceProfile | None = None  # its device profile (the welcome's)
     crash_at: float | None = None  # monotonic time of a crash decided for this round
     down_until: float | None = None  # crashed: restarts at this monotonic time
     round_s: float = 1.0  # last time from train request to sent update (where a crash may fall)
@@ -92,6 +94,7 @@ class TrainResult:
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
     vector: np.ndarray | None = None
     stale: bool = False  # not trained: its client had moved on to a newer task (nothing is sent)
+    cancelled: bool = False  # stopped: the coordinator cancelled it (nothing is sent)
 
     def report(self) -> dict[str, Any]:
         """The loss, times and metrics that its ``update`` (or ``secagg_masked``) carries."""

@@ -197,8 +197,10 @@ class EdgeNode:
                 return
             now = time.monotonic()
             self._trainer.submit(TrainJob(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
-                                          client.generation, now, msg.body))
+                                          client.generation, now, msg.body), self._train_order(client, msg))
             self._churn.draw_crash(client, msg.round, self.setup.seed, now)
+        elif msg.type == "cancel":  # the emulated clock knows this round's update would come too late
+            self._trainer.cancel(client.id, msg.round)
         elif msg.type in SECAGG_DOWN:
             self._secure.on_message(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node
@@ -213,6 +215,19 @@ class EdgeNode:
             log.warning("%s: coordinator says %s: %s", client.id, msg.body.code, msg.body.detail)
         else:
             log.warning("%s: ignoring unexpected %s", client.id, msg.type)
+
+    def _train_order(self, client: EmulatedClient, msg: Message) -> float:
+        """Under the emulated clock, with a cost per sample: when the client's update would arrive after the
+        round opened (the train request down, its training, an update as large up), so that the node trains
+        the round's early clients first; 0 (first come, first served) otherwise, and for a method whose jobs
+        leave client state behind (its late jobs are never cancelled)."""
+        profile = client.profile
+        if self._churn.edge.clock != "emulated" or profile is None or profile.ms_per_sample is None \
+                or self.setup.client_part.keeps_state:
+            return 0.0
+        samples = len(self.setup.scenario.client_indices(client.index, client.task)) * msg.body.local_epochs
+        return (msg.nbytes / profile.downlink_bytes_s + profile.compute_s(0.0, samples)
+                + msg.nbytes / profile.uplink_bytes_s + 2 * profile.latency_s)
 
     def _send(self, client: EmulatedClient, msg_type: str, body, **kw) -> None:
         client.endpoint.send(msg_type, body, **kw)

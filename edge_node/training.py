@@ -4,6 +4,14 @@ Clients of one node train one after another, as on one device. The main
 thread submits a :class:`TrainJob` per train request; the trainer hands each
 :class:`TrainResult` back through an in-process queue and rings the
 :attr:`Trainer.wake` socket, which the main thread polls with the clients'.
+A job the coordinator cancels (:meth:`Trainer.cancel`: its update could no
+longer count) is dropped if it waits, or stopped between two batches if it
+runs; nothing is sent for it. Jobs are trained round by round, and within a
+round in the order the node gives them (:meth:`Trainer.submit`): first come,
+first served, or under the emulated clock the ones expected to arrive first
+(the coordinator then learns early which others are too late and cancels
+them). The order changes no result: each job is seeded by its client and
+round, and loads the whole model it trains.
 The trainer keeps the last global classifier's model across jobs while its
 head size stays, warms up once before the first job, and measures each
 client's own CPU time (what the emulated clock scales).
@@ -11,7 +19,9 @@ client's own CPU time (what the emulated clock scales).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,7 +37,7 @@ import zmq
 from edge_node.client import TrainJob, TrainResult
 from edge_node.store import RoundPayloads
 from methods import registry as methods
-from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingSettings, model_arrays
+from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingCancelled, TrainingSettings, model_arrays
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays
 from methods.optim import LocalSGD
@@ -86,8 +96,12 @@ class Trainer:
         self._payloads = payloads
         self._metrics = metrics
         self._setup = setup
-        self._jobs: queue.Queue[TrainJob | None] = queue.Queue()
+        # (round, order, arrival) -> job: round by round, by the node's order, then first come first served
+        self._jobs: queue.PriorityQueue[tuple[tuple[float, float, int], TrainJob | None]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._results: queue.Queue[TrainResult] = queue.Queue()
+        self._cancelled: set[tuple[str, int]] = set()  # (client, round): jobs the coordinator cancelled
+        self._cancel_lock = threading.Lock()
         self._wake_addr = f"inproc://wake-{id(self)}"
         self.wake = context.socket(zmq.PAIR)
         self.wake.bind(self._wake_addr)
@@ -99,14 +113,28 @@ class Trainer:
 
     def stop(self) -> None:
         """End the thread after the jobs already queued."""
-        self._jobs.put(None)
+        self._jobs.put(((math.inf, 0.0, next(self._arrivals)), None))
         self._thread.join(timeout=30)
 
     def close(self) -> None:
         self.wake.close(linger=0)
 
-    def submit(self, job: TrainJob) -> None:
-        self._jobs.put(job)
+    def submit(self, job: TrainJob, order: float = 0.0) -> None:
+        """Queue ``job``; among its round's waiting jobs, those of lower ``order`` train first."""
+        self._jobs.put(((job.round, order, next(self._arrivals)), job))
+
+    def cancel(self, client: str, round: int) -> None:
+        """Drop ``client``'s job of ``round``: before it starts, or between two of its batches."""
+        with self._cancel_lock:
+            self._cancelled.add((client, round))
+
+    def _is_cancelled(self, job: TrainJob) -> bool:
+        return (job.client.id, job.round) in self._cancelled
+
+    def _forget_cancels(self, job: TrainJob) -> None:
+        """Cancels of the job's client up to its round are spent (a cancel may come after its job is done)."""
+        with self._cancel_lock:
+            self._cancelled = {(c, r) for c, r in self._cancelled if c != job.client.id or r > job.round}
 
     def queued(self) -> int:
         return self._jobs.qsize()
@@ -125,8 +153,9 @@ class Trainer:
         model_cache: dict[int, Any] = {}
         warm = False
         try:
-            while (job := self._jobs.get()) is not None:
-                if job.generation != job.client.generation:  # it left or crashed while the job waited
+            while (job := self._jobs.get()[1]) is not None:
+                if job.generation != job.client.generation or self._is_cancelled(job):  # left, crashed, cancelled
+                    self._forget_cancels(job)
                     self._payloads.release(job.round, job.model)
                     self._metrics.trained(0.0, "cancelled")
                     continue
@@ -137,6 +166,10 @@ class Trainer:
                 result = self._train(job, model_cache)
                 result.train_s = time.perf_counter() - started
                 result.cpu_s = self._cpu_time() - cpu_started
+                self._forget_cancels(job)
+                if result.cancelled:
+                    self._metrics.trained(result.train_s, "cancelled")
+                    continue
                 result.samples_trained = result.num_samples * job.request.local_epochs
                 result.generation, result.received_at = job.generation, job.received_at
                 result.secure = job.request.secure
@@ -193,6 +226,7 @@ class Trainer:
                 mean=tuple(ds.mean), std=tuple(ds.std), dataset_classes=ds.num_classes,
                 seed=zlib.crc32(f"{s.seed}/{client.index}/{job.round}".encode()),
                 new_task=client.trained_task != client.task,
+                cancelled=lambda: self._is_cancelled(job),
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
@@ -200,6 +234,9 @@ class Trainer:
             if job.request.secure:  # the masked sum carries the float deltas as one vector
                 result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
             return result
+        except TrainingCancelled:
+            log.info("%s: round %d cancelled by the coordinator", client.id, job.round)
+            return TrainResult(client, job.round, job.task, None, cancelled=True)
         except Exception as exc:  # reported to the coordinator, never kills the node
             log.exception("%s: training failed", client.id)
             return TrainResult(client, job.round, job.task, None, error=f"{type(exc).__name__}: {exc}")

@@ -323,6 +323,7 @@ class ClientContext:
     metrics: dict[str, float] = field(default_factory=dict)  # method metrics of this job, reported upstream
     # side-channel messages of this job, by kind (ServerPart.side_channels): {kind: (items, tensors)}
     outbox: dict[str, tuple[int, Arrays]] = field(default_factory=dict)
+    cancelled: Any = lambda: False  # Callable[[], bool]: the coordinator cancelled this job (checked per batch)
 
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
         """A model in eval mode with these weights (method tensors ``<method>/...`` ignored) and no
@@ -350,8 +351,17 @@ def _head_size(arrays: Mapping[str, np.ndarray]) -> int:
     return int(arrays["head.weight"].shape[0]) if "head.weight" in arrays else 0
 
 
+class TrainingCancelled(Exception):
+    """The coordinator cancelled the job (a ``cancel`` message): its update could no longer count."""
+
+
 class ClientPart:
-    """Edge side. One instance per edge node; per-client state lives in the context."""
+    """Edge side. One instance per edge node; per-client state lives in the context.
+
+    ``keeps_state``: a job leaves something behind for the client's later jobs (``ctx.store``, ``ctx.state``).
+    The coordinator never cancels such a method's late jobs: a later job would see another state."""
+
+    keeps_state: ClassVar[bool] = False
 
     def __init__(self, options: Options):
         self.options = options
@@ -397,6 +407,8 @@ class ClientPart:
         for _ in range(ctx.settings.local_epochs):
             order = torch.randperm(n, generator=gen)
             for i in range(0, n, ctx.settings.batch_size):
+                if ctx.cancelled():
+                    raise TrainingCancelled(ctx.client)
                 idx = order[i:i + ctx.settings.batch_size]
                 x, y = ctx.x[idx].to(ctx.device), ctx.y[idx].to(ctx.device)
                 loss = self.step_loss(ctx, model, x, y)

@@ -457,6 +457,8 @@ class FedCBCServer(ServerPart):
 class FedCBCClient(ClientPart):
     """Trains one local VAE per class of its data on the frozen extractor's features (no classifier)."""
 
+    keeps_state = True  # its store outlives the job
+
     options: FedCBCOptions
 
     def __init__(self, options: FedCBCOptions):

@@ -186,6 +186,7 @@ def _task_of(arrays: Mapping[str, np.ndarray] | None) -> int | None:
 
 
 class FedEWCClient(ClientPart):
+    keeps_state = True  # its store outlives the job
     options: FedEWCOptions
 
     def start_task(self, ctx: ClientContext) -> None:

@@ -157,6 +157,7 @@ class FedLwF2TServer(ServerPart):
 
 
 class FedLwF2TClient(ClientPart):
+    keeps_state = True  # its store outlives the job
     options: FedLwF2TOptions
 
     # --- task life cycle --------------------------------------------------------

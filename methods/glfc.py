@@ -482,6 +482,7 @@ class GLFCServer(ServerPart):
 
 # ------------------------------------------------------------------- client
 class GLFCClient(ClientPart):
+    keeps_state = True  # its store outlives the job
     options: GLFCOptions
 
     def __init__(self, options: GLFCOptions):

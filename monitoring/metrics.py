@@ -185,6 +185,9 @@ class CoordinatorMetrics(ProcessMetrics):
                                         ["action"], registry=r)
         self.late_updates = Counter("fcl_late_updates", "Updates that arrived after their round had closed "
                                     "(dropped).", registry=r)
+        self.skipped_trainings = Counter("fcl_skipped_trainings", "Emulated clock: selected clients' trainings "
+                                         "cancelled because their update could no longer count (it arrives "
+                                         "after its round closes).", registry=r)
         self.refused_handshakes = Counter("fcl_refused_handshakes", "CurveZMQ handshakes the allow-list refused, "
                                           "by reason (unknown_key: a key not in the run's roster).", ["reason"],
                                           registry=r)
@@ -407,7 +410,8 @@ class EdgeNodeMetrics(ProcessMetrics):
                                         "upload).", buckets=TRAIN_BUCKETS, registry=r)
         self.train_jobs = Counter("fcl_client_train_jobs", "Local training jobs by outcome: ok, no_data (the "
                                   "client holds no samples of the task), failed, cancelled (the client left or "
-                                  "crashed before its turn).", ["outcome"], registry=r)
+                                  "crashed before its turn, or the coordinator cancelled it: a job whose update "
+                                  "could no longer count).", ["outcome"], registry=r)
         self.train_samples = Counter("fcl_client_train_samples", "Samples in the local datasets of finished "
                                      "training jobs.", registry=r)
         self.node_clients = Gauge("fcl_node_clients", "Emulated clients hosted here by state: joining (no "

@@ -197,6 +197,10 @@ class RoundRecord:
     # emulated clock: bytes received from clients that left or crashed (in emulated time) before their upload
     # would have arrived; the host received them (they are in bytes_received), the federation would not have
     bytes_discarded: int = 0
+    # emulated clock: trainings of this round cancelled because their update could no longer count, and the host
+    # CPU seconds that saved (an estimate: their samples at the run's measured CPU time per sample)
+    skipped_trainings: int = 0
+    host_cpu_saved_s: float = 0.0
     # central DP (coordinator/privacy.py) after this round: epsilon for delta (None without noise), noised rounds
     # so far, the clip norm the last one used, the noise's standard deviation on its mean, the next clip norm
     privacy: dict[str, Any] | None = None
@@ -331,6 +335,8 @@ class RunSummary(SummaryPart, kw_only=True):
     emulated_s: float | None = None  # emulated clock: what the federation would have taken
     host_timeouts: int = 0
     bytes_discarded: int = 0
+    skipped_trainings: int = 0  # emulated clock: trainings cancelled as too late to count (docs/edge.md)
+    host_cpu_saved_s: float = 0.0  # the host CPU seconds that saved (an estimate)
     time: TimeAccounting | None = None
     phase_s: dict[str, float] = {}
     handling_s: dict[str, float] = {}

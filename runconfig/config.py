@@ -20,6 +20,7 @@ from methods.robust import Aggregator, Rule
 from scenario.availability import parse_availability
 from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
+from scenario.network_trace import load_network_trace
 from scenario.faults import load_plan
 from scenario.spec import ScenarioSpec
 from secagg.settings import SecAggSettings
@@ -60,6 +61,10 @@ class RoundConfig(pydantic.BaseModel):
         "auto", description="the clock of deadlines, stragglers, availability and crashes: emulated (independent "
                             "of the host's load), real (host seconds) or auto (emulated, except real for container "
                             "backends; docs/edge.md)")
+    skip_late: bool = pydantic.Field(
+        True, description="emulated clock: cancel the training of a selected client whose update the clock "
+                          "knows cannot count (it arrives after the round closes); the results stay the same, "
+                          "the host does less work (docs/edge.md)")
     host_timeout_s: float = pydantic.Field(
         900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
                                  "(a safety net, reported when it fires)")
@@ -122,6 +127,9 @@ class EdgeConfig(pydantic.BaseModel):
     device_profiles: Path | None = pydantic.Field(
         None, description="YAML/JSON file of device profiles: compute speed factor, link bandwidth, latency "
                           "(docs/edge.md)")
+    network_trace: Path | None = pydantic.Field(
+        None, description="emulated clock: file of each client's link bandwidth over time, replacing its "
+                          "profile's (FedScale-style: client id -> time in s, communication in kbit/s; docs/edge.md)")
 
     @pydantic.field_validator("availability")
     @classmethod
@@ -129,11 +137,11 @@ class EdgeConfig(pydantic.BaseModel):
         parse_availability(value)  # raises ValueError naming what is wrong
         return value
 
-    @pydantic.field_validator("device_profiles")
+    @pydantic.field_validator("device_profiles", "network_trace")
     @classmethod
-    def _profiles(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            load_profiles(value)
+    def _files(cls, value: Path | None, info) -> Path | None:
+        if value is not None:  # read and checked now: a bad file fails before anything starts
+            (load_profiles if info.field_name == "device_profiles" else load_network_trace)(value)
         return value
 
 
@@ -453,6 +461,9 @@ class RunConfig(pydantic.BaseModel):
                              "churn for host processes: --availability, --crash-rate)")
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
+        if self.edge.network_trace is not None and not self.emulated_clock:
+            raise ValueError("--network-trace follows the emulated clock: use --clock emulated or auto (host "
+                             "processes, no --secagg)")
         if self.metrics.port is not None and self.metrics.port + self.nodes + self.gpu.workers > 65535:
             raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node and "
                              f"{self.gpu.workers} GPU-worker ports after it (port + nodes + gpu.workers must be "

@@ -60,6 +60,25 @@ def test_a_round_closes_at_its_deadline_or_at_the_wanted_update_or_when_all_are_
     assert (closing.closed_at, closing.on_time, closing.late) == (3.0, {"a"}, {"b"})
 
 
+def test_the_earliest_arrival_of_a_per_sample_profile_and_who_is_late_whatever_happens():
+    profile = DeviceProfile(ms_per_sample=5.0, uplink_bytes_s=1000.0, downlink_bytes_s=2000.0, latency_s=0.05)
+    c = ClientRound(profile, down_bytes=1000, samples_trained=200)
+    # 1000 B down at 2000 B/s + 50 ms = 10.55; 200 x 5 ms = 1.0 -> 11.55; at least 300 B up at 1000 B/s + 50 ms
+    assert EmulatedClock.earliest_arrival(10.0, c, min_up_bytes=300) == pytest.approx(11.9)
+    assert EmulatedClock.earliest_arrival(10.0, ClientRound(DeviceProfile()), 300) is None  # measured compute
+    indices = {k: i for i, k in enumerate("abcdef")}
+    clients = rounds_of({"a": 1.0, "b": 2.0, "c": None, "d": None, "e": None, "f": None})
+    for k, earliest in zip("cdef", (1.5, 2.5, 40.0, None)):
+        clients[k].earliest = earliest
+    # two wanted, both in and sure: nobody whose earliest arrival is after 2.0 can count ("f": not known)
+    assert clock().beyond_close(0.0, 30.0, 2, clients, indices, {"a", "b"}, 1) == {"d", "e"}
+    # "b" sent an empty update: the round may close as late as its deadline
+    assert clock().beyond_close(0.0, 30.0, 2, clients, indices, {"a"}, 1) == {"e"}
+    # a client drawn to crash in the round is never given up in advance (its crash point needs its arrival)
+    crashing = clock(crash_rate=1.0)
+    assert crashing.beyond_close(0.0, 30.0, 2, clients, indices, {"a", "b"}, 1) == set()
+
+
 def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the_downtime():
     c = clock(crash_rate=1.0, crash_downtime_s=5.0, liveness_timeout_s=2.0)
     indices = {"a": 0, "b": 1}
@@ -127,6 +146,43 @@ def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
     assert second.ms_per_sample == 120.0 and second.uplink_bytes_s == 100_000.0 and wrapped == first
     assert first.compute_s(cpu_s=5.0, samples_trained=100) == pytest.approx(3.0)  # 30 ms x 100, CPU ignored
     assert DeviceProfile.from_wire(first.to_wire()) == first
+
+
+def test_a_network_trace_integrates_piecewise_constant_bandwidth_over_each_transfer(tmp_path):
+    """The example of docs/edge.md, by hand: 800 kbit/s (100 kB/s) until 60 s, an outage until 90 s, then
+    2400 kbit/s (300 kB/s)."""
+    from scenario.links import Link
+    from scenario.network_trace import client_trace, load_network_trace
+
+    path = tmp_path / "network.json"
+    path.write_text(json.dumps({"17": {"time": [0, 60, 90], "communication": [800, 0, 2400]},
+                                "3": {"time": [10], "communication": [8]}}))
+    traces = load_network_trace(path)
+    slow, varying = traces  # sorted ids: "3", then "17"
+    assert client_trace(traces, 1) is varying and client_trace(traces, 2) is slow  # wraps around
+    assert varying.finish(30.0, 3_000_000) == pytest.approx(60.0)  # exactly the first step's capacity
+    assert varying.finish(30.0, 8_000_000) == pytest.approx(90 + 5e6 / 3e5)  # 3 MB, outage, 5 MB
+    assert varying.finish(70.0, 300_000) == pytest.approx(91.0)  # starts in the outage
+    assert varying.finish(200.0, 600_000) == pytest.approx(202.0)  # the last value holds for ever
+    assert slow.finish(0.0, 1000) == pytest.approx(1.0)  # 1000 B/s, before its first time too
+    # the link: FIFO behind the message before it, then the profile's latency; both directions follow the trace
+    link = Link(DeviceProfile(uplink_bytes_s=1.0, latency_s=0.5), varying)
+    assert link.arrival("up", 3_000_000, 30.0) == pytest.approx(60.5)
+    assert link.arrival("up", 300_000, 30.0) == pytest.approx(91.5)  # queued until 60, then the outage
+    assert link.arrival("down", 100_000, 0.0) == pytest.approx(1.5)
+    c = ClientRound(DeviceProfile(ms_per_sample=1.0), down_bytes=1_000_000, up_bytes=3_000_000, trace=varying)
+    # 1 MB down at 100 kB/s: 10 s; 100 samples x 1 ms: 10.1 s; 3 MB up at 100 kB/s: 40.1 s
+    assert EmulatedClock.arrival(0.0, c, cpu_s=0.0, samples_trained=100) == pytest.approx(40.1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"1": {"time": [0, 5, 5], "communication": [1, 2, 3]}}))
+    with pytest.raises(ValueError, match="times must increase"):
+        load_network_trace(bad)
+    bad.write_text(yaml.safe_dump({"1": {"time": [0, 5], "communication": [1, 0]}}))
+    with pytest.raises(ValueError, match="last bandwidth must be positive"):
+        load_network_trace(bad)
+    assert RunConfig(edge={"network_trace": str(path)}).edge.network_trace == path
+    with pytest.raises(ValueError, match="--network-trace follows the emulated clock"):
+        RunConfig(edge={"network_trace": str(path)}, rounds={"clock": "real"})
 
 
 def test_clock_auto_is_emulated_except_for_containers():
@@ -219,3 +275,31 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
     assert quiet.emulated_s == loaded.emulated_s
     # the uploads of clients gone before they would have arrived crossed the host's wire, not the federation's
     assert quiet.bytes_discarded == loaded.bytes_discarded > 0
+
+
+@pytest.mark.slow
+def test_late_trainings_are_cancelled_and_the_results_stay_the_same(tmp_path, mnist_root):
+    """Six selected for three wanted (overcommit 2): clients 0-1 need 40 s per round (past the 30 s deadline),
+    2-3 need 10 s, the others 0.4 s. The host cancels the trainings that cannot count; accuracy matrix, rounds
+    and emulated times are those of the run that trains every selected client."""
+    profiles = tmp_path / "per_sample.yaml"
+    profiles.write_text(yaml.safe_dump({
+        "profiles": [{"name": "fast", "ms_per_sample": 2}, {"name": "slow", "ms_per_sample": 50},
+                     {"name": "hopeless", "ms_per_sample": 200}],
+        "clients": {0: "hopeless", 1: "hopeless", 2: "slow", 3: "slow"} | {i: "fast" for i in range(4, 12)}}))
+    common = dict(scenario=SCENARIO, training={"local_epochs": 1}, seed=4,
+                  edge={"device_profiles": str(profiles)})
+    rounds = {"clients_per_round": 3, "overcommit": 2.0, "rounds_per_task": 3, "deadline_s": 30, "eval_every": 3}
+    skipping, skipping_rounds = run(tmp_path, mnist_root, "skip", rounds=rounds, **common)
+    training, training_rounds = run(tmp_path, mnist_root, "train", rounds={**rounds, "skip_late": False}, **common)
+    keys = ("selected", "participants", "late", "dropped", "contributors", "emulated_s", "emulated_clock_s",
+            "train_s_by_class")
+    assert [[r[k] for k in keys] for r in skipping_rounds] == [[r[k] for k in keys] for r in training_rounds]
+    assert skipping.accuracy_matrix == training.accuracy_matrix
+    assert skipping.emulated_s == training.emulated_s
+    assert skipping.skipped_trainings > 0 and training.skipped_trainings == 0
+    assert skipping.host_cpu_saved_s > 0
+    # a cancel can cross a finished update on the wire: that update comes, late, all the same
+    assert skipping.late_updates <= training.late_updates <= skipping.late_updates + skipping.skipped_trainings
+    assert skipping.bytes["cancel"]["sent"] > 0
+    assert skipping.bytes["update"]["received"] < training.bytes["update"]["received"]

@@ -19,9 +19,10 @@ from coordinator.guard import LogOnce, RateLimiter
 from coordinator.open_round import OpenRound, StaleUpdates
 from coordinator.rounds import RoundRunner
 from coordinator.state import RunState
-from methods.base import DELTA, ClientUpdate
+from methods.base import DELTA, ClientPart, ClientUpdate
 from monitoring.metrics import CoordinatorMetrics
 from runconfig import RunConfig
+from scenario.devices import DeviceProfile
 from wire.framing import WireError, decode, encode
 from wire.messages import Heartbeat, Join, Update, client_id
 
@@ -75,6 +76,7 @@ class FakeServer:
 class FakeSpec:
     name = "fake"
     server = FakeServer
+    client = ClientPart
 
 
 def make_state(clock: str = "real", **rounds) -> RunState:
@@ -121,15 +123,23 @@ class PlayingDispatcher:
     def side_channel(self, client, task, msg_type, tensors):
         raise AssertionError("no side channel in these rounds")
 
+    def cancel(self, r, clients):
+        self.sent += [(c, "cancel") for c in clients]
+
     def serve(self, until, deadline):
+        """Clients answer in client order; a cancelled one drops its training, as an edge node does."""
         self.served += 1
         r = self.round
         for cid in sorted(r.selected - r.answered() - self.silent) if r is not None else ():
+            if cid in r.cancelled:
+                continue
             if cid in self.failing:
                 r.failed.add(cid)
             else:
                 r.updates.append(update(cid, float(int(cid[-4:]))))
-            self.clock.answered(r, cid, 200, 0.5, 10)
+            samples = SAMPLES * self.state.config.training.local_epochs if cid not in self.failing else 0
+            self.clock.answered(r, cid, 200, 0.5, samples)
+            self.cancel(r, self.clock.hopeless(r))
             if until():
                 return
 
@@ -207,6 +217,55 @@ def test_late_updates_kept_for_the_next_round_are_aggregated_there():
     assert record.stale_used == 1
     assert "client-0005" in [u.client for u in state.server.aggregated[0][2]]
     assert run.run_round(0, 1).stale_used == 0  # used once
+
+
+@pytest.mark.parametrize("deadline_s", [30.0, 1000.0])
+def test_late_trainings_are_cancelled_with_the_same_round_outcome(deadline_s):
+    """Six selected for three wanted, each with a per-sample cost: 0-2 train 100 samples in 0.1-0.3 s, 3-5 in
+    40-60 s. With a 30 s deadline the slow ones are cancelled at once (their earliest arrival is after it); with
+    1000 s, once the third fast update is in. The round's outcome is that of a round that trains them all."""
+    outcomes = {}
+    for skip in (True, False):
+        state = make_state("emulated", clients_per_round=3, overcommit=2.0, deadline_s=deadline_s, skip_late=skip)
+        for i, cid in enumerate(join_all(state)):
+            state.registry.records[cid].profile = DeviceProfile(ms_per_sample=[1, 2, 3, 400, 500, 600][i])
+        run, fake = runner(state)
+        record = run.run_round(0, 0)
+        cancelled = sorted(c for c, t in fake.sent if t == "cancel")
+        assert record.skipped_trainings == len(cancelled)
+        outcomes[skip] = (record.participants, record.late, record.dropped, record.emulated_s,
+                          record.contributors, [u.client for u in state.server.aggregated[0][2]])
+        if skip:
+            assert cancelled == [client_id(i) for i in (3, 4, 5)]
+            assert record.host_cpu_saved_s == pytest.approx(3 * 0.5)  # 0.5 s per 100 samples measured
+        else:
+            assert cancelled == [] and record.host_cpu_saved_s == 0
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][:3] == (3, 3, 0) and outcomes[True][3] == pytest.approx(0.3)
+
+
+def test_nothing_is_cancelled_where_late_work_counts_or_leaves_state():
+    for rounds, keeps_state in (({"late_updates": "next_round"}, False), ({}, True)):
+        state = make_state("emulated", clients_per_round=3, overcommit=2.0, **rounds)
+        state.spec.client = type("Stateful", (ClientPart,), {"keeps_state": keeps_state})
+        for i, cid in enumerate(join_all(state)):
+            state.registry.records[cid].profile = DeviceProfile(ms_per_sample=[1, 2, 3, 400, 500, 600][i])
+        run, fake = runner(state)
+        assert run.run_round(0, 0).skipped_trainings == 0 and "cancel" not in [t for _, t in fake.sent]
+
+
+def test_a_network_trace_sets_the_links_of_the_emulated_round(tmp_path):
+    """Every client at 8 kbit/s (1000 B/s) from the trace: 200 B down (task start, train request), 0.5 s of CPU,
+    200 B up: 0.9 s instead of the ideal link's 0.5 s."""
+    trace = tmp_path / "network.yaml"
+    trace.write_text('"0": {time: [0], communication: [8]}\n')
+    for path, expected in ((None, 0.5), (trace, 0.9)):
+        state = make_state("emulated")
+        state.config = state.config.model_copy(update={"edge": state.config.edge.model_copy(
+            update={"network_trace": path})})
+        join_all(state)
+        run, fake = runner(state)
+        assert run.run_round(0, 0).emulated_s == pytest.approx(expected)
 
 
 # ------------------------------------------------------------------------------------------- dispatcher

@@ -226,3 +226,39 @@ def test_a_job_whose_client_moved_on_to_a_newer_task_is_not_trained():
     result = trainer._train(job, {})
     assert result.stale and result.uploads is None and result.error is None
     trainer.wake.close()
+
+
+def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
+    import zmq
+
+    from wire.messages import TrainRequest
+
+    payloads, metrics = RoundPayloads(), EdgeNodeMetrics()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=metrics, setup=lambda: None)
+    c = client()
+    job = TrainJob(c, round=3, task=0, model=payloads.acquire(3, {"head.weight": np.zeros((5, 4), np.float32)}),
+                   generation=c.generation, received_at=0.0, request=TrainRequest(local_epochs=1, lr=0.1))
+    trainer.submit(job)
+    trainer.cancel(c.id, 3)  # it came right behind the train request: the job has not started
+    trainer.start()
+    trainer.stop()
+    assert list(trainer.finished()) == []
+    assert metrics.registry.get_sample_value("fcl_client_train_jobs_total", {"outcome": "cancelled"}) == 1
+    assert trainer._cancelled == set()  # spent
+    trainer.close()
+
+
+def test_jobs_train_round_by_round_in_the_nodes_order_then_first_come_first_served():
+    import zmq
+
+    from wire.messages import TrainRequest
+
+    payloads = RoundPayloads()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=EdgeNodeMetrics(),
+                      setup=lambda: None)
+    request = TrainRequest(local_epochs=1, lr=0.1)
+    for index, round, order in ((1, 5, 3.0), (2, 5, 1.0), (3, 4, 9.0), (4, 5, 1.0), (5, 5, 0.5)):
+        c = client(index)
+        trainer.submit(TrainJob(c, round, 0, {}, c.generation, 0.0, request), order)
+    assert [trainer._jobs.get()[1].client.index for _ in range(5)] == [3, 5, 2, 4, 1]
+    trainer.close()

@@ -285,3 +285,27 @@ def test_fedewc_two_tasks():
     _, off = _train(FedEWCClient(FedEWCOptions(lam=0.0, fisher_samples=16)),
                     _ctx(1, 4, global1, off_store))
     assert off["loss"] == plain["loss"] and off["ewc_active"] == 0.0
+
+
+def test_a_cancelled_job_stops_between_two_batches():
+    """The coordinator's cancel (edge_node.training): the base training loop checks it before every batch."""
+    from methods.base import TrainingCancelled
+
+    ctx = _ctx(0, 2, _snapshot(_model(2, 0)), MemoryStore())  # 24 samples in batches of 8: three steps
+    checks = []
+    ctx.cancelled = lambda: checks.append(1) or len(checks) > 2
+    model = build_model("cnn", SHAPE, 2)
+    with pytest.raises(TrainingCancelled):
+        ClientPart(None).train(ctx, model)
+    assert len(checks) == 3  # two batches trained, stopped before the third
+
+
+def test_methods_whose_jobs_leave_client_state_say_so():
+    """The coordinator never cancels their late jobs: a later job would see another state."""
+    import inspect
+
+    for name in registry.names():
+        client = registry.get(name).client
+        source = "".join(inspect.getsource(k) for k in client.__mro__ if k.__module__.startswith("methods.")
+                         and k.__name__ != "ClientPart")
+        assert client.keeps_state == ("ctx.store" in source or "ctx.state" in source), name

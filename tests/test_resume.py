@@ -186,6 +186,15 @@ def test_restored_server_parts_behave_like_the_original(method, options):
     assert original.global_state["head.weight"].shape[0] == 6
 
 
+def test_cancelling_late_trainings_is_not_part_of_what_a_checkpoint_must_match():
+    """``rounds.skip_late`` changes the host's work, not the results: a run resumes with either setting, and the
+    checkpoints of runs from before the setting existed still match."""
+    from coordinator.resume import run_fingerprint
+
+    assert run_fingerprint(RunConfig()) == run_fingerprint(RunConfig(rounds={"skip_late": False}))
+    assert run_fingerprint(RunConfig()) != run_fingerprint(RunConfig(rounds={"overcommit": 1.5}))
+
+
 def test_registry_snapshot_and_restore():
     reg = ClientRegistry(10.0)
     for i in range(3):

@@ -124,6 +124,12 @@ class TrainRequest(Body):
     secure: bool = False  # the update goes through secure aggregation (a secagg_setup came first)
 
 
+class Cancel(Body):
+    """Coordinator -> client: drop the training of the round named in the header; it can no longer count (the
+    emulated clock knows it arrives after the round's close). The node trains no further batch of it and
+    sends nothing for it; a node that ignores it sends its update, which the coordinator counts as late."""
+
+
 class Update(Body):
     """The model delta (and method extras) ride in the tensor frames."""
 
@@ -295,6 +301,7 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "task_start": TaskStart,
     **{asset: TaskAsset for asset in ASSET_TYPES},
     "train_request": TrainRequest,
+    "cancel": Cancel,
     "update": Update,
     **{kind: SideChannel for kind in SIDE_CHANNEL_TYPES},
     "error": Error,

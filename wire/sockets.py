@@ -168,13 +168,15 @@ class ServerEndpoint:
         self.switched = False  # the last message received moved its sender to another connection
 
     def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
-             tensors: Mapping[str, Any] | None = None) -> int:
-        """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone."""
+             tensors: Mapping[str, Any] | None = None, sequenced: bool = True) -> int:
+        """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone.
+        An unsequenced message carries seq 0 and leaves the others' numbers, and so their sizes, as they were."""
         route = self._routes.get(peer)
         if route is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
-        self._seq += 1
-        frames = encode(msg_type, body, sender=self.name, seq=self._seq, round=round, task=task, tensors=tensors)
+        self._seq += sequenced
+        frames = encode(msg_type, body, sender=self.name, seq=self._seq if sequenced else 0, round=round, task=task,
+                        tensors=tensors)
         self.sock.send_multipart([route] + frames, copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)

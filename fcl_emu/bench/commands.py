@@ -45,6 +45,28 @@ def bench_round(
     run(clients, rounds, json_path, data_root, console)
 
 
+@bench_app.command("overcommit")
+def bench_overcommit(
+    clients: Annotated[int, typer.Option(min=2, help="Emulated clients.")] = 24,
+    clients_per_round: Annotated[int, typer.Option(min=1, help="Updates a round waits for (K).")] = 4,
+    overcommit: Annotated[float, typer.Option(min=1.0, help="Clients selected per round: ceil(K x this).")] = 2.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per task (two tasks).")] = 3,
+    samples: Annotated[int, typer.Option(min=1, help="Training samples of each client per task.")] = 600,
+    seed: Annotated[int, typer.Option(help="Seed of both runs.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    data_root: DataRootOpt = None,
+) -> None:
+    """Host CPU of an overcommitted emulated run, cancelling late trainings vs training every selected client."""
+    from fcl_emu.bench.overcommit import run
+
+    writable(folder(json_path))
+    try:
+        run(clients, clients_per_round, overcommit, rounds, samples, seed, json_path, data_root, console)
+    except RuntimeError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
 @bench_app.command("secagg")
 def bench_secagg(
     clients: Annotated[int, typer.Option(min=3, help="Clients in the round (N).")] = 100,
