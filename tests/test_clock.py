@@ -290,8 +290,9 @@ def test_late_trainings_are_cancelled_and_the_results_stay_the_same(tmp_path, mn
     common = dict(scenario=SCENARIO, training={"local_epochs": 1}, seed=4,
                   edge={"device_profiles": str(profiles)})
     rounds = {"clients_per_round": 3, "overcommit": 2.0, "rounds_per_task": 3, "deadline_s": 30, "eval_every": 3}
-    skipping, skipping_rounds = run(tmp_path, mnist_root, "skip", rounds=rounds, **common)
-    training, training_rounds = run(tmp_path, mnist_root, "train", rounds={**rounds, "skip_late": False}, **common)
+    skipping, skipping_rounds = seeded_run(tmp_path, mnist_root, "skip", rounds=rounds, **common)
+    training, training_rounds = seeded_run(tmp_path, mnist_root, "train", rounds={**rounds, "skip_late": False},
+                                           **common)
     keys = ("selected", "participants", "late", "dropped", "contributors", "emulated_s", "emulated_clock_s",
             "train_s_by_class")
     assert [[r[k] for k in keys] for r in skipping_rounds] == [[r[k] for k in keys] for r in training_rounds]
