@@ -179,7 +179,7 @@ class AsyncRoundRunner(RoundRunner):
                 break
             arrived = min(self.flight, key=InFlight.order)
             self.flight.remove(arrived)
-            self.clock.model.now = max(self.clock.model.now, arrived.arrival)
+            self.clock.advance(arrived.arrival)
             if arrived.update is None:
                 continue
             if self.version - arrived.version > self.settings.max_staleness:
@@ -217,13 +217,14 @@ class AsyncRoundRunner(RoundRunner):
         tally["dispatched"] += len(chosen)
         updates = {u.client: u for u in r.updates}
         for client in chosen:
-            timeline = r.timeline.get(client)
-            if timeline is None or timeline.arrival is None or client in r.lost:
+            took = r.timeline[client].arrival if client in r.timeline else None  # relative to the dispatch
+            if took is None or client in r.lost:
                 tally["lost"] += 1  # gone on the host before it answered: its slot is free again now
                 continue
             tally["failed"] += client in r.failed
-            self.flight.append(InFlight(client, self.version, now, self.waves, now + timeline.arrival,
-                                        None if client in r.failed else updates.get(client), timeline.up_bytes))
+            self.flight.append(InFlight(client, self.version, now, self.waves, now + took,
+                                        None if client in r.failed else updates.get(client),
+                                        r.timeline[client].up_bytes))
         if self.settings.kind == "fedasync":
             self.versions[self.version] = self.state.server.global_state
 
