@@ -94,7 +94,6 @@ class InFlight:
 
     client: str
     version: int
-    sent_at: float
     wave: int  # the dispatch batch: the train request's round number, and the first tie-break after time
     arrival: float
     update: ClientUpdate | None  # None: it failed (an error, a refused update)
@@ -116,11 +115,13 @@ class AsyncRoundRunner(RoundRunner):
         self.versions: dict[int, Arrays] = {}  # fedasync: the global models clients may still train from
         self.flight: list[InFlight] = []
         self.waves = 0
-        self.last_aggregation_at = clock.emulated_now
+        self.last_aggregation_at: float | None = None  # emulated; set at the first round (after a resume's restore)
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         started, cpu_started = time.perf_counter(), time.process_time()
         bytes_before = dict(self.state.counters.bytes)
+        if self.last_aggregation_at is None:
+            self.last_aggregation_at = self.clock.emulated_now
         self.dispatcher.drain()
         self.state.global_round += 1
         number = self.state.global_round
@@ -222,7 +223,7 @@ class AsyncRoundRunner(RoundRunner):
                 tally["lost"] += 1  # gone on the host before it answered: its slot is free again now
                 continue
             tally["failed"] += client in r.failed
-            self.flight.append(InFlight(client, self.version, now, self.waves, now + took,
+            self.flight.append(InFlight(client, self.version, self.waves, now + took,
                                         None if client in r.failed else updates.get(client),
                                         r.timeline[client].up_bytes))
         if self.settings.kind == "fedasync":
