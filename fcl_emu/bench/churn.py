@@ -372,8 +372,10 @@ def _completed(row: dict[str, Any]) -> bool:
 
 
 def _plot_stragglers(ax, rows: Sequence[dict[str, Any]], palette) -> None:
-    """Emulated time to the target accuracy against the share of stragglers, a line per method and policy."""
+    """Emulated time to the target accuracy against the share of stragglers, a line per method and policy; a
+    cross above the highest time marks a run that never reached the target."""
     lines = list(dict.fromkeys((r["method"], r["aggregation"]) for r in rows))
+    top = 1.1 * max([r["time_to_accuracy_s"] for r in rows if r["time_to_accuracy_s"] is not None] + [1.0])
     for k, (method, aggregation) in enumerate(lines):
         points = sorted((r for r in rows if (r["method"], r["aggregation"]) == (method, aggregation)),
                         key=lambda r: r["stragglers"])
@@ -381,13 +383,15 @@ def _plot_stragglers(ax, rows: Sequence[dict[str, Any]], palette) -> None:
         ys = [r["time_to_accuracy_s"] for r in points if r["time_to_accuracy_s"] is not None]
         ax.plot(xs, ys, "o-" if aggregation == "sync" else "s--", color=palette(k % palette.N), alpha=0.85,
                 label=f"{method} {aggregation}")
+        missed = [100 * r["stragglers"] for r in points if r["time_to_accuracy_s"] is None]
+        ax.plot(missed, [top] * len(missed), "x", color=palette(k % palette.N), markersize=8)
     ax.set_title(f"emulated s to {rows[0]['target_accuracy']:g}% (seen classes, task 1)", fontsize=10)
     ax.set_xlabel("stragglers (%)", fontsize=9)
     ax.set_xticks(sorted({100 * r["stragglers"] for r in rows}))
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, top * 1.05)
+    ax.legend(fontsize=7, title="x: not reached", title_fontsize=7)
 
 
 def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] = None) -> Path:
@@ -401,7 +405,7 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
     lines = list(dict.fromkeys((r["method"], r.get("faults", "emulated")) for r in rows))
     palette = colormaps["tab10"]
     panels = len(PANELS) * bool(rows) + bool(stragglers)
-    fig = new_figure(13 * panels / len(PANELS), 3.6)
+    fig = new_figure(max(13 * panels / len(PANELS), 6.0), 3.6)
     axes = list(fig.subplots(1, panels)) if panels > 1 else [fig.subplots(1, 1)]
     if stragglers:
         _plot_stragglers(axes.pop(), stragglers, palette)
