@@ -157,6 +157,11 @@ class EmulatedTime(RunClock):
     def open_round(self, r: OpenRound) -> None:
         r.started_at = self.model.now
 
+    def advance(self, t: float) -> None:
+        """Move the emulated clock to ``t`` (never back), following availability (asynchronous aggregation: an
+        update's arrival)."""
+        self._follow_availability(t)
+
     def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
         index = self.state.registry.records[client].index
         c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes,

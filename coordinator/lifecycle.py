@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import zmq
 
+from coordinator.async_rounds import AsyncRoundRunner
 from coordinator.checkpoint import Checkpoint
 from coordinator.clients import ClientRegistry, Status
 from coordinator.clock import make_clock
@@ -149,7 +150,8 @@ class Coordinator:
                          heartbeat_interval_s=self.heartbeat_interval_s),
             profiles=load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None,
             on_tick=self.nodes.check)
-        self.rounds = RoundRunner(state, self.dispatcher, self.clock, stale)
+        runner = AsyncRoundRunner if config.aggregation.asynchronous else RoundRunner
+        self.rounds = runner(state, self.dispatcher, self.clock, stale)
         self.jobs = ServerJobs(state, self.pool, self.dispatcher.serve)
         self.checkpointer = Checkpointer(state, self.clock, self.address)
         self.time = TimeAccount()

@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 SECAGG, CENTRAL_DP = "--secagg", "--privacy central"
+ASYNC = "--aggregation fedbuff|fedasync"
 ROBUST = f"--aggregator {'|'.join(rule for rule in RULES if rule != 'mean')}"
 
 
@@ -60,12 +61,25 @@ def _secagg_refusal(name: str, server: type[ServerPart]) -> str | None:
     return None
 
 
+def _adds_mean_delta_only(server: type[ServerPart]) -> bool:
+    """Whether the server part only adds the (weighted) mean of the clients' model deltas to its model."""
+    return (server.aggregate is ServerPart.aggregate and set(server.summable) == {DELTA}
+            and server.individual_payload is None and not server.side_channels)
+
+
 def _central_dp_refusal(name: str, server: type[ServerPart]) -> str | None:
-    if (server.aggregate is not ServerPart.aggregate or set(server.summable) != {DELTA}
-            or server.individual_payload is not None or server.side_channels):
+    if not _adds_mean_delta_only(server):
         return (f"the server of method {name!r} does more than add the mean of the clients' model deltas (its own "
                 f"aggregation, or uploads the noise would not cover); central DP needs a method that does only "
                 f"that, e.g. fedavg")
+    return None
+
+
+def _async_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if not _adds_mean_delta_only(server):
+        return (f"the server of method {name!r} does more than add the mean of the clients' model deltas (its own "
+                f"aggregation, or uploads beside the delta), which asynchronous aggregation cannot weigh by "
+                f"staleness; use --aggregation sync, or e.g. fedavg, fedprox, fedlwf2t, mfcl")
     return None
 
 
@@ -79,7 +93,7 @@ def _robust_refusal(name: str, server: type[ServerPart]) -> str | None:
 
 def refusals(name: str, server: type[ServerPart]) -> dict[str, str]:
     """The features method ``name`` (its server part ``server``) refuses, each with why: :data:`SECAGG`,
-    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``)."""
+    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``), :data:`ASYNC`."""
     reasons = {SECAGG: _secagg_refusal(name, server), CENTRAL_DP: _central_dp_refusal(name, server),
-               ROBUST: _robust_refusal(name, server)}
+               ROBUST: _robust_refusal(name, server), ASYNC: _async_refusal(name, server)}
     return {feature: why for feature, why in reasons.items() if why is not None}

@@ -71,6 +71,8 @@ JOB_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                  60.0, 120.0, 300.0)
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STALE_DISCARDS = ("too_stale", "task_end")  # why asynchronous aggregation discards an update
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # server model versions
 TRAIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -216,6 +218,16 @@ class CoordinatorMetrics(ProcessMetrics):
         self.task_end_duration = Histogram("fcl_task_end_phase_duration_seconds", "Wall-clock duration of the "
                                            "work at a task's end: the method's end_task, the per-task "
                                            "evaluation.", ["phase"], buckets=ROUND_BUCKETS, registry=r)
+        self.update_staleness = Histogram(
+            "fcl_update_staleness_versions", "Asynchronous aggregation: staleness of each applied update, in server "
+            "model versions between the one its client trained from and the one it was applied to.",
+            buckets=STALENESS_BUCKETS, registry=r)
+        self.stale_updates_discarded = Counter(
+            "fcl_stale_updates_discarded", "Asynchronous aggregation: updates discarded on arrival, by reason: "
+            "too_stale (over --max-staleness) or task_end (trained on the previous task's classes).", ["reason"],
+            registry=r)
+        for reason in STALE_DISCARDS:
+            self.stale_updates_discarded.labels(reason)
         self.round_clients = Gauge("fcl_round_clients", "Clients of the last closed round by outcome: selected, "
                                    "participated (update received), missed_deadline, failed.", ["state"],
                                    registry=r)
@@ -309,6 +321,14 @@ class CoordinatorMetrics(ProcessMetrics):
 
     def late_update(self) -> None:
         self.late_updates.inc()
+
+    def updates_applied(self, staleness: list[int]) -> None:
+        """The staleness of each update an asynchronous aggregation applied."""
+        for value in staleness:
+            self.update_staleness.observe(value)
+
+    def stale_update_discarded(self, reason: str, count: int = 1) -> None:
+        self.stale_updates_discarded.labels(reason).inc(count)
 
     def handled(self, msg_type: str, seconds: float) -> None:
         """Hot path: once per received message."""

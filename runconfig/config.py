@@ -17,6 +17,7 @@ import pydantic
 import yaml
 
 from methods.robust import Aggregator, Rule
+from runconfig.aggregation import AggregationSettings, check_aggregation
 from scenario.availability import parse_availability
 from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
@@ -346,6 +347,7 @@ class RunConfig(pydantic.BaseModel):
     scenario: ScenarioSpec = ScenarioSpec()
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
+    aggregation: AggregationSettings = AggregationSettings()
     network: NetworkConfig = NetworkConfig()
     edge: EdgeConfig = EdgeConfig()
     secagg: SecAggSettings = SecAggSettings()
@@ -451,6 +453,8 @@ class RunConfig(pydantic.BaseModel):
             self._check_distributed_privacy()
         if self.security.aggregator != "mean":
             self._check_aggregator(spec)
+        if self.aggregation.asynchronous:
+            check_aggregation(self, spec.refusals)
         if self.nodes > self.scenario.num_clients:
             raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.clients_per_round > self.scenario.num_clients:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -111,3 +112,57 @@ def test_tiny_real_sweep(tmp_path, mnist_root):
     config = yaml.safe_load((out / "runs" / churn.point_name("fedavg", 0.5, 0.0, 0) / "config.yaml").read_text())
     assert config["edge"]["availability"] == "bernoulli:0.5"
     assert (out / churn.PNG_NAME).stat().st_size > 10_000
+
+
+def test_straggler_points_compare_round_policies_at_equal_updates_per_round(tmp_path):
+    from fcl_emu.bench import stragglers
+
+    assert stragglers.parse_shares("0,20,50") == [0.0, 0.2, 0.5] == stragglers.parse_shares("0.5,0,0.2")
+    for bad in ("x", "100", "-5"):
+        with pytest.raises(ValueError, match="--stragglers"):
+            stragglers.parse_shares(bad)
+    assert stragglers.parse_aggregations("sync, fedbuff") == ["sync", "fedbuff"]
+    with pytest.raises(ValueError, match="--aggregations"):
+        stragglers.parse_aggregations("sync,bulk")
+    base = churn.base_config(None, clients=20, clients_per_round=5, data_root=[tmp_path])
+    points = stragglers.points(base, ["fedavg"], [0.0, 0.5], ["sync", "fedbuff"], 3, tmp_path)
+    assert [name for name, _, _ in points] == [
+        "fedavg-stragglers0.00-sync-s3", "fedavg-stragglers0.00-fedbuff-s3",
+        "fedavg-stragglers0.50-sync-s3", "fedavg-stragglers0.50-fedbuff-s3"]
+    config = RunConfig.model_validate(points[3][1])
+    assert config.aggregation.kind == "fedbuff" and config.aggregation.buffer == config.aggregation.concurrency == 5
+    assert config.rounds.eval_every == 1 and config.emulated_clock and config.edge.availability == "always"
+    profiles = yaml.safe_load(open(config.edge.device_profiles))["profiles"]
+    assert [(p["name"], p["share"], p["ms_per_sample"]) for p in profiles] == [
+        ("phone", 0.5, 3.0), ("straggler", 0.5, 30.0)]
+    assert points[3][2] == {"sweep": "stragglers", "aggregation": "fedbuff", "stragglers": 0.5}
+    assert RunConfig.model_validate(points[0][1]).aggregation.kind == "sync"
+
+
+def test_time_to_accuracy_reads_the_first_tasks_evaluations_in_emulated_time(tmp_path):
+    lines = [{"event": "round", "task": 0, "emulated_clock_s": 1.5, "accuracy_seen": 40.0},
+             {"event": "round", "task": 0, "emulated_clock_s": 3.0, "accuracy_seen": None},
+             {"event": "round", "task": 0, "emulated_clock_s": 4.5, "accuracy_seen": None},
+             {"event": "task_end", "task": 0, "accuracy_seen": 85.0},
+             {"event": "round", "task": 1, "emulated_clock_s": 6.0, "accuracy_seen": 90.0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert churn.time_to_accuracy(tmp_path, 80.0) == 4.5  # reached at the task's end, after its last round
+    assert churn.time_to_accuracy(tmp_path, 30.0) == 1.5
+    assert churn.time_to_accuracy(tmp_path, 95.0) is None
+    assert churn.time_to_accuracy(tmp_path / "nothing", 80.0) is None
+
+
+def test_straggler_rows_get_their_own_panel(tmp_path):
+    rows = []
+    for aggregation, seconds in (("sync", (6.5, 20.0, 30.0)), ("fedbuff", (6.5, 10.4, 12.0))):
+        for share, t in zip((0.0, 0.2, 0.5), seconds):
+            row = churn.row_from_summary("fedavg", 0.0, 0.0, 0, 12, tmp_path / "x", fake_summary(40.0, 20.0))
+            row.update(sweep="stragglers", aggregation=aggregation, stragglers=share, target_accuracy=80.0,
+                       time_to_accuracy_s=t)
+            rows.append(row)
+    churn_row = churn.row_from_summary("fedavg", 0.0, 0.0, 0, 12, tmp_path / "y", fake_summary(40.0, 20.0))
+    for some in (rows, rows + [churn_row]):
+        png = churn.plot_churn(some, tmp_path / f"{len(some)}.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    read = churn.read_csv(churn.write_csv(rows, tmp_path / churn.CSV_NAME))
+    assert (read[4]["aggregation"], read[4]["stragglers"], read[4]["time_to_accuracy_s"]) == ("fedbuff", "0.2", "10.4")

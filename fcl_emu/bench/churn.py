@@ -15,7 +15,10 @@ Outputs, under ``--out DIR``:
   beside the run's own files;
 - ``DIR/churn.csv``: one row per point (:data:`CSV_COLUMNS`);
 - ``DIR/churn.png``: four panels (average accuracy, average forgetting,
-  completed rounds, MB on the wire) against the churn rate, one line per method.
+  completed rounds, MB on the wire) against the churn rate, one line per method;
+  with ``--stragglers``, a fifth: the emulated time to the target accuracy
+  against the share of stragglers, one line per method and round policy
+  (:mod:`fcl_emu.bench.stragglers`: synchronous against asynchronous aggregation).
 
 The default scale (MNIST, 60 clients, 3 tasks x 4 rounds, 10 clients per
 round, 1 local epoch, 2 edge nodes) runs a point in 40-120 s on 2 cores, the
@@ -30,6 +33,7 @@ or the coordinator skips it, which is what "completed rounds" counts.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
@@ -55,11 +59,13 @@ LOG_NAME = "up.log"
 
 CSV_COLUMNS = ["method", "faults", "churn_rate", "crash_rate", "seed", "status", "average_accuracy", "average_forgetting",
                "rounds_completed", "rounds_total", "bytes_total", "wall_clock_s", "clock", "emulated_s", "left",
-               "rejoined", "dropped", "missed_deadline", "run_dir"]
+               "rejoined", "dropped", "missed_deadline", "run_dir", "sweep", "aggregation", "stragglers",
+               "target_accuracy", "time_to_accuracy_s"]
 
 DEFAULT_METHODS = ("fedavg", "fedlwf2t")
 FAULT_MODES = ("emulated", "containers")
 DEFAULT_RATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+DEFAULT_TARGET = 80.0  # percent on the seen classes: time_to_accuracy_s
 
 # The bench's own scale; a --config YAML overrides it, and the bench's flags override both.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -229,7 +235,7 @@ def row_from_summary(method: str, churn_rate: float, crash_rate: float, seed: in
     row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
     row.update(method=method, faults=faults, churn_rate=churn_rate, crash_rate=crash_rate, seed=seed,
                status=status or (summary.status if summary is not None else "failed"), rounds_total=rounds_total,
-               run_dir=str(run_dir))
+               run_dir=str(run_dir), sweep="churn", aggregation="sync", stragglers=0.0)
     if summary is None:
         return row
 
@@ -298,6 +304,28 @@ def run_point(config: dict, run_dir: Path, timeout_s: float) -> tuple[Optional[R
     return summary, status
 
 
+def time_to_accuracy(run_dir: Path, target: float) -> Optional[float]:
+    """Emulated seconds until the accuracy on the seen classes first reached ``target`` (percent) in the first
+    task, from ``events.jsonl``: the rounds' evaluations, and the task end's for the task's last round. None if
+    it never did (or the run has no such events)."""
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return None
+    clock = None
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "round" and event.get("task") == 0:
+            clock = event.get("emulated_clock_s")
+            accuracy = event.get("accuracy_seen")
+        elif event.get("event") == "task_end" and event.get("task") == 0:
+            accuracy = event.get("accuracy_seen")
+        else:
+            continue
+        if accuracy is not None and clock is not None and accuracy >= target:
+            return float(clock)
+    return None
+
+
 def log_tail(run_dir: Path, lines: int = 8) -> str:
     try:
         text = (run_dir / LOG_NAME).read_text(errors="replace")
@@ -343,18 +371,46 @@ def _completed(row: dict[str, Any]) -> bool:
     return row["status"] == "completed"
 
 
+def _plot_stragglers(ax, rows: Sequence[dict[str, Any]], palette) -> None:
+    """Emulated time to the target accuracy against the share of stragglers, a line per method and policy; a
+    cross above the highest time marks a run that never reached the target."""
+    lines = list(dict.fromkeys((r["method"], r["aggregation"]) for r in rows))
+    top = 1.1 * max([r["time_to_accuracy_s"] for r in rows if r["time_to_accuracy_s"] is not None] + [1.0])
+    for k, (method, aggregation) in enumerate(lines):
+        points = sorted((r for r in rows if (r["method"], r["aggregation"]) == (method, aggregation)),
+                        key=lambda r: r["stragglers"])
+        xs = [100 * r["stragglers"] for r in points if r["time_to_accuracy_s"] is not None]
+        ys = [r["time_to_accuracy_s"] for r in points if r["time_to_accuracy_s"] is not None]
+        ax.plot(xs, ys, "o-" if aggregation == "sync" else "s--", color=palette(k % palette.N), alpha=0.85,
+                label=f"{method} {aggregation}")
+        missed = [100 * r["stragglers"] for r in points if r["time_to_accuracy_s"] is None]
+        ax.plot(missed, [top] * len(missed), "x", color=palette(k % palette.N), markersize=8)
+    ax.set_title(f"emulated s to {rows[0]['target_accuracy']:g}% (seen classes, task 1)", fontsize=10)
+    ax.set_xlabel("stragglers (%)", fontsize=9)
+    ax.set_xticks(sorted({100 * r["stragglers"] for r in rows}))
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_ylim(0, top * 1.05)
+    ax.legend(fontsize=7, title="x: not reached", title_fontsize=7)
+
+
 def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] = None) -> Path:
     """Four panels against the churn rate (%), one line per method; points of runs not completed are hollow."""
     from matplotlib import colormaps
 
     from monitoring.plots import new_figure, save_figure
 
+    stragglers = [r for r in rows if r.get("sweep") == "stragglers"]
+    rows = [r for r in rows if r.get("sweep", "churn") == "churn"]
     lines = list(dict.fromkeys((r["method"], r.get("faults", "emulated")) for r in rows))
     palette = colormaps["tab10"]
-    fig = new_figure(13, 3.6)
-    axes = fig.subplots(1, len(PANELS))
+    panels = len(PANELS) * bool(rows) + bool(stragglers)
+    fig = new_figure(max(13 * panels / len(PANELS), 6.0), 3.6)
+    axes = list(fig.subplots(1, panels)) if panels > 1 else [fig.subplots(1, 1)]
+    if stragglers:
+        _plot_stragglers(axes.pop(), stragglers, palette)
     rates = sorted({r["churn_rate"] for r in rows})
-    for ax, (label, value) in zip(axes, PANELS):
+    for ax, (label, value) in zip(axes, PANELS if rows else ()):
         for k, (method, faults) in enumerate(lines):
             points = sorted((r for r in rows if r["method"] == method and r.get("faults", "emulated") == faults),
                             key=lambda r: r["churn_rate"])
@@ -384,8 +440,9 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
             ax.set_ylim(low - 5 if low < 0 else 0, 100)
         else:
             ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=8)
-    if not all(_completed(r) for r in rows):
+    if rows:
+        axes[0].legend(fontsize=8)
+    if not all(_completed(r) for r in rows + stragglers):
         fig.supxlabel("hollow markers: runs not completed (metrics over the tasks they finished)", fontsize=8)
     fig.suptitle(title or "fcl-emu: churn sweep", fontsize=11)
     return save_figure(fig, Path(path))
@@ -393,24 +450,28 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
 
 def format_table(rows: Sequence[dict[str, Any]], title: str = "bench churn") -> Table:
     table = Table(title=title)
-    for name in ("method", "faults", "churn %", "crash %", "status", "acc. %", "forget. %", "rounds", "MB", "wall s",
-                 "left", "rejoined", "dropped", "missed"):
-        table.add_column(name, justify="left" if name in ("method", "faults", "status") else "right")
+    for name in ("method", "faults", "policy", "churn %", "crash %", "strag. %", "status", "acc. %", "forget. %",
+                 "rounds", "MB", "wall s", "left", "rejoined", "dropped", "missed", "to acc. s"):
+        table.add_column(name, justify="left" if name in ("method", "faults", "policy", "status") else "right")
 
     def f(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in rows:
         rounds = "-" if r["rounds_completed"] is None else f"{r['rounds_completed']}/{r['rounds_total']}"
-        table.add_row(r["method"], r.get("faults", "emulated"), f"{100 * r['churn_rate']:.0f}", f"{100 * r['crash_rate']:.0f}", r["status"],
+        table.add_row(r["method"], r.get("faults", "emulated"), r.get("aggregation", "sync"),
+                      f"{100 * r['churn_rate']:.0f}", f"{100 * r['crash_rate']:.0f}",
+                      f"{100 * r.get('stragglers', 0.0):.0f}", r["status"],
                       f(r["average_accuracy"]), f(r["average_forgetting"]), rounds,
                       f(None if r["bytes_total"] is None else r["bytes_total"] / 1e6, "{:.1f}"),
                       f(r["wall_clock_s"], "{:.1f}"), f(r["left"], "{}"), f(r["rejoined"], "{}"),
-                      f(r["dropped"], "{}"), f(r["missed_deadline"], "{}"))
+                      f(r["dropped"], "{}"), f(r["missed_deadline"], "{}"), f(r.get("time_to_accuracy_s"), "{:.1f}"))
     table.caption = ("churn: P(client unavailable in a slot), bernoulli:(1-churn) (containers: P(a node is paused "
                      "for a slot in a round)); crash: P(a client crashes in a round) (containers: P(a node is "
                      "restarted in a round)); acc./forget.: average accuracy and forgetting (docs/metrics.md); "
-                     "rounds: completed (not skipped) / total")
+                     "rounds: completed (not skipped) / total; policy: --aggregation; strag.: share of clients "
+                     "10x slower to train; to acc.: emulated s until the seen classes' accuracy first reached "
+                     "the target in the first task")
     return table
 
 
@@ -423,25 +484,34 @@ class Sweep:
 
 
 def run(methods: Sequence[str], rates: Sequence[float], crash_rate: float, seed: int, out: Path,
-        base: dict, console: Console, fault_modes: Sequence[str] = ("emulated",)) -> Sweep:
-    """Run every (method, fault mode, churn rate) point in turn; a failed run is recorded and the sweep goes on."""
+        base: dict, console: Console, fault_modes: Sequence[str] = ("emulated",),
+        stragglers: Sequence[tuple[str, dict, dict[str, Any]]] = (), target: float = DEFAULT_TARGET) -> Sweep:
+    """Run every (method, fault mode, churn rate) point in turn, then the ``stragglers`` points ((run name,
+    config, the row's own fields): :func:`fcl_emu.bench.stragglers.points`); a failed run is recorded and the
+    sweep goes on."""
     out = Path(out)
     bases = {"emulated": emulated_base(base, out) if "emulated" in fault_modes else base, "containers": base}
-    configs = [(m, f, c, point_config(bases[f], m, c, crash_rate, seed, f,
-                                      out / RUNS_DIR / f"{point_name(m, c, crash_rate, seed, f)}.faults.yaml"))
-               for m in methods for f in fault_modes for c in rates]
-    first = configs[0][3]
-    rounds_total = first["scenario"]["num_tasks"] * first["rounds"]["rounds_per_task"]
+    points = [(point_name(m, c, crash_rate, seed, f), m, f, c, crash_rate,
+               point_config(bases[f], m, c, crash_rate, seed, f,
+                            out / RUNS_DIR / f"{point_name(m, c, crash_rate, seed, f)}.faults.yaml"), {})
+              for m in methods for f in fault_modes for c in rates]
+    points += [(name, config["method"], "emulated", 0.0, 0.0, config, fields) for name, config, fields in stragglers]
+    if not points:
+        raise ValueError("nothing to run: give churn --rates or --stragglers")
+    first = points[0][5]
     rows: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    for n, (method, faults, rate, config) in enumerate(configs, 1):
-        run_dir = (out / RUNS_DIR / point_name(method, rate, crash_rate, seed, faults)).resolve()
-        console.print(f"[{n}/{len(configs)}] {method} churn {rate:.0%} crash {crash_rate:g} ({faults}) -> {run_dir}",
-                      markup=False, highlight=False)
+    for n, (name, method, faults, rate, crash, config, fields) in enumerate(points, 1):
+        run_dir = (out / RUNS_DIR / name).resolve()
+        what = (f"{fields['aggregation']} stragglers {fields['stragglers']:.0%}" if fields else
+                f"churn {rate:.0%} crash {crash:g} ({faults})")
+        console.print(f"[{n}/{len(points)}] {method} {what} -> {run_dir}", markup=False, highlight=False)
         t0 = time.perf_counter()
         summary, status = run_point(config, run_dir, run_timeout_s(config))
-        row = row_from_summary(method, rate, crash_rate, seed, rounds_total, run_dir, summary, status, faults)
+        rounds_total = config["scenario"]["num_tasks"] * config["rounds"]["rounds_per_task"]
+        row = row_from_summary(method, rate, crash, seed, rounds_total, run_dir, summary, status, faults)
+        row.update(fields, target_accuracy=target, time_to_accuracy_s=time_to_accuracy(run_dir, target))
         rows.append(row)
         acc = "-" if row["average_accuracy"] is None else f"{row['average_accuracy']:.1f}%"
         console.print(f"    {status} in {time.perf_counter() - t0:.0f} s: accuracy {acc}, rounds "

@@ -192,9 +192,19 @@ def bench_flower(
 @bench_app.command("churn")
 def bench_churn(
     methods: Annotated[str, typer.Option(help="Comma-separated learning methods.")] = "fedavg,fedlwf2t",
-    rates: Annotated[str, typer.Option(
-        help="Comma-separated churn rates c in [0, 1): P(client unavailable in a slot); runs bernoulli:(1-c).")]
-        = "0,0.1,0.2,0.3,0.4,0.5",
+    rates: Annotated[Optional[str], typer.Option(
+        help="Comma-separated churn rates c in [0, 1): P(client unavailable in a slot); runs bernoulli:(1-c). "
+             "Default: 0,0.1,0.2,0.3,0.4,0.5, or none with --stragglers.")] = None,
+    stragglers: Annotated[Optional[str], typer.Option(
+        help="Comma-separated shares of straggling clients (10x slower to train), e.g. 0,20,50 (percent): "
+             "rows of time to --target-accuracy in emulated time, one per round policy of --aggregations.")]
+        = None,
+    aggregations: Annotated[str, typer.Option(
+        help="Round policies of the --stragglers rows: sync, fedbuff, fedasync, comma-separated.")]
+        = "sync,fedbuff",
+    target_accuracy: Annotated[float, typer.Option(
+        "--target-accuracy", min=0, max=100, help="Accuracy (%) on the seen classes that time_to_accuracy_s "
+        "measures, in the first task.")] = 80.0,
     crash_rate: Annotated[float, typer.Option(
         "--crash-rate", min=0, max=1, help="edge.crash_rate of every run.")] = 0.0,
     clients: ClientsOpt = None,
@@ -212,8 +222,10 @@ def bench_churn(
     config: Annotated[Optional[Path], typer.Option(
         "--config", help="Base YAML config (over the bench's defaults; the flags above override it).")] = None,
 ) -> None:
-    """Churn sweep: accuracy, forgetting, completed rounds and bytes against the churn rate (real `up` runs)."""
+    """Churn sweep: accuracy, forgetting, completed rounds and bytes against the churn rate; with --stragglers,
+    synchronous against asynchronous aggregation: emulated time to an accuracy (real `up` runs)."""
     from fcl_emu.bench import churn
+    from fcl_emu.bench import stragglers as straggler_rows
 
     writable(out)
     try:
@@ -224,8 +236,13 @@ def bench_churn(
         unknown = sorted(set(modes) - set(churn.FAULT_MODES))
         if unknown:
             raise ValueError(f"--faults: unknown {', '.join(unknown)}; choose from {', '.join(churn.FAULT_MODES)}")
-        sweep = churn.run(churn.parse_list(methods, "--methods"), churn.parse_rates(rates), crash_rate, seed, out,
-                          base, console, modes)
+        method_list = churn.parse_list(methods, "--methods")
+        rate_list = churn.parse_rates(rates) if rates else [] if stragglers else list(churn.DEFAULT_RATES)
+        straggler_points = [] if not stragglers else straggler_rows.points(
+            base, method_list, straggler_rows.parse_shares(stragglers),
+            straggler_rows.parse_aggregations(aggregations), seed, out)
+        sweep = churn.run(method_list, rate_list, crash_rate, seed, out, base, console, modes,
+                          stragglers=straggler_points, target=target_accuracy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     raise typer.Exit(0 if all(r["status"] == "completed" for r in sweep.rows) else 1)
