@@ -186,12 +186,13 @@ class EmulatedTime(RunClock):
     @property
     def skips_late(self) -> bool:
         """Whether late trainings are cancelled: asked for (``rounds.skip_late``), and nothing of the run
-        depends on them (no secure aggregation, no late updates kept for the next round, and a method whose
-        jobs leave no client state behind)."""
+        depends on them (synchronous rounds: an asynchronous policy has no round deadline to be late for; no
+        secure aggregation, no late updates kept for the next round, and a method whose jobs leave no client
+        state behind)."""
         cfg, state = self.state.config, self.state
         keeps_late = cfg.rounds.late_updates == "next_round" and state.server.accepts_stale_updates
-        return (cfg.rounds.skip_late and not cfg.secagg.enabled and not keeps_late
-                and not state.spec.client.keeps_state)
+        return (cfg.rounds.skip_late and not cfg.aggregation.asynchronous and not cfg.secagg.enabled
+                and not keeps_late and not state.spec.client.keeps_state)
 
     def hopeless(self, r: OpenRound) -> list[str]:
         """The clients the emulated clock knows are late whatever happens (EmulatedClock.beyond_close), where
