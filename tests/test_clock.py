@@ -262,7 +262,8 @@ def test_churn_and_crashes_follow_the_emulated_clock(tmp_path, mnist_root):
     common = dict(scenario={**SCENARIO, "num_clients": 16, "num_tasks": 1}, training={"local_epochs": 1},
                   rounds={"clients_per_round": 4, "rounds_per_task": 6, "overcommit": 1.5, "eval_every": 6},
                   edge={"availability": "onoff:0.6:0.4", "crash_rate": 0.3, "crash_downtime_s": 0.5,
-                        "device_profiles": str(profiles)}, seed=2)
+                        "device_profiles": str(profiles)}, seed=2,
+                  network={"liveness_timeout_s": 10})  # a starved node's heartbeats are host time, not emulated
     quiet, quiet_rounds = seeded_run(tmp_path, mnist_root, "quiet", **common)
     loaded, loaded_rounds = seeded_run(tmp_path, mnist_root, "loaded", hogs=1, nodes=3, **common)
     clients = quiet.clients
