@@ -7,6 +7,7 @@ import io
 import json
 import random
 import tarfile
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ from scenario.dataset_cache import CACHE_DIR_ENV
 from scenario.dataset_formats import DatasetFormatError, read_image_folder, read_image_tar
 from scenario.datasets import DatasetNotFoundError, find_dataset, load_dataset
 from scenario.scenario import build_scenario
-from scenario.spec import ScenarioSpec
+from scenario.spec import Partition, ScenarioSpec
 from tests.conftest import fcl_emu, find_dataset_root
+from tests.test_scenario_build import fake_dataset
 
 TARBALL = "tiny-imagenet-32-jpeg.tar.gz"
 # in the real classes.txt's order (not sorted), with its comma-separated synonyms
@@ -144,3 +146,16 @@ def test_smoke_run_ten_tasks_of_twenty_classes(tmp_path):
     assert [len(scenario.task_classes(t)) for t in range(10)] == [20] * 10
     assert sorted(np.concatenate([scenario.task_classes(t) for t in range(10)])) == list(range(200))
     assert sorted(scenario.class_order) == list(range(200))
+
+
+@pytest.mark.parametrize("partition", typing.get_args(Partition))
+def test_every_partition_splits_its_200_classes(partition):
+    """200 classes of a few samples each, as the registry names them: 10 tasks of 20 under every partition."""
+    dataset = fake_dataset("tiny-imagenet-32", 200, per_class=10)
+    s = build_scenario(ScenarioSpec(dataset="tiny-imagenet-32", num_tasks=10, num_clients=6, partition=partition),
+                       dataset)
+    assert s.num_classes == 200
+    for t in range(10):
+        assert sum(len(s.client_indices(c, t)) for c in s.active_clients(t)) > 0
+    if partition not in ("task_pool", "accessible_classes"):  # those evaluate the classes in order of first use
+        assert [len(s.task_classes(t)) for t in range(10)] == [20] * 10
