@@ -102,7 +102,9 @@ are those of its EMNIST-Letters command (the first; also the replay weight
 EMNIST-shuffle 1e-3, 0.05, 0.02, 0.5; EMNIST-noisy 1e-3, 0.5, 0.1, 0.5;
 MNIST-SVHN-FASHION 1e-3, 0.1, 0, 0; CIFAR100 5e-3, 0.5, 0.1, 0.1 (with
 ``--lr 1e-3``; the last two also set ``--fedprox_k 0.001``, which the code
-parses but never uses). The README leaves the rest at ``main.py``'s argparse
+parses but never uses). The noisy-client rows of the AF-FCL table take the
+EMNIST-noisy command's (``fcl_emu/bench/tables/feature_replay_table.py``,
+``NOISY_AFFCL``). The README leaves the rest at ``main.py``'s argparse
 defaults: ``k_kd_last = 0.2`` (``k_kd_last_cls``), ``k_kd_feature = 0.5``,
 ``k_kd_output = 0.1``; and ``model.py`` fixes ``flow_layers = 4``,
 ``flow_blocks = 2`` and ``temperature = 2``. ``flow_hidden = 256``: see the

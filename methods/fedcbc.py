@@ -39,7 +39,10 @@ extractor's weights travel to each client once per task as the
 **VAE** (:class:`methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
 MLP, tanh (code: encoder [512, 256], latent 128, decoder [256, 512] over
 ResNet-18's 512 features; here ``vae_hidden``, ``vae_latent``, d the
-backbone's width, or 784 pixels on MNIST). Eq. 5, per sample ``||f - f^||^2 + beta KL(q(z|f) || N(0, I))``
+backbone's width, or 784 pixels on MNIST). The decoder ends in a sigmoid over
+pixels, as the code's does (``decoder_output = "auto"``), and linearly over
+an extractor's features, which are not bounded by 1 (the code: a sigmoid
+there too; ``"sigmoid"`` / ``"linear"`` force either). Eq. 5, per sample ``||f - f^||^2 + beta KL(q(z|f) || N(0, I))``
 with ``beta = 0.5`` (code), averaged over the batch. Adam, ``vae_lr = 1e-3``,
 weight decay ``1e-3`` (code).
 
@@ -54,7 +57,8 @@ With a global VAE of ``c`` (the *teacher*) the loss is::
     L = eq. 5 + alpha * mean_b KL(q_local(z|f) || q_global(z|f))
 
 (``alpha = 0.1``, code). The run's ``training.local_epochs`` and
-``batch_size`` apply (code: 300 epochs, batch 32); the round's ``lr`` does
+``batch_size`` apply (code: 300 epochs, batch 32; the paper trains the
+baselines 50 local epochs, docs/reproduction.md); the round's ``lr`` does
 not (the VAEs use Adam at ``vae_lr``). The client uploads every trained VAE as
 ``fedcbc/vae/<class>/<param>`` and keeps it in its on-device store.
 
@@ -145,11 +149,22 @@ class FedCBCOptions(Options):
         "uniform", description="latents of pseudo-features: U(-1, 1) (code) or the prior N(0, I)")
     fusion_epochs: int = pydantic.Field(300, ge=1, description="epochs of the server's fusion per class (code: 300)")
     fusion_batch: int = pydantic.Field(32, ge=1, description="batch size of the server's fusion (code: 32)")
+    decoder_output: Literal["auto", "sigmoid", "linear"] = pydantic.Field(
+        "auto", description="the VAE decoder's last activation: a sigmoid (code), linear, or auto: a sigmoid "
+                            "over pixels, linear over an extractor's unbounded features")
 
 
 def uses_pixels(o: FedCBCOptions, input_shape) -> bool:
     """Whether the VAEs model pixels (``features``, ``auto`` resolved by the images' channels)."""
     return o.features == "pixels" or (o.features == "auto" and tuple(input_shape)[0] == 1)
+
+
+def resolve_decoder(o: FedCBCOptions, input_shape) -> FedCBCOptions:
+    """The options with ``decoder_output = "auto"`` resolved for images of ``input_shape``: a sigmoid where the
+    VAEs model pixels (in [0, 1]), linear over an extractor's features."""
+    if o.decoder_output != "auto":
+        return o
+    return o.model_copy(update={"decoder_output": "sigmoid" if uses_pixels(o, input_shape) else "linear"})
 
 
 class PixelFeatures(nn.Module):
@@ -167,11 +182,13 @@ class PixelFeatures(nn.Module):
 # ------------------------------------------------------------------ VAE tools
 def build_vae(o: FedCBCOptions, input_dim: int, arrays: Mapping[str, np.ndarray] | None = None,
               seed: int = 0) -> VAE:
-    """A VAE of the options' sizes holding ``arrays``, or freshly initialised from ``seed``; torch's global
-    RNG is left as it was."""
+    """A VAE of the options' sizes and decoder output (resolved: :func:`resolve_decoder`) holding ``arrays``,
+    or freshly initialised from ``seed``; torch's global RNG is left as it was."""
+    if o.decoder_output == "auto":
+        raise ValueError("fedcbc: decoder_output 'auto' is resolved by the input shape first (resolve_decoder)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = VAE(input_dim, o.vae_hidden, o.vae_latent)
+        vae = VAE(input_dim, o.vae_hidden, o.vae_latent, sigmoid_output=o.decoder_output == "sigmoid")
     if arrays is not None:
         load_arrays(vae, arrays)
     return vae
@@ -328,6 +345,7 @@ class FedCBCServer(ServerPart):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.global_state = {}  # no shared classifier: updates carry no model delta
+        self.options = resolve_decoder(self.options, ctx.input_shape)  # the fusion jobs receive it resolved
         self.pixels = uses_pixels(self.options, ctx.input_shape)
         # the VAEs' input: the flattened image, or the features of self.model's backbone (the extractor)
         self.feature_dim = int(np.prod(ctx.input_shape)) if self.pixels else self.model.feature_dim
@@ -484,7 +502,7 @@ class FedCBCClient(ClientPart):
 
     def train(self, ctx: ClientContext, model: None = None) -> tuple[Arrays, dict[str, float]]:
         start = time.perf_counter()
-        o, s = self.options, ctx.settings
+        o, s = resolve_decoder(self.options, ctx.x.shape[1:]), ctx.settings
         extractor = self.extractor(ctx)
         with torch.no_grad():
             features = torch.cat([extractor(ctx.x[i:i + 512].to(ctx.device)).cpu() for i in range(0, len(ctx.x), 512)])

@@ -21,14 +21,15 @@ Learning", CVPR 2022. Facts from the paper and its official code
   in all). Memory samples are stored as uint8 in the client's disk store and
   trained on with the fresh data. Classes in the memory are the client's
   *old* classes, the others *new*.
-- *Class-aware gradient compensation* (eq. 2-4): with the paper's sigmoid
-  probabilities ``P = sigmoid(z)`` over the seen classes, ``G_i = |P_{i,y_i} - 1|``
-  (the gradient of the binary cross-entropy at the true logit) and each sample
+- *Class-aware gradient compensation* (eq. 1-4; :mod:`methods.glfc_losses`):
+  each sample's gradient size ``G_i = |P_{i,y_i} - 1|`` with eq. 2's softmax
+  probability ``P = softmax(z)`` over the seen classes, and each sample
   weighted by ``G_i`` divided by the mean ``G`` of its group (old or new
   classes), so both groups weigh the same whatever their sizes:
-  ``L_GC = mean_i w_i D_BCE(P_i, y_i)``, ``D_BCE`` the binary cross-entropy
-  against the one-hot label summed over the classes (:func:`class_bce`).
-  Weights are constants (detached). A client with no old classes has ``w_i = 1``.
+  ``L_GC = mean_i w_i D_BCE(sigmoid(z_i), y_i)``, ``D_BCE`` eq. 1's binary
+  cross-entropy of the sigmoid probabilities against the one-hot label,
+  summed over the classes (:func:`class_bce`). Weights are constants
+  (detached). A client with no old classes has ``w_i = 1``.
 - *Class-semantic relation distillation* (eq. 5): the target of sample ``i``
   is the one-hot label whose old-class entries are the old model's sigmoid
   probabilities, ``[P_old(x_i), y_i]``, and ``L_RD = mean_i sum_c
@@ -36,10 +37,11 @@ Learning", CVPR 2022. Facts from the paper and its official code
   the student matches the target).
 - ``L = w_gc L_GC + w_rd L_RD`` with an old model, ``L_GC`` alone without
   (``w_gc = w_rd = 0.5``, code). ``loss_form = "code"`` takes the code's
-  reductions: ``L_GC`` and the binary cross-entropy to the relation target
-  averaged over the classes instead of summed (1/K of the paper's gradient,
-  which the code's learning rate of 2.0 on 100 classes offsets; here the run's
-  learning rate applies to both forms).
+  forms: ``G_i`` from the sigmoid probability of the true class (the gradient
+  of the binary cross-entropy at its logit), and ``L_GC`` and the binary
+  cross-entropy to the relation target averaged over the classes instead of
+  summed (1/K of the paper's gradient, which the code's learning rate of 2.0
+  on 100 classes offsets; here the run's learning rate applies to both forms).
 - *Prototype-gradient communication* (eq. 10-11), after a detected
   transition: for every new class, the prototype is the sample whose
   (normalised) feature is closest to the class mean; it is perturbed by
@@ -68,8 +70,13 @@ the later one); at the next task that model is the clients' old model (the
 
 Deviations, on purpose:
 
-- The paper's sums over classes are the default; the code's means over
-  classes are ``loss_form = "code"``.
+- The paper's softmax ``G`` and sums over classes are the default; the
+  code's sigmoid ``G`` and means over classes are ``loss_form = "code"``.
+- The code's learning-rate schedule is not reproduced: the run's lr stays
+  constant. The code trains 10 rounds per task of 20 local epochs each and
+  rebuilds its optimiser at the lr 2.0 every round, except that the lr is
+  divided by 5 for all of a task's round 5 (counting from 0), by 25 from the
+  11th local epoch of round 7 and by 125 for all of round 9.
 - The code sends two candidate old models every round (best of the last and
   of the current task) and each client picks one by its detection signal;
   both are the previous task's best model except for a client that detects
@@ -100,6 +107,7 @@ from torch import nn
 from methods import jobs
 from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.datafree import frozen_classifier, from_uint8, to_uint8
+from methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
 from methods.optim import LocalSGD
 from methods.registry import MethodSpec, register
 from scenario.transforms import denormalize
@@ -139,50 +147,7 @@ class GLFCOptions(Options):
         return self
 
 
-# ------------------------------------------------------------------ losses
-def compensation_weights(g: torch.Tensor, is_old: torch.Tensor) -> torch.Tensor:
-    """Eq. 3: ``G_i`` over the mean ``G`` of its group (old / new classes); all ones without old samples'
-    classes known (``is_old`` is None)."""
-    g = g.detach()
-    w = torch.ones_like(g)
-    if is_old is None:
-        return w
-    for group in (is_old, ~is_old):
-        if group.any():
-            w[group] = g[group] / g[group].mean().clamp_min(1e-12)
-    return w
-
-
-def class_bce(logits: torch.Tensor, target: torch.Tensor, form: str = "paper") -> torch.Tensor:
-    """Per sample, the binary cross-entropy of the sigmoid probabilities against ``target`` (the paper's
-    ``D_BCE``): summed over the classes (``form = "paper"``) or averaged over them (``"code"``: 1/K of it)."""
-    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-    return bce.sum(dim=1) if form == "paper" else bce.mean(dim=1)
-
-
-def gradient_compensation_loss(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Tensor | None,
-                               form: str = "paper") -> torch.Tensor:
-    """Eq. 2-4, ``L_GC = mean_i w_i D_BCE(sigmoid(z_i), y_i)`` with ``G_i = |sigmoid(z_{i,y_i}) - 1|``
-    (``is_old``: which samples belong to the client's old classes; None when it has none)."""
-    w = compensation_weights((torch.sigmoid(logits.gather(1, y[:, None]).squeeze(1)) - 1).abs(), is_old)
-    return (w * class_bce(logits, F.one_hot(y, logits.shape[1]).float(), form)).mean()
-
-
-def relation_distillation(logits: torch.Tensor, old_logits: torch.Tensor, y: torch.Tensor,
-                          form: str = "paper") -> torch.Tensor:
-    """Eq. 5, ``L_RD``: the target is the one-hot label whose old-class entries are the old model's sigmoid
-    outputs (``old_logits``, over its ``K_old`` classes, the first ones). Paper: the KL divergence of the
-    target from the sigmoid probabilities, class by class (each a Bernoulli), summed over the classes and
-    averaged over the batch; code: their binary cross-entropy averaged over every entry (the same gradient
-    divided by K, plus the target's entropy)."""
-    target = F.one_hot(y, logits.shape[1]).float()
-    target[:, :old_logits.shape[1]] = torch.sigmoid(old_logits)
-    if form == "code":
-        return class_bce(logits, target, "code").mean()
-    entropy = F.binary_cross_entropy(target, target, reduction="none").sum(dim=1)
-    return (class_bce(logits, target, "paper") - entropy).mean()
-
-
+# ---------------------------------------------------------- task-transition detection
 @torch.no_grad()
 def mean_entropy(model: nn.Module, x: torch.Tensor, batch: int = 512) -> float:
     """Eq. 7's ``H``: the mean entropy (nats) of the model's softmax over ``x`` (the model's mode is kept)."""

@@ -14,15 +14,24 @@ norm 9.7 on average for CIFAR-100 (8.2 to 11.4; root mean square of an entry
 0.429); the MiniLM pipeline normalises its output to norm 1, where the
 Bounding loss's mean squared error starts below its radius and the term never
 fires. Each embedding is therefore scaled to the code's entry size
-(``anchor_rms = 0.429``, norm 8.4 in 384 dimensions), so that ``r = 0.015``
-means what it means there (about the smallest squared distance between two
-classes' embeddings). Each client receives the embeddings of a task's classes with that task's assets
-(``label_text``), so each embedding reaches a client once.
+(``anchor_rms = 0.429``, norm 8.4 in 384 dimensions).
+
+**Radius.** The code's ``r = 0.015`` is about the smallest mean squared
+distance between two of its CIFAR-100 classes' embeddings (a ratio of about
+1); here, at the same entry size, the closest two of MNIST's or CIFAR-10's ten
+label texts lie 0.064 and 0.089 apart, so 0.015 would be 1/4 to 1/6 of it, and
+0.029 for Tiny-ImageNet's 200. The radius is therefore relative:
+``r = radius_fraction * min_{i != j} mean((e_i - e_j)^2)`` over every class of
+the data set (:func:`bounding_radius`, ``radius_fraction = 1``), the same
+relative ball for any label-embedding set; ``radius`` sets an absolute one
+instead (the code's 0.015). Each client receives the embeddings of a task's
+classes and the radius with that task's assets (``label_text``), so each
+embedding reaches a client once.
 
 **Client.** A linear projector ``P`` (feature dim -> 384) is trained and
 federated (FedAvg) with the model. Its Bounding loss (eq. 3-4) keeps the
 projected features of a class near that class's LTE ``e_y``:
-``L_B = max(0, MSE(P(f(x)), e_y) - r)``, ``r = 0.015``, the mean squared error
+``L_B = max(0, MSE(P(f(x)), e_y) - r)`` (``r`` above), the mean squared error
 over the batch (the code's form, :func:`methods.datafree.bounding_loss`),
 weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
 ``K_old`` old and ``K`` seen classes, ``alpha = log2(K / 2 + 1)``,
@@ -61,18 +70,23 @@ over each task's rounds down to ``lr_min = 1e-3`` (the code's
 ``CosineAnnealingLR`` with ``T_max`` the rounds, restarted each task;
 ``lr_schedule = "constant"`` turns it off). Synthetic images are augmented on
 the clients (random crop, flips for colour images), as the code's training
-transform does. At each task's end the server keeps the round-start global
-model (and projector) with the lowest mean client training loss
-(``end_model = "lowest_loss"``, the code's choice: the paper is silent; the
-last round's aggregate has no loss measured and is never chosen, as in the
-code); that model is the synthesis teacher, the old model and the next
-task's start. ``"last"`` keeps the last aggregate, as every other method.
+transform does. At each task's end the server keeps the last round's
+aggregate (``end_model = "last"``, as every other method): the paper trains
+each task's rounds and then inverts the model they produced, and selects no
+round. That model is the synthesis teacher, the old model and the next
+task's start.
 
-Deviations: the code's client loss behind that choice is the sum over the
-round's clients of their summed first-epoch batch losses; here the mean over
-the round's clients of their mean batch loss (the same order for a fixed
-cohort and data). Batch size and local epochs are the run's (the code: 128
-and 2).
+Deviations: the code keeps the round-start global model (and projector)
+with the lowest client training loss (``end_model = "lowest_loss"``; the
+last round's aggregate has no loss measured and is never chosen). At the
+code's 100 rounds per task that is a late round; at a few rounds per task
+it can be an early one where the new classes are barely learnt, and it
+always drops the last round's training. Its loss is the sum over the round's
+clients of their summed first-epoch batch losses; here the mean over the
+round's clients of their mean batch loss (the same order for a fixed cohort
+and data). The radius is relative (above; the code's absolute 0.015 as
+``radius``). Batch size and local epochs are the run's (the code: 128 and
+2).
 """
 
 from __future__ import annotations
@@ -103,6 +117,7 @@ SYNTHETIC = f"{NAME}/synthetic"
 OLD = f"{NAME}/old/"
 TEXT = f"{NAME}/text"  # asset: (classes of the task, D) label-text embeddings
 TEXT_CLASSES = f"{NAME}/text_classes"  # asset: their class indices
+RADIUS = f"{NAME}/radius"  # asset: the Bounding-loss radius (0-d)
 ALL_TEXT = f"{NAME}/all_text"  # checkpoint: the embeddings of every class
 BEST = f"{NAME}/best/"  # checkpoint: the task's lowest-loss round-start global model so far
 BEST_PROJECTOR = f"{NAME}/best_projector/"  # checkpoint: its projector
@@ -120,7 +135,11 @@ class LanderOptions(SynthesisOptions):
     lr_stats: float = pydantic.Field(1e-2, gt=0, description="Adam lr of the learnable data statistics")
     noise_dim: int = pydantic.Field(256, ge=1, description="output size of the noisy layer")
     noise_chunk: int = pydantic.Field(10, ge=1, description="samples sharing one noisy linear map")
-    radius: float = pydantic.Field(0.015, ge=0, description="Bounding-loss radius r")
+    radius_fraction: float = pydantic.Field(
+        1.0, ge=0, description="Bounding-loss radius r as a fraction of the smallest mean squared distance between "
+                               "two classes' label-text embeddings (the code's r is about 1 of its CIFAR-100 set's)")
+    radius: float | None = pydantic.Field(
+        None, ge=0, description="an absolute Bounding-loss radius instead (the code's 0.015; unset: radius_fraction)")
     ltc: float = pydantic.Field(5.0, ge=0, description="weight of the Bounding loss (lambda_ltc)")
     cur: float = pydantic.Field(0.2, ge=0, description="base weight of the current-task terms")
     pre: float = pydantic.Field(0.4, ge=0, description="base weight of the previous-task terms")
@@ -131,9 +150,9 @@ class LanderOptions(SynthesisOptions):
     lr_schedule: Literal["cosine", "constant"] = pydantic.Field(
         "cosine", description="client lr over a task's rounds: cosine from training.lr to lr_min (code) or constant")
     lr_min: float = pydantic.Field(1e-3, ge=0, description="the cosine schedule's floor (code: 1e-3)")
-    end_model: Literal["lowest_loss", "last"] = pydantic.Field(
-        "lowest_loss", description="the task's model kept at its end: the round-start global model with the lowest "
-                                   "mean client training loss (code) or the last one")
+    end_model: Literal["last", "lowest_loss"] = pydantic.Field(
+        "last", description="the task's model kept at its end: the last round's aggregate (paper) or the "
+                            "round-start global model with the lowest mean client training loss (code)")
     stats_init: Literal["dataset", "code"] = pydantic.Field(
         "dataset", description="start of the learnable data statistics: the data set's mean / std, or the "
                                "code's 0.5 / 0.2")
@@ -149,6 +168,18 @@ def scaled_embeddings(embeddings: np.ndarray, rms: float) -> np.ndarray:
     if np.any(norms == 0) or not np.all(np.isfinite(norms)):
         raise ValueError("lander: a label-text embedding is zero or not finite")
     return (e * (rms / norms)).astype(np.float32)
+
+
+def bounding_radius(embeddings: np.ndarray, fraction: float) -> float:
+    """``fraction`` of the smallest mean squared distance between two rows of ``embeddings`` (one per class): a
+    Bounding-loss radius that means the same relative ball for any set of label-text embeddings."""
+    e = np.asarray(embeddings, np.float64)
+    if len(e) < 2:
+        raise ValueError("lander: a relative radius needs the embeddings of at least two classes")
+    squared = (e * e).sum(axis=1)
+    gaps = np.maximum(squared[:, None] + squared[None, :] - 2 * e @ e.T, 0.0) / e.shape[1]
+    np.fill_diagonal(gaps, np.inf)
+    return fraction * float(gaps.min())
 
 
 def cosine_lr(base: float, floor: float, task_round: int, rounds: int) -> float:
@@ -192,9 +223,10 @@ def _projector_arrays(proj: nn.Linear) -> Arrays:
 
 
 class _LanderProblem(SynthesisProblem):
-    def __init__(self, generator: TextConditionedGenerator, text: torch.Tensor, teacher_projector: nn.Linear,
-                 student_projector: nn.Linear, o: LanderOptions, data_stats: tuple, device, seed: int):
-        self.generator, self.text, self.o = generator, text, o
+    def __init__(self, generator: TextConditionedGenerator, text: torch.Tensor, radius: float,
+                 teacher_projector: nn.Linear, student_projector: nn.Linear, o: LanderOptions, data_stats: tuple,
+                 device, seed: int):
+        self.generator, self.text, self.radius, self.o = generator, text, radius, o
         self.t_proj, self.s_proj = teacher_projector, student_projector
         self.rng = torch.Generator().manual_seed(seed)
         channels = generator.body.image_shape[0]
@@ -213,7 +245,7 @@ class _LanderProblem(SynthesisProblem):
         return (images - self.mean) / self.std
 
     def extra_loss(self, teacher_features, targets):
-        return self.o.ltc * bounding_loss(self.t_proj(teacher_features), self.text[targets], self.o.radius)
+        return self.o.ltc * bounding_loss(self.t_proj(teacher_features), self.text[targets], self.radius)
 
     def student_extra(self, student_features, teacher_features):
         return self.o.ltc * F.mse_loss(self.s_proj(student_features), self.t_proj(teacher_features))
@@ -224,7 +256,8 @@ class _LanderProblem(SynthesisProblem):
 
 @jobs.job("lander.synthesize", label="generator")
 def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
-    """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D)."""
+    """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D), ``radius``
+    (0-d)."""
     o = LanderOptions(**options["method_options"])
     teacher, student, normalize = prepare_synthesis(inputs, options, device)
     text = torch.from_numpy(np.asarray(inputs["text"], np.float32)).to(device)
@@ -239,7 +272,8 @@ def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
     generator = TextConditionedGenerator(TEXT_DIM, shape, o.synthesis_batch, o.noise_dim, o.noise_chunk,
                                          o.generator_width).to(device)
     seed = int(options.get("seed", 0))
-    problem = _LanderProblem(generator, text, t_proj, s_proj, o, (options["mean"], options["std"]), device, seed)
+    problem = _LanderProblem(generator, text, float(inputs["radius"]), t_proj, s_proj, o,
+                             (options["mean"], options["std"]), device, seed)
     images, metrics = synthesize(teacher, student, problem, o.settings(lr_inputs=o.lr_stats, keep_warmup=False,
                                                                       channels=shape[0]), normalize, seed)
     metrics.update(_coverage(teacher, normalize(images.to(device))))  # as the clients will see them
@@ -283,6 +317,13 @@ class LanderServer(SynthesisServer):
             self._text = _frozen_copy({"e": scaled_embeddings(job.outputs["embeddings"], self.options.anchor_rms)})["e"]
         return self._text
 
+    def radius(self) -> np.ndarray:
+        """The Bounding-loss radius (0-d): ``radius`` if set, else ``radius_fraction`` of the closest two
+        classes' label-text embeddings (all the data set's classes)."""
+        o = self.options
+        return np.asarray(o.radius if o.radius is not None else bounding_radius(self.label_text(), o.radius_fraction),
+                          np.float32)
+
     def round_tensors(self, task: int, round: int) -> Arrays:
         return {**self.global_state, **{PROJECTOR + k: v for k, v in self._projector.items()}}
 
@@ -298,7 +339,7 @@ class LanderServer(SynthesisServer):
     def synthesis_inputs(self, task: int) -> Arrays:
         seen = len(self.ctx.scenario.seen_classes(task))
         return {**super().synthesis_inputs(task), **{"projector/" + k: v for k, v in self._projector.items()},
-                "text": self.label_text()[:seen]}
+                "text": self.label_text()[:seen], "radius": self.radius()}
 
     def end_task(self, task: int) -> None:
         if self._best is not None:  # the lowest-loss model is the task's result: synthesis, old model, next task
@@ -312,7 +353,7 @@ class LanderServer(SynthesisServer):
     def task_assets(self, task: int) -> dict[str, Arrays]:
         classes = np.asarray(self.ctx.scenario.task_classes(task), np.int64)
         assets = {**super().task_assets(task),
-                  "label_text": {TEXT: self.label_text()[classes], TEXT_CLASSES: classes}}
+                  "label_text": {TEXT: self.label_text()[classes], TEXT_CLASSES: classes, RADIUS: self.radius()}}
         if "old_model" in assets:
             assets["old_model"] = {**assets["old_model"],
                                    **{OLD_PROJECTOR + k: v for k, v in self._old_projector.items()}}
@@ -351,12 +392,14 @@ class LanderClient(SyntheticReplayClient):
         proj = _projector(dim, strip_prefix(ctx.global_state, PROJECTOR)).to(ctx.device)
         anchors = torch.zeros(model.num_classes, TEXT_DIM)
         known = torch.zeros(model.num_classes, dtype=torch.bool)
+        radius = 0.0
         if TEXT in ctx.assets:
             classes = torch.from_numpy(np.asarray(ctx.assets[TEXT_CLASSES], np.int64))
             anchors[classes] = torch.from_numpy(np.asarray(ctx.assets[TEXT], np.float32))
             known[classes] = True
+            radius = float(ctx.assets[RADIUS])
         ctx.job.update(projector=proj, anchors=anchors.to(ctx.device), has_anchor=known.to(ctx.device),
-                       start=_projector_arrays(proj))
+                       radius=radius, start=_projector_arrays(proj))
         if ctx.job["old"] is not None:
             old_proj = _projector(dim, strip_prefix(ctx.assets, OLD_PROJECTOR)).to(ctx.device).eval()
             for p in old_proj.parameters():
@@ -373,7 +416,7 @@ class LanderClient(SyntheticReplayClient):
         mask = ctx.job["has_anchor"][y]
         if not mask.any():
             return features.sum() * 0.0
-        return bounding_loss(ctx.job["projector"](features[mask]), ctx.job["anchors"][y[mask]], self.options.radius)
+        return bounding_loss(ctx.job["projector"](features[mask]), ctx.job["anchors"][y[mask]], ctx.job["radius"])
 
     def step_loss(self, ctx: ClientContext, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         o, job = self.options, ctx.job

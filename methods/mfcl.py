@@ -51,6 +51,11 @@ Client SGD (``MethodSpec.training``, where the run config is silent): the
 code's lr 0.1, no momentum, weight decay 1e-5. Deviations: batch size and
 local epochs are the run's (the code: 32 and 10, with 100 rounds per task, a
 GPU budget); the generator's hidden BatchNorms use the code's eps = 0.8.
+The server averages the clients' updates weighted by their sample counts
+(the run's aggregator, as every method here); the code's
+``fedavg_aggregation`` takes the unweighted mean of the round's client
+models. They agree where the clients hold equal shares (the IID splits of
+the tables); with unequal shares a larger client counts more here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Decoding the files image datasets come in: IDX (the MNIST family), the CIFAR pickles, JPEG trees (a folder
-or a tarball) and Tiny-ImageNet's folder, each into :class:`DecodedArrays` with every shape and label checked.
+or a tarball, optionally with a ``classes.txt`` naming the classes) and Tiny-ImageNet's folder, each into
+:class:`DecodedArrays` with every shape and label checked.
 """
 
 from __future__ import annotations
@@ -179,24 +180,53 @@ def _stack(images: list[np.ndarray], where: str) -> np.ndarray:
     return np.stack(images)
 
 
-def _from_items(items: dict[str, list[tuple[str, str, np.ndarray]]], where: str) -> DecodedArrays:
-    """Arrays from ``{split: [(class, file name, image)]}``; class id = rank of the sorted name."""
-    names = tuple(sorted({cls for cls, _, _ in items["train"]}))
-    unknown = {cls for cls, _, _ in items["test"]} - set(names)
+CLASS_FILE = "classes.txt"
+"""Beside an image-folder tree's ``train/`` and ``test/`` (Tiny-ImageNet-32): one line per class, its folder name,
+a tab, its words (comma-separated synonyms, the first of which names the class)."""
+
+
+def parse_class_file(text: str, where: str) -> dict[str, str]:
+    """``{folder name: class name}`` from a :data:`CLASS_FILE`'s text; the class name is the first of its words."""
+    words = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        folder, tab, synonyms = line.partition("\t")
+        name = synonyms.split(",")[0].strip()
+        if not tab or not folder.strip() or not name:
+            raise DatasetFormatError(f"{where}: line {number} is not '<folder>\\t<words>': {line!r}")
+        if folder.strip() in words:
+            raise DatasetFormatError(f"{where}: class {folder.strip()!r} named twice")
+        words[folder.strip()] = name
+    return words
+
+
+def _from_items(items: dict[str, list[tuple[str, str, np.ndarray]]], where: str,
+                words: dict[str, str] | None = None) -> DecodedArrays:
+    """Arrays from ``{split: [(class, file name, image)]}``; class id = rank of the sorted folder name. With
+    ``words`` (``{folder: class name}``, one entry per folder) the classes are named by it, else by folder."""
+    folders = tuple(sorted({cls for cls, _, _ in items["train"]}))
+    unknown = {cls for cls, _, _ in items["test"]} - set(folders)
     if unknown:
         raise DatasetFormatError(f"{where}: test classes {sorted(unknown)} have no training images")
-    index = {n: i for i, n in enumerate(names)}
+    if words is not None and set(words) != set(folders):
+        raise DatasetFormatError(
+            f"{where}: {CLASS_FILE} names {len(words)} classes, the images {len(folders)}; without images: "
+            f"{sorted(set(words) - set(folders))[:4]}, unnamed: {sorted(set(folders) - set(words))[:4]}")
+    index = {n: i for i, n in enumerate(folders)}
     out = []
     for split in ("train", "test"):
         ordered = sorted(items[split], key=lambda it: (it[0], it[1]))
         out.append(_stack([im for _, _, im in ordered], f"{where} ({split})"))
         out.append(np.array([index[cls] for cls, _, _ in ordered], dtype=np.int64))
-    return DecodedArrays(*out, names)
+    return DecodedArrays(*out, folders if words is None else tuple(words[f] for f in folders))
 
 
-def read_image_tar(path: Path) -> DecodedArrays:
-    """Decode ``train/<class>/<file>`` and ``test/<class>/<file>`` straight from a tarball."""
+def read_image_tar(path: Path, named: bool = False) -> DecodedArrays:
+    """Decode ``train/<class>/<file>`` and ``test/<class>/<file>`` straight from a tarball; ``named``: the class
+    names from the tarball's top-level :data:`CLASS_FILE`."""
     items: dict[str, list] = {"train": [], "test": []}
+    class_text = None
     try:
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
@@ -204,17 +234,24 @@ def read_image_tar(path: Path) -> DecodedArrays:
                 if member.isfile() and len(parts) >= 3 and parts[-3] in items:
                     data = tar.extractfile(member).read()
                     items[parts[-3]].append((parts[-2], parts[-1], _decode_rgb(data, f"{path}:{member.name}")))
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+                elif named and member.isfile() and parts == (CLASS_FILE,):
+                    class_text = tar.extractfile(member).read().decode()
+    except (tarfile.TarError, EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
         raise DatasetFormatError(f"{path}: corrupt tarball ({e})") from e
-    return _from_items(items, str(path))
+    if named and class_text is None:
+        raise DatasetFormatError(f"{path}: no {CLASS_FILE} at the top of the tarball")
+    words = parse_class_file(class_text, f"{path}:{CLASS_FILE}") if named else None
+    return _from_items(items, str(path), words)
 
 
-def read_image_folder(directory: Path) -> DecodedArrays:
+def read_image_folder(directory: Path, named: bool = False) -> DecodedArrays:
+    """The same tree extracted into ``directory``; ``named``: the class names from ``directory/classes.txt``."""
     items = {
         split: [(p.parent.name, p.name, _decode_rgb(p, str(p))) for p in (directory / split).glob("*/*") if p.is_file()]
         for split in ("train", "test")
     }
-    return _from_items(items, str(directory))
+    words = parse_class_file((directory / CLASS_FILE).read_text(), str(directory / CLASS_FILE)) if named else None
+    return _from_items(items, str(directory), words)
 
 
 def read_tiny_imagenet(directory: Path) -> DecodedArrays:

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from scenario.dataset_cache import cached
-from scenario.dataset_formats import (DatasetFormatError, DecodedArrays, read_cifar_pickles, read_idx_set,
-                                      read_image_folder, read_image_tar, read_tiny_imagenet)
+from scenario.dataset_formats import (CLASS_FILE, DatasetFormatError, DecodedArrays, read_cifar_pickles,
+                                      read_idx_set, read_image_folder, read_image_tar, read_tiny_imagenet)
 
 DATA_ROOT_ENV = "FCL_EMU_DATA_ROOT"
 
@@ -51,6 +51,7 @@ NUM_CLASSES: dict[str, int] = {
     "cifar10": 10,
     "cifar100": 100,
     "tiny-imagenet": 200,
+    "tiny-imagenet-32": 200,
 }
 DATASETS: tuple[str, ...] = tuple(NUM_CLASSES)
 """Names :func:`load_dataset` accepts."""
@@ -209,6 +210,10 @@ def _layouts(name: str, root: Path) -> list[_Layout]:
         ]
     if name == "tiny-imagenet":
         return [_tiny_imagenet_layout(root / "tiny-imagenet-200")]
+    if name == "tiny-imagenet-32":
+        directory = root / "tiny-imagenet-32"
+        return [_image_tar_layout(name, directory / "tiny-imagenet-32-jpeg.tar.gz", named=True),
+                _image_folder_layout(name, directory, named=True)]
     raise AssertionError(name)
 
 
@@ -229,19 +234,24 @@ def _idx_layout(
                    lambda: cached(name, "idx", paths, lambda: read_idx_set(paths, classes, emnist_split)))
 
 
-def _image_tar_layout(name: str, tarball: Path) -> _Layout:
+def _image_tar_layout(name: str, tarball: Path, named: bool = False) -> _Layout:
+    """An image-folder tree in a tarball; ``named``: class names from its ``classes.txt``, else its folders'."""
     if not tarball.is_file():
         return _Layout(tarball, None)
-    return _Layout(tarball, lambda: cached(name, "jpeg-tar", [tarball], lambda: read_image_tar(tarball)))
+    return _Layout(tarball, lambda: cached(name, "jpeg-tar", [tarball], lambda: read_image_tar(tarball, named)))
 
 
-def _image_folder_layout(name: str, directory: Path) -> _Layout:
+def _image_folder_layout(name: str, directory: Path, named: bool = False) -> _Layout:
+    """The same tree extracted into ``directory``."""
     if not ((directory / "train").is_dir() and (directory / "test").is_dir()):
         return _Layout(directory / "train", None)
+    if named and not (directory / CLASS_FILE).is_file():
+        return _Layout(directory / CLASS_FILE, None)
 
     def load() -> DecodedArrays:
         files = sorted(p for split in ("train", "test") for p in (directory / split).glob("*/*") if p.is_file())
-        return cached(name, "image-folder", files, lambda: read_image_folder(directory))
+        files += [directory / CLASS_FILE] if named else []
+        return cached(name, "image-folder", files, lambda: read_image_folder(directory, named))
 
     return _Layout(directory / "train", load)
 
@@ -304,6 +314,16 @@ def _how_to_get(name: str, roots: Sequence[Path]) -> str:
             f"torchvision cannot download Tiny-ImageNet: fetch http://cs231n.stanford.edu/tiny-imagenet-200.zip "
             f"and unzip it into a data root (giving {where / 'tiny-imagenet-200'}/wnids.txt, train/, val/)."
         )
+    if name == "tiny-imagenet-32":
+        return (
+            f"Tiny-ImageNet-32 (Tiny-ImageNet resized to 32x32) has no download, from torchvision or elsewhere. "
+            f"Put its tarball at {where / 'tiny-imagenet-32' / 'tiny-imagenet-32-jpeg.tar.gz'} (or extract it into "
+            f"{where / 'tiny-imagenet-32'}/): train/<wnid>/*.jpg, test/<wnid>/*.jpg and classes.txt (<wnid>, tab, "
+            f"its words). To build it, fetch http://cs231n.stanford.edu/tiny-imagenet-200.zip, resize every image "
+            f"to 32x32, write the training images by class and the validation images (val_annotations.txt) as "
+            f"test/, and classes.txt from wnids.txt and words.txt; or run --dataset tiny-imagenet on that zip's "
+            f"64x64 images directly."
+        )
     return (
         f"Get it with --download (torchvision fetches it into {where}; needs network access and "
         f"`pip install torchvision`), or put the files there yourself in torchvision's layout. "
@@ -312,8 +332,8 @@ def _how_to_get(name: str, roots: Sequence[Path]) -> str:
 
 
 def _download(name: str, root: Path) -> None:
-    if name == "tiny-imagenet":
-        raise DatasetNotFoundError(name, [root / "tiny-imagenet-200"], _how_to_get(name, [root]))
+    if name in ("tiny-imagenet", "tiny-imagenet-32"):
+        raise DatasetNotFoundError(name, [layout.path for layout in _layouts(name, root)], _how_to_get(name, [root]))
     try:
         import torchvision.datasets as tvd
     except ImportError as e:

@@ -57,3 +57,14 @@ def test_every_table_runs_as_a_module():
         done = subprocess.run([sys.executable, "-m", f"fcl_emu.bench.tables.{table}", "--help"], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0 and "--out" in done.stdout, done.stderr
+
+
+def test_noisy_affcl_rows_take_the_code_readmes_noisy_client_settings():
+    base, rows, _ = feature_replay_table.TABLES["affcl"]
+    readme = {"flow_lr": 1e-3, "k_loss_flow": 0.5, "k_flow_last": 0.1, "theta": 0.5}  # its EMNIST-noisy command
+    method, options = rows["affcl-noisy"]
+    assert method == "affcl" and options == readme
+    assert feature_replay_table.config(base, "affcl-noisy", method, options)["scenario"]["noisy_client_fraction"] > 0
+    assert rows["affcl"] == ("affcl", {})  # the clean rows keep the defaults (its EMNIST-Letters command)
+    assert rows["affcl-strong-noisy"][1] == {**readme, **feature_replay_table.STRONG}
+    assert rows["fedavg-noisy"] == ("fedavg", {})

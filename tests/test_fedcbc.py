@@ -18,7 +18,7 @@ from runconfig import RunConfig
 from methods import jobs
 from methods.base import ClientContext, ClientUpdate, ServerContext, TrainingSettings
 from methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
-                            distillation_loss, fit_vae, join_vaes, split_vaes)
+                            distillation_loss, fit_vae, join_vaes, resolve_decoder, split_vaes)
 from methods.models.classifier import build_model
 from methods.models.state import state_to_arrays
 from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SHAPE = (1, 28, 28)
 CPU = torch.device("cpu")
 D = 256  # the cnn backbone's feature width: the VAEs' input in server tests
-TINY = {"features": "pretrained", "pretrain_epochs": 1, "vae_hidden": 32, "vae_latent": 8, "pseudo_samples": 64, "fusion_epochs": 20}
+TINY = {"features": "pretrained", "decoder_output": "linear", "pretrain_epochs": 1, "vae_hidden": 32, "vae_latent": 8, "pseudo_samples": 64, "fusion_epochs": 20}
 
 
 def _blobs(centers: torch.Tensor, n: int, seed: int, spread: float = 0.3) -> list[torch.Tensor]:
@@ -55,9 +55,9 @@ def _mean_loss(vae: VAE, x: torch.Tensor, beta: float) -> float:
 
 
 # ------------------------------------------------------------------ by hand
-def _hand_vae() -> VAE:
+def _hand_vae(sigmoid_output: bool = False) -> VAE:
     """d = 2, h = 2, k = 1 with known weights."""
-    vae = VAE(2, 2, 1)
+    vae = VAE(2, 2, 1, sigmoid_output=sigmoid_output)
     weights = {"encoder.0.weight": [[1.0, 0.0], [0.0, 1.0]], "encoder.0.bias": [0.0, 0.0],
                "mean.weight": [[1.0, 1.0]], "mean.bias": [0.0], "log_var.weight": [[0.0, 0.0]],
                "log_var.bias": [math.log(0.25)], "decoder.0.weight": [[1.0], [2.0]], "decoder.0.bias": [0.0, 0.0],
@@ -90,6 +90,29 @@ def test_vae_loss_eq5_by_hand():
     # the mean over a batch
     xs = torch.tensor([x, [0.0, 0.0]])
     assert _mean_loss(vae, xs, 0.5) == pytest.approx((_hand_loss(x, mu, 0.5)[0] + _hand_loss([0.0, 0.0], 0.0, 0.5)[0]) / 2, rel=1e-6)
+
+
+def test_sigmoid_decoder_by_hand_and_where_it_is_the_default():
+    def sigmoid(v):
+        return 1 / (1 + math.exp(-v))
+
+    x = [0.5, 0.25]  # pixels in [0, 1]
+    mu = math.tanh(0.5) + math.tanh(0.25)
+    recon, _, _ = _hand_vae(sigmoid_output=True)(torch.tensor([x]), sample=False)
+    assert recon[0].tolist() == pytest.approx([sigmoid(math.tanh(mu) + 0.5), sigmoid(math.tanh(2 * mu) - 0.5)])
+    kl = 0.5 * (-math.log(0.25) - 1 + 0.25 + mu ** 2)
+    expected = (x[0] - sigmoid(math.tanh(mu) + 0.5)) ** 2 + (x[1] - sigmoid(math.tanh(2 * mu) - 0.5)) ** 2 + 0.5 * kl
+    assert _mean_loss(_hand_vae(sigmoid_output=True), torch.tensor([x]), 0.5) == pytest.approx(expected, rel=1e-6)
+    # the same parameters either way: the sigmoid changes no state on the wire
+    assert _arrays(_hand_vae(True)).keys() == _arrays(_hand_vae(False)).keys()
+    # auto: a sigmoid over pixels (grey images, as the code on MNIST), linear over an extractor's features
+    assert resolve_decoder(FedCBCOptions(), (1, 28, 28)).decoder_output == "sigmoid"
+    assert resolve_decoder(FedCBCOptions(), (3, 32, 32)).decoder_output == "linear"
+    assert resolve_decoder(FedCBCOptions(features="pretrained"), (1, 28, 28)).decoder_output == "linear"
+    assert resolve_decoder(FedCBCOptions(decoder_output="sigmoid"), (3, 32, 32)).decoder_output == "sigmoid"
+    assert isinstance(build_vae(FedCBCOptions(decoder_output="sigmoid"), 4).decoder[-1], nn.Sigmoid)
+    with pytest.raises(ValueError, match="resolve_decoder"):
+        build_vae(FedCBCOptions(), 4)
 
 
 def test_gaussian_kl_and_distillation_by_hand():
@@ -258,7 +281,7 @@ def test_grey_images_are_modelled_as_pixels_without_an_extractor(tmp_path):
     """MNIST as the paper and code have it: the VAEs model the 784 pixels in [0, 1]; no pretraining job, no
     extractor asset; the client and the evaluator see the same features."""
     recorded: list = []
-    options = {**TINY, "features": "auto"}
+    options = {**TINY, "features": "auto", "decoder_output": "auto"}
     server = _server(options, recorded)
     server.start_task(0)
     assert recorded == [] and server.task_assets(0) == {} and server.feature_dim == 28 * 28
@@ -274,9 +297,10 @@ def test_grey_images_are_modelled_as_pixels_without_an_extractor(tmp_path):
     with torch.no_grad():  # the evaluator's features are the client's: each class's own VAE explains it best
         assert torch.allclose(clf.extractor(ctx.x), x01.flatten(1), atol=1e-6)
         assert clf(ctx.x).shape == (40, 2)
+    assert server.options.decoder_output == "sigmoid" and isinstance(clf.vaes["0"].decoder[-1], nn.Sigmoid)
     colour = FedCBCServer(ServerContext(FedCBCOptions(**options), _scenario(), lambda n: build_model("cnn", (3, 32, 32), n),
                                         run_job=None, model_name="cnn", input_shape=(3, 32, 32)))
-    assert not colour.pixels  # colour images: the pretrained extractor
+    assert not colour.pixels and colour.options.decoder_output == "linear"  # colour images: the extractor
 
 
 # ------------------------------------------------------------------ bad input
@@ -398,7 +422,7 @@ def test_fedcbc_end_to_end(tmp_path, mnist_root, features):
     jobs_by_kind = summary.gpu_jobs.by_kind
     assert jobs_by_kind["fedcbc.fuse"].failed == 0
     # bytes: the VAEs travel in updates and train requests, the extractor once per task and client
-    o = FedCBCOptions(**options)
+    o = resolve_decoder(FedCBCOptions(**options), SHAPE)
     vae_bytes = sum(a.nbytes for a in state_to_arrays(build_vae(o, D if features == "pretrained" else 784)).values())
     extractor_bytes = sum(a.nbytes for a in state_to_arrays(build_model("cnn", SHAPE, 0).backbone).values())
     sent, nbytes = summary.messages, summary.bytes

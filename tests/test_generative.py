@@ -18,7 +18,7 @@ from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.datafree import (BatchNormStatistics, adversarial_divergence, bounding_loss, from_uint8,
                               information_entropy_loss, smoothness_prior, soft_target_ce, to_uint8)
-from methods.lander import TEXT_DIM, cosine_lr, scaled_embeddings, task_weights
+from methods.lander import RADIUS, TEXT_DIM, bounding_radius, cosine_lr, scaled_embeddings, task_weights
 from methods.mfcl import MFCLOptions, feature_distillation, generator_loss
 from methods.models.classifier import build_model, resolve_model
 from methods.models.generators import Generator, NoisyLayer, TextConditionedGenerator
@@ -235,6 +235,7 @@ def test_synthesis_jobs_make_uint8_images(method):
                 student_steps=2)
     if method == "lander":
         inputs["text"] = np.random.default_rng(0).normal(size=(4, TEXT_DIM)).astype(np.float32)
+        inputs["radius"] = np.asarray(0.015, np.float32)
         out = jobs.run("lander.synthesize", inputs, _job_options(method, **opts), CPU)
         assert out.arrays["images"].shape == (2 * 20, *SHAPE)  # the warm-up round is not kept
         with pytest.raises(ValueError, match="text embeddings of shape"):
@@ -255,7 +256,8 @@ def test_jobs_refuse_models_without_batchnorm_and_bad_options():
     with pytest.raises(ValueError, match="z_dim"):
         jobs.run("mfcl.generator", teacher, _job_options("mfcl", z_dim=4), CPU)
     with pytest.raises(ValueError, match="warmup"):
-        jobs.run("lander.synthesize", {**teacher, "text": np.zeros((8, TEXT_DIM), np.float32)},
+        jobs.run("lander.synthesize", {**teacher, "text": np.zeros((8, TEXT_DIM), np.float32),
+                                       "radius": np.asarray(0.015, np.float32)},
                  _job_options("lander", synthesis_rounds=1, warmup=1, generator_steps=1, synthesis_batch=8,
                               generator_width=16), CPU)
 
@@ -312,12 +314,40 @@ def test_lander_bounding_term_is_active_on_real_label_text_embeddings():
     assert min(gaps) > 0.015
 
 
-def test_lander_keeps_the_round_start_model_with_the_lowest_client_loss():
+def test_lander_radius_is_a_fraction_of_the_closest_two_label_texts_by_hand():
+    # mean squared distances: rows 0-1 (9 + 16) / 2 = 12.5, rows 0-2 (0 + 1) / 2 = 0.5, rows 1-2 (9 + 9) / 2 = 9
+    e = np.array([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    assert bounding_radius(e, 1.0) == pytest.approx(0.5)
+    assert bounding_radius(e, 0.5) == pytest.approx(0.25)
+    assert bounding_radius(3 * e, 1.0) == pytest.approx(9 * 0.5)  # scales with the set: the same relative ball
+    with pytest.raises(ValueError, match="two classes"):
+        bounding_radius(e[:1], 1.0)
     spec = methods.get("lander")
+    text = np.array([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0], [1.0, 0.0, 1.0]], np.float32)
+
+    def server(**options):
+        job = SimpleNamespace(outputs={"embeddings": text})
+        ctx = ServerContext(spec.options(**TINY["lander"], anchor_rms=0, **options),
+                            SimpleNamespace(**{**vars(_scenario()), "class_order": np.arange(4)}),
+                            lambda n: build_model("cnn_bn", SHAPE, n), run_job=lambda *a: job, model_name="cnn_bn",
+                            input_shape=SHAPE, rounds_per_task=2)
+        return spec.server(ctx)
+
+    # closest: rows 0 and 3, (0 + 0 + 1) / 3; rows 1-2 (4 + 4) / 3, 0-1 (1 + 4) / 3, 2-3 (1 + 0 + 1) / 3
+    relative = server(radius_fraction=0.6)
+    assert relative.radius() == pytest.approx(0.6 / 3)
+    assert relative.task_assets(0)["label_text"][RADIUS] == pytest.approx(0.2)  # what the clients bound with
+    assert server(radius=0.015).radius() == pytest.approx(0.015)  # the code's absolute radius
+    assert spec.options().radius_fraction == 1.0 and spec.options().radius is None
+
+
+def test_lander_keeps_the_last_model_or_the_round_start_model_with_the_lowest_client_loss():
+    spec = methods.get("lander")
+    assert spec.options().end_model == "last"  # the paper's: the model the task's rounds produced
 
     def make():
         torch.manual_seed(0)
-        return spec.server(ServerContext(spec.options(**TINY["lander"]), _scenario(),
+        return spec.server(ServerContext(spec.options(**TINY["lander"], end_model="lowest_loss"), _scenario(),
                                          lambda n: build_model("cnn_bn", SHAPE, n), run_job=_local_jobs,
                                          model_name="cnn_bn", input_shape=SHAPE, rounds_per_task=3))
 

@@ -17,9 +17,10 @@ from edge_node.store import ArrayStore
 from runconfig import RunConfig
 from methods import jobs
 from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
-from methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder,
-                          compensation_weights, gradient_compensation_loss, herding, label_from_gradients,
-                          mean_entropy, merge_memory, prototype_index, reconstruct, relation_distillation)
+from methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder, herding,
+                          label_from_gradients, mean_entropy, merge_memory, prototype_index, reconstruct)
+from methods.glfc_losses import (compensation_weights, gradient_compensation_loss, relation_distillation,
+                                 true_class_gradient)
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays, state_to_arrays
 from monitoring.results import RunSummary
@@ -48,19 +49,33 @@ def test_compensation_weights_normalise_each_group_by_its_mean_gradient():
     assert torch.allclose(compensation_weights(torch.zeros(2), torch.tensor([True, False])), torch.zeros(2))
 
 
+def test_true_class_gradient_softmax_in_the_paper_sigmoid_in_the_code_by_hand():
+    logits = torch.tensor([[math.log(3.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    y = torch.tensor([0, 1])
+    # eq. 2: softmax 3 / (3 + 1 + 1) = 0.6 and 1/3; the code's sigmoid: 3 / (3 + 1) = 0.75 and 0.5
+    assert true_class_gradient(logits, y, "paper").tolist() == pytest.approx([0.4, 2 / 3])
+    assert true_class_gradient(logits, y, "code").tolist() == pytest.approx([0.25, 0.5])
+
+
 def test_gradient_compensation_loss_by_hand():
     logits = [[2.0, 0.0, -1.0], [0.5, 1.0, 0.0], [0.0, 0.0, 3.0]]
     y, old = [0, 1, 2], [True, False, False]
-    # eq. 2-4 with sigmoid probabilities: G from the sigmoid of the true logit, BCE against the one-hot
-    g = [abs(_sigmoid(logits[i][y[i]]) - 1) for i in range(3)]
-    w = [1.0, g[1] / ((g[1] + g[2]) / 2), g[2] / ((g[1] + g[2]) / 2)]
     bce = [[-math.log(_sigmoid(z)) if c == y[i] else -math.log(1 - _sigmoid(z)) for c, z in enumerate(logits[i])]
-           for i in range(3)]
+           for i in range(3)]  # eq. 1: sigmoid BCE against the one-hot, in both forms
+
+    def weights(p):  # G = |p_y - 1|; the new group (samples 1, 2) over its mean, the old one (sample 0) alone
+        g = [abs(p(i) - 1) for i in range(3)]
+        return [1.0, g[1] / ((g[1] + g[2]) / 2), g[2] / ((g[1] + g[2]) / 2)]
+
+    w = weights(lambda i: _softmax(logits[i])[y[i]])  # eq. 2: the softmax probability
     paper = sum(w[i] * b for i in range(3) for b in bce[i]) / 3  # summed over the classes
     got = gradient_compensation_loss(torch.tensor(logits), torch.tensor(y), torch.tensor(old), "paper")
     assert got.item() == pytest.approx(paper, rel=1e-6)
+    w = weights(lambda i: _sigmoid(logits[i][y[i]]))  # the code: the sigmoid probability
+    code = sum(w[i] * b for i in range(3) for b in bce[i]) / 3 / 3  # averaged over the 3 classes
     got = gradient_compensation_loss(torch.tensor(logits), torch.tensor(y), torch.tensor(old), "code")
-    assert got.item() == pytest.approx(paper / 3, rel=1e-6)  # the code averages over the 3 classes
+    assert got.item() == pytest.approx(code, rel=1e-6)
+    assert code != pytest.approx(paper / 3, rel=1e-3)  # the two forms weigh the samples differently
 
 
 def test_relation_distillation_by_hand():

@@ -3,10 +3,10 @@
 :class:`VAE` is the MLP VAE of FedCBC's official code (SkyOfBeginning/FedCBC,
 ``models/VAE_PRETRAINED.py``): encoder ``Linear(d, h) - tanh`` into two linear
 maps to the latent mean and log-variance, decoder ``Linear(k, h) - tanh -
-Linear(h, d)``. The code ends the decoder with a sigmoid (features in
-``[0, 1]``); here the output is linear, because the project's backbones end in
-a ReLU and average pooling, so their features are non-negative but not
-bounded by 1.
+Linear(h, d)``, ending in a sigmoid as the code's does (``sigmoid_output``:
+outputs in ``(0, 1)``, as pixels are) or linearly (features of the project's
+backbones, which end in a ReLU and average pooling: non-negative but not
+bounded by 1). The sigmoid has no parameters: both have the same state.
 
 Loss (FedCBC eq. 5, the code's ``loss_fn``), per sample::
 
@@ -27,7 +27,7 @@ __all__ = ["VAE", "VAEClassifier", "gaussian_kl", "vae_loss_per_sample", "vae_lo
 class VAE(nn.Module):
     """MLP VAE ``d -> h -> k (mean, log-variance) -> h -> d`` (see the module docstring)."""
 
-    def __init__(self, input_dim: int, hidden_dim: int = 256, latent_dim: int = 128):
+    def __init__(self, input_dim: int, hidden_dim: int = 256, latent_dim: int = 128, sigmoid_output: bool = False):
         super().__init__()
         if min(input_dim, hidden_dim, latent_dim) < 1:
             raise ValueError(f"VAE sizes must be positive, got input {input_dim}, hidden {hidden_dim}, "
@@ -36,7 +36,8 @@ class VAE(nn.Module):
         self.encoder = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.Tanh())
         self.mean = nn.Linear(hidden_dim, latent_dim)
         self.log_var = nn.Linear(hidden_dim, latent_dim)
-        self.decoder = nn.Sequential(nn.Linear(latent_dim, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, input_dim))
+        self.decoder = nn.Sequential(nn.Linear(latent_dim, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, input_dim),
+                                     *([nn.Sigmoid()] if sigmoid_output else []))
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The posterior's mean and log-variance, each ``(B, latent_dim)``."""

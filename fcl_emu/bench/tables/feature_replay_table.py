@@ -16,14 +16,16 @@ accuracy, over the whole test set (``accuracy_all``); "clients' own test sets" i
   accessible classes of which 2 are private, 5 tasks of 3 classes drawn afresh from them, 5 rounds per
   task, all clients every round), ``fedcbc``, ``fedavg``, ``fedprox`` and ``glfc`` (2,000 exemplars per
   client, the paper's default; the emulator's task start as its transition signal: in this protocol classes
-  come back, so an entropy rise does not separate new from old), and ``glfc-m200`` with 200. The paper's
-  Table 1 is printed beside:
+  come back, so an entropy rise does not separate new from old), and ``glfc-m200`` with 200. Every row trains
+  1 local epoch a round (the paper: 50 for the baselines; the CPU budget). The paper's Table 1 is printed
+  beside:
   average global accuracy FedCBC 81.08, GLFC 55.58, FedAvg 25.28, FedProx 12.73.
 - ``fedcbc-cifar10``: the same on CIFAR-10 (the paper's Table 2: FedCBC 57.93, GLFC 42.66, FedAvg 21.92).
 - ``affcl``: AF-FCL's limitless task pool on MNIST (4 clients, 5 pool tasks of 2 classes, each client its
   own random sequence of 3 of them, 5 rounds per task; the stream by first use is 6, 2 and 2 classes),
   ``affcl`` (defaults, and ``affcl-strong``: every old-knowledge weight at 1), ``fedavg`` and ``fedlwf2t``,
-  clean and with 2 of the 4 clients training on random labels in their first task (``-noisy``).
+  clean and with 2 of the 4 clients training on random labels in their first task (``-noisy``; AF-FCL there
+  with the options of its code's README command for noisy clients: ``NOISY_AFFCL``).
 """
 
 from __future__ import annotations
@@ -52,10 +54,14 @@ FEDCBC_ROWS = {"fedcbc": ("fedcbc", {}), "fedavg": ("fedavg", {}), "fedprox": ("
                "glfc-m200": ("glfc", {**GLFC, "memory_size": 200})}
 POOL_SCENARIO = {"num_tasks": 3, "num_clients": 4, "partition": "task_pool", "task_pool_size": 5}
 NOISY = {"noisy_client_fraction": 0.5, "noisy_tasks": 1}
+# the options of the AF-FCL code's README command for noisy clients (EMNIST-noisy: --flow_lr 1e-3 --k_loss_flow
+# 0.5 --k_flow_lastflow 0.1 --flow_explore_theta 0.5; its --lr 1e-4 is replay_lr's default): the -noisy rows
+NOISY_AFFCL = {"flow_lr": 1e-3, "k_loss_flow": 0.5, "k_flow_last": 0.1, "theta": 0.5}
 # affcl-strong: every old-knowledge term at weight 1 and no p_bar scaling of the replay (theta = 1)
 STRONG = {"k_loss_flow": 1.0, "k_kd_last": 1.0, "k_kd_feature": 1.0, "theta": 1.0}
 WORKER_TYPES = ("job", "job_result", "worker_hello")  # the GPU worker pool's traffic, not the clients'
-AFFCL_ROWS = {f"{name}{suffix}": (method, options) for suffix in ("", "-noisy")
+AFFCL_ROWS = {f"{name}{suffix}": (method, {**(NOISY_AFFCL if suffix and method == "affcl" else {}), **options})
+              for suffix in ("", "-noisy")
               for name, method, options in (("affcl", "affcl", {}), ("affcl-strong", "affcl", STRONG),
                                             ("fedavg", "fedavg", {}), ("fedlwf2t", "fedlwf2t", {}))}
 
