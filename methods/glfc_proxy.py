@@ -195,12 +195,12 @@ class BatchedLBFGS:
         q = -grad_
         al = torch.zeros(len(q), max(used, 1))
         for i in range(used - 1, -1, -1):
-            al[:, i] = (self.steps[:, i] * q).sum(dim=1) * self.ro[:, i]
-            q -= al[:, i, None] * self.dirs[:, i]
+            al[:, i] = torch.linalg.vecdot(self.steps[:, i], q) * self.ro[:, i]
+            q.addcmul_(al[:, i, None], self.dirs[:, i], value=-1)
         r = q * self.h_diag[:, None]
         for i in range(used):
-            be = (self.dirs[:, i] * r).sum(dim=1) * self.ro[:, i]
-            r += self.steps[:, i] * (al[:, i] - be)[:, None]
+            be = torch.linalg.vecdot(self.dirs[:, i], r) * self.ro[:, i]
+            r.addcmul_((al[:, i] - be)[:, None], self.steps[:, i])
         self.d[rows] = r[rows]
 
 
