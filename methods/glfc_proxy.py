@@ -140,6 +140,8 @@ class BatchedLBFGS:
         row's loss at the step's start (NaN elsewhere)."""
         rows = torch.nonzero(active).flatten()
         loss = torch.full((len(self.x),), math.nan, dtype=torch.float64)
+        if not len(rows):
+            return loss
         grad_ = torch.zeros_like(self.x)
         values, grads = closure(rows)
         loss[rows], grad_[rows] = values.double(), grads
@@ -164,7 +166,7 @@ class BatchedLBFGS:
             running &= ~((grad_ * self.d).sum(dim=1) > -self.tolerance_change)
             moving = torch.nonzero(running).flatten()
             self.x[moving] += self.t[moving, None] * self.d[moving]
-            if inner == self.max_iter:
+            if inner == self.max_iter or not len(moving):
                 break
             values, grads = closure(moving)
             loss[moving], grad_[moving] = values.double(), grads
