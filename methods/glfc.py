@@ -60,8 +60,9 @@ reconstruction by gradient matching (DLG): L-BFGS (lr ``proxy_lr``) on a
 random image so that the encoder's gradient at it matches, for
 ``proxy_iterations`` steps (torch's default 20 evaluations each, as the
 code's); the last ``proxy_keep`` iterates (code: 20 of 250) join the task's
-monitoring set. The reconstruction runs on the CPU at one thread (one image:
-a GPU or more threads would only add overhead). The proxy scores each new global model
+monitoring set. The round's reconstructions run side by side on the CPU at
+one thread (``methods/glfc_proxy.py``: one batched L-BFGS with each image's
+own steps; small problems, where a GPU or more threads only add overhead). The proxy scores each new global model
 by its accuracy on that set and keeps the best model of the task (on a tie,
 the later one); at the next task that model is the clients' old model (the
 ``old_model`` asset, once per task).
