@@ -114,7 +114,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods import jobs
+from methods import fedcbc_fusion, jobs
 from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.models.classifier import build_model
 from methods.models.state import load_arrays, state_to_arrays
@@ -310,7 +310,8 @@ def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, A
 def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """Selective knowledge fusion (eq. 7) of every class in the inputs: ``source/<class>/<i>/<param>`` (the
     local VAEs and the previous global VAE of the class) and ``start/<class>/<param>`` (the student's start).
-    Options: ``method_options``, ``feature_dim``, ``seed``. Outputs ``<class>/<param>``."""
+    Options: ``method_options``, ``feature_dim``, ``seed``, ``sequential`` (class after class, the reference
+    the batched default is checked against; default false). Outputs ``<class>/<param>``."""
     o = FedCBCOptions(**options["method_options"])
     d = int(options["feature_dim"])
     gen = torch.Generator().manual_seed(int(options.get("seed", 0)))
@@ -319,19 +320,28 @@ def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: t
     if not starts or any(not s for s in sources.values()):
         raise ValueError(f"fedcbc.fuse: every class needs a start and at least one source, got starts "
                          f"{sorted(starts)} and sources of {sorted(c for c, s in sources.items() if s)}")
+    classes = sorted(starts)
+    students = [build_vae(o, d, starts[c]) for c in classes]
+    teachers = [[build_vae(o, d, arrays).to(device) for _, arrays in sorted(sources[c].items())] for c in classes]
+    if options.get("sequential", False):
+        terms = [_fuse_one(s, t, o, gen, device) for s, t in zip(students, teachers)]
+    else:
+        terms = fedcbc_fusion.fit_students(students, teachers, o, lambda n, g: draw_latents(o, n, g), gen, device)
     out: Arrays = {}
-    sums = np.zeros(2)
-    for c in sorted(starts):
-        teachers = [build_vae(o, d, arrays).to(device) for _, arrays in sorted(sources[c].items())]
-        z = draw_latents(o, o.pseudo_samples, gen).to(device)
-        data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
-        student = build_vae(o, d, starts[c])
-        own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)
-        sums += (own, kd)
+    for c, student in zip(classes, students):
         out.update({f"{c}/{k}": np.array(v) for k, v in state_to_arrays(student.cpu()).items()})
-    own, kd = sums / len(starts)
+    own, kd = np.mean(terms, axis=0)
     return jobs.JobOutput(out, {"classes": float(len(starts)), "final_vae_loss": float(own),
                                "final_distillation": float(kd)})
+
+
+def _fuse_one(student: VAE, teachers: list[VAE], o: FedCBCOptions, gen: torch.Generator,
+              device: torch.device) -> tuple[float, float]:
+    """One class's fusion on its own (the sequential reference of :func:`methods.fedcbc_fusion.fit_students`)."""
+    z = draw_latents(o, o.pseudo_samples, gen).to(device)
+    data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
+    own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)
+    return own, kd
 
 
 # ------------------------------------------------------------------- server

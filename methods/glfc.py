@@ -62,8 +62,9 @@ reconstruction by gradient matching (DLG): L-BFGS (lr ``proxy_lr``) on a
 random image so that the encoder's gradient at it matches, for
 ``proxy_iterations`` steps (torch's default 20 evaluations each, as the
 code's); the last ``proxy_keep`` iterates (code: 20 of 250) join the task's
-monitoring set. The reconstruction runs on the CPU at one thread (one image:
-a GPU or more threads would only add overhead). The proxy scores each new global model
+monitoring set. The round's reconstructions run side by side on the CPU at
+one thread (``methods/glfc_proxy.py``: one batched L-BFGS with each image's
+own steps; small problems, where a GPU or more threads only add overhead). The proxy scores each new global model
 by its accuracy on that set and keeps the best model of the task (on a tie,
 the later one); at the next task that model is the clients' old model (the
 ``old_model`` asset, once per task).
@@ -108,6 +109,8 @@ from methods import jobs
 from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
 from methods.datafree import frozen_classifier, from_uint8, to_uint8
 from methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
+from methods.glfc_proxy import (GradientEncoder, gradient_groups, label_from_gradients, reconstruct,
+                                 reconstruct_batch)
 from methods.optim import LocalSGD
 from methods.registry import MethodSpec, register
 from scenario.transforms import denormalize
@@ -206,47 +209,6 @@ def merge_memory(memory: Mapping[str, np.ndarray] | None, candidates: Mapping[st
     return {"x": x[keep], "y": y[keep]}
 
 
-# ------------------------------------------------------ gradient-encoding network
-class GradientEncoder(nn.Module):
-    """The LeNet of DLG (Zhu et al., NeurIPS 2019) that GLFC encodes prototypes with: three 5x5 convolutions
-    of 12 channels (strides 2, 2, 1) with sigmoid activations and a linear classifier over the data set's
-    classes; weights and biases uniform in [-0.5, 0.5) from ``seed`` (DLG's initialisation), so every client
-    and the proxy hold the same network."""
-
-    def __init__(self, input_shape, num_classes: int, seed: int):
-        super().__init__()
-        c, h, w = input_shape
-        self.body = nn.Sequential(
-            nn.Conv2d(c, 12, 5, stride=2, padding=2), nn.Sigmoid(),
-            nn.Conv2d(12, 12, 5, stride=2, padding=2), nn.Sigmoid(),
-            nn.Conv2d(12, 12, 5, stride=1, padding=2), nn.Sigmoid(), nn.Flatten())
-        self.fc = nn.Linear(12 * math.ceil(h / 4) * math.ceil(w / 4), num_classes)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
-        for p in self.parameters():
-            p.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.body(x))
-
-    def gradients(self, x: torch.Tensor, y: torch.Tensor, create_graph: bool = False) -> list[torch.Tensor]:
-        """The gradient of ``CE(self(x), y)`` with respect to every parameter, in ``named_parameters`` order."""
-        params = [p.requires_grad_(True) for p in self.parameters()]
-        try:
-            return list(torch.autograd.grad(F.cross_entropy(self(x), y), params, create_graph=create_graph))
-        finally:
-            for p in params:
-                p.requires_grad_(False)
-
-
-def label_from_gradients(grads: Mapping[str, torch.Tensor]) -> int:
-    """The label of a one-sample gradient: with sigmoid features (positive), only the true class's row of the
-    classifier weight has a negative gradient (``(p_y - 1) h``)."""
-    return int(grads["fc.weight"].sum(dim=1).argmin())
-
-
 def perturb_prototype(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, noise: float,
                       form: str, generator: torch.Generator) -> torch.Tensor:
     """The prototype after ``steps`` SGD steps (weight decay 1e-5) that lower ``model``'s loss of label ``y``
@@ -265,61 +227,34 @@ def perturb_prototype(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps:
     return x
 
 
-def reconstruct(encoder: GradientEncoder, target: Mapping[str, torch.Tensor], label: int, input_shape,
-                iterations: int, lr: float, keep: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
-    """Gradient matching (DLG with the label known): L-BFGS on a random image so that the encoder's gradient
-    at it matches ``target``; returns the last ``keep`` iterates ``(keep, C, H, W)`` and the final matching
-    loss."""
-    dummy = torch.randn((1, *input_shape), generator=generator).requires_grad_(True)
-    y = torch.tensor([label])
-    names = [n for n, _ in encoder.named_parameters()]
-    opt = torch.optim.LBFGS([dummy], lr=lr)
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        grads = encoder.gradients(dummy, y, create_graph=True)
-        diff = sum(((g - target[n]) ** 2).sum() for g, n in zip(grads, names))
-        diff.backward()
-        return diff
-
-    kept: list[torch.Tensor] = []
-    loss = math.nan
-    for i in range(iterations):
-        loss = float(opt.step(closure).detach())
-        if not math.isfinite(loss):
-            break
-        if i >= iterations - keep:
-            kept.append(dummy.detach().clone())
-    if not kept:  # diverged before the kept iterates: keep the last finite image
-        kept.append(dummy.detach().clone().nan_to_num(0.0))
-    return torch.cat(kept), loss
-
-
 @jobs.job("glfc.proxy")
 def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """The proxy server's round: reconstruct the pooled gradients (inputs ``grad/<k>/<param>``, no identities)
     and score the global model (``model/<key>``) on the task's monitoring set (``monitor/x``, ``monitor/y``)
     plus the new reconstructions. Options: ``method_options``, ``model``, ``input_shape``, ``num_classes``
-    (the encoder's), ``seed``. Outputs ``recon/x``, ``recon/y`` (float32 images as the model sees them)."""
+    (the encoder's), ``seed``, ``sequential`` (one image after another, the reference the batched default is
+    checked against; default false). Outputs ``recon/x``, ``recon/y`` (float32 images as the model sees them)."""
     o = GLFCOptions(**options["method_options"])
     shape = tuple(options["input_shape"])
     encoder = GradientEncoder(shape, int(options["num_classes"]), o.encoder_seed)
     names = [n for n, _ in encoder.named_parameters()]
-    grads = _gradient_groups(inputs, names, encoder)
+    targets = [{n: torch.from_numpy(np.asarray(group[n], np.float32)) for n in names}
+               for group in gradient_groups(inputs, names, encoder)]
+    labels = [label_from_gradients(target) for target in targets]
     gen = torch.Generator().manual_seed(int(options.get("seed", 0)))
-    xs, ys, losses = [], [], []
-    for group in grads:
-        target = {n: torch.from_numpy(np.asarray(group[n], np.float32)) for n in names}
-        label = label_from_gradients(target)
-        with jobs.single_thread():  # a 1-image problem on the CPU (on any worker): threads only cost
-            images, loss = reconstruct(encoder, target, label, shape, o.proxy_iterations, o.proxy_lr,
-                                       o.proxy_keep, gen)
-        xs.append(images)
-        ys.append(torch.full((len(images),), label, dtype=torch.long))
-        losses.append(loss)
+    with jobs.single_thread():  # small problems on the CPU (on any worker): threads only cost
+        if options.get("sequential", False):
+            done = [reconstruct(encoder, target, label, shape, o.proxy_iterations, o.proxy_lr, o.proxy_keep, gen)
+                    for target, label in zip(targets, labels)]
+        else:
+            done = reconstruct_batch(encoder, targets, labels, shape, o.proxy_iterations, o.proxy_lr, o.proxy_keep,
+                                     gen)
+    xs = [images for images, _ in done]
+    ys = [torch.full((len(images),), label, dtype=torch.long) for (images, _), label in zip(done, labels)]
+    losses = [loss for _, loss in done]
     recon_x = torch.cat(xs) if xs else torch.empty((0, *shape))
     recon_y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
-    metrics = {"gradients": float(len(grads)), "reconstructions": float(len(recon_y))}
+    metrics = {"gradients": float(len(targets)), "reconstructions": float(len(recon_y))}
     if losses:  # a few matchings stall far from 0 (L-BFGS from a bad start): the median and a count show it
         metrics.update(match_loss_median=float(np.median(losses)), match_loss_max=float(np.max(losses)),
                        matched=float(np.sum(np.asarray(losses) < MATCHED)))
@@ -334,28 +269,6 @@ def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], dev
                                    for i in range(0, len(x_all), 256)])
         metrics["score"] = float((predicted == y_all).float().mean())
     return jobs.JobOutput({"recon/x": recon_x.numpy().astype(np.float32), "recon/y": recon_y.numpy()}, metrics)
-
-
-def _gradient_groups(tensors: Mapping[str, np.ndarray], names: list[str], encoder: GradientEncoder,
-                     prefix: str = "grad/") -> list[dict[str, np.ndarray]]:
-    """``<prefix><k>/<param>`` tensors as one dict per ``k``, each checked against the encoder's parameters
-    (ValueError: unknown names, missing or mis-shaped parameters)."""
-    shapes = {n: tuple(p.shape) for n, p in encoder.named_parameters()}
-    groups: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        if not key.startswith(prefix):
-            continue
-        k, sep, name = key[len(prefix):].partition("/")
-        if not sep or name not in shapes:
-            raise ValueError(f"prototype gradient {key!r} names no parameter of the gradient encoder")
-        if tuple(value.shape) != shapes[name]:
-            raise ValueError(f"prototype gradient {key!r} has shape {list(value.shape)}, the encoder's "
-                             f"{name} has {list(shapes[name])}")
-        groups.setdefault(k, {})[name] = value
-    for k, group in groups.items():
-        if group.keys() != shapes.keys():
-            raise ValueError(f"prototype gradient {k} lacks {sorted(shapes.keys() - group.keys())}")
-    return [groups[k] for k in sorted(groups)]
 
 
 # ------------------------------------------------------------------- server
@@ -383,7 +296,7 @@ class GLFCServer(ServerPart):
         if kind != CHANNEL:
             super().on_side_channel(task, kind, tensors)
         names = [n for n, _ in self._encoder.named_parameters()]
-        self._pool.extend(_gradient_groups(tensors, names, self._encoder, prefix=""))
+        self._pool.extend(gradient_groups(tensors, names, self._encoder, prefix=""))
 
     def aggregate(self, task: int, round: int, updates) -> None:
         super().aggregate(task, round, updates)

@@ -274,3 +274,29 @@ def bench_soak(
     result = soak.run(faults, chosen, clients, nodes, tasks, rounds_per_task, samples, seed,
                       [Path(p) for p in data_root] if data_root else default_data_roots(), out, Console())
     raise typer.Exit(0 if result["ok"] else 1)
+
+
+@bench_app.command("jobs")
+def bench_jobs(
+    device: Annotated[Optional[list[str]], typer.Option(
+        "--device", help="Device to profile on (repeatable; default cpu): cpu, cuda (skipped with a reason where "
+                         "absent).")] = None,
+    scale: Annotated[float, typer.Option(min=0.01, help="Multiplies every job's step budget.")] = 1.0,
+    kinds: Annotated[Optional[str], typer.Option(help="Comma-separated job kinds (default: every kind).")] = None,
+    threads: Annotated[int, typer.Option(min=1, help="Torch CPU threads (GPU workers: gpu.threads, 1).")] = 1,
+    out: Annotated[Path, typer.Option("--out", help="Writes the table as CSV here.")] = Path("runs/bench-jobs.csv"),
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Server-side jobs: FLOPs, wall time and GFLOP/s of each job kind against this machine's measured peak."""
+    from fcl_emu.bench.jobs import run
+
+    devices = list(dict.fromkeys(device or ["cpu"]))
+    bad = sorted(set(devices) - {"cpu", "cuda"})
+    if bad:
+        raise typer.BadParameter(f"{', '.join(bad)}: choose cpu or cuda", param_hint="--device")
+    writable(folder(out), folder(json_path))
+    try:
+        run(devices, scale, [k.strip() for k in kinds.split(",") if k.strip()] if kinds else None,
+            threads, out, json_path, console)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--kinds") from None

@@ -1,0 +1,265 @@
+"""``fcl-emu bench jobs``: every server-side job kind on a small budget, its floating-point work and speed
+against this machine's own measured peak.
+
+Each job kind the methods register (``methods.jobs.JOB_MODULES``) runs on
+synthetic inputs of MNIST's shape (28x28 grey images, 10 classes) for
+``budget`` steps of its own unit (epochs, L-BFGS steps, generator
+iterations, synthesis rounds). Its floating-point work is counted by
+``torch.utils.flop_counter.FlopCounterMode`` on runs of one and two steps:
+their difference is one step's work, the rest a fixed part, and the total
+is ``fixed + step x budget`` (the counter sees matrix products and
+convolutions, forward and backward, not elementwise work). The timed run is
+a separate one at the full budget, without the counter. Jobs whose
+reference path is kept (``fedcbc.fuse`` and ``glfc.proxy``: ``sequential``)
+are timed both ways on the same inputs.
+
+The limit is the machine's own: a dense float32 matrix product and a
+float32 3x3 convolution, timed in the same run at the same thread count;
+each job is set against the one its work is mostly made of. A kind that
+cannot run here (an optional package missing, no CUDA) is a row with the
+reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch.utils.flop_counter import FlopCounterMode
+
+from fcl_emu.bench.report import emit
+from methods import jobs
+
+SHAPE = (1, 28, 28)
+CLASSES = 10
+MEAN, STD = [0.1307], [0.3081]
+COLUMNS = ["kind", "variant", "device", "threads", "budget", "unit", "wall_s", "gflop", "gflops", "dominant_op",
+           "peak_gflops", "peak_pct", "note"]
+
+
+@dataclass
+class Profile:
+    """How to run one job kind: its inputs, its options for a budget, what one step is."""
+    inputs: Callable[[], dict[str, np.ndarray]]
+    options: Callable[[int], dict[str, Any]]
+    budget: int
+    unit: str
+    dominant: str  # "matmul" or "conv2d": the op its work is mostly made of
+    variants: dict[str, dict[str, Any]] = field(default_factory=lambda: {"": {}})
+    work: Callable[[jobs.JobOutput], float] | None = None  # steps the job reports doing, where not the budget
+
+
+# ------------------------------------------------------------------ inputs
+def _teacher() -> dict[str, np.ndarray]:
+    """A ``cnn_bn`` classifier with random weights and BatchNorm statistics (what the synthesis jobs invert)."""
+    from methods.models.classifier import build_model
+    from methods.models.state import state_to_arrays
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model("cnn_bn", SHAPE, CLASSES).train()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(64, *SHAPE) * 0.8 + 0.2)
+    return {"model/" + k: v for k, v in state_to_arrays(model.eval()).items()}
+
+
+def _fusion_inputs() -> dict[str, np.ndarray]:
+    """Ten classes of pixel VAEs (784 inputs), two or three sources each (several clients and the old global)."""
+    from methods.fedcbc import FedCBCOptions, build_vae
+    from methods.models.state import state_to_arrays
+
+    o, d, inputs = FedCBCOptions(), int(np.prod(SHAPE)), {}
+    for c in range(CLASSES):
+        for i in range(2 + c % 2):
+            inputs.update({f"source/{c}/{i}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + i)).items()})
+        inputs.update({f"start/{c}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c)).items()})
+    return inputs
+
+
+def _prototype_gradients() -> dict[str, np.ndarray]:
+    """A round's pooled prototype gradients: one per class, of random images."""
+    from methods.glfc import GLFCOptions, GradientEncoder
+
+    encoder = GradientEncoder(SHAPE, CLASSES, GLFCOptions().encoder_seed)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for k in range(CLASSES):
+        grads = encoder.gradients(torch.rand((1, *SHAPE), generator=gen), torch.tensor([k]))
+        inputs.update({f"grad/{k}/{n}": g.numpy() for (n, _), g in zip(encoder.named_parameters(), grads)})
+    return inputs
+
+
+def _pretrain_inputs() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.integers(0, 256, (200, 28, 28, 1), dtype=np.uint8), "y": np.arange(200) % CLASSES}
+
+
+def _common(method_options: dict[str, Any]) -> dict[str, Any]:
+    return {"method_options": method_options, "model": "cnn_bn", "input_shape": list(SHAPE), "mean": MEAN,
+            "std": STD, "num_classes": CLASSES, "seed": 0}
+
+
+def _lander_inputs() -> dict[str, np.ndarray]:
+    from methods.lander import TEXT_DIM
+
+    return {**_teacher(), "text": np.random.default_rng(0).normal(size=(CLASSES, TEXT_DIM)).astype(np.float32)}
+
+
+# the synthesis jobs' rounds cut to a few steps each (their defaults take minutes per round on a small CPU)
+_SYNTHESIS = {"generator_steps": 2, "student_steps": 4, "synthesis_batch": 64, "warmup": 1}
+
+PROFILES: dict[str, Profile] = {
+    "device.matmul": Profile(dict, lambda n: {"seconds": 0.25 * n, "size": 512}, 2, "x 0.25 s", "matmul",
+                             work=lambda out: out.metrics["products"]),
+    "fedcbc.pretrain": Profile(_pretrain_inputs, lambda n: {**_common({"pretrain_epochs": n}), "model": "cnn"},
+                               2, "epochs", "conv2d"),
+    "fedcbc.fuse": Profile(_fusion_inputs, lambda n: {"method_options": {"fusion_epochs": n},
+                                                      "feature_dim": int(np.prod(SHAPE)), "seed": 0},
+                           3, "epochs", "matmul", {"batched": {}, "sequential": {"sequential": True}}),
+    "glfc.proxy": Profile(_prototype_gradients, lambda n: {**_common({"proxy_iterations": n,
+                                                                      "proxy_keep": min(n, 3)}), "model": "cnn"},
+                          3, "L-BFGS steps", "conv2d", {"batched": {}, "sequential": {"sequential": True}}),
+    "mfcl.generator": Profile(_teacher, lambda n: _common({"generator_iterations": n}), 4, "iterations", "conv2d"),
+    "target.synthesize": Profile(_teacher, lambda n: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}), 2,
+                                 "rounds", "conv2d"),
+    "lander.synthesize": Profile(_lander_inputs, lambda n: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}), 2,
+                                 "rounds", "conv2d"),
+    "lander.text_embeddings": Profile(dict, lambda n: {"names": [str(i) for i in range(CLASSES * n)],
+                                                       "prompt": "a photo of a {}"}, 1, "x 10 names", "matmul"),
+}
+
+
+# ------------------------------------------------------------------ measuring
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flops(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def peaks(device: torch.device, seconds: float = 0.5) -> dict[str, float]:
+    """GFLOP/s of a dense 1024 x 1024 float32 matrix product and of a float32 3x3 convolution (batch 64,
+    64 -> 64 channels, 28x28), each repeated for ``seconds`` after a warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 1024, generator=gen).to(device)
+    x = torch.randn(64, 64, 28, 28, generator=gen).to(device)
+    w = torch.randn(64, 64, 3, 3, generator=gen).to(device)
+    out = {}
+    for name, op in (("matmul", lambda: a @ a), ("conv2d", lambda: F.conv2d(x, w, padding=1))):
+        flops = _flops(op)
+        op()
+        _sync(device)
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            op()
+            count += 1
+        _sync(device)
+        out[name] = flops * count / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def profile_job(kind: str, profile: Profile, budget: int, variant: dict[str, Any], inputs: dict[str, np.ndarray],
+                device: torch.device) -> tuple[float, float]:
+    """``(wall seconds, FLOPs)`` of ``kind`` at ``budget`` steps: FLOPs from counted runs of one and two steps
+    (or, for a job that reports its steps, one counted run's FLOPs per reported step)."""
+    def run(steps: int) -> jobs.JobOutput:
+        return jobs.run(kind, inputs, {**profile.options(steps), **variant}, device)
+
+    counted: list[jobs.JobOutput] = []
+    one, two = (_flops(lambda: counted.append(run(n))) for n in (1, 2))
+    _sync(device)
+    start = time.perf_counter()
+    out = run(budget)
+    _sync(device)
+    wall = time.perf_counter() - start
+    if profile.work is not None:
+        return wall, two / profile.work(counted[1]) * profile.work(out)
+    step = max(two - one, 0)
+    return wall, float((one - step) + step * budget)
+
+
+def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int, csv_path: Path,
+        json_path: Path | None, console: Console) -> dict:
+    known = sorted({k for prefix in jobs.JOB_MODULES for k in jobs.kinds(prefix)})
+    unknown = sorted(set(kinds or []) - set(known))
+    if unknown:
+        raise ValueError(f"unknown job kind {', '.join(unknown)}; known: {', '.join(known)}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in devices:
+            device = torch.device(name)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                rows += [_row(k, "", name, threads, 0, "", note="skipped: CUDA is not available here")
+                         for k in kinds or known]
+                continue
+            limit = peaks(device)
+            console.print(f"{name}: peak matmul {limit['matmul']:.1f} GFLOP/s, conv2d {limit['conv2d']:.1f} GFLOP/s "
+                          f"at {threads} thread(s)")
+            for kind in kinds or known:
+                rows += _profile_kind(kind, device, scale, threads, limit, console)
+    finally:
+        torch.set_num_threads(before)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return emit("jobs", rows, {"speed-up, sequential / batched": speedups(rows), "csv": str(csv_path)}, json_path,
+                console)
+
+
+def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, limit: dict[str, float],
+                  console: Console) -> list[dict[str, Any]]:
+    profile = PROFILES.get(kind)
+    if profile is None:
+        return [_row(kind, "", device.type, threads, 0, "", note="skipped: the bench has no profile of this kind")]
+    budget = max(1, round(profile.budget * scale))
+    try:
+        inputs = profile.inputs()
+    except ImportError as exc:
+        return [_row(kind, "", device.type, threads, budget, profile.unit, note=f"skipped: {exc}")]
+    rows = []
+    for variant, extra in profile.variants.items():
+        console.print(f"  {kind} {variant}".rstrip() + f": {budget} {profile.unit}", highlight=False)
+        try:
+            wall, flops = profile_job(kind, profile, budget, extra, inputs, device)
+        except (ImportError, RuntimeError) as exc:  # an optional package the job needs
+            rows.append(_row(kind, variant, device.type, threads, budget, profile.unit,
+                             note=f"skipped: {str(exc).splitlines()[0]}"))
+            continue
+        gflops = flops / wall / 1e9
+        peak = limit[profile.dominant]
+        rows.append(_row(kind, variant, device.type, threads, budget, profile.unit, wall_s=round(wall, 3),
+                         gflop=round(flops / 1e9, 3), gflops=round(gflops, 2), dominant_op=profile.dominant,
+                         peak_gflops=round(peak, 1), peak_pct=round(100 * gflops / peak, 1)))
+    return rows
+
+
+def _row(kind: str, variant: str, device: str, threads: int, budget: int, unit: str, **values: Any) -> dict[str, Any]:
+    row = {"kind": kind, "variant": variant, "device": device, "threads": threads, "budget": budget, "unit": unit}
+    return {c: row.get(c, values.get(c, "")) for c in COLUMNS}
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``sequential`` wall time over ``batched`` per kind and device, where both ran."""
+    walls = {(r["kind"], r["device"], r["variant"]): r["wall_s"] for r in rows if r["wall_s"] != ""}
+    return {f"{k} ({d})": round(walls[(k, d, "sequential")] / walls[(k, d, "batched")], 2)
+            for k, d, v in walls if v == "batched" and (k, d, "sequential") in walls
+            and not math.isclose(walls[(k, d, "batched")], 0)}
+

@@ -1,0 +1,248 @@
+"""GLFC's proxy server: the gradient-encoding LeNet, labels from gradients, and reconstruction by gradient
+matching (DLG with the label known), one image at a time or all of a round's at once.
+
+:func:`reconstruct_batch` runs the round's reconstructions side by side: the
+gradient-matching loss of every image and its gradient in one ``vmap``-ed
+call (``torch.func``), and :class:`BatchedLBFGS`, torch's L-BFGS (no line
+search) for many independent problems, each keeping its own history, step
+length and stopping tests. Each image follows the same steps as
+:func:`reconstruct` on its own, from the same random start; only float
+summation order differs (batched convolutions and dot products).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, grad_and_value, vmap
+
+
+class GradientEncoder(nn.Module):
+    """The LeNet of DLG (Zhu et al., NeurIPS 2019) that GLFC encodes prototypes with: three 5x5 convolutions
+    of 12 channels (strides 2, 2, 1) with sigmoid activations and a linear classifier over the data set's
+    classes; weights and biases uniform in [-0.5, 0.5) from ``seed`` (DLG's initialisation), so every client
+    and the proxy hold the same network."""
+
+    def __init__(self, input_shape, num_classes: int, seed: int):
+        super().__init__()
+        c, h, w = input_shape
+        self.body = nn.Sequential(
+            nn.Conv2d(c, 12, 5, stride=2, padding=2), nn.Sigmoid(),
+            nn.Conv2d(12, 12, 5, stride=2, padding=2), nn.Sigmoid(),
+            nn.Conv2d(12, 12, 5, stride=1, padding=2), nn.Sigmoid(), nn.Flatten())
+        self.fc = nn.Linear(12 * math.ceil(h / 4) * math.ceil(w / 4), num_classes)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.body(x))
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor, create_graph: bool = False) -> list[torch.Tensor]:
+        """The gradient of ``CE(self(x), y)`` with respect to every parameter, in ``named_parameters`` order."""
+        params = [p.requires_grad_(True) for p in self.parameters()]
+        try:
+            return list(torch.autograd.grad(F.cross_entropy(self(x), y), params, create_graph=create_graph))
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+
+
+def label_from_gradients(grads: Mapping[str, torch.Tensor]) -> int:
+    """The label of a one-sample gradient: with sigmoid features (positive), only the true class's row of the
+    classifier weight has a negative gradient (``(p_y - 1) h``)."""
+    return int(grads["fc.weight"].sum(dim=1).argmin())
+
+
+
+def reconstruct(encoder: GradientEncoder, target: Mapping[str, torch.Tensor], label: int, input_shape,
+                iterations: int, lr: float, keep: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """Gradient matching (DLG with the label known): L-BFGS on a random image so that the encoder's gradient
+    at it matches ``target``; returns the last ``keep`` iterates ``(keep, C, H, W)`` and the final matching
+    loss."""
+    dummy = torch.randn((1, *input_shape), generator=generator).requires_grad_(True)
+    y = torch.tensor([label])
+    names = [n for n, _ in encoder.named_parameters()]
+    opt = torch.optim.LBFGS([dummy], lr=lr)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        grads = encoder.gradients(dummy, y, create_graph=True)
+        diff = sum(((g - target[n]) ** 2).sum() for g, n in zip(grads, names))
+        diff.backward()
+        return diff
+
+    kept: list[torch.Tensor] = []
+    loss = math.nan
+    for i in range(iterations):
+        loss = float(opt.step(closure).detach())
+        if not math.isfinite(loss):
+            break
+        if i >= iterations - keep:
+            kept.append(dummy.detach().clone())
+    if not kept:  # diverged before the kept iterates: keep the last finite image
+        kept.append(dummy.detach().clone().nan_to_num(0.0))
+    return torch.cat(kept), loss
+
+
+
+def gradient_groups(tensors: Mapping[str, np.ndarray], names: list[str], encoder: GradientEncoder,
+                     prefix: str = "grad/") -> list[dict[str, np.ndarray]]:
+    """``<prefix><k>/<param>`` tensors as one dict per ``k``, each checked against the encoder's parameters
+    (ValueError: unknown names, missing or mis-shaped parameters)."""
+    shapes = {n: tuple(p.shape) for n, p in encoder.named_parameters()}
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix):
+            continue
+        k, sep, name = key[len(prefix):].partition("/")
+        if not sep or name not in shapes:
+            raise ValueError(f"prototype gradient {key!r} names no parameter of the gradient encoder")
+        if tuple(value.shape) != shapes[name]:
+            raise ValueError(f"prototype gradient {key!r} has shape {list(value.shape)}, the encoder's "
+                             f"{name} has {list(shapes[name])}")
+        groups.setdefault(k, {})[name] = value
+    for k, group in groups.items():
+        if group.keys() != shapes.keys():
+            raise ValueError(f"prototype gradient {k} lacks {sorted(shapes.keys() - group.keys())}")
+    return [groups[k] for k in sorted(groups)]
+
+
+class BatchedLBFGS:
+    """``torch.optim.LBFGS(lr=lr)`` (no line search, its default tolerances and history) on the rows of ``x``
+    ``(B, n)`` as B independent problems: :meth:`step` is one ``LBFGS.step`` of every active row."""
+
+    def __init__(self, x: torch.Tensor, lr: float, max_iter: int = 20, history_size: int = 100,
+                 tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9):
+        b, n = x.shape
+        self.x, self.lr, self.max_iter, self.max_eval = x, lr, max_iter, max_iter * 5 // 4
+        self.tolerance_grad, self.tolerance_change, self.history = tolerance_grad, tolerance_change, history_size
+        self.n_iter = torch.zeros(b, dtype=torch.long)
+        self.d, self.prev_grad = torch.zeros(b, n), torch.zeros(b, n)
+        self.t, self.h_diag = torch.zeros(b), torch.ones(b)
+        self.prev_loss = torch.zeros(b, dtype=torch.float64)
+        # curvature pairs, oldest first; empty slots hold zeros (ro = 0), so they change nothing
+        self.dirs, self.steps = torch.zeros(b, history_size, n), torch.zeros(b, history_size, n)
+        self.ro = torch.zeros(b, history_size)
+        self.count = torch.zeros(b, dtype=torch.long)
+
+    def step(self, closure: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             active: torch.Tensor) -> torch.Tensor:
+        """``closure(rows)``: the losses ``(r,)`` and gradients ``(r, n)`` at ``self.x[rows]``. Returns each active
+        row's loss at the step's start (NaN elsewhere)."""
+        rows = torch.nonzero(active).flatten()
+        loss = torch.full((len(self.x),), math.nan, dtype=torch.float64)
+        if not len(rows):
+            return loss
+        grad_ = torch.zeros_like(self.x)
+        values, grads = closure(rows)
+        loss[rows], grad_[rows] = values.double(), grads
+        orig = loss.clone()
+        running = active & ~(grad_.abs().amax(dim=1) <= self.tolerance_grad)
+        evals = torch.ones(len(self.x), dtype=torch.long)
+        for inner in range(1, self.max_iter + 1):
+            if not running.any():
+                break
+            self.n_iter[running] += 1
+            first = running & (self.n_iter == 1)
+            later = running & (self.n_iter > 1)
+            if later.any():
+                self._direction(grad_, later)
+            self.d[first] = -grad_[first]
+            self.h_diag[first] = 1.0
+            self.prev_grad[running] = grad_[running]
+            self.prev_loss[running] = loss[running]
+            inverse = 1.0 / grad_.abs().sum(dim=1)
+            self.t[first] = torch.where(inverse < 1, inverse * self.lr, torch.full_like(inverse, self.lr))[first]
+            self.t[later] = self.lr
+            running &= ~((grad_ * self.d).sum(dim=1) > -self.tolerance_change)
+            moving = torch.nonzero(running).flatten()
+            self.x[moving] += self.t[moving, None] * self.d[moving]
+            if inner == self.max_iter or not len(moving):
+                break
+            values, grads = closure(moving)
+            loss[moving], grad_[moving] = values.double(), grads
+            evals[moving] += 1
+            running &= ~(evals >= self.max_eval)
+            running &= ~(grad_.abs().amax(dim=1) <= self.tolerance_grad)
+            running &= ~((self.d * self.t[:, None]).abs().amax(dim=1) <= self.tolerance_change)
+            running &= ~((loss - self.prev_loss).abs() < self.tolerance_change)
+        return orig
+
+    def _direction(self, grad_: torch.Tensor, rows: torch.Tensor) -> None:
+        """The quasi-Newton direction of ``rows`` (a mask): record the latest curvature pair where
+        ``y.s > 1e-10``, then the two-loop recursion over each row's history."""
+        y = grad_ - self.prev_grad
+        s = self.d * self.t[:, None]
+        ys = (y * s).sum(dim=1)
+        accept = torch.nonzero(rows & (ys > 1e-10)).flatten()
+        if len(accept):
+            full = accept[self.count[accept] == self.history]
+            for store in (self.dirs, self.steps, self.ro):
+                store[full] = store[full].roll(-1, dims=1)
+            slot = self.count[accept].clamp(max=self.history - 1)
+            self.dirs[accept, slot], self.steps[accept, slot] = y[accept], s[accept]
+            self.ro[accept, slot] = 1.0 / ys[accept]
+            self.h_diag[accept] = ys[accept] / (y[accept] * y[accept]).sum(dim=1)
+            self.count[accept] = (self.count[accept] + 1).clamp(max=self.history)
+        used = int(self.count[rows].max())
+        q = -grad_
+        al = torch.zeros(len(q), max(used, 1))
+        for i in range(used - 1, -1, -1):
+            al[:, i] = torch.linalg.vecdot(self.steps[:, i], q) * self.ro[:, i]
+            q.addcmul_(al[:, i, None], self.dirs[:, i], value=-1)
+        r = q * self.h_diag[:, None]
+        for i in range(used):
+            be = torch.linalg.vecdot(self.dirs[:, i], r) * self.ro[:, i]
+            r.addcmul_((al[:, i] - be)[:, None], self.steps[:, i])
+        self.d[rows] = r[rows]
+
+
+def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch.Tensor]], labels: list[int],
+                      input_shape, iterations: int, lr: float, keep: int,
+                      generator: torch.Generator) -> list[tuple[torch.Tensor, float]]:
+    """:func:`reconstruct` of every target at once (random starts drawn in the targets' order, as successive
+    calls would); returns each target's kept iterates and final matching loss."""
+    starts = [torch.randn((1, *input_shape), generator=generator) for _ in targets]
+    if not targets:
+        return []
+    names = [n for n, _ in encoder.named_parameters()]
+    params = {n: p.detach() for n, p in encoder.named_parameters()}
+    stacked = {n: torch.stack([t[n] for t in targets]) for n in names}
+    y = torch.tensor(labels)
+
+    def matching(x: torch.Tensor, label: torch.Tensor, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        g = grad(lambda p: F.cross_entropy(functional_call(encoder, p, (x[None],)), label[None]))(params)
+        return sum(((g[n] - target[n]) ** 2).sum() for n in names)
+
+    batched = vmap(grad_and_value(matching))
+    opt = BatchedLBFGS(torch.cat(starts).flatten(1), lr)
+
+    def closure(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grads, values = batched(opt.x[rows].view(-1, *input_shape), y[rows], {n: v[rows] for n, v in stacked.items()})
+        return values, grads.flatten(1)
+
+    active = torch.ones(len(targets), dtype=torch.bool)
+    losses = torch.full((len(targets),), math.nan, dtype=torch.float64)
+    kept: list[list[torch.Tensor]] = [[] for _ in targets]
+    for i in range(iterations):
+        step = opt.step(closure, active)
+        losses[active] = step[active]
+        active &= torch.isfinite(step)
+        if i >= iterations - keep:
+            for b in torch.nonzero(active).flatten().tolist():
+                kept[b].append(opt.x[b].view(1, *input_shape).clone())
+    out = []
+    for b, images in enumerate(kept):
+        if not images:  # diverged before the kept iterates: keep the last finite image
+            images.append(opt.x[b].view(1, *input_shape).nan_to_num(0.0))
+        out.append((torch.cat(images), float(losses[b])))
+    return out

@@ -1,0 +1,130 @@
+"""The batched server jobs against their sequential references, and ``fcl-emu bench jobs`` on a tiny budget.
+
+Tolerances: FedCBC's batched fusion takes the same random draws and the same
+steps, so it differs only by float summation order (batched products, the
+sources' posteriors computed over all rows at once): 1e-5 on every weight.
+GLFC's batched L-BFGS keeps torch's per-problem steps; on a smooth problem it
+stays within 1e-4 of ``torch.optim.LBFGS``. Gradient matching itself
+amplifies float rounding (a 1e-7 change of the start moves an unconverged
+iterate visibly), so the proxy is compared where it converges: the same
+labels, and every reconstruction matches its prototype in both paths.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from fcl_emu.bench.jobs import COLUMNS
+from methods import jobs
+from methods.fedcbc import FedCBCOptions, build_vae
+from methods.glfc_proxy import BatchedLBFGS, GradientEncoder
+from methods.models.state import state_to_arrays
+from tests.conftest import fcl_emu
+
+CPU = torch.device("cpu")
+SHAPE = (1, 12, 12)
+
+
+def _fusion_inputs(o: FedCBCOptions, d: int, sources: dict[int, int]) -> dict[str, np.ndarray]:
+    inputs = {}
+    for c, count in sources.items():
+        for i in range(count):
+            inputs.update({f"source/{c}/{i}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + i)).items()})
+        inputs.update({f"start/{c}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + 7)).items()})
+    return inputs
+
+
+@pytest.mark.parametrize("noise", ["uniform", "normal"])
+def test_batched_fusion_equals_the_sequential_reference(noise):
+    o = FedCBCOptions(vae_hidden=16, vae_latent=4, pseudo_samples=20, fusion_epochs=4, fusion_batch=8,
+                      pseudo_noise=noise)
+    inputs = _fusion_inputs(o, 6, {0: 2, 3: 3, 4: 2, 7: 1})  # classes of different lengths: three groups
+    options = {"method_options": o.model_dump(), "feature_dim": 6, "seed": 5}
+    batched = jobs.run("fedcbc.fuse", inputs, options, CPU)
+    sequential = jobs.run("fedcbc.fuse", inputs, {**options, "sequential": True}, CPU)
+    assert batched.arrays.keys() == sequential.arrays.keys()
+    for k, v in sequential.arrays.items():
+        np.testing.assert_allclose(batched.arrays[k], v, rtol=0, atol=1e-5, err_msg=k)
+    for k, v in sequential.metrics.items():
+        assert batched.metrics[k] == pytest.approx(v, rel=1e-5)
+
+
+def test_batched_lbfgs_follows_torch_lbfgs_problem_by_problem():
+    gen = torch.Generator().manual_seed(0)
+    n = 30
+    mix = torch.randn(n, n, generator=gen) / n ** 0.5
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return ((mix @ x).tanh() ** 2).sum() + 0.1 * (x ** 4).sum()
+
+    starts = torch.randn(3, n, generator=gen)
+    opt = BatchedLBFGS(starts.clone(), lr=0.5)
+
+    def closure(rows):
+        x = opt.x[rows].clone().requires_grad_(True)
+        values = torch.stack([f(r) for r in x])
+        return values.detach(), torch.autograd.grad(values.sum(), x)[0]
+
+    references = []
+    for start in starts:
+        x = start.clone().requires_grad_(True)
+        references.append((x, torch.optim.LBFGS([x], lr=0.5)))
+    active = torch.tensor([True, True, False])  # the third problem is stopped: it must not move
+    for _ in range(4):
+        losses = opt.step(closure, active)
+        for b in range(2):
+            x, reference = references[b]
+
+            def ref_closure(x=x, reference=reference):
+                reference.zero_grad()
+                value = f(x)
+                value.backward()
+                return value
+
+            assert float(reference.step(ref_closure).detach()) == pytest.approx(float(losses[b]), rel=1e-4, abs=1e-6)
+            torch.testing.assert_close(opt.x[b], x.detach(), rtol=0, atol=1e-4)
+            assert int(opt.n_iter[b]) == reference.state[x]["n_iter"]
+    assert torch.equal(opt.x[2], starts[2]) and torch.isnan(losses[2])
+
+
+def test_batched_proxy_reconstructs_what_the_sequential_reference_does():
+    encoder = GradientEncoder(SHAPE, 10, seed=0)
+    names = [n for n, _ in encoder.named_parameters()]
+    gen = torch.Generator().manual_seed(0)
+    prototypes, inputs = [], {}
+    for k, label in enumerate((3, 8)):
+        x = torch.rand((1, *SHAPE), generator=gen)
+        prototypes.append(x[0])
+        inputs.update({f"grad/{k}/{n}": g.numpy() for n, g in zip(names, encoder.gradients(x, torch.tensor([label])))})
+    options = {"method_options": {"proxy_iterations": 12, "proxy_keep": 2}, "model": "cnn",
+               "input_shape": list(SHAPE), "num_classes": 10, "seed": 1}
+    batched = jobs.run("glfc.proxy", inputs, options, CPU)
+    sequential = jobs.run("glfc.proxy", inputs, {**options, "sequential": True}, CPU)
+    for out in (batched, sequential):
+        assert out.arrays["recon/y"].tolist() == [3, 3, 8, 8] and out.metrics["matched"] == 2
+        for i, proto in enumerate(prototypes):
+            assert float(((torch.from_numpy(out.arrays["recon/x"][2 * i + 1]) - proto) ** 2).mean()) < 1e-3
+    np.testing.assert_allclose(batched.arrays["recon/x"], sequential.arrays["recon/x"], rtol=0, atol=0.1)
+
+
+def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
+    out = tmp_path / "jobs.csv"
+    proc = fcl_emu("bench", "jobs", "--kinds", "fedcbc.fuse,device.matmul", "--scale", "0.01", "--device", "cpu",
+                   "--device", "cuda", "--out", str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    printed, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, printed
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == COLUMNS
+    cpu = [r for r in rows if r["device"] == "cpu"]
+    assert {(r["kind"], r["variant"]) for r in cpu} == {("fedcbc.fuse", "batched"), ("fedcbc.fuse", "sequential"),
+                                                        ("device.matmul", "")}
+    for r in cpu:
+        assert float(r["wall_s"]) > 0 and float(r["gflop"]) > 0 and float(r["peak_gflops"]) > 0
+    if not torch.cuda.is_available():
+        assert all(r["note"].startswith("skipped") for r in rows if r["device"] == "cuda")
