@@ -39,10 +39,10 @@ def _fusion_inputs(o: FedCBCOptions, d: int, sources: dict[int, int]) -> dict[st
     return inputs
 
 
-@pytest.mark.parametrize("noise", ["uniform", "normal"])
-def test_batched_fusion_equals_the_sequential_reference(noise):
+@pytest.mark.parametrize("noise, decoder", [("uniform", "sigmoid"), ("normal", "linear")])
+def test_batched_fusion_equals_the_sequential_reference(noise, decoder):
     o = FedCBCOptions(vae_hidden=16, vae_latent=4, pseudo_samples=20, fusion_epochs=4, fusion_batch=8,
-                      pseudo_noise=noise)
+                      pseudo_noise=noise, decoder_output=decoder)
     inputs = _fusion_inputs(o, 6, {0: 2, 3: 3, 4: 2, 7: 1})  # classes of different lengths: three groups
     options = {"method_options": o.model_dump(), "feature_dim": 6, "seed": 5}
     batched = jobs.run("fedcbc.fuse", inputs, options, CPU)

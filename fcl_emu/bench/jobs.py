@@ -78,7 +78,7 @@ def _fusion_inputs() -> dict[str, np.ndarray]:
     from methods.fedcbc import FedCBCOptions, build_vae
     from methods.models.state import state_to_arrays
 
-    o, d, inputs = FedCBCOptions(), int(np.prod(SHAPE)), {}
+    o, d, inputs = FedCBCOptions(decoder_output="sigmoid"), int(np.prod(SHAPE)), {}
     for c in range(CLASSES):
         for i in range(2 + c % 2):
             inputs.update({f"source/{c}/{i}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + i)).items()})
@@ -123,7 +123,8 @@ PROFILES: dict[str, Profile] = {
                              work=lambda out: out.metrics["products"]),
     "fedcbc.pretrain": Profile(_pretrain_inputs, lambda n: {**_common({"pretrain_epochs": n}), "model": "cnn"},
                                2, "epochs", "conv2d"),
-    "fedcbc.fuse": Profile(_fusion_inputs, lambda n: {"method_options": {"fusion_epochs": n},
+    "fedcbc.fuse": Profile(_fusion_inputs, lambda n: {"method_options": {"fusion_epochs": n,
+                                                                         "decoder_output": "sigmoid"},
                                                       "feature_dim": int(np.prod(SHAPE)), "seed": 0},
                            3, "epochs", "matmul", {"batched": {}, "sequential": {"sequential": True}}),
     "glfc.proxy": Profile(_prototype_gradients, lambda n: {**_common({"proxy_iterations": n,
