@@ -261,7 +261,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
             opt = torch.optim.Adam([{"params": problem.generator.parameters(), "lr": s.lr_generator},
                                     *extra_groups], betas=(0.5, 0.999))
             adversarial = s.w_adv > 0 and r >= s.warmup
-            student.eval()
+            student.eval().requires_grad_(False)  # the generator's steps need gradients through it, not its own
             best, best_loss = None, math.inf
             for _ in range(s.steps):
                 images = problem.generator(inputs)
@@ -286,6 +286,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
                 kept.append(best.cpu())
             if r >= s.warmup and s.student_steps:
                 bn.active = False
+                student.requires_grad_(True)
                 metrics["student_kd"] = _train_student(teacher, student, problem, torch.cat(kept), s,
                                                        data_normalize, gen, device)
                 bn.active = True
