@@ -138,7 +138,8 @@ def smoothness_prior(x: torch.Tensor, size: int = 5, sigma: float = 1.0) -> torc
     (``size`` x ``size`` kernel, std ``sigma``, reflect padding). 0 for a constant image."""
     c = x.shape[1]
     pad = size // 2
-    blurred = F.conv2d(F.pad(x, (pad,) * 4, mode="reflect"), _gaussian_kernel(size, sigma, c, x.device), groups=c)
+    blurred = F.conv2d(F.pad(x, (pad,) * 4, mode="reflect"), _gaussian_kernel(size, sigma, c, x.device).to(x.dtype),
+                       groups=c)
     return F.mse_loss(x, blurred)
 
 
