@@ -249,7 +249,9 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
     (random crop, flips) before the teacher sees them; ``L_adv`` (:func:`adversarial_divergence`) only after
     ``warmup`` rounds. The lowest-loss batch of the round is kept. After each round past the warm-up the
     student imitates the teacher on every kept image (``T^2 KL`` at ``student_temperature``, SGD with
-    momentum 0.9, weight decay 1e-4), so later rounds look for what it has not learnt yet.
+    momentum 0.9, weight decay 1e-4), so later rounds look for what it has not learnt yet. In the generator's
+    steps the student's parameters are out of autograd: the adversarial term needs its gradients with respect
+    to the images only.
     Returns the kept images in [0, 1] (``(N, C, H, W)``, on the CPU) and loss metrics.
     """
     gen = torch.Generator().manual_seed(seed)
