@@ -138,7 +138,8 @@ def smoothness_prior(x: torch.Tensor, size: int = 5, sigma: float = 1.0) -> torc
     (``size`` x ``size`` kernel, std ``sigma``, reflect padding). 0 for a constant image."""
     c = x.shape[1]
     pad = size // 2
-    blurred = F.conv2d(F.pad(x, (pad,) * 4, mode="reflect"), _gaussian_kernel(size, sigma, c, x.device), groups=c)
+    blurred = F.conv2d(F.pad(x, (pad,) * 4, mode="reflect"), _gaussian_kernel(size, sigma, c, x.device).to(x.dtype),
+                       groups=c)
     return F.mse_loss(x, blurred)
 
 
@@ -248,7 +249,9 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
     (random crop, flips) before the teacher sees them; ``L_adv`` (:func:`adversarial_divergence`) only after
     ``warmup`` rounds. The lowest-loss batch of the round is kept. After each round past the warm-up the
     student imitates the teacher on every kept image (``T^2 KL`` at ``student_temperature``, SGD with
-    momentum 0.9, weight decay 1e-4), so later rounds look for what it has not learnt yet.
+    momentum 0.9, weight decay 1e-4), so later rounds look for what it has not learnt yet. In the generator's
+    steps the student's parameters are out of autograd: the adversarial term needs its gradients with respect
+    to the images only.
     Returns the kept images in [0, 1] (``(N, C, H, W)``, on the CPU) and loss metrics.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -261,7 +264,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
             opt = torch.optim.Adam([{"params": problem.generator.parameters(), "lr": s.lr_generator},
                                     *extra_groups], betas=(0.5, 0.999))
             adversarial = s.w_adv > 0 and r >= s.warmup
-            student.eval()
+            student.eval().requires_grad_(False)  # the generator's steps need gradients through it, not its own
             best, best_loss = None, math.inf
             for _ in range(s.steps):
                 images = problem.generator(inputs)
@@ -286,6 +289,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
                 kept.append(best.cpu())
             if r >= s.warmup and s.student_steps:
                 bn.active = False
+                student.requires_grad_(True)
                 metrics["student_kd"] = _train_student(teacher, student, problem, torch.cat(kept), s,
                                                        data_normalize, gen, device)
                 bn.active = True

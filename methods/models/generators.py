@@ -20,6 +20,12 @@ official code).
 The hidden BatchNorms use eps = 0.8 in MFCL's code (the second positional
 argument of ``BatchNorm2d``, a DCGAN legacy) and the default 1e-5 in TARGET's;
 ``bn_eps`` chooses (default 1e-5; MFCL passes 0.8).
+
+Each ``upsample x2 -> conv3x3`` pair runs as :func:`upsample_conv`: the same
+function of the same weights computed on the small image with 2x2 kernels,
+2.25 times fewer multiply-adds and no upsampled copy (the results differ from
+the two layers' only in float rounding, about 1e-6 relative;
+``Generator.phase_conv = False`` runs the two layers as written).
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Generator", "NoisyLayer", "TextConditionedGenerator", "upsamplings"]
+__all__ = ["Generator", "NoisyLayer", "TextConditionedGenerator", "upsample_conv", "upsamplings"]
 
 
 def upsamplings(size: int) -> int:
@@ -40,8 +47,29 @@ def upsamplings(size: int) -> int:
     return n
 
 
+def _phase_kernels(w: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 3-tap kernel along ``dim`` folded onto the taps of a 2x nearest upsampling: even outputs see the
+    input at offsets (-1, 0) with taps (w0, w1 + w2), odd outputs at (0, +1) with (w0 + w1, w2)."""
+    w0, w1, w2 = w.unbind(dim)
+    return torch.stack([w0, w1 + w2], dim), torch.stack([w0 + w1, w2], dim)
+
+
+def upsample_conv(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """``conv(upsample_nearest_x2(x))`` for a 3x3 ``conv`` with padding 1, as four 2x2 convolutions of ``x``
+    (one per output phase: row and column parity), run as one convolution and interleaved."""
+    b, _, h, w = x.shape
+    kernels = [k for rows in _phase_kernels(conv.weight, 2) for k in _phase_kernels(rows, 3)]  # (a, c) order
+    bias = None if conv.bias is None else conv.bias.repeat(4)
+    y = F.conv2d(x, torch.cat(kernels), bias, padding=1)  # (B, 4 * out, H + 1, W + 1)
+    y = y.view(b, 2, 2, conv.out_channels, h + 1, w + 1)
+    rows = [torch.stack([y[:, a, c, :, a:a + h, c:c + w] for c in (0, 1)], -1) for a in (0, 1)]
+    return torch.stack(rows, 3).reshape(b, conv.out_channels, 2 * h, 2 * w)
+
+
 class Generator(nn.Module):
     """``forward(z: (B, in_dim)) -> images (B, C, H, H)`` (see the module docstring)."""
+
+    phase_conv = True  # False: each upsampling and convolution as two layers (the reference computation)
 
     def __init__(self, in_dim: int, image_shape: tuple[int, int, int], width: int = 128,
                  output: str = "tanh_bn", bn_eps: float = 1e-5):
@@ -66,8 +94,15 @@ class Generator(nn.Module):
         self.out_bn = nn.BatchNorm2d(channels, affine=False) if output == "tanh_bn" else nn.Identity()
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x = self.fc(z).view(z.shape[0], -1, self.init_size, self.init_size)
-        x = self.out(self.blocks(self.bn0(x)))
+        x = self.bn0(self.fc(z).view(z.shape[0], -1, self.init_size, self.init_size))
+        if self.phase_conv:
+            layers = list(self.blocks)
+            for i in range(0, len(layers), 4):  # upsample, conv, BatchNorm, LeakyReLU
+                _, conv, norm, act = layers[i:i + 4]
+                x = act(norm(upsample_conv(x, conv)))
+        else:
+            x = self.blocks(x)
+        x = self.out(x)
         return self.out_bn(torch.tanh(x)) if self.output == "tanh_bn" else torch.sigmoid(x)
 
 
