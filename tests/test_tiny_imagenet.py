@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import random
-import tarfile
 import typing
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +19,7 @@ from scenario.scenario import build_scenario
 from scenario.spec import Partition, ScenarioSpec
 from tests.conftest import fcl_emu, find_dataset_root
 from tests.test_scenario_build import fake_dataset
+from tests.test_scenario_datasets import write_tar
 
 TARBALL = "tiny-imagenet-32-jpeg.tar.gz"
 # in the real classes.txt's order (not sorted), with its comma-separated synonyms
@@ -43,18 +41,6 @@ def entries(words: dict[str, str], train: int = 2, test: int = 1) -> dict[str, b
     return files
 
 
-def write_tarball(path: Path, files: dict[str, bytes]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    names = list(files)
-    random.Random(0).shuffle(names)  # the reader must not depend on member order
-    with tarfile.open(path, "w:gz") as tar:
-        for name in names:
-            info = tarfile.TarInfo(name)
-            info.size = len(files[name])
-            tar.addfile(info, io.BytesIO(files[name]))
-    return path
-
-
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
     """The fixtures' decoded arrays cached in the test's own directory (the smoke run keeps the usual cache: the
@@ -64,7 +50,7 @@ def tmp_cache(tmp_path, monkeypatch):
 
 def test_tarball_layout_names_classes_from_classes_txt(tmp_path):
     files = entries(WORDS)
-    tarball = write_tarball(tmp_path / TARBALL, files)
+    tarball = write_tar(tmp_path / TARBALL, files)
     for name, data in files.items():
         (tmp_path / "tree" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "tree" / name).write_bytes(data)
@@ -84,18 +70,18 @@ def test_classes_txt_must_name_exactly_the_folders(tmp_path):
     files = entries(WORDS)
     files["classes.txt"] = b"n01443537\tgoldfish\nn02124075\tEgyptian cat\n"
     with pytest.raises(DatasetFormatError, match=r"names 2 classes, the images 3.*unnamed: \['n04067472'\]"):
-        read_image_tar(write_tarball(tmp_path / "a.tar.gz", files), named=True)
+        read_image_tar(write_tar(tmp_path / "a.tar.gz", files), named=True)
     del files["classes.txt"]
     with pytest.raises(DatasetFormatError, match="no classes.txt"):
-        read_image_tar(write_tarball(tmp_path / "b.tar.gz", files), named=True)
+        read_image_tar(write_tar(tmp_path / "b.tar.gz", files), named=True)
     files["classes.txt"] = b"n01443537 goldfish\n"
     with pytest.raises(DatasetFormatError, match="line 1"):
-        read_image_tar(write_tarball(tmp_path / "c.tar.gz", files), named=True)
+        read_image_tar(write_tar(tmp_path / "c.tar.gz", files), named=True)
 
 
 def test_load_dataset_finds_the_tarball_under_the_data_root(tmp_path, tmp_cache):
     words = {f"n{i:08d}": f"thing {i}, other" for i in range(200)}
-    write_tarball(tmp_path / "tiny-imagenet-32" / TARBALL, entries(words, train=1, test=1))
+    write_tar(tmp_path / "tiny-imagenet-32" / TARBALL, entries(words, train=1, test=1))
     assert find_dataset("tiny-imagenet-32", [tmp_path]) == tmp_path / "tiny-imagenet-32" / TARBALL
     ds = load_dataset("tiny-imagenet-32", [tmp_path])
     assert ds.num_classes == 200 and ds.input_shape == (3, 32, 32) and ds.class_names[7] == "thing 7"
@@ -103,7 +89,7 @@ def test_load_dataset_finds_the_tarball_under_the_data_root(tmp_path, tmp_cache)
 
 
 def test_few_classes_are_refused_by_the_registry(tmp_path, tmp_cache):
-    write_tarball(tmp_path / "tiny-imagenet-32" / TARBALL, entries(WORDS))
+    write_tar(tmp_path / "tiny-imagenet-32" / TARBALL, entries(WORDS))
     with pytest.raises(DatasetFormatError, match="found 3 classes, expected 200"):
         load_dataset("tiny-imagenet-32", [tmp_path])
 
