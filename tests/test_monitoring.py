@@ -276,7 +276,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
     profiles = tmp_path / "profiles.yaml"  # a fast link, so the link-delay panels have data
     profiles.write_text(yaml.safe_dump({"profiles": [{"name": "lan", "uplink_mbps": 1000, "latency_ms": 1}]}))
     config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 20},
-                          rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
+                          # the real clock: edge nodes play the link delays out in host time (the link panels)
+                          rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2, "clock": "real"},
                           training={"local_epochs": 1, "batch_size": 64},
                           edge={"device_profiles": str(profiles)},
                           secagg={"enabled": True},  # so that the secure-aggregation panels have data
