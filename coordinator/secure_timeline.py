@@ -64,7 +64,7 @@ class SecureTimeline:
         self.opened = r.started_at  # when the open phase opened
         self.phase_s: dict[str, float] = {}  # phase -> its emulated seconds
         self.late_masked: set[str] = set()  # masked inputs that arrived after their phase's close
-        self.links = {c: Link(t.profile) for c, t in r.timeline.items()}
+        self.links = {c: Link(t.profile, t.trace) for c, t in r.timeline.items()}
         self.ready = {c: self.links[c].arrival("down", t.down_bytes, r.started_at) for c, t in r.timeline.items()}
         self.gone_at: dict[str, float] = {}
         self.noticed_at: dict[str, float] = {}

@@ -19,6 +19,7 @@ from coordinator.secure_timeline import SecureTimeline
 from methods.base import DELTA, DeltaLayout
 from scenario.availability import parse_availability
 from scenario.devices import DeviceProfile
+from scenario.network_trace import BandwidthTrace
 from secagg.client import SecAggClient
 from secagg.settings import SecAggSettings
 from tests.conftest import seeded_run
@@ -73,10 +74,11 @@ class Federation:
 
 
 def secure_round(tmp_path, off_at: dict[int, float], uplinks: dict[int, float], deadline_s: float = 10.0,
-                 crash_points: dict[int, float] | None = None):
+                 crash_points: dict[int, float] | None = None, bandwidth: dict[int, BandwidthTrace] | None = None):
     """One secure round of :class:`Federation` on the emulated clock: 0.5 s latency each way, 2 ms per sample
     (100 samples); client i turns off at ``off_at[i]`` (a trace), uploads ``uplinks[i]`` bytes/s, crashes at
-    ``crash_points[i]`` of the longest the round lasts (``deadline_s`` + 30 s)."""
+    ``crash_points[i]`` of the longest the round lasts (``deadline_s`` + 30 s), has the network trace
+    ``bandwidth[i]``."""
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({str(i): {"active": [0], "inactive": [off_at.get(i, 1000)], "finish_time": 1000}
                                  for i in range(5)}))
@@ -88,7 +90,7 @@ def secure_round(tmp_path, off_at: dict[int, float], uplinks: dict[int, float], 
     r = OpenRound(0, 1, list(EVERYONE), set(EVERYONE), wanted=5)
     for i, c in enumerate(EVERYONE):
         profile = DeviceProfile(ms_per_sample=2, latency_s=0.5, uplink_bytes_s=uplinks.get(i, float("inf")))
-        r.timeline[c] = ClientRound(profile, down_bytes=1000)
+        r.timeline[c] = ClientRound(profile, down_bytes=1000, trace=(bandwidth or {}).get(i))
     timeline = SecureTimeline(model, r, fed.round, {c: i for i, c in enumerate(EVERYONE)},
                               {c: 100 for c in EVERYONE}, deadline_s)
     outcome = timeline.run(fed.serve, time.monotonic() + 30, lambda c: True, lambda c: True, 1)
@@ -123,6 +125,17 @@ def test_a_masked_input_past_the_deadline_is_left_out_and_its_masks_removed(tmp_
     assert outcome.record["survivors"]["masked_input"] == [c for c in EVERYONE if c != EVERYONE[1]]
     assert timeline.late_masked == {EVERYONE[1]} and outcome.record["recovered"] == 1
     assert np.allclose(outcome.delta[DELTA + "w"], fed.mean(set(EVERYONE) - {EVERYONE[1]}), atol=1e-4)
+
+
+def test_a_network_trace_carries_the_secure_phases_too(tmp_path):
+    """Client 2's trace gives it 10 bytes/s both ways: the 1,000 bytes of its train request alone take 100 s,
+    so its keys miss the first phase, which waits for them until the round's 10 s deadline; nothing is left
+    of the round for the next phase."""
+    _, _, timeline, outcome, _ = secure_round(tmp_path, off_at={}, uplinks={},
+                                              bandwidth={2: BandwidthTrace([0.0], [10.0])})
+    assert outcome.record["survivors"]["advertise_keys"] == [c for c in EVERYONE if c != EVERYONE[2]]
+    assert timeline.phase_s["advertise_keys"] == pytest.approx(10.0)
+    assert outcome.record["outcome"] == "aborted"
 
 
 def test_a_crash_between_masked_input_and_unmasking_is_noticed_after_the_liveness_delay(tmp_path):
