@@ -167,11 +167,9 @@ class EmulatedTime(RunClock):
         c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes,
                                              trace=client_trace(self.traces, index) if self.traces else None)
         if self.skips_late:
-            state = self.state
-            samples = len(state.scenario.client_indices(index, r.task))
-            c.samples_trained = samples * state.config.training.local_epochs
+            c.samples_trained = self._samples_trained(index, r.task)
             # a useful update carries a delta of every tensor of the global model (the dispatcher checks it)
-            min_up_bytes = sum(a.nbytes for a in state.server.global_state.values()) if samples else 0
+            min_up_bytes = sum(a.nbytes for a in self.state.server.global_state.values()) if c.samples_trained else 0
             c.earliest = self.model.earliest_arrival(r.started_at, c, min_up_bytes)
 
     def answered(self, r: OpenRound, client: str, nbytes: int, cpu_s: float, samples_trained: int) -> None:
@@ -303,8 +301,7 @@ class EmulatedTime(RunClock):
         state = self.state
         cfg, registry, online = state.config.rounds, state.registry, state.registry.is_online
         indices = {c: registry.records[c].index for c in r.timeline}
-        epochs = state.config.training.local_epochs
-        samples = {c: epochs * len(state.scenario.client_indices(i, r.task)) for c, i in indices.items()}
+        samples = {c: self._samples_trained(i, r.task) for c, i in indices.items()}
         timeline = SecureTimeline(self.model, r, secure, indices, samples, cfg.deadline_s)
         outcome = timeline.run(serve, time.monotonic() + cfg.host_timeout_s,
                                lambda c: online(c) and c not in r.failed and c not in r.lost, online,
@@ -323,6 +320,10 @@ class EmulatedTime(RunClock):
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
         self.model.now = max(self.model.now, closed_at)
         return outcome
+
+    def _samples_trained(self, index: int, task: int) -> int:
+        """The samples client ``index`` trains in a round of ``task``: its share, every local epoch."""
+        return len(self.state.scenario.client_indices(index, task)) * self.state.config.training.local_epochs
 
     def _crashed(self, clients: set[str]) -> None:
         """``clients`` crashed in the round: away, and their next task start restarts them."""
