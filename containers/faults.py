@@ -17,13 +17,24 @@ A plan (``--faults PLAN.yaml``):
       - {action: restart, rate_per_min: 2}                      # Poisson, on a node drawn at random
       - {action: restart, per_round: 0.1, after_s: 0.5}        # each node, each round, with probability 0.1
 
+On a local cluster (``--backend swarm --cluster NAME``, containers/local_cluster.py) a plan also acts on whole
+hosts, everything on them at once:
+
+.. code-block:: yaml
+
+    faults:
+      - {action: lose_host, host: local-2, round: 3, after_s: 1.0}   # engine and containers killed, silently
+      - {action: partition, host: local-3, at_s: 10, duration_s: 20} # cut off both ways, then healed
+      - {action: slow_host, host: local-2, round: 2, cpus: 0.5, duration_s: 30}
+
 ``round: R`` fires when round R starts (the first round starts when the clients have joined); ``at_s`` counts
 seconds from that moment; ``per_round: p`` draws at every round's start, for each node, whether it is hit (the
 container-level counterpart of the emulated ``crash_rate``: the same per-client probability, but all the
 clients of a node at once). ``node`` names an edge node, ``device_class`` picks one of that class's nodes, neither
 picks any running node; random picks and Poisson times are drawn from the run's seed. ``pause`` and
 ``disconnect`` are undone after ``duration_s``. Each fault is recorded as a ``fault`` event in events.jsonl and
-counted in ``fcl_container_faults_total{action}``. The plan's schema: :mod:`scenario.faults`.
+counted in ``fcl_container_faults_total{action}``; a host fault's event names the host and the edge nodes it ran,
+and is counted in ``fcl_host_faults_total{action}``. The plan's schema: :mod:`scenario.faults`.
 """
 
 from __future__ import annotations
@@ -37,17 +48,31 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scenario.faults import UNDO, Fault, FaultPlan, load_plan
+from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, UNDO, Fault, FaultPlan, load_plan
 
 log = logging.getLogger("fcl_emu.faults")
 
 
 class Target:
-    """What an injector acts on: the run's containers, by node name, with their device classes."""
+    """What an injector acts on: the run's containers, by node name, with their device classes, the run's network,
+    and on a local cluster its hosts (``host_faults``, :class:`containers.local_cluster.HostFaults`) with the host
+    each node runs on."""
 
     def __init__(self, containers: Callable[[], dict[str, object]], classes: dict[str, str | None],
-                 network: object):
+                 network: object, host_faults=None, hosts: dict[str, str] | None = None):
         self.containers, self.classes, self.network = containers, classes, network
+        self.host_faults, self.hosts = host_faults, hosts or {}
+
+    def check(self, plan: FaultPlan) -> None:
+        """ValueError if the plan has host faults this target cannot carry out, or names hosts it lacks."""
+        wanted = [f for f in plan.faults if f.action in HOST_ACTIONS]
+        if wanted and self.host_faults is None:
+            raise ValueError(NEEDS_CLUSTER)
+        for fault in wanted:
+            if fault.host is not None:
+                host = self.host_faults.cluster.host(fault.host)  # ValueError naming the cluster's hosts
+                if host.manager:
+                    raise ValueError(f"{fault.action} on {fault.host}: the swarm manager's host cannot be faulted")
 
 
 class FaultInjector:
@@ -56,6 +81,7 @@ class FaultInjector:
 
     def __init__(self, plan: FaultPlan, target: Target, seed: int,
                  record: Callable[..., None], horizon_s: float = 24 * 3600):
+        target.check(plan)
         self.plan, self.target, self.record = plan, target, record
         self.rng = np.random.default_rng(zlib.crc32(f"{seed}/faults".encode()))
         self.horizon_s = horizon_s
@@ -128,7 +154,9 @@ class FaultInjector:
             except Exception as exc:  # a container gone or restarted since: recorded as not applied
                 action = UNDO[fault.action] if kind.startswith("undo:") else fault.action
                 log.warning("fault %s not applied: %s", action, exc)
-                self.record(action, node=kind.partition(":")[2] or fault.node, applied=False, error=str(exc))
+                where = ({"host": kind.partition(":")[2] or fault.host} if fault.action in HOST_ACTIONS
+                         else {"node": kind.partition(":")[2] or fault.node})
+                self.record(action, **where, applied=False, error=str(exc))
 
     def _pick(self, fault: Fault) -> str | None:
         running = {name for name, c in self.target.containers().items() if _status(c) in ("running", "paused")}
@@ -138,6 +166,9 @@ class FaultInjector:
         return names[int(self.rng.integers(len(names)))] if names else None
 
     def _act(self, kind: str, fault: Fault) -> None:
+        if fault.action in HOST_ACTIONS:
+            self._act_on_host(kind, fault)
+            return
         containers = self.target.containers()
         if kind.startswith("undo:"):
             name = kind.partition(":")[2]
@@ -145,7 +176,7 @@ class FaultInjector:
             if fault.action == "pause":
                 container.unpause()
             else:
-                self.target.network.connect(container)
+                _network(container, self.target.network).connect(container)
             self.record(UNDO[fault.action], node=name, applied=True)
             return
         name = self._pick(fault)
@@ -158,12 +189,42 @@ class FaultInjector:
         elif fault.action == "pause":
             container.pause()
         elif fault.action == "disconnect":
-            self.target.network.disconnect(container)
+            _network(container, self.target.network).disconnect(container)
         else:
             container.restart(timeout=0)
         self.record(fault.action, node=name, applied=True)
         if fault.action in ("pause", "disconnect"):
             self._push(time.monotonic() + fault.duration_s, f"undo:{name}", fault)
+
+    def _act_on_host(self, kind: str, fault: Fault) -> None:
+        hosts = self.target.host_faults
+        if kind.startswith("undo:"):
+            host = kind.partition(":")[2]
+            (hosts.heal if fault.action == "partition" else hosts.restore)(host)
+            self.record(UNDO[fault.action], host=host, nodes=self._nodes_on(host), applied=True)
+            return
+        host = fault.host or self._pick_host()
+        if host is None:
+            self.record(fault.action, host=None, applied=False, error="no host runs an edge node to act on")
+            return
+        if fault.action == "lose_host":
+            hosts.lose(host)
+        elif fault.action == "partition":
+            hosts.cut(host)
+        else:
+            hosts.slow(host, fault.cpus)
+        self.record(fault.action, host=host, nodes=self._nodes_on(host), applied=True)
+        if fault.action != "lose_host" and fault.duration_s is not None:
+            self._push(time.monotonic() + fault.duration_s, f"undo:{host}", fault)
+
+    def _nodes_on(self, host: str) -> list[str]:
+        return sorted(name for name, on in self.target.hosts.items() if on == host)
+
+    def _pick_host(self) -> str | None:
+        """A host that runs edge nodes, other than the manager's, drawn from the run's seed."""
+        manager = self.target.host_faults.cluster.manager.name
+        names = sorted(set(self.target.hosts.values()) - {manager})
+        return names[int(self.rng.integers(len(names)))] if names else None
 
     def close(self) -> None:
         """Stop acting; pending undos (unpause, reconnect) are carried out first so no container stays frozen."""
@@ -177,6 +238,11 @@ class FaultInjector:
                 self._act(kind, fault)
             except Exception as exc:
                 log.warning("undoing %s on %s failed: %s", fault.action, kind, exc)
+
+
+def _network(container, network):
+    """``network`` as seen by the engine of ``container``'s host (a swarm's overlay network spans hosts)."""
+    return container.client.networks.get(network.id)
 
 
 def _status(container) -> str:

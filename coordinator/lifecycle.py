@@ -193,9 +193,11 @@ class Coordinator:
         """Serve the socket until ``until()`` holds or the monotonic ``deadline`` passes."""
         self.dispatcher.serve(until, deadline)
 
-    def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
-        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
-        self.nodes.watch(exited, started)
+    def watch_nodes(self, exited: Callable[[], list[NodeExit]], started: int,
+                    hosts: dict[str, str] | None = None) -> None:
+        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes, on
+        ``hosts`` (node name -> host, for summary.json)."""
+        self.nodes.watch(exited, started, hosts)
 
     def record_fault(self, action: str, **fields) -> None:
         """A fault injected into an edge node's container (containers/faults.py). Called from the injector's
@@ -318,7 +320,7 @@ class Coordinator:
             with spent("shutdown"):
                 self._shutdown(status)
             summary = self.summary.build(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,
-                                         class_hits)
+                                         class_hits, node_hosts=self.nodes.hosts)
             recorder.summary(summary)
             recorder.event("end", status=status)
             recorder.close()

@@ -47,16 +47,20 @@ class NodeWatch:
         self.started = 0
         self._handled: dict[tuple[str, int], NodeExit] = {}  # every exit handled, by (node, seq)
         self.unreachable_clients = 0  # clients of exited nodes that had not joined: never to be waited for
+        self.hosts: dict[str, str] = {}  # node name -> the host it runs on
 
-    def watch(self, exited: Callable[[], list[NodeExit]], started: int) -> None:
-        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes."""
+    def watch(self, exited: Callable[[], list[NodeExit]], started: int, hosts: dict[str, str] | None = None) -> None:
+        """Ask ``exited()`` for the nodes that have ended, each time the socket is served; ``started`` nodes, on
+        ``hosts``."""
         self._exited, self.started, self._handled = exited, started, {}
+        self.hosts = dict(hosts or {})
 
     def record_fault(self, action: str, **fields) -> None:
-        """A fault injected into an edge node's container (containers/faults.py): an event and a count. Called
-        from the injector's thread."""
+        """A fault injected into an edge node's container or a host (containers/faults.py): an event and a count.
+        Called from the injector's thread."""
         if fields.get("applied", True):
-            self.state.metrics.container_faults.labels(action).inc()
+            counter = self.state.metrics.host_faults if "host" in fields else self.state.metrics.container_faults
+            counter.labels(action).inc()
         self.state.event("fault", action=action, **fields)
         self.state.progress("fault", {"action": action, **fields})
 
@@ -77,7 +81,8 @@ class NodeWatch:
                     state.metrics.client_dropped("node_exited")
             self.unreachable_clients += max(0, node.clients - len(hosted)) if node.seq == 0 else 0
             log.error("%s", node.describe())
-            state.event("node_exit", node=node.name, code=node.code, error=node.last_error)
+            state.event("node_exit", node=node.name, host=self.hosts.get(node.name), code=node.code,
+                        error=node.last_error)
             state.progress("node_exit", {"node": node.name, "code": node.code, "error": node.last_error})
         down = {node.name: node for node in exits if not node.back}  # a restarted node's clients join again
         if len(down) >= self.started > 0 and registry.online_count == 0:

@@ -33,7 +33,7 @@ class SummaryBuilder:
         self.heartbeat_interval_s = heartbeat_interval_s
 
     def build(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
-              class_hits=None) -> results.RunSummary:
+              class_hits=None, node_hosts: dict[str, str] | None = None) -> results.RunSummary:
         st, tally = self.state, self.state.tally
         counts = st.registry.counts
         complete = bool(matrix)
@@ -97,6 +97,7 @@ class SummaryBuilder:
             resumes=self.checkpointer.resumes,
             checkpoints=results.Checkpoints(**self.checkpointer.stats),
             privacy=run_privacy(self.config, rounds),
+            edge_node_hosts=dict(node_hosts or {}),
         )
 
     def _all_accuracy(self, row: list[float | None], task: int) -> float:

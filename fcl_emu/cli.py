@@ -3,7 +3,8 @@
 ``up`` runs a whole emulation on this machine; ``coordinator`` and ``node``
 run the two halves separately (other hosts); ``methods`` lists the learning
 methods; ``report`` and ``compare`` plot finished runs; ``bench`` holds the
-benchmarks.
+benchmarks; ``cluster`` makes a local multi-host Swarm; ``image`` builds the
+container image.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from coordinator.gpu_worker_args import HELP as WORKER_HELP
 from edge_node.args import HELP as NODE_HELP
 from fcl_emu import options
 from fcl_emu.bench.commands import bench_app
+from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, writable
 from runconfig import RunConfig, load_config
 from runtime.process import ArgsError
@@ -30,6 +32,7 @@ app.add_typer(bench_app, name="bench")
 image_app = typer.Typer(no_args_is_help=True, help="The container image of edge nodes, coordinator, GPU workers and "
                                                    "Prometheus (docs/containers.md).")
 app.add_typer(image_app, name="image")
+app.add_typer(cluster_app, name="cluster")
 T = TypeVar("T")
 
 

@@ -228,6 +228,7 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("node_memory", "containers.memory", commands=UP_ONLY),
             _option("faults", "containers.faults", commands=UP_ONLY),
             _option("advertise", "containers.advertise", commands=UP_ONLY, with_resume=True),
+            _option("cluster", "containers.cluster", commands=UP_ONLY, with_resume=True),
             _option("gpu_workers", "gpu.workers"),
             _option("gpu_device", "gpu.device")),
     *_panel(SECURITY,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import signal
@@ -182,9 +183,7 @@ def _start_metrics(config: RunConfig, coordinator: Coordinator, run_dir: Path, s
     if not m.enabled:
         return None
     coordinator.metrics.serve(m.port, m.host)
-    targets = stack.run_targets(m.host, m.port, config.nodes if start_nodes else 0, config.gpu.workers,
-                                gpu_offset=config.nodes)
-    path = stack.write_targets(run_dir, targets, coordinator.run_id)
+    targets, path = _write_targets(config, coordinator, run_dir, start_nodes)
     nodes = f"; edge nodes {m.port + 1}-{m.port + config.nodes}" if start_nodes else ""
     workers = config.gpu.workers
     if workers:
@@ -207,6 +206,17 @@ def _start_metrics(config: RunConfig, coordinator: Coordinator, run_dir: Path, s
     coordinator.before_rounds.append(("the local Prometheus's first scrape of every process", first_scrape,
                                       2 * m.scrape_interval_s + 10.0))
     return prometheus
+
+
+def _write_targets(config: RunConfig, coordinator: Coordinator, run_dir: Path, start_nodes: bool,
+                   node_hosts: dict[str, str] | None = None) -> tuple[list[stack.Target], Path]:
+    """The run's Prometheus targets file: the coordinator, the nodes (on ``node_hosts``' addresses where given, else
+    on the metrics host) and the GPU workers."""
+    m = config.metrics
+    targets = stack.run_targets(m.host, m.port, config.nodes if start_nodes else 0, config.gpu.workers,
+                                gpu_offset=config.nodes)
+    targets = [dataclasses.replace(t, host=(node_hosts or {}).get(t.process, t.host)) for t in targets]
+    return targets, stack.write_targets(run_dir, targets, coordinator.run_id)
 
 
 def _cached_true(check: Callable[[], bool], every_s: float) -> Callable[[], bool]:
@@ -291,7 +301,7 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
     """Start the coordinator, the nodes and the metrics; call ``started`` and run; stop them all."""
     nodes: NodeLauncher | None = None
     if start_nodes:
-        nodes = launcher(config.containers.backend)
+        nodes = launcher(config.containers.backend, config.containers.cluster)
         if config.containers.backend != "process":
             console.print(f"{config.containers.backend} backend: image {config.containers.image or '(build or reuse)'}",
                           markup=False, highlight=False)
@@ -313,7 +323,9 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
         prometheus = _start_metrics(config, coordinator, run_dir, start_nodes, console)
         if nodes is not None:
             nodes.start(coordinator.address, config, run_dir / "logs")
-            coordinator.watch_nodes(nodes.exited, nodes.count)
+            coordinator.watch_nodes(nodes.exited, nodes.count, nodes.hosts())
+            if config.metrics.enabled and nodes.metrics_addresses():  # nodes on other hosts: scraped there
+                _write_targets(config, coordinator, run_dir, True, nodes.metrics_addresses())
             target = None if config.containers.backend == "process" else nodes.container_target()
             if config.containers.faults is not None:
                 faults = _inject_faults(config, target, coordinator, view)

@@ -185,6 +185,8 @@ class CoordinatorMetrics(ProcessMetrics):
         self.container_faults = Counter("fcl_container_faults", "Faults injected into edge-node containers by the "
                                         "fault plan: kill, pause, unpause, disconnect, reconnect, restart.",
                                         ["action"], registry=r)
+        self.host_faults = Counter("fcl_host_faults", "Faults a fault plan applied to whole hosts of a local "
+                                   "cluster: lose_host, partition, heal, slow_host, restore.", ["action"], registry=r)
         self.late_updates = Counter("fcl_late_updates", "Updates that arrived after their round had closed "
                                     "(dropped).", registry=r)
         self.skipped_trainings = Counter("fcl_skipped_trainings", "Emulated clock: selected clients' trainings "

@@ -355,6 +355,7 @@ class RunSummary(SummaryPart, kw_only=True):
     resumes: int = 0
     checkpoints: Checkpoints | None = None
     privacy: Privacy | None = None  # None: a run without differential privacy
+    edge_node_hosts: dict[str, str] = {}  # edge node -> the host it ran on (nodes started by `up`)
 
     @property
     def completed(self) -> bool:

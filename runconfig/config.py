@@ -22,7 +22,7 @@ from scenario.availability import parse_availability
 from scenario.datasets import default_data_roots
 from scenario.devices import load_profiles, memory_limit
 from scenario.network_trace import load_network_trace
-from scenario.faults import load_plan
+from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, load_plan
 from scenario.spec import ScenarioSpec
 from secagg.settings import SecAggSettings
 
@@ -316,8 +316,12 @@ class ContainersConfig(pydantic.BaseModel):
     memory: str | None = pydantic.Field(
         None, description="memory limit of each edge-node container whose device class sets none, e.g. 512m or 2g")
     advertise: str | None = pydantic.Field(
-        None, description="swarm: the address the edge-node services dial the coordinator at (default: this "
-                          "manager's swarm address)")
+        None, description="swarm: the address the edge-node services dial the coordinator at (default: the "
+                          "cluster's, else this manager's swarm address)")
+    cluster: str | None = pydantic.Field(
+        None, description="swarm: the cluster (a name made by `fcl-emu cluster up`, or a cluster file) whose "
+                          "hosts' engines the run reaches: image, container metrics and fault plans on every host, "
+                          "host faults on a local one (docs/containers.md)")
     gpus: bool = pydantic.Field(False, description="give the edge-node containers the host's GPUs (CUDA device "
                                                    "request; needs the NVIDIA container runtime)")
     faults: Path | None = pydantic.Field(
@@ -460,9 +464,14 @@ class RunConfig(pydantic.BaseModel):
         if self.rounds.clients_per_round > self.scenario.num_clients:
             raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
                              f"clients ({self.scenario.num_clients})")
+        if self.containers.cluster is not None and self.containers.backend != "swarm":
+            raise ValueError("--cluster names the hosts of a swarm: use it with --backend swarm")
         if self.containers.faults is not None and self.containers.backend == "process":
             raise ValueError("a fault plan acts on containers: use it with --backend docker or swarm (emulated "
                              "churn for host processes: --availability, --crash-rate)")
+        if self.containers.faults is not None and self.containers.cluster is None and any(
+                f.action in HOST_ACTIONS for f in load_plan(self.containers.faults).faults):
+            raise ValueError(NEEDS_CLUSTER)
         if self.rounds.min_participants > self.rounds.clients_per_round:
             raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
         if self.edge.network_trace is not None and not self.emulated_clock:

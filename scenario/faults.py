@@ -13,8 +13,12 @@ import pydantic
 
 from scenario.files import load_model
 
-ACTIONS = ("kill", "pause", "disconnect", "restart")
-UNDO = {"pause": "unpause", "disconnect": "reconnect"}
+NODE_ACTIONS = ("kill", "pause", "disconnect", "restart")
+HOST_ACTIONS = ("lose_host", "partition", "slow_host")  # a host of a local cluster, everything on it at once
+ACTIONS = NODE_ACTIONS + HOST_ACTIONS
+NEEDS_CLUSTER = ("lose_host, partition and slow_host act on the hosts of a local cluster: run with --backend swarm "
+                 "--cluster NAME (`fcl-emu cluster up`)")
+UNDO = {"pause": "unpause", "disconnect": "reconnect", "partition": "heal", "slow_host": "restore"}
 
 
 class Fault(pydantic.BaseModel):
@@ -22,8 +26,11 @@ class Fault(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    action: Literal["kill", "pause", "disconnect", "restart"]
+    action: Literal["kill", "pause", "disconnect", "restart", "lose_host", "partition", "slow_host"]
     node: str | None = pydantic.Field(None, description="an edge node's name (node-3)")
+    host: str | None = pydantic.Field(None, description="host actions: a host of the cluster (local-2); unset: "
+                                                        "one drawn at random among those that run edge nodes")
+    cpus: float | None = pydantic.Field(None, gt=0, description="slow_host: the CPUs everything on the host shares")
     device_class: str | None = pydantic.Field(None, description="one node of this device class, drawn at random")
     round: int | None = pydantic.Field(None, ge=1, description="when this global round starts (1-based)")
     at_s: float | None = pydantic.Field(None, ge=0, description="seconds after the first round starts")
@@ -32,7 +39,9 @@ class Fault(pydantic.BaseModel):
         None, gt=0, le=1, description="at every round's start, each matching node independently with this "
                                       "probability (the per-round rate of the emulated crash_rate)")
     after_s: float = pydantic.Field(0.0, ge=0, description="delay after the round trigger")
-    duration_s: float = pydantic.Field(5.0, ge=0, description="pause/disconnect: undone after this long")
+    duration_s: float | None = pydantic.Field(
+        5.0, ge=0, description="pause, disconnect, partition, slow_host: undone after this long (slow_host: "
+                               "null keeps it slow to the end)")
 
     @pydantic.model_validator(mode="after")
     def _one_trigger(self) -> "Fault":
@@ -42,6 +51,18 @@ class Fault(pydantic.BaseModel):
                              f"{triggers or 'none'})")
         if self.node is not None and self.device_class is not None:
             raise ValueError("a fault names a node or a device_class, not both")
+        if self.action in HOST_ACTIONS:
+            if self.node is not None or self.device_class is not None:
+                raise ValueError(f"{self.action} acts on a host: name it with host, not node or device_class")
+            if (self.action == "slow_host") != (self.cpus is not None):
+                raise ValueError("slow_host needs cpus, and only slow_host takes it")
+            if self.action == "partition" and self.duration_s is None:
+                raise ValueError("a partition heals after duration_s")
+        elif self.host is not None or self.cpus is not None:
+            raise ValueError(f"{self.action} acts on an edge node: host and cpus are for lose_host, partition, "
+                             f"slow_host")
+        elif self.duration_s is None:
+            raise ValueError(f"{self.action}: duration_s is a number of seconds")
         return self
 
 

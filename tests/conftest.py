@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from monitoring.results import RunSummary
 from runconfig import default_data_roots
 from fcl_emu.launchers.process import node_env
 from scenario.datasets import DATA_ROOT_ENV
@@ -179,3 +180,45 @@ def events(run_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- container backends ---------------------------------------------------------------------------------------
+
+
+def up(tmp: Path, *args: str,
+       timeout: float = 600) -> tuple[subprocess.CompletedProcess, RunSummary | None, list[dict]]:
+    """``fcl-emu up`` as a user runs it; returns (process, summary.json or None, events.jsonl)."""
+    run_dir = tmp / "run"
+    done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    summary = RunSummary.load(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()] \
+        if (run_dir / "events.jsonl").exists() else []
+    return done, summary, events
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The project's image, built (or reused) once per test session; skips without a Docker engine."""
+    from containers import docker_client
+
+    reason = docker_client.available()
+    if reason:
+        pytest.skip(f"needs a Docker engine: {reason}")
+    from containers.image import ImageError, build_image
+
+    try:
+        return build_image(log=lambda _msg: None).tag
+    except ImageError as exc:
+        if "mmdebstrap is not installed" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+def no_leftovers() -> None:
+    """Nothing of a finished run stays on the engine."""
+    from containers import docker_client
+
+    client = docker_client.client()
+    assert client.containers.list(all=True, filters={"label": "fcl-emu.run"}) == []
+    assert client.networks.list(filters={"label": "fcl-emu.run"}) == []

@@ -21,44 +21,9 @@ from scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
 from runconfig import load_config
 from scenario.devices import memory_bytes, memory_limit
-from monitoring.results import RunSummary
-from tests.conftest import small_config
+from tests.conftest import no_leftovers, small_config, up
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def up(tmp: Path, *args: str,
-       timeout: float = 600) -> tuple[subprocess.CompletedProcess, RunSummary | None, list[dict]]:
-    """``fcl-emu up`` as a user runs it; returns (process, summary.json or None, events.jsonl)."""
-    run_dir = tmp / "run"
-    done = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=timeout)
-    summary = RunSummary.load(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()] \
-        if (run_dir / "events.jsonl").exists() else []
-    return done, summary, events
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    reason = docker_client.available()
-    if reason:
-        pytest.skip(f"needs a Docker engine: {reason}")
-    from containers.image import ImageError, build_image
-
-    try:
-        return build_image(log=lambda _msg: None).tag
-    except ImageError as exc:
-        if "mmdebstrap is not installed" in str(exc):
-            pytest.skip(str(exc))
-        raise
-
-
-def no_leftovers() -> None:
-    """Nothing of a finished run stays on the engine."""
-    client = docker_client.client()
-    assert client.containers.list(all=True, filters={"label": "fcl-emu.run"}) == []
-    assert client.networks.list(filters={"label": "fcl-emu.run"}) == []
 
 
 # -- no engine needed ----------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def tree_pss(pid: int) -> int:
 
 def measure(config: RunConfig, run_dir: Path) -> dict:
     """One run under ``config.containers.backend``: start-up, idle memory, round times, accuracy."""
-    nodes = launcher(config.containers.backend)
+    nodes = launcher(config.containers.backend, config.containers.cluster)
     config = RunKeys(run_dir).write(config)
     config = nodes.prepare(config, run_dir)
     idle: dict[str, float] = {}

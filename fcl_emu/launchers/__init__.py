@@ -16,28 +16,35 @@ from fcl_emu.launchers.base import NodeLauncher, NodeSpec, node_args, node_assig
 from fcl_emu.launchers.process import ProcessLauncher
 
 
-def _docker() -> NodeLauncher:
+def _process(cluster: str | None) -> NodeLauncher:
+    return ProcessLauncher()
+
+
+def _docker(cluster: str | None) -> NodeLauncher:
     from fcl_emu.launchers.docker import DockerLauncher  # the docker SDK only where containers are asked for
 
     return DockerLauncher()
 
 
-def _swarm() -> NodeLauncher:
+def _swarm(cluster: str | None) -> NodeLauncher:
+    from containers.cluster import load_cluster
     from fcl_emu.launchers.swarm import SwarmLauncher
 
-    return SwarmLauncher()
+    return SwarmLauncher(load_cluster(cluster) if cluster else None)
 
 
-BACKENDS: dict[str, Callable[[], NodeLauncher]] = {"process": ProcessLauncher, "docker": _docker, "swarm": _swarm}
+BACKENDS: dict[str, Callable[[str | None], NodeLauncher]] = {"process": _process, "docker": _docker,
+                                                             "swarm": _swarm}
 
 
-def launcher(backend: str = "process") -> NodeLauncher:
-    """A new launcher of ``backend`` (a key of :data:`BACKENDS`)."""
+def launcher(backend: str = "process", cluster: str | None = None) -> NodeLauncher:
+    """A new launcher of ``backend`` (a key of :data:`BACKENDS`); ``cluster`` names the swarm backend's cluster
+    (containers/cluster.py)."""
     try:
         make = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown edge-node backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
-    return make()
+    return make(cluster)
 
 
 __all__ = ["BACKENDS", "NodeLauncher", "NodeSpec", "ProcessLauncher", "launcher", "node_args", "node_assignment",

@@ -163,6 +163,15 @@ class NodeLauncher(abc.ABC):
         """How many nodes were started."""
 
     @abc.abstractmethod
+    def hosts(self) -> dict[str, str]:
+        """The host each started node runs on, by node name (summary.json's ``edge_node_hosts``)."""
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """The address each node's /metrics is reached at where it is not the run's metrics host (a node on
+        another host), by node name."""
+        return {}
+
+    @abc.abstractmethod
     def stop(self, grace_s: float = 10.0) -> None:
         """Wait up to ``grace_s`` for the nodes to end on their own (after the coordinator's shutdown), then end
         them."""

@@ -36,6 +36,10 @@ class DockerLauncher(EngineLauncher):
         self._events = None
         self._gateway = ""
 
+    def hosts(self) -> dict[str, str]:
+        name = self.engine.info().get("Name", "")
+        return {spec.name: name for spec, _container in self._nodes}
+
     # -- set-up ------------------------------------------------------------------------------------------------
 
     def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:

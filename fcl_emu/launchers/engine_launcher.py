@@ -88,8 +88,8 @@ def remove_when_free(obj, timeout_s: float = 20.0) -> None:
 class EngineLauncher(NodeLauncher):
     """A backend on a Docker engine: edge nodes as containers (or services), labelled with the run."""
 
-    def __init__(self) -> None:
-        self.engine = client()
+    def __init__(self, engine=None) -> None:
+        self.engine = engine or client()
         self._nodes: list[tuple[NodeSpec, object]] = []  # (spec, container or service)
         self._exits: dict[str, list[NodeExit]] = {}  # every exit of each node, in order
         self._lock = threading.Lock()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,9 @@ class ProcessLauncher(NodeLauncher):
     @property
     def count(self) -> int:
         return len(self.procs)
+
+    def hosts(self) -> dict[str, str]:
+        return {node.name: socket.gethostname() for node, _log in self._nodes}
 
     def pids(self) -> dict[str, int]:
         return {node.name: p.pid for p, (node, _log) in zip(self.procs, self._nodes) if p.poll() is None}

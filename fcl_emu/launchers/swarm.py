@@ -14,8 +14,15 @@ own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). 
   hand), and the data roots bind-mounted read-only from the host it lands on (the dataset must be at the same
   path on every host, docs/containers.md).
 
-A task that ends is reported at once (its exit code, and an out-of-memory kill named as such where the container
-is on this host) and the coordinator records its clients as crashed.
+Each edge node is pinned to one swarm node (``node.id==``): nodes of a device class go round-robin over the swarm
+nodes labelled with that class, others over every ready swarm node, in host-name order, so a run on the same
+swarm lands the same way every time. Its /metrics port is published on that host, where Prometheus scrapes it.
+With a cluster file (``--cluster``, :mod:`containers.cluster`) the launcher reaches every host's engine: the
+run's image is loaded where it is missing, and the containers on every host are sampled and acted on by fault
+plans; without one, only those on the manager's host.
+
+A task that ends is reported at once (its exit code, and an out-of-memory kill named as such where its host's
+engine is reachable) and the coordinator records its clients as crashed.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import threading
 import time
 from pathlib import Path
 
+from containers.cluster import Cluster, distribute_image, engine, engines
 from containers.docker_client import EngineError
+from containers.faults import Target
 from containers.image import image_ref
 from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher,
@@ -45,18 +54,25 @@ class SwarmLauncher(EngineLauncher):
 
     poll_s = 0.5
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, cluster: Cluster | None = None) -> None:
+        super().__init__(engine(cluster.manager.engine) if cluster is not None else None)
         swarm = self.engine.info().get("Swarm", {})
         if swarm.get("LocalNodeState") != "active" or not swarm.get("ControlAvailable"):
-            raise EngineError("this Docker engine is not a Swarm manager: run `docker swarm init` here (or on the "
-                              "manager, and run `fcl-emu up` there)")
+            where = f"the manager of cluster {cluster.name}" if cluster is not None else "this Docker engine"
+            raise EngineError(f"{where} is not a Swarm manager: run `docker swarm init` there (or on the manager, "
+                              f"and run `fcl-emu up` there)")
+        self.cluster = cluster
         self.node_address = swarm.get("NodeAddr", "")
+        self._manager_id = swarm.get("NodeID", "")
         self._secrets: list = []
         self._stop = threading.Event()
+        self._placement: dict[str, dict] = {}  # edge node -> the swarm node it runs on (id, hostname, address)
+        self._host_engines: dict[str, object] = {}  # swarm node id -> that host's engine, where reachable
 
     def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:
         self.image = image_ref(config.containers.image)
+        if self.cluster is not None:  # no registry: every host loads it from this machine
+            distribute_image(self.image, engines(self.cluster), log=log.info)
         self.label = run_label(run_dir)
         self._remove_leftovers()
         name = config.containers.network or f"fcl-emu-{self.label}"
@@ -82,11 +98,14 @@ class SwarmLauncher(EngineLauncher):
         log_dir.mkdir(parents=True, exist_ok=True)
         self._log_dir = log_dir
         host, port = split_endpoint(address)
-        advertise = config.containers.advertise or self.node_address
+        advertise = config.containers.advertise or (self.cluster.advertise if self.cluster else self.node_address)
         dial = f"tcp://{advertise if host in ANY | LOOPBACK else host}:{port}"
         shared = [self._secret(config, name) for name in (f"{SERVER_NAME}.key", SIGNERS_FILE)
                   if config.security.keys]  # beside each other in /run/secrets, as a node looks for them
-        for spec in node_specs(config):
+        specs = node_specs(config)
+        self._host_engines = self._reachable_engines()
+        self._placement = self._place(specs)
+        for spec in specs:
             service = self._create_service(spec, dial, config, shared)
             with self._lock:
                 self._nodes.append((spec, service))
@@ -112,9 +131,6 @@ class SwarmLauncher(EngineLauncher):
             secrets = [*shared_secrets, self._secret(config, key_file)]
             args = args.with_paths(server_key=f"{SECRETS_DIR}/{SERVER_NAME}.key", key=f"{SECRETS_DIR}/{key_file}")
         limits = spec.limits
-        constraints = []
-        if spec.device_class and self._class_is_labelled(spec.device_class):
-            constraints.append(f"node.labels.{LABEL_CLASS}=={spec.device_class}")
         metrics_port = node_metrics_port(config, spec.number)
         ports = {metrics_port: (metrics_port, "tcp", "host")} if metrics_port is not None else None
         return self.engine.services.create(
@@ -131,13 +147,59 @@ class SwarmLauncher(EngineLauncher):
                 mem_limit=memory_bytes(limits.memory) if limits.memory is not None else None),
             restart_policy=docker.types.RestartPolicy(condition="none"),
             endpoint_spec=docker.types.EndpointSpec(mode="dnsrr", ports=ports),
-            constraints=constraints or None)
+            constraints=[f"node.id=={self._placement[spec.name]['id']}"])
 
-    def _class_is_labelled(self, device_class: str) -> bool:
-        nodes = self.engine.nodes.list(filters={"node.label": f"{LABEL_CLASS}={device_class}"})
-        if not nodes:
-            log.warning("no swarm node is labelled %s=%s: its services run on any node", LABEL_CLASS, device_class)
-        return bool(nodes)
+    # -- placement -------------------------------------------------------------------------------------------------
+
+    def _place(self, specs: list[NodeSpec]) -> dict[str, dict]:
+        """Each edge node's swarm node: round-robin over the ready swarm nodes labelled with its device class (all
+        ready ones where none is), in host-name order. With a cluster, a host whose engine does not answer is
+        left out even while the swarm still counts it ready (a host lost moments ago)."""
+        ready = sorted(({"id": n.id, "hostname": n.attrs["Description"]["Hostname"],
+                         "address": n.attrs["Status"].get("Addr", ""),
+                         "labels": n.attrs["Spec"].get("Labels", {})}
+                        for n in self.engine.nodes.list()
+                        if n.attrs["Status"]["State"] == "ready" and n.attrs["Spec"]["Availability"] == "active"
+                        and (self.cluster is None or n.id in self._host_engines)),
+                       key=lambda n: (n["hostname"], n["id"]))
+        if not ready:
+            raise EngineError("the swarm has no ready, active node to run edge nodes on")
+        placed, turns = {}, {}
+        for spec in specs:
+            pool = [n for n in ready if spec.device_class and n["labels"].get(LABEL_CLASS) == spec.device_class]
+            if spec.device_class and not pool and spec.device_class not in turns:
+                log.warning("no swarm node is labelled %s=%s: its services run on any node", LABEL_CLASS,
+                            spec.device_class)
+            key = spec.device_class if pool else None
+            pool = pool or ready
+            turn = turns.get(key, 0)
+            turns[key] = turn + 1
+            placed[spec.name] = pool[turn % len(pool)]
+        return placed
+
+    def _reachable_engines(self) -> dict[str, object]:
+        """The engines of the hosts this launcher can reach, by swarm node id: every host of the cluster, else
+        the manager's own."""
+        if self.cluster is None:
+            return {self._manager_id: self.engine}
+        by_name = engines(self.cluster)
+        return {n.id: by_name[n.attrs["Description"]["Hostname"]] for n in self.engine.nodes.list()
+                if n.attrs["Description"]["Hostname"] in by_name}
+
+    def hosts(self) -> dict[str, str]:
+        return {name: node["hostname"] for name, node in self._placement.items()}
+
+    def container_target(self) -> Target:
+        """As for one engine, plus the hosts of a local cluster for host faults."""
+        target = super().container_target()
+        if self.cluster is not None and self.cluster.kind == "local":
+            from containers.local_cluster import HostFaults
+
+            target.host_faults, target.hosts = HostFaults(self.cluster), self.hosts()
+        return target
+
+    def metrics_addresses(self) -> dict[str, str]:
+        return {name: node["address"] for name, node in self._placement.items()}
 
     # -- watching --------------------------------------------------------------------------------------------------
 
@@ -162,31 +224,32 @@ class SwarmLauncher(EngineLauncher):
         status = task.get("Status", {})
         if status.get("State") not in ENDED:
             return
-        container_status = status.get("ContainerStatus", {})
-        self._record(node_exit(spec, int(container_status.get("ExitCode", -1)),
-                               self._local_container(container_status.get("ContainerID")),
-                               reported=status.get("Err") or status.get("Message", "")))
+        self._record(node_exit(spec, int(status.get("ContainerStatus", {}).get("ExitCode", -1)),
+                               self._container(task), reported=status.get("Err") or status.get("Message", "")))
 
-    def _local_container(self, container_id: str | None):
-        """The task's container if it runs on this host (faults, OOM status, logs); None elsewhere."""
+    def _container(self, task: dict):
+        """The task's container, through its host's engine (faults, OOM status, logs); None where that engine is
+        out of reach (another host without a cluster file, or a host that is lost)."""
         import docker
+        import requests
 
-        if not container_id:
+        container_id = task.get("Status", {}).get("ContainerStatus", {}).get("ContainerID")
+        host_engine = self._host_engines.get(task.get("NodeID", ""))
+        if not container_id or host_engine is None:
             return None
         try:
-            return self.engine.containers.get(container_id)
-        except docker.errors.NotFound:
+            return host_engine.containers.get(container_id)
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
             return None
 
     def containers(self) -> dict[str, object]:
-        """The services' containers that run on this host, by node name (faults and container metrics)."""
+        """The services' containers on every reachable host, by node name (faults and container metrics)."""
         out = {}
         with self._lock:
             services = list(self._nodes)
         for spec, service in services:
             for task in service.tasks():
-                container = self._local_container(task.get("Status", {}).get("ContainerStatus", {})
-                                                  .get("ContainerID"))
+                container = self._container(task)
                 if container is not None:
                     out[spec.name] = container
         return out
@@ -202,12 +265,24 @@ class SwarmLauncher(EngineLauncher):
             self._save_service_log(spec, service)
             service.remove()
         deadline = time.monotonic() + 30  # a removed service's containers go a moment later
-        while time.monotonic() < deadline and self.engine.containers.list(
-                all=True, filters={"label": f"{LABEL_RUN}={self.label}"}):
+        while time.monotonic() < deadline and self._containers_left():
             time.sleep(self.poll_s)
         for secret in self._secrets:
             remove_when_free(secret)
         self._remove_network()
+
+    def _containers_left(self) -> bool:
+        """Whether a container of the run is still on a reachable host."""
+        import docker
+        import requests
+
+        for host_engine in self._host_engines.values():
+            try:
+                if host_engine.containers.list(all=True, filters={"label": f"{LABEL_RUN}={self.label}"}):
+                    return True
+            except (docker.errors.DockerException, requests.exceptions.RequestException):
+                continue
+        return False
 
     def _save_service_log(self, spec: NodeSpec, service) -> None:
         try:

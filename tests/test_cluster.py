@@ -1,0 +1,232 @@
+"""Many hosts for real: a local 3-host Swarm (`fcl-emu cluster up`), runs across it, and host-level faults.
+
+Every host is a network namespace with its own Docker engine, address and cgroup (containers/local_cluster.py);
+the edge nodes run as Swarm services spread over the hosts, their traffic crossing the overlay network. The tests
+need root, iproute2, iptables and a Docker engine with the project's image (skipped, with the reason, where one
+is missing; `.ci/run` installs them). The cluster is made once for the module and removed at its end; the test
+that loses a host runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from containers import local_cluster
+from containers.cluster import Cluster, ClusterHost, load_cluster
+from containers.faults import Target
+from containers.local_cluster import HostFaults
+from runconfig import load_config
+from scenario.faults import load_plan
+from fcl_emu.bench.soak_checks import double_counts
+from monitoring import stack
+from tests.conftest import free_port, up
+from tests.test_monitoring import query_range
+
+pytestmark = pytest.mark.timeout(900)
+
+NAME = "ci"
+SUBNET = "192.168.214.0/24"
+HOSTS = [f"{NAME}-{i}" for i in (1, 2, 3)]
+RUN = ["--clients", "60", "--clients-per-round", "10", "--local-epochs", "1", "--nodes", "3", "--seed", "7",
+       "--clock", "emulated"]
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "a local cluster needs root (network namespaces, cgroups, iptables)"
+    missing = [t for t in local_cluster.TOOLS if shutil.which(t) is None]
+    return f"a local cluster needs {', '.join(missing)}" if missing else None
+
+
+@pytest.fixture(scope="module")
+def cluster(image, tmp_path_factory):
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FCL_EMU_CLUSTERS", str(tmp_path_factory.mktemp("clusters")))
+        local_cluster.down(NAME)  # what a killed test session left
+        made = local_cluster.up(NAME, 3, SUBNET, image, log=lambda _msg: None)
+        yield made
+        local_cluster.down(NAME)
+        assert local_cluster.leftovers(NAME) == []
+
+
+def _config(tmp: Path, faults: list[dict] | None = None) -> list[str]:
+    """A config file with a short liveness timeout (and a fault plan): the flags that use them."""
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump({"network": {"heartbeat_interval_s": 1.0, "liveness_timeout_s": 4.0}}))
+    flags = ["--config", str(config)]
+    if faults:
+        plan = tmp / "faults.yaml"
+        plan.write_text(yaml.safe_dump({"faults": faults}))
+        flags += ["--faults", str(plan)]
+    return flags
+
+
+# -- no engine needed ----------------------------------------------------------------------------------------
+
+
+def _cluster_file(tmp: Path, kind: str = "local") -> Path:
+    path = tmp / "cluster.json"
+    path.write_text(Cluster(name="lab", kind=kind, advertise="10.9.0.1", hosts=[
+        ClusterHost(name=f"lab-{i}", address=f"10.9.0.{10 + i}", engine=f"unix:///nowhere/{i}.sock", manager=i == 1)
+        for i in (1, 2, 3)]).model_dump_json())
+    return path
+
+
+def test_host_faults_are_checked_against_the_plan_the_config_and_the_cluster(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    for text, problem in [("{action: lose_host, node: node-1, round: 2}", "name it with host"),
+                          ("{action: slow_host, host: lab-2, round: 2}", "slow_host needs cpus"),
+                          ("{action: partition, host: lab-2, round: 2, cpus: 1}", "only slow_host takes it"),
+                          ("{action: partition, host: lab-2, round: 2, duration_s: null}", "heals after"),
+                          ("{action: kill, host: lab-2, round: 2}", "acts on an edge node")]:
+        plan.write_text(f"faults:\n  - {text}\n")
+        with pytest.raises(ValueError, match=problem):
+            load_plan(plan)
+    plan.write_text("faults:\n  - {action: partition, host: lab-1, round: 2, duration_s: 20}\n")
+    with pytest.raises(ValueError, match="--backend swarm --cluster NAME"):
+        load_config(None, {"containers": {"faults": str(plan), "backend": "docker"}})
+    with pytest.raises(ValueError, match="use it with --backend swarm"):
+        load_config(None, {"containers": {"cluster": "lab", "backend": "docker"}})
+    cluster = load_cluster(_cluster_file(tmp_path))
+    target = Target(dict, {}, None, HostFaults(cluster), {"node-0": "lab-1"})
+    with pytest.raises(ValueError, match="swarm manager's host cannot be faulted"):
+        target.check(load_plan(plan))
+    plan.write_text("faults:\n  - {action: lose_host, host: lab-9, round: 2}\n")
+    with pytest.raises(ValueError, match="has no host 'lab-9'"):
+        target.check(load_plan(plan))
+    with pytest.raises(ValueError, match="--cluster NAME"):
+        Target(dict, {}, None).check(load_plan(plan))
+    with pytest.raises(local_cluster.ClusterError, match="act on a local cluster"):
+        HostFaults(load_cluster(_cluster_file(tmp_path, kind="remote")))
+
+
+def test_cluster_files_say_what_is_wrong(tmp_path, monkeypatch):
+    monkeypatch.setenv("FCL_EMU_CLUSTERS", str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="no cluster 'local'.*fcl-emu cluster up"):
+        load_cluster("local")
+    path = tmp_path / "bad.json"
+    path.write_text('{"name": "x", "advertise": "a", "hosts": [{"name": "h", "address": "a", "engine": "e"}]}')
+    with pytest.raises(ValueError, match="exactly one manager"):
+        load_cluster(path)
+    assert load_cluster(_cluster_file(tmp_path)).manager.name == "lab-1"
+    with pytest.raises(local_cluster.ClusterError, match="1 to 8 lower-case"):
+        local_cluster.up("Bad_Name")
+
+
+# -- a real cluster ------------------------------------------------------------------------------------------
+
+
+def test_down_removes_what_a_crashed_cluster_up_left(tmp_path, monkeypatch):
+    """A `cluster up` killed half-way leaves a bridge, a namespace, a veth, a cgroup and state: `down` finds them by
+    their names and removes them all."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("FCL_EMU_CLUSTERS", str(tmp_path))
+    name = "crashed"
+    local_cluster.down(name)
+    local_cluster._bridge_up(name, "192.168.215.1", 24)
+    subprocess.run(["ip", "netns", "add", local_cluster.netns(name, 1)], check=True)
+    subprocess.run(["ip", "link", "add", local_cluster.veth(name, 1), "type", "veth", "peer", "name", "eth0",
+                    "netns", local_cluster.netns(name, 1)], check=True)
+    for directory in local_cluster._cgroup_dirs(name, f"{name}-1"):
+        (directory / "engine").mkdir(parents=True)
+    (local_cluster.state_dir(name) / f"{name}-1").mkdir(parents=True)
+    assert len(local_cluster.leftovers(name)) >= 5
+    local_cluster.down(name)
+    assert local_cluster.leftovers(name) == []
+    rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout
+    assert f"fcl-emu-{name}" not in rules
+
+
+@pytest.mark.slow
+def test_a_run_across_three_hosts_matches_the_process_backend(cluster, image, tmp_path, mnist_root):
+    """60 clients on 3 edge nodes, one per host, over the overlay network: the process backend's accuracy matrix,
+    participants and bytes per message type (the same seed, the emulated clock)."""
+    rows = {row["host"]: row for row in local_cluster.status(cluster)}
+    assert [rows[h]["swarm"] for h in HOSTS] == ["ready"] * 3 and [rows[h]["engine"] for h in HOSTS] == ["up"] * 3
+    args = [*RUN, "--tasks", "2", "--rounds-per-task", "2", "--data-root", str(mnist_root)]
+    done, process, process_events = up(tmp_path / "process", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done, swarm, swarm_events = up(tmp_path / "swarm", *args, "--backend", "swarm", "--cluster", NAME,
+                                   "--image", image)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert swarm.status == process.status == "completed"
+    assert swarm.edge_node_hosts == {"node-0": HOSTS[0], "node-1": HOSTS[1], "node-2": HOSTS[2]}
+    assert swarm.accuracy_matrix == process.accuracy_matrix
+    assert ([e["contributors"] for e in swarm_events if e["event"] == "round"]
+            == [e["contributors"] for e in process_events if e["event"] == "round"])
+    # heartbeats follow host time, and a join carries the node's process id: every other message is byte-equal
+    same = {t: v for t, v in swarm.bytes.items() if t not in ("heartbeat", "join")}
+    assert same == {t: v for t, v in process.bytes.items() if t not in ("heartbeat", "join")}
+    assert all(row["containers"] == 0 for row in local_cluster.status(cluster))
+
+
+@pytest.mark.slow
+def test_a_partitioned_host_s_clients_leave_and_rejoin(cluster, image, tmp_path, mnist_root):
+    """Host 3 is cut off both ways for 20 s from round 2: its 20 clients are declared dead after the liveness
+    timeout, join again once it is healed, and no update is aggregated twice (those sent into the cut arrive
+    late and are dropped)."""
+    faults = [{"action": "partition", "host": HOSTS[2], "round": 2, "duration_s": 20}]
+    args = [*RUN, "--tasks", "3", "--rounds-per-task", "4", "--data-root", str(mnist_root)]
+    done, summary, events = up(tmp_path, *args, *_config(tmp_path, faults), "--backend", "swarm",
+                               "--cluster", NAME, "--image", image)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert summary.status == "completed"
+    applied = [(e["action"], e["host"], e["nodes"]) for e in events if e["event"] == "fault" and e["applied"]]
+    assert applied == [("partition", HOSTS[2], ["node-2"]), ("heal", HOSTS[2], ["node-2"])]
+    assert summary.clients.dropped == 20 and summary.clients.rejoined == 20 and summary.clients.online_at_end == 60
+    assert double_counts(events) == []
+    assert not any(e["event"] == "node_exit" for e in events)  # the partition ended no edge node
+    assert local_cluster.HostFaults(cluster).quota(HOSTS[2]) is None
+
+
+@pytest.mark.slow
+def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, tmp_path, mnist_root):
+    """Host 2 (engine and containers) is lost at once in round 2: its 20 clients are dropped within the liveness
+    timeout, the run completes, the fault is an event and a metric, and Prometheus scraped every host's node."""
+    if stack.prometheus_binary() is None:
+        pytest.skip("the `prometheus` binary is not installed (`apt-get install prometheus`; .ci/run installs it)")
+    faults = [{"action": "lose_host", "host": HOSTS[1], "round": 2, "after_s": 0.5}]
+    metrics_port = stack.find_port_block("0.0.0.0", 1, start=20000 + free_port() % 20000, stop=65000)
+    args = [*RUN, "--tasks", "2", "--rounds-per-task", "3", "--data-root", str(mnist_root),
+            "--metrics-port", str(metrics_port), "--prometheus", "--prometheus-port", str(free_port())]
+    started = time.time()
+    done, summary, events = up(tmp_path, *args, *_config(tmp_path, faults), "--backend", "swarm",
+                               "--cluster", NAME, "--image", image)
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert summary.status == "completed" and summary.clients.dropped == 20
+    lost = next(e for e in events if e["event"] == "fault")
+    assert (lost["action"], lost["host"], lost["nodes"], lost["applied"]) == ("lose_host", HOSTS[1], ["node-1"], True)
+    after = [e for e in events if e["event"] == "round" and e["time"] > lost["time"]]
+    # the round it was lost in closes once its clients there are declared dead: the liveness timeout, and slack
+    assert after[0]["time"] - lost["time"] < 4.0 + 3.0
+    assert after[1]["online"] == 40
+    on_lost_host = {f"client-{i:04d}" for i in range(1, 60, 3)}  # node-1's clients (striped over 3 nodes)
+    assert all(not set(e["contributors"]) & on_lost_host for e in after)
+    assert local_cluster.status(cluster)[1]["engine"] == "down"
+
+    run_id = json.loads((tmp_path / "run" / stack.TARGETS_FILE).read_text())[0]["labels"]["run_id"]
+    prometheus = stack.LocalPrometheus(tmp_path / "run", port=free_port(), scrape_interval_s=1.0)
+    prometheus.start()
+    try:
+        faults_seen = query_range(prometheus.url, f'fcl_host_faults_total{{run_id="{run_id}"}}', started, ended)
+        assert faults_seen and faults_seen[0]["metric"]["action"] == "lose_host"
+        assert max(float(v) for _t, v in faults_seen[0]["values"]) == 1.0
+        scraped = query_range(prometheus.url, f'up{{run_id="{run_id}",role="edge_node"}} == 1', started, ended)
+        assert {s["metric"]["process"] for s in scraped} == {"node-0", "node-1", "node-2"}
+        assert {s["metric"]["instance"].partition(":")[0] for s in scraped} == {h.address for h in cluster.hosts}
+    finally:
+        prometheus.stop()
