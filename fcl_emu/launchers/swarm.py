@@ -285,8 +285,20 @@ class SwarmLauncher(EngineLauncher):
         return False
 
     def _save_service_log(self, spec: NodeSpec, service) -> None:
+        """The node's log, from its container through its host's engine; through the manager where that engine is
+        out of reach and no cluster says the host is gone (the manager waits for a lost host's log for good)."""
+        import docker
+        import requests
+
+        tasks = sorted(service.tasks(), key=lambda t: t.get("CreatedAt", ""))
+        container = self._container(tasks[-1]) if tasks else None
         try:
-            text = b"".join(service.logs(stdout=True, stderr=True, follow=False))
-        except Exception as exc:  # logs of a service whose task never started
-            text = f"(no log: {exc})\n".encode()
+            if container is not None:
+                text = container.logs(stdout=True, stderr=True)
+            elif self.cluster is not None:
+                text = b"(no log: its host's engine does not answer)\n"
+            else:
+                text = b"".join(service.logs(stdout=True, stderr=True, follow=False))
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            text = f"(no log: {exc})\n".encode()  # a service whose task never started
         self._save_log(spec, text)
