@@ -23,6 +23,9 @@ from containers import local_cluster
 from containers.cluster import Cluster, ClusterHost, load_cluster
 from containers.faults import Target
 from containers.local_cluster import HostFaults
+from fcl_emu.launchers.base import NodeSpec
+from fcl_emu.launchers.engine_launcher import LABEL_CLASS
+from fcl_emu.launchers.swarm import place
 from runconfig import load_config
 from scenario.faults import load_plan
 from fcl_emu.bench.soak_checks import double_counts
@@ -109,6 +112,17 @@ def test_host_faults_are_checked_against_the_plan_the_config_and_the_cluster(tmp
         Target(dict, {}, None).check(load_plan(plan))
     with pytest.raises(local_cluster.ClusterError, match="act on a local cluster"):
         HostFaults(load_cluster(_cluster_file(tmp_path, kind="remote")))
+
+
+def test_edge_nodes_go_round_robin_over_their_class_s_hosts_or_over_all():
+    hosts = [{"id": f"id-{h}", "hostname": h, "labels": labels} for h, labels in
+             [("c", {LABEL_CLASS: "budget"}), ("a", {}), ("b", {LABEL_CLASS: "budget"})]]
+    specs = [NodeSpec(n, f"node-{n}", [n], device_class=cls) for n, cls in
+             enumerate(["budget", None, "budget", "budget", None, "flagship", None])]
+    placed = {name: host["hostname"] for name, host in place(specs, hosts).items()}
+    # budget: b, c, b; the others (a class no host is labelled for included): a, b, c, a
+    assert placed == {"node-0": "b", "node-2": "c", "node-3": "b",
+                      "node-1": "a", "node-4": "b", "node-5": "c", "node-6": "a"}
 
 
 def test_cluster_files_say_what_is_wrong(tmp_path, monkeypatch):

@@ -49,6 +49,27 @@ ENDED = {"complete", "failed", "shutdown", "rejected", "orphaned", "remove"}
 SECRETS_DIR = "/run/secrets"
 
 
+def place(specs: list[NodeSpec], nodes: list[dict]) -> dict[str, dict]:
+    """Each edge node's swarm node (``nodes``: dicts with ``hostname`` and ``labels``): round-robin, in host-name
+    order, over the nodes labelled with its device class, or over all of them where none is (a warning says so)."""
+    nodes = sorted(nodes, key=lambda n: (n["hostname"], n.get("id", "")))
+    placed: dict[str, dict] = {}
+    turns: dict[str | None, int] = {}
+    unlabelled: set[str] = set()
+    for spec in specs:
+        pool = [n for n in nodes if spec.device_class and n["labels"].get(LABEL_CLASS) == spec.device_class]
+        if spec.device_class and not pool and spec.device_class not in unlabelled:
+            unlabelled.add(spec.device_class)
+            log.warning("no swarm node is labelled %s=%s: its services run on any node", LABEL_CLASS,
+                        spec.device_class)
+        key = spec.device_class if pool else None
+        turn = turns.get(key, 0)
+        turns[key] = turn + 1
+        pool = pool or nodes
+        placed[spec.name] = pool[turn % len(pool)]
+    return placed
+
+
 class SwarmLauncher(EngineLauncher):
     """One Swarm service per edge node (:func:`node_specs`), watched by polling its task."""
 
@@ -152,30 +173,16 @@ class SwarmLauncher(EngineLauncher):
     # -- placement -------------------------------------------------------------------------------------------------
 
     def _place(self, specs: list[NodeSpec]) -> dict[str, dict]:
-        """Each edge node's swarm node: round-robin over the ready swarm nodes labelled with its device class (all
-        ready ones where none is), in host-name order. With a cluster, a host whose engine does not answer is
+        """:func:`place` on the ready, active swarm nodes; with a cluster, a host whose engine does not answer is
         left out even while the swarm still counts it ready (a host lost moments ago)."""
-        ready = sorted(({"id": n.id, "hostname": n.attrs["Description"]["Hostname"],
-                         "address": n.attrs["Status"].get("Addr", ""),
-                         "labels": n.attrs["Spec"].get("Labels", {})}
-                        for n in self.engine.nodes.list()
-                        if n.attrs["Status"]["State"] == "ready" and n.attrs["Spec"]["Availability"] == "active"
-                        and (self.cluster is None or n.id in self._host_engines)),
-                       key=lambda n: (n["hostname"], n["id"]))
+        ready = [{"id": n.id, "hostname": n.attrs["Description"]["Hostname"],
+                  "address": n.attrs["Status"].get("Addr", ""), "labels": n.attrs["Spec"].get("Labels", {})}
+                 for n in self.engine.nodes.list()
+                 if n.attrs["Status"]["State"] == "ready" and n.attrs["Spec"]["Availability"] == "active"
+                 and (self.cluster is None or n.id in self._host_engines)]
         if not ready:
             raise EngineError("the swarm has no ready, active node to run edge nodes on")
-        placed, turns = {}, {}
-        for spec in specs:
-            pool = [n for n in ready if spec.device_class and n["labels"].get(LABEL_CLASS) == spec.device_class]
-            if spec.device_class and not pool and spec.device_class not in turns:
-                log.warning("no swarm node is labelled %s=%s: its services run on any node", LABEL_CLASS,
-                            spec.device_class)
-            key = spec.device_class if pool else None
-            pool = pool or ready
-            turn = turns.get(key, 0)
-            turns[key] = turn + 1
-            placed[spec.name] = pool[turn % len(pool)]
-        return placed
+        return place(specs, ready)
 
     def _reachable_engines(self) -> dict[str, object]:
         """The engines of the hosts this launcher can reach, by swarm node id: every host of the cluster, else
