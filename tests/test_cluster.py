@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from containers import local_cluster
-from containers.cluster import Cluster, ClusterHost, load_cluster
+from containers.cluster import Cluster, ClusterHost, engine, load_cluster
 from containers.faults import Target
 from containers.local_cluster import HostFaults
 from fcl_emu.launchers.base import NodeSpec
@@ -206,6 +206,26 @@ def test_a_partitioned_host_s_clients_leave_and_rejoin(cluster, image, tmp_path,
     assert double_counts(events) == []
     assert not any(e["event"] == "node_exit" for e in events)  # the partition ended no edge node
     assert local_cluster.HostFaults(cluster).quota(HOSTS[2]) is None
+
+
+@pytest.mark.slow
+def test_a_slowed_host_shares_its_cpu_quota_among_all_it_runs(cluster, image):
+    """slow_host's quota binds everything on the host: a busy container there is throttled by the host's cgroup
+    (its own container has no limit) and gets at most its share; restore lifts it."""
+    faults = local_cluster.HostFaults(cluster)
+    faults.slow(HOSTS[1], 0.25)
+    try:
+        assert faults.quota(HOSTS[1]) == 0.25
+        stat = local_cluster._cgroup_file(NAME, HOSTS[1], "cpu", "cpu.stat")
+        throttled = int(dict(line.split() for line in stat.read_text().splitlines())["nr_throttled"])
+        busy = ("import time\nt = time.time()\nwhile time.time() - t < 2: pass\nprint(time.process_time())")
+        output = engine(cluster.host(HOSTS[1]).engine).containers.run(
+            image, ["-c", busy], entrypoint="python", remove=True).decode()
+        assert float(output) < 0.25 * 2 + 0.5  # unthrottled it would be near 2 s on an idle CPU
+        assert int(dict(line.split() for line in stat.read_text().splitlines())["nr_throttled"]) > throttled
+    finally:
+        faults.restore(HOSTS[1])
+    assert faults.quota(HOSTS[1]) is None
 
 
 @pytest.mark.slow
