@@ -105,15 +105,22 @@ def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict
     assert "| glfc | 0 | not run yet | | | not available here | |" in lines
     assert ("CPU hours of these 9 runs: 6.50 (the CPU time of all their processes; 5 of them without it, counted as "
             "wall clock x 1 thread).") in table
-    assert "- target above fedavg (TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)" in lines
-    assert "- target above mfcl (TARGET): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)" in lines
-    assert "- target above fedlwf2t (TARGET): not measured yet" in lines
-    assert "- lander above target (LANDER): not measured yet" in lines
+    assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
+            in lines)
+    assert "- mfcl above fedavg (claimed by MFCL): reproduced in direction (22.00 ± 1.41 against 11.00 ± 1.00)" in lines
+    assert ("- target above mfcl (no source here states it): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)"
+            in lines)
+    assert "- target above fedlwf2t (claimed by TARGET): not measured yet" in lines
+    assert "- lander above target (claimed by LANDER): not measured yet" in lines
 
 
 def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget():
-    cfg = many_class_table.config("lander", 0.02, 1)
+    cfg = many_class_table.config("lander", 0.04, 1)
     assert cfg["scenario"]["dataset"] == "tiny-imagenet-32" and cfg["scenario"]["num_tasks"] == 10
     assert cfg["seed"] == cfg["scenario"]["seed"] == 1 and cfg["gpu"]["threads"] == 1 and cfg["model"] == "cnn_bn"
-    assert cfg["method_options"] == {**generative_table.CPU, "synthesis_rounds": 2, "warmup": 1}
-    assert many_class_table.config("glfc", 0.02, 0)["method_options"]["memory_size"] == 200
+    assert cfg["method_options"] == {"generator_width": 32, "synthetic_batch": 32, "synthesis_batch": 64,
+                                     "synthesis_rounds": 2, "warmup": 1}
+    assert many_class_table.config("mfcl", 0.04, 0)["method_options"]["generator_iterations"] == 4
+    assert many_class_table.config("glfc", 0.04, 0)["method_options"]["memory_size"] == 200
+    # the generative table keeps its half-width generators
+    assert generative_table.config("lander", "mnist", 0.125, 0)["method_options"]["generator_width"] == 64

@@ -67,10 +67,12 @@ def budget(method: str, fraction: float) -> dict:
     return {}
 
 
-def config(method: str, dataset: str, fraction: float, seed: int, base: dict = BASE) -> dict:
-    """The run of ``method`` on ``dataset`` in scenario ``base``: the generators at half width (``CPU``) and every
-    method at ``fraction`` of its official budget."""
-    options = {**(CPU if method in GENERATIVE else {}), **budget(method, fraction)}
+def config(method: str, dataset: str, fraction: float, seed: int, base: dict = BASE,
+           cpu: dict[str, dict] | None = None) -> dict:
+    """The run of ``method`` on ``dataset`` in scenario ``base``: every method at ``fraction`` of its official
+    budget, with ``cpu[method]``'s options (default: the generators at half width, ``CPU``)."""
+    cpu = {m: CPU for m in GENERATIVE} if cpu is None else cpu
+    options = {**cpu.get(method, {}), **budget(method, fraction)}
     return seeded({**base, "scenario": {**base["scenario"], "dataset": dataset}, "method": method,
                    "method_options": options}, seed)
 
