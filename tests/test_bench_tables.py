@@ -97,13 +97,14 @@ def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict
     rows += [many_class_row("target", s, a) for s, a in enumerate((20.0, 21.0, 22.0))]
     rows += [many_class_row("mfcl", s, a) for s, a in enumerate((21.0, 23.0))]
     rows.append(many_class_row("lander", 0, 0.0, status="failed"))
+    rows.append(many_class_row("glfc", 0, 30.0))
     table = many_class_table.markdown(rows, list(many_class_table.METHODS))
     lines = table.splitlines()
     assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | not available here | 1800 ± 0 |" in lines
     assert any(line.startswith("| mfcl | 2 | 22.00 ± 1.41 |") for line in lines)
     assert "| lander | 0 | failed | | | not available here | |" in lines
-    assert "| glfc | 0 | not run yet | | | not available here | |" in lines
-    assert ("CPU hours of these 9 runs: 6.50 (the CPU time of all their processes; 5 of them without it, counted as "
+    assert "| fedewc | 0 | not run yet | | | not available here | |" in lines
+    assert ("CPU hours of these 10 runs: 7.50 (the CPU time of all their processes; 5 of them without it, counted as "
             "wall clock x 1 thread).") in table
     assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
             in lines)
@@ -111,6 +112,7 @@ def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict
     assert ("- target above mfcl (no source here states it): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)"
             in lines)
     assert "- target above fedlwf2t (claimed by TARGET): not measured yet" in lines
+    assert "- glfc above fedavg (no source here states it): not judged yet, one seed (30.00 against 11.00)" in lines
     assert "- lander above target (claimed by LANDER): not measured yet" in lines
 
 

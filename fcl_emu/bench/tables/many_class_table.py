@@ -89,14 +89,18 @@ def cpu_hours(rows: list[dict]) -> tuple[float, int]:
 
 def verdicts(rows: list[dict]) -> list[tuple[str, str]]:
     """``(claim, verdict with the numbers)`` for every claim of :data:`CLAIMS`, by :func:`runs.verdict` on the
-    completed runs' average accuracy."""
-    acc = {m: spread([r["avg_accuracy"] for r in rows if r["method"] == m and r["status"] == "completed"])
-           for m in METHODS}
+    completed runs' average accuracy; a method with one completed seed is not judged yet."""
+    values = {m: [r["avg_accuracy"] for r in rows if r["method"] == m and r["status"] == "completed"]
+              for m in METHODS}
+    acc = {m: spread(v) for m, v in values.items()}
     out = []
     for method, other, paper in CLAIMS:
         claim = f"{method} above {other} ({'claimed by ' + paper if paper else 'no source here states it'})"
         if acc[method] is None or acc[other] is None:
             out.append((claim, "not measured yet"))
+            continue
+        if min(len(values[method]), len(values[other])) < 2:  # no standard deviation to judge the gap by
+            out.append((claim, f"not judged yet, one seed ({acc[method][0]:.2f} against {acc[other][0]:.2f})"))
             continue
         (a, sa), (b, sb) = acc[method], acc[other]
         out.append((claim, f"{verdict(a, sa, b, sb)} ({a:.2f} ± {sa:.2f} against {b:.2f} ± {sb:.2f})"))
