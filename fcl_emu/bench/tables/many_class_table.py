@@ -51,7 +51,7 @@ BASE = {
     "device": "cpu",
 }
 
-# The generators at a quarter of their code's width and images per step, for this CPU budget: generator 32
+# The generators at a quarter of their code's width and images per round, for this CPU budget: generator 32
 # channels wide, 64 images per synthesis round (MFCL: per generator iteration), 32 synthetic images per client step
 _SMALL = {"generator_width": 32, "synthetic_batch": 32}
 CPU = {"mfcl": {**_SMALL, "generator_batch": 64}, "target": {**_SMALL, "synthesis_batch": 64},
@@ -75,9 +75,10 @@ CLAIMS: tuple[tuple[str, str, str | None], ...] = (
 )
 
 
-def config(method: str, fraction_: float, seed: int, base: dict = BASE) -> dict:
-    """The run of ``method``: ``CPU``'s smaller generators on a CPU, the code's on another device."""
-    return generative_table.config(method, DATASET, fraction_, seed, base, CPU if base["device"] == "cpu" else {})
+def config(method: str, share: float, seed: int, base: dict = BASE) -> dict:
+    """The run of ``method`` at ``share`` of its official budget: ``CPU``'s smaller generators on a CPU, the
+    code's on another device."""
+    return generative_table.config(method, DATASET, share, seed, base, CPU if base["device"] == "cpu" else {})
 
 
 def cpu_hours(rows: list[dict]) -> tuple[float, int]:
