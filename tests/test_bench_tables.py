@@ -123,6 +123,9 @@ def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget
     assert cfg["method_options"] == {"generator_width": 32, "synthetic_batch": 32, "synthesis_batch": 64,
                                      "synthesis_rounds": 2, "warmup": 1}
     assert many_class_table.config("mfcl", 0.04, 0)["method_options"]["generator_iterations"] == 4
-    assert many_class_table.config("glfc", 0.04, 0)["method_options"]["memory_size"] == 200
+    glfc = many_class_table.config("glfc", 0.04, 0)["method_options"]
+    assert (glfc["memory_size"], glfc["perturb_steps"], glfc["proxy_iterations"]) == (200, 2, 10)
+    gpu = many_class_table.config("glfc", 1.0, 0, {**many_class_table.BASE, "device": "cuda"})["method_options"]
+    assert "perturb_steps" not in gpu and gpu["proxy_iterations"] == 250  # the code's on a GPU
     # the generative table keeps its half-width generators
     assert generative_table.config("lander", "mnist", 0.125, 0)["method_options"]["generator_width"] == 64
