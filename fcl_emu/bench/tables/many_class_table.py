@@ -55,8 +55,7 @@ BASE = {
 # The generators at a quarter of their code's width and images per round, for this CPU budget: generator 32
 # channels wide, 64 images per synthesis round (MFCL: per generator iteration), 32 synthetic images per client step
 _SMALL = {"generator_width": 32, "synthetic_batch": 32}
-# GLFC's clients perturb each new class's prototype with 2 SGD steps (code: 50), 1/25 as the rest: at 50, their
-# 20 classes a task took GLFC's first round of every task 3 minutes
+# GLFC's clients perturb each new class's prototype with 2 SGD steps (code: 50), 1/25 as the rest
 CPU = {"mfcl": {**_SMALL, "generator_batch": 64}, "target": {**_SMALL, "synthesis_batch": 64},
        "lander": {**_SMALL, "synthesis_batch": 64}, "glfc": {"perturb_steps": 2}}
 
