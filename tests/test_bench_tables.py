@@ -108,7 +108,8 @@ def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict
             "wall clock x 1 thread).") in table
     assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
             in lines)
-    assert "- mfcl above fedavg (claimed by MFCL): reproduced in direction (22.00 ± 1.41 against 11.00 ± 1.00)" in lines
+    assert ("- mfcl above fedavg (claimed by MFCL): reproduced in direction (22.00 ± 1.41 against 11.00 ± 1.00)"
+            in lines)
     assert ("- target above mfcl (no source here states it): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)"
             in lines)
     assert "- target above fedlwf2t (claimed by TARGET): not measured yet" in lines
