@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, runs
+from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, many_class_table, runs
 from monitoring.results import RunSummary
 
 SUMMARY = {
@@ -29,6 +29,15 @@ def test_a_finished_run_is_read_and_a_missing_one_left_out_with_report_only(tmp_
     assert isinstance(summary, RunSummary) and summary.average_accuracy == 70.0
     assert runs.run_up("b", {}, "unused", tmp_path, report_only=True) is None
     assert not (tmp_path / "b").exists()
+
+
+def test_a_run_started_keeps_the_cpu_time_of_its_processes_and_their_children(tmp_path):
+    grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(20_000_000))'])"
+    cpu = runs.run_timed([sys.executable, "-c", grandchild])
+    assert cpu["user_s"] > 0.2  # the grandchild's loop, about a second
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / runs.HOST_CPU).write_text(json.dumps({"user_s": 2.0, "system_s": 0.5}))
+    assert runs.host_cpu_s(tmp_path, "a") == 2.5 and runs.host_cpu_s(tmp_path, "b") is None
 
 
 def test_a_run_locked_by_another_process_is_left_out(tmp_path, capsys):
@@ -53,7 +62,7 @@ def test_rows_read_the_summary_record():
 
 
 def test_every_table_runs_as_a_module():
-    for table in ("glfc_table", "feature_replay_table", "generative_table", "secagg_table"):
+    for table in ("glfc_table", "feature_replay_table", "generative_table", "secagg_table", "many_class_table"):
         done = subprocess.run([sys.executable, "-m", f"fcl_emu.bench.tables.{table}", "--help"], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0 and "--out" in done.stdout, done.stderr
@@ -68,3 +77,56 @@ def test_noisy_affcl_rows_take_the_code_readmes_noisy_client_settings():
     assert rows["affcl"] == ("affcl", {})  # the clean rows keep the defaults (its EMNIST-Letters command)
     assert rows["affcl-strong-noisy"][1] == {**readme, **feature_replay_table.STRONG}
     assert rows["fedavg-noisy"] == ("fedavg", {})
+
+
+def test_the_verdict_rule_compares_the_gap_with_the_larger_standard_deviation():
+    assert runs.verdict(30.0, 1.0, 25.0, 4.0) == runs.REPRODUCED  # 5 > max(1, 4)
+    assert runs.verdict(30.0, 1.0, 26.0, 4.0) == runs.INCONCLUSIVE  # 4 is not more than 4
+    assert runs.verdict(26.0, 4.0, 30.0, 1.0) == runs.INCONCLUSIVE
+    assert runs.verdict(20.0, 0.5, 30.0, 3.0) == runs.NOT_REPRODUCED
+    assert runs.verdict(30.0, 0.0, 29.9, 0.0) == runs.REPRODUCED  # one seed each: any gap in the claimed direction
+
+
+def many_class_row(method: str, seed: int, accuracy: float, status: str = "completed") -> dict:
+    return {"method": method, "seed": seed, "status": status, "avg_accuracy": accuracy, "avg_forgetting": 50.0,
+            "old_accuracy": [10.0, 5.0], "wall_s": 1800.0, "cpu_s": 3600.0 if seed == 0 else None}
+
+
+def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict_per_claim():
+    rows = [many_class_row("fedavg", s, a) for s, a in enumerate((10.0, 11.0, 12.0))]
+    rows += [many_class_row("target", s, a) for s, a in enumerate((20.0, 21.0, 22.0))]
+    rows += [many_class_row("mfcl", s, a) for s, a in enumerate((21.0, 23.0))]
+    rows.append(many_class_row("lander", 0, 0.0, status="failed"))
+    rows.append(many_class_row("glfc", 0, 30.0))
+    table = many_class_table.markdown(rows, list(many_class_table.METHODS))
+    lines = table.splitlines()
+    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | not available here | 1800 ± 0 |" in lines
+    assert any(line.startswith("| mfcl | 2 | 22.00 ± 1.41 |") for line in lines)
+    assert "| lander | 0 | failed | | | not available here | |" in lines
+    assert "| fedewc | 0 | not run yet | | | not available here | |" in lines
+    assert ("CPU hours of these 10 runs: 7.50 (the CPU time of all their processes; 5 of them without it, counted as "
+            "wall clock x 1 thread).") in table
+    assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
+            in lines)
+    assert ("- mfcl above fedavg (claimed by MFCL): reproduced in direction (22.00 ± 1.41 against 11.00 ± 1.00)"
+            in lines)
+    assert ("- target above mfcl (no source here states it): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)"
+            in lines)
+    assert "- target above fedlwf2t (claimed by TARGET): not measured yet" in lines
+    assert "- glfc above fedavg (no source here states it): not judged yet, one seed (30.00 against 11.00)" in lines
+    assert "- lander above target (claimed by LANDER): not measured yet" in lines
+
+
+def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget():
+    cfg = many_class_table.config("lander", 0.04, 1)
+    assert cfg["scenario"]["dataset"] == "tiny-imagenet-32" and cfg["scenario"]["num_tasks"] == 10
+    assert cfg["seed"] == cfg["scenario"]["seed"] == 1 and cfg["gpu"]["threads"] == 1 and cfg["model"] == "cnn_bn"
+    assert cfg["method_options"] == {"generator_width": 32, "synthetic_batch": 32, "synthesis_batch": 64,
+                                     "synthesis_rounds": 2, "warmup": 1}
+    assert many_class_table.config("mfcl", 0.04, 0)["method_options"]["generator_iterations"] == 4
+    glfc = many_class_table.config("glfc", 0.04, 0)["method_options"]
+    assert (glfc["memory_size"], glfc["perturb_steps"], glfc["proxy_iterations"]) == (200, 2, 10)
+    gpu = many_class_table.config("glfc", 1.0, 0, {**many_class_table.BASE, "device": "cuda"})["method_options"]
+    assert "perturb_steps" not in gpu and gpu["proxy_iterations"] == 250  # the code's on a GPU
+    # the generative table keeps its half-width generators
+    assert generative_table.config("lander", "mnist", 0.125, 0)["method_options"]["generator_width"] == 64

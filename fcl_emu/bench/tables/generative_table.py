@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fcl_emu.bench.tables.runs import add_report_only, events, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
 from monitoring.results import RunSummary
 
 BASE = {
@@ -67,9 +67,13 @@ def budget(method: str, fraction: float) -> dict:
     return {}
 
 
-def config(method: str, dataset: str, fraction: float, seed: int) -> dict:
-    options = {**(CPU if method in GENERATIVE else {}), **budget(method, fraction)}
-    return seeded({**BASE, "scenario": {**BASE["scenario"], "dataset": dataset}, "method": method,
+def config(method: str, dataset: str, fraction: float, seed: int, base: dict = BASE,
+           cpu: dict[str, dict] | None = None) -> dict:
+    """The run of ``method`` on ``dataset`` in scenario ``base``: every method at ``fraction`` of its official
+    budget, with ``cpu[method]``'s options (default: the generators at half width, ``CPU``)."""
+    cpu = {m: CPU for m in GENERATIVE} if cpu is None else cpu
+    options = {**cpu.get(method, {}), **budget(method, fraction)}
+    return seeded({**base, "scenario": {**base["scenario"], "dataset": dataset}, "method": method,
                    "method_options": options}, seed)
 
 
@@ -90,6 +94,20 @@ def run_row(method: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
         "server_job_s": sum(k.run_s for kind, k in jobs.items() if not kind.startswith("device.")),
         "wall_s": s.wall_clock_s,
     }
+
+
+def sweep(methods: list[str], seed_list: list[int], make_config, args) -> list[dict]:
+    """One :func:`run_row` per method and seed of ``make_config(method, seed)``, run (or read) into ``args.out``
+    seed by seed: a partial sweep already has every method at its first seeds."""
+    rows = []
+    for seed in seed_list:
+        for m in methods:
+            name = f"{m}-s{seed}"
+            summary = run_up(name, make_config(m, seed), args.data_root, args.out, args.report_only)
+            if summary is not None:
+                rows.append({**run_row(m, seed, summary, events(args.out, name)),
+                             "cpu_s": host_cpu_s(args.out, name)})
+    return rows
 
 
 def markdown(rows: list[dict], methods: list[str]) -> str:
@@ -123,21 +141,12 @@ def main() -> None:
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--methods", default="fedavg,fedlwf2t,fedewc,mfcl,target,lander")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
-    ap.add_argument("--budget", type=float, default=0.125, help="fraction of each generator's official budget")
+    ap.add_argument("--budget", type=fraction, default=0.125, help="fraction of each generator's official budget")
     ap.add_argument("--out", type=Path, default=Path("runs/generative"))
     add_report_only(ap)
     args = ap.parse_args()
-    if not 0 < args.budget <= 1:
-        raise SystemExit(f"--budget is a fraction in (0, 1], got {args.budget}")
     methods = args.methods.split(",")
-    rows = []
-    for seed in args.seeds:  # seed by seed: a partial sweep already has every method at its first seeds
-        for m in methods:
-            name = f"{m}-s{seed}"
-            summary = run_up(name, config(m, args.dataset, args.budget, seed), args.data_root, args.out,
-                             args.report_only)
-            if summary is not None:
-                rows.append(run_row(m, seed, summary, events(args.out, name)))
+    rows = sweep(methods, args.seeds, lambda m, seed: config(m, args.dataset, args.budget, seed), args)
     table = markdown(rows, methods)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "table.json").write_text(json.dumps(rows, indent=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,16 @@ import yaml
 
 from monitoring.results import RunSummary
 
+#: The file in a run's directory where :func:`run_up` keeps the CPU time the run took (:func:`host_cpu_s`).
+HOST_CPU = "host_cpu.json"
+
 
 def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool = False) -> RunSummary | None:
     """Run ``config`` into ``out/<name>`` (coordinator, edge-node processes and GPU workers over ZeroMQ) and
     return its summary; a directory that already holds a ``summary.json`` is read, not run again. None, and the
     run left out of the table: ``report_only`` and no summary yet, or another process is running it now (an
-    exclusive lock on ``out/.<name>.lock``: several table commands may share ``out``, one run each at a time)."""
+    exclusive lock on ``out/.<name>.lock``: several table commands may share ``out``, one run each at a time).
+    A run it starts leaves the CPU time it took in its directory (:func:`host_cpu_s`)."""
     summary = out / name / "summary.json"
     if summary.exists():
         return RunSummary.load(summary)
@@ -38,8 +43,29 @@ def run_up(name: str, config: dict, data_root: str, out: Path, report_only: bool
             cmd = [sys.executable, "-m", "fcl_emu", "up", "--config", str(path), "--data-root", data_root,
                    "--run-dir", str(out / name)]
             print("$", " ".join(cmd), file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+            cpu = run_timed(cmd)
+            if (out / name).is_dir():
+                (out / name / HOST_CPU).write_text(json.dumps(cpu))
     return RunSummary.load(summary)
+
+
+def run_timed(cmd: list[str]) -> dict[str, float]:
+    """Run ``cmd`` (its stdout discarded) and return the CPU time it took, its waited-for descendants included."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"user_s": after.ru_utime - before.ru_utime, "system_s": after.ru_stime - before.ru_stime}
+
+
+def host_cpu_s(out: Path, name: str) -> float | None:
+    """The CPU seconds (user + system) that run ``out/<name>`` took on this host, every process of it (the
+    coordinator, its edge nodes and GPU workers, start-up included) as :func:`run_up` measured them; None for a
+    run that :func:`run_up` did not start."""
+    path = out / name / HOST_CPU
+    if not path.exists():
+        return None
+    cpu = json.loads(path.read_text())
+    return cpu["user_s"] + cpu["system_s"]
 
 
 def add_report_only(parser) -> None:
@@ -62,6 +88,17 @@ def seeds(text: str) -> list[int]:
     if not values or len(set(values)) != len(values):
         raise SystemExit(f"--seeds needs distinct integers, got {text!r}")
     return values
+
+
+def fraction(text: str) -> float:
+    """``--budget 0.125``: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise SystemExit(f"--budget is a fraction in (0, 1], got {text!r}")
+    return value
 
 
 def seeded(config: dict, seed: int) -> dict:
@@ -94,3 +131,19 @@ def mean_of(runs: list[dict], field: str, digits: int = 1) -> str:
     """The mean of a field over the runs of one row (costs: bytes, seconds), or ``-``."""
     values = [r[field] for r in runs if r.get(field) is not None]
     return f"{np.mean(values):.{digits}f}" if values else "-"
+
+
+#: The verdicts of :func:`verdict`, worded as the results pages word them.
+REPRODUCED, INCONCLUSIVE, NOT_REPRODUCED = "reproduced in direction", "inconclusive", "not reproduced"
+
+
+def verdict(claimed: float, claimed_sd: float, other: float, other_sd: float) -> str:
+    """Whether "``claimed`` is above ``other``" (two means over seeds with their standard deviations) holds, by one
+    rule: :data:`REPRODUCED` when the means differ in the claimed direction by more than the larger of the two
+    standard deviations, :data:`NOT_REPRODUCED` when reversed by more than it, :data:`INCONCLUSIVE` otherwise."""
+    gap, margin = claimed - other, max(claimed_sd, other_sd)
+    if gap > margin:
+        return REPRODUCED
+    if -gap > margin:
+        return NOT_REPRODUCED
+    return INCONCLUSIVE

@@ -1,0 +1,164 @@
+"""The many-class table of docs/reproduction.md: Tiny-ImageNet-32 (200 classes) in 10 tasks of 20 classes, the
+data-free methods (mfcl, target, lander) and GLFC against fedavg, fedlwf2t and fedewc, with the papers' own
+numbers beside ours and a verdict per claim computed by :func:`runs.verdict`.
+
+    python -m fcl_emu.bench.tables.many_class_table --data-root ../shared/data --seeds 0,1,2 --out runs/many-class
+
+The CPU budget (``BASE``, ``CPU``, ``--budget`` default 1/25): 5 clients, all in every round, 2 rounds per task,
+1 local epoch of batch 32 over 200 samples per client and task (IID: 1,000 of each task's 10,000 training images,
+about 50 per class), the ``cnn_bn`` backbone (the small CNN with BatchNorm, which synthesis needs) instead of the
+papers' ResNet-18, which is too slow for this budget on a CPU, one edge-node process, one GPU-worker process and
+one torch thread in every process. Every method gets ``--budget`` of its official budget
+(:func:`generative_table.budget`, rounded up: MFCL 4 generator iterations per task; TARGET and LANDER at their
+least, 2 synthesis rounds of which 1 warm-up, at their code's steps per round; GLFC's proxy 10 reconstruction
+steps, the last kept), the generators at a quarter of their code's width and images per round (``CPU``); GLFC
+keeps 200 exemplars per client, perturbs its prototypes with 2 SGD steps (code: 50) and takes the task start as
+its transition signal.
+
+At the papers' scale, on a GPU: every generator at its official budget, width and images per round (``CPU``
+applies to ``--device cpu`` only), the papers' ResNet-18, each client's whole share of a task and their code's 100
+rounds per task (the 5 clients and the IID split stay this table's)::
+
+    python -m fcl_emu.bench.tables.many_class_table --data-root ../shared/data --seeds 0,1,2 --budget 1 \\
+        --device cuda --model resnet18 --samples 0 --rounds 100 --out runs/many-class-gpu
+
+Every run is one real ``fcl-emu up`` (coordinator, edge node and GPU worker over ZeroMQ), cached by its
+``summary.json``; ``--report-only`` builds the table from the runs already in ``--out``. The Markdown table
+(mean ± sample standard deviation over the seeds, the CPU hours the runs took, the papers' numbers, the
+verdicts) goes to stdout and ``--out/table.md``, every run's numbers to ``--out/table.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fcl_emu.bench.tables import generative_table
+from fcl_emu.bench.tables.runs import add_report_only, fraction, pm, seeds, spread, verdict
+
+DATASET = "tiny-imagenet-32"
+METHODS = ("fedavg", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc")
+BASELINES = ("fedavg", "fedlwf2t", "fedewc")
+BASE = {
+    "scenario": {"num_tasks": 10, "num_clients": 5, "partition": "iid", "samples_per_client_task": 200},
+    "rounds": {"clients_per_round": 5, "rounds_per_task": 2, "deadline_s": 1800, "eval_every": 2},
+    "training": {"local_epochs": 1, "batch_size": 32},  # lr, momentum, weight decay: each method's code's
+    "network": {"liveness_timeout_s": 600, "join_timeout_s": 300},
+    "gpu": {"workers": 1, "job_timeout_s": 7200, "threads": 1},
+    "coordinator_threads": 1,
+    "model": "cnn_bn",
+    "nodes": 1,
+    "device": "cpu",
+}
+
+# The generators at a quarter of their code's width and images per round, for this CPU budget: generator 32
+# channels wide, 64 images per synthesis round (MFCL: per generator iteration), 32 synthetic images per client step
+_SMALL = {"generator_width": 32, "synthetic_batch": 32}
+# GLFC's clients perturb each new class's prototype with 2 SGD steps (code: 50), 1/25 as the rest
+CPU = {"mfcl": {**_SMALL, "generator_batch": 64}, "target": {**_SMALL, "synthesis_batch": 64},
+       "lander": {**_SMALL, "synthesis_batch": 64}, "glfc": {"perturb_steps": 2}}
+
+# The papers' own Tiny-ImageNet numbers (average accuracy %, their protocol, not this table's), by method; None:
+# no source readable here gives one. Each entry: (number or None, where it comes from).
+PAPER: dict[str, tuple[float | None, str]] = {m: (None, "not available here") for m in METHODS}
+
+# The claims judged, "method above other in average accuracy": (method, other, the paper that claims it, or None
+# for an ordering this table tests that no source readable here states). MFCL's code compares with FedAvg (and
+# FedProx); TARGET's Table 2 with Finetune (FedAvg), FedLwF and FedEWC; LANDER's abstract with the earlier data-free
+# methods, TARGET and MFCL among them; GLFC's baselines are federated iCaRL-style methods, none of these.
+CLAIMS: tuple[tuple[str, str, str | None], ...] = (
+    ("mfcl", "fedavg", "MFCL"), ("mfcl", "fedlwf2t", None), ("mfcl", "fedewc", None),
+    *(("target", b, "TARGET") for b in BASELINES),
+    *(("lander", b, None) for b in BASELINES),
+    *(("glfc", b, None) for b in BASELINES),
+    ("lander", "target", "LANDER"), ("lander", "mfcl", "LANDER"),
+    ("target", "mfcl", None),
+)
+
+
+def config(method: str, share: float, seed: int, base: dict = BASE) -> dict:
+    """The run of ``method`` at ``share`` of its official budget: ``CPU``'s smaller generators on a CPU, the
+    code's on another device."""
+    return generative_table.config(method, DATASET, share, seed, base, CPU if base["device"] == "cpu" else {})
+
+
+def cpu_hours(rows: list[dict]) -> tuple[float, int]:
+    """The runs' CPU hours, summed: each run's own CPU time (every process, start-up included) where
+    :func:`runs.run_up` measured it, else its wall clock x 1 thread; and how many runs took the latter."""
+    return sum(r["wall_s"] if r.get("cpu_s") is None else r["cpu_s"] for r in rows) / 3600, \
+        sum(r.get("cpu_s") is None for r in rows)
+
+
+def verdicts(rows: list[dict]) -> list[tuple[str, str]]:
+    """``(claim, verdict with the numbers)`` for every claim of :data:`CLAIMS`, by :func:`runs.verdict` on the
+    completed runs' average accuracy; a method with one completed seed is not judged yet."""
+    values = {m: [r["avg_accuracy"] for r in rows if r["method"] == m and r["status"] == "completed"]
+              for m in METHODS}
+    acc = {m: spread(v) for m, v in values.items()}
+    out = []
+    for method, other, paper in CLAIMS:
+        claim = f"{method} above {other} ({'claimed by ' + paper if paper else 'no source here states it'})"
+        if acc[method] is None or acc[other] is None:
+            out.append((claim, "not measured yet"))
+            continue
+        if min(len(values[method]), len(values[other])) < 2:  # no standard deviation to judge the gap by
+            out.append((claim, f"not judged yet, one seed ({acc[method][0]:.2f} against {acc[other][0]:.2f})"))
+            continue
+        (a, sa), (b, sb) = acc[method], acc[other]
+        out.append((claim, f"{verdict(a, sa, b, sb)} ({a:.2f} ± {sa:.2f} against {b:.2f} ± {sb:.2f})"))
+    return out
+
+
+def markdown(rows: list[dict], methods: list[str]) -> str:
+    """The accuracy table with the papers' numbers, the CPU hours, then one line per claim."""
+    lines = ["| method | seeds | avg. accuracy % | avg. forgetting % | old classes after the last task % | "
+             "paper's avg. accuracy % | wall s per run |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for m in methods:
+        done = [r for r in rows if r["method"] == m and r["status"] == "completed"]
+        failed = [r for r in rows if r["method"] == m and r["status"] != "completed"]
+        number, source = PAPER.get(m, (None, "not available here"))
+        paper = source if number is None else f"{number:.2f} ({source})"
+        if not done:
+            lines.append(f"| {m} | 0 | {failed[0]['status'] if failed else 'not run yet'} | | | {paper} | |")
+            continue
+        lines.append(f"| {m} | {len(done)} | {pm([r['avg_accuracy'] for r in done], 2)} | "
+                     f"{pm([r['avg_forgetting'] for r in done], 2)} | "
+                     f"{pm([r['old_accuracy'][-1] if r['old_accuracy'] else None for r in done])} | {paper} | "
+                     f"{pm([r['wall_s'] for r in done], 0)} |")
+    hours, estimated = cpu_hours(rows)
+    lines.append(f"\nCPU hours of these {len(rows)} runs: {hours:.2f} (the CPU time of all their processes"
+                 + (f"; {estimated} of them without it, counted as wall clock x 1 thread" if estimated else "")
+                 + ").\n")
+    lines += [f"- {claim}: {v}" for claim, v in verdicts(rows)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-root", default="../shared/data")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
+    ap.add_argument("--budget", type=fraction, default=0.04, help="fraction of each generator's official budget")
+    ap.add_argument("--device", default="cpu", help="where clients and server jobs train (cpu, cuda)")
+    ap.add_argument("--model", default=BASE["model"], help="the backbone (cnn_bn here; the papers' resnet18)")
+    ap.add_argument("--rounds", type=int, default=BASE["rounds"]["rounds_per_task"], help="rounds per task")
+    ap.add_argument("--samples", type=int, default=BASE["scenario"]["samples_per_client_task"],
+                    help="training samples per client and task (0: the client's whole share of the task)")
+    ap.add_argument("--out", type=Path, default=Path("runs/many-class"))
+    add_report_only(ap)
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    base = {**BASE, "device": args.device, "model": args.model,
+            "scenario": {**BASE["scenario"], "samples_per_client_task": args.samples or None},
+            "rounds": {**BASE["rounds"], "rounds_per_task": args.rounds, "eval_every": args.rounds}}
+    rows = generative_table.sweep(methods, args.seeds, lambda m, seed: config(m, args.budget, seed, base), args)
+    table = markdown(rows, methods)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table + "\n")
+    (args.out / "table.json").write_text(json.dumps(rows, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
