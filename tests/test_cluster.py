@@ -30,7 +30,7 @@ from runconfig import load_config
 from scenario.faults import load_plan
 from fcl_emu.bench.soak_checks import double_counts
 from monitoring import stack
-from tests.conftest import free_port, up
+from tests.conftest import free_port, no_leftovers, up
 from tests.test_monitoring import query_range
 
 pytestmark = pytest.mark.timeout(900)
@@ -165,28 +165,32 @@ def test_down_removes_what_a_crashed_cluster_up_left(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_run_across_three_hosts_matches_the_process_backend(cluster, image, tmp_path, mnist_root):
-    """60 clients on 3 edge nodes, one per host, over the overlay network: the process backend's accuracy matrix,
-    participants and bytes per message type (the same seed, the emulated clock)."""
+def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster, image, tmp_path, mnist_root):
+    """60 clients on 3 edge nodes as host processes, as containers on this machine's engine, and as Swarm services
+    one per host over the overlay network (the same seed, the emulated clock): the same accuracy matrix, the same
+    participants in every round and the same bytes of every message type that does not follow host time."""
     rows = {row["host"]: row for row in local_cluster.status(cluster)}
     assert [rows[h]["swarm"] for h in HOSTS] == ["ready"] * 3 and [rows[h]["engine"] for h in HOSTS] == ["up"] * 3
     args = [*RUN, "--tasks", "2", "--rounds-per-task", "2", "--data-root", str(mnist_root)]
-    done, process, process_events = up(tmp_path / "process", *args)
-    assert done.returncode == 0, done.stderr[-2000:]
-    done, swarm, swarm_events = up(tmp_path / "swarm", *args, "--backend", "swarm", "--cluster", NAME,
-                                   "--image", image)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert swarm.status == process.status == "completed"
-    assert swarm.edge_node_hosts == {"node-0": HOSTS[0], "node-1": HOSTS[1], "node-2": HOSTS[2]}
-    assert swarm.accuracy_matrix == process.accuracy_matrix
-    assert ([e["contributors"] for e in swarm_events if e["event"] == "round"]
-            == [e["contributors"] for e in process_events if e["event"] == "round"])
+    runs = {}
+    for backend, flags in [("process", []), ("docker", ["--backend", "docker", "--image", image]),
+                           ("swarm", ["--backend", "swarm", "--cluster", NAME, "--image", image])]:
+        done, summary, events = up(tmp_path / backend, *args, *flags)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert summary.status == "completed"
+        runs[backend] = (summary, [e["contributors"] for e in events if e["event"] == "round"])
+    assert runs["swarm"][0].edge_node_hosts == {"node-0": HOSTS[0], "node-1": HOSTS[1], "node-2": HOSTS[2]}
     # heartbeats follow host time, a join carries the node's process id, and the run's end reaches the clients
     # still connected in host time: every other message is byte-equal
     host_timed = ("heartbeat", "join", "shutdown")
-    same = {t: v for t, v in swarm.bytes.items() if t not in host_timed}
-    assert same == {t: v for t, v in process.bytes.items() if t not in host_timed}
+    process, contributors = runs.pop("process")
+    for summary, their_contributors in runs.values():
+        assert summary.accuracy_matrix == process.accuracy_matrix
+        assert their_contributors == contributors
+        assert ({t: v for t, v in summary.bytes.items() if t not in host_timed}
+                == {t: v for t, v in process.bytes.items() if t not in host_timed})
     assert all(row["containers"] == 0 for row in local_cluster.status(cluster))
+    no_leftovers()
 
 
 @pytest.mark.slow

@@ -99,20 +99,6 @@ def test_image_is_reused_when_nothing_changed(image):
 
 
 @pytest.mark.slow
-def test_docker_backend_gives_the_process_backend_s_accuracy_matrix(tmp_path, image, mnist_root):
-    """Same seed and scenario (FedAvg, 300 clients, 4 edge nodes): the same accuracy matrix in containers."""
-    args = ["--clients", "300", "--clients-per-round", "10", "--tasks", "2", "--rounds-per-task", "2",
-            "--local-epochs", "1", "--nodes", "4", "--seed", "7", "--data-root", str(mnist_root)]
-    done, process, _ = up(tmp_path / "process", *args)
-    assert done.returncode == 0, done.stderr[-2000:]
-    done, docker, _ = up(tmp_path / "docker", *args, "--backend", "docker", "--image", image)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert docker.status == process.status == "completed"
-    assert docker.accuracy_matrix == process.accuracy_matrix
-    no_leftovers()
-
-
-@pytest.mark.slow
 def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root):
     """Round 2: node-1's container is killed mid-round (its clients are recorded as crashed, the run goes on).
     Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back).
