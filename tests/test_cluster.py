@@ -38,8 +38,7 @@ pytestmark = pytest.mark.timeout(900)
 NAME = "ci"
 SUBNET = "192.168.214.0/24"
 HOSTS = [f"{NAME}-{i}" for i in (1, 2, 3)]
-RUN = ["--clients", "60", "--clients-per-round", "10", "--local-epochs", "1", "--nodes", "3", "--seed", "7",
-       "--clock", "emulated"]
+RUN = ["--clients", "60", "--clients-per-round", "10", "--nodes", "3", "--seed", "7", "--clock", "emulated"]
 
 
 def _why_not() -> str | None:
@@ -171,7 +170,7 @@ def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster,
     participants in every round and the same bytes of every message type that does not follow host time."""
     rows = {row["host"]: row for row in local_cluster.status(cluster)}
     assert [rows[h]["swarm"] for h in HOSTS] == ["ready"] * 3 and [rows[h]["engine"] for h in HOSTS] == ["up"] * 3
-    args = [*RUN, "--tasks", "2", "--rounds-per-task", "2", "--data-root", str(mnist_root)]
+    args = [*RUN, "--tasks", "2", "--rounds-per-task", "2", "--local-epochs", "1", "--data-root", str(mnist_root)]
     runs = {}
     for backend, flags in [("process", []), ("docker", ["--backend", "docker", "--image", image]),
                            ("swarm", ["--backend", "swarm", "--cluster", NAME, "--image", image])]:
@@ -199,7 +198,9 @@ def test_a_partitioned_host_s_clients_leave_and_rejoin(cluster, image, tmp_path,
     timeout, join again once it is healed, and no update is aggregated twice (those sent into the cut arrive
     late and are dropped)."""
     faults = [{"action": "partition", "host": HOSTS[2], "round": 2, "duration_s": 20}]
-    args = [*RUN, "--tasks", "3", "--rounds-per-task", "4", "--data-root", str(mnist_root)]
+    # enough rounds to outlast the cut and the rejoin on a quiet host (rounds take 1-2 s of host time there; the
+    # emulated clock does not wait for it)
+    args = [*RUN, "--tasks", "3", "--rounds-per-task", "8", "--local-epochs", "2", "--data-root", str(mnist_root)]
     done, summary, events = up(tmp_path, *args, *_config(tmp_path, faults), "--backend", "swarm",
                                "--cluster", NAME, "--image", image)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -240,7 +241,7 @@ def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, t
         pytest.skip("the `prometheus` binary is not installed (`apt-get install prometheus`; .ci/run installs it)")
     faults = [{"action": "lose_host", "host": HOSTS[1], "round": 2, "after_s": 0.5}]
     metrics_port = stack.find_port_block("0.0.0.0", 1, start=20000 + free_port() % 20000, stop=65000)
-    args = [*RUN, "--tasks", "2", "--rounds-per-task", "3", "--data-root", str(mnist_root),
+    args = [*RUN, "--tasks", "2", "--rounds-per-task", "3", "--local-epochs", "1", "--data-root", str(mnist_root),
             "--metrics-port", str(metrics_port), "--prometheus", "--prometheus-port", str(free_port())]
     started = time.time()
     done, summary, events = up(tmp_path, *args, *_config(tmp_path, faults), "--backend", "swarm",
