@@ -27,6 +27,7 @@ from containers.docker_client import EngineError, client
 DEFAULT_DIR = Path("/var/lib/fcl-emu/clusters")
 FILE = "cluster.json"
 LABEL_HOST = "fcl-emu.host"  # the swarm node label that names a cluster host
+LABEL_CLASS = "fcl-emu.device-class"  # the device class a swarm node stands for (and of an edge-node container)
 
 
 class ClusterHost(pydantic.BaseModel):

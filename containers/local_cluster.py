@@ -35,7 +35,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from containers.cluster import (LABEL_HOST, Cluster, ClusterHost, clusters_dir, distribute_image, engine,
+from containers.cluster import (LABEL_CLASS, LABEL_HOST, Cluster, ClusterHost, clusters_dir, distribute_image, engine,
                                 save_cluster, FILE)
 from containers.docker_client import EngineError
 
@@ -248,8 +248,6 @@ def _join_swarm(cluster: Cluster, clients: dict, classes: dict[str, str]) -> Non
         if time.monotonic() > deadline:
             raise ClusterError("the hosts did not all join the swarm within 60 s")
         time.sleep(0.5)
-    from fcl_emu.launchers.engine_launcher import LABEL_CLASS
-
     for host in cluster.hosts:
         node = nodes[host.name]
         labels = {LABEL_HOST: host.name, **({LABEL_CLASS: classes[host.name]} if host.name in classes else {})}

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from containers.cluster import LABEL_CLASS  # noqa: F401 (beside LABEL_RUN and LABEL_NODE for the launchers)
 from containers.docker_client import client
 from containers.faults import Target
 from coordinator.lifecycle import NodeExit
@@ -19,7 +20,6 @@ log = logging.getLogger("fcl_emu.launchers")
 
 LABEL_RUN = "fcl-emu.run"
 LABEL_NODE = "fcl-emu.node"
-LABEL_CLASS = "fcl-emu.device-class"
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 ANY = {"0.0.0.0", "*", "::", "[::]"}
 
