@@ -23,6 +23,7 @@ from typing import Literal
 import pydantic
 
 from containers.docker_client import EngineError, client
+from scenario.files import load_model
 
 DEFAULT_DIR = Path("/var/lib/fcl-emu/clusters")
 FILE = "cluster.json"
@@ -85,11 +86,7 @@ def load_cluster(ref: str | Path) -> Cluster:
     if not path.is_file():
         raise ValueError(f"no cluster {ref!r}: neither a file nor {path} (make a local one with `fcl-emu cluster up`, "
                          f"or write a cluster file: docs/containers.md)")
-    try:
-        return Cluster.model_validate_json(path.read_text())
-    except pydantic.ValidationError as exc:
-        raise ValueError(f"cluster file {path}: {exc.errors()[0]['msg']} at "
-                         f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from None
+    return load_model(path, Cluster, "cluster file")
 
 
 def save_cluster(cluster: Cluster, path: Path) -> None:

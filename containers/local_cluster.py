@@ -256,13 +256,19 @@ def _join_swarm(cluster: Cluster, clients: dict, classes: dict[str, str]) -> Non
 
 # -- status and down -----------------------------------------------------------------------------------------------
 
+def _links(name: str) -> list[str]:
+    """The cluster's network links on this machine (its bridge and the hosts' veth ends)."""
+    links = _sh("ip", "-o", "link", "show", check=False).stdout
+    return sorted(set(re.findall(rf"\d+: (fcl{name}-[\w]+)[@:]", links)))
+
+
+def _namespaces(name: str) -> list[str]:
+    return sorted(s for s in _sh("ip", "netns", "list", check=False).stdout.split() if s.startswith(f"fcl-emu-{name}-"))
+
+
 def leftovers(name: str) -> list[str]:
     """What of cluster ``name`` exists on this machine (links, namespaces, cgroups, state), by name."""
-    found = []
-    links = _sh("ip", "-o", "link", "show", check=False).stdout
-    found += sorted({m for m in re.findall(rf"\d+: (fcl{name}-[\w]+)[@:]", links)})
-    spaces = _sh("ip", "netns", "list", check=False).stdout.split()
-    found += sorted(s for s in spaces if s.startswith(f"fcl-emu-{name}-"))
+    found = _links(name) + _namespaces(name)
     found += [str(d) for d in _cgroup_dirs(name) if d.exists()]
     found += [str(d) for d in (state_dir(name), RUN_ROOT / name) if d.exists()]
     return found
@@ -298,11 +304,9 @@ def down(name: str = "local") -> list[str]:
     removed = leftovers(name)
     _kill_all(name)
     _unmount_under([RUN_ROOT / name, state_dir(name)])
-    for space in [s for s in _sh("ip", "netns", "list", check=False).stdout.split()
-                  if s.startswith(f"fcl-emu-{name}-")]:
+    for space in _namespaces(name):
         _sh("ip", "netns", "del", space, check=False)
-    links = _sh("ip", "-o", "link", "show", check=False).stdout
-    for link in sorted(set(re.findall(rf"\d+: (fcl{name}-[\w]+)[@:]", links))):
+    for link in _links(name):
         _sh("ip", "link", "del", link, check=False)
     while _sh("iptables", "-D", "FORWARD", "-i", bridge(name), "-o", bridge(name), "-j", "ACCEPT", "-m", "comment",
               "--comment", _comment(name), check=False).returncode == 0:

@@ -324,8 +324,9 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
         if nodes is not None:
             nodes.start(coordinator.address, config, run_dir / "logs")
             coordinator.watch_nodes(nodes.exited, nodes.count, nodes.hosts())
-            if config.metrics.enabled and nodes.metrics_addresses():  # nodes on other hosts: scraped there
-                _write_targets(config, coordinator, run_dir, True, nodes.metrics_addresses())
+            elsewhere = nodes.metrics_addresses()
+            if config.metrics.enabled and elsewhere:  # nodes on other hosts: scraped there
+                _write_targets(config, coordinator, run_dir, True, elsewhere)
             target = None if config.containers.backend == "process" else nodes.container_target()
             if config.containers.faults is not None:
                 faults = _inject_faults(config, target, coordinator, view)

@@ -89,11 +89,13 @@ class SwarmLauncher(EngineLauncher):
         self._stop = threading.Event()
         self._placement: dict[str, dict] = {}  # edge node -> the swarm node it runs on (id, hostname, address)
         self._host_engines: dict[str, object] = {}  # swarm node id -> that host's engine, where reachable
+        self._cluster_engines: dict[str, object] = {}  # the cluster's host name -> its engine, where it answered
 
     def prepare(self, config: RunConfig, run_dir: Path) -> RunConfig:
         self.image = image_ref(config.containers.image)
         if self.cluster is not None:  # no registry: every host loads it from this machine
-            distribute_image(self.image, engines(self.cluster), log=log.info)
+            self._cluster_engines = engines(self.cluster)
+            distribute_image(self.image, self._cluster_engines, log=log.info)
         self.label = run_label(run_dir)
         self._remove_leftovers()
         name = config.containers.network or f"fcl-emu-{self.label}"
@@ -185,11 +187,11 @@ class SwarmLauncher(EngineLauncher):
         return place(specs, ready)
 
     def _reachable_engines(self) -> dict[str, object]:
-        """The engines of the hosts this launcher can reach, by swarm node id: every host of the cluster, else
-        the manager's own."""
+        """The engines of the hosts this launcher can reach, by swarm node id: every host of the cluster that
+        answered in :meth:`prepare`, else the manager's own."""
         if self.cluster is None:
             return {self._manager_id: self.engine}
-        by_name = engines(self.cluster)
+        by_name = self._cluster_engines
         return {n.id: by_name[n.attrs["Description"]["Hostname"]] for n in self.engine.nodes.list()
                 if n.attrs["Description"]["Hostname"] in by_name}
 
