@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -215,10 +216,22 @@ def image() -> str:
         raise
 
 
-def no_leftovers() -> None:
-    """Nothing of a finished run stays on the engine."""
+def _run_objects() -> set[str]:
+    """The containers and networks on the engine that carry a run's label."""
     from containers import docker_client
 
     client = docker_client.client()
-    assert client.containers.list(all=True, filters={"label": "fcl-emu.run"}) == []
-    assert client.networks.list(filters={"label": "fcl-emu.run"}) == []
+    return ({f"container {c.name}" for c in client.containers.list(all=True, filters={"label": "fcl-emu.run"})}
+            | {f"network {n.name}" for n in client.networks.list(filters={"label": "fcl-emu.run"})})
+
+
+@pytest.fixture
+def no_leftovers(image) -> Callable[[], None]:
+    """A check that nothing the test's runs made stays on the engine. What was there before the test is left out:
+    the engine may be shared (another user's run, or one whose test session was killed)."""
+    before = _run_objects()
+
+    def check() -> None:
+        assert _run_objects() - before == set()
+
+    return check

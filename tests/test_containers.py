@@ -21,7 +21,7 @@ from scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
 from runconfig import load_config
 from scenario.devices import memory_bytes, memory_limit
-from tests.conftest import no_leftovers, small_config, up
+from tests.conftest import small_config, up
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -99,7 +99,7 @@ def test_image_is_reused_when_nothing_changed(image):
 
 
 @pytest.mark.slow
-def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root):
+def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root, no_leftovers):
     """Round 2: node-1's container is killed mid-round (its clients are recorded as crashed, the run goes on).
     Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back).
     Round 5: node-2's container is cut off its network past the deadline (its clients miss it)."""
@@ -136,7 +136,7 @@ def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_pat
 
 
 @pytest.mark.slow
-def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_path, image, mnist_root):
+def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_path, image, mnist_root, no_leftovers):
     """Three device classes with container limits: 1 CPU, 0.25 CPU, and a memory limit too small to train in.
     The 0.25-CPU class trains several times slower; the starved node is OOM-killed, recorded as such, and the
     run goes on with the other classes. A real Prometheus scrapes the containers' counters: every query of the
@@ -208,7 +208,7 @@ def _default_route() -> bool:
 
 
 @pytest.mark.slow
-def test_swarm_backend_runs_to_completion(tmp_path, image, swarm, mnist_root):
+def test_swarm_backend_runs_to_completion(tmp_path, image, swarm, mnist_root, no_leftovers):
     args = ["--clients", "20", "--clients-per-round", "5", "--tasks", "2", "--rounds-per-task", "2",
             "--local-epochs", "1", "--nodes", "2", "--seed", "3", "--data-root", str(mnist_root)]
     done, summary, events = up(tmp_path, *args, "--backend", "swarm", "--image", image)
@@ -257,7 +257,7 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
 
 
 @pytest.mark.slow
-def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root):
+def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root, no_leftovers):
     """A small `fcl-emu bench containers`: both backends measured on the same workload, same accuracy."""
     from rich.console import Console
 
