@@ -102,7 +102,7 @@ def test_short_soak_survives_every_fault(tmp_path, mnist_root):
     out = tmp_path / "soak"
     proc = subprocess.run(
         [sys.executable, "-m", "fcl_emu", "bench", "soak", "--faults", "5", "--clients", "6", "--nodes", "3",
-         "--rounds-per-task", "8", "--samples", "32", "--data-root", str(mnist_root), "--out", str(out)],
+         "--rounds-per-task", "8", "--samples", "128", "--data-root", str(mnist_root), "--out", str(out)],
         env=node_env(), capture_output=True, text=True, timeout=400)
     result = json.loads((out / "soak.json").read_text())
     problems = {**result["checks"], **{f"{f['kind']}@{f['at_round']}": f["problems"] for f in result["faults"]}}

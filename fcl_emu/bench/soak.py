@@ -82,7 +82,7 @@ class Fault:
 
     kind: str
     at_round: int  # injected once the run has recorded this global round
-    offset_s: float  # and this long after, so that it lands inside the next round
+    offset_s: float  # and this long after, so that it lands inside the next round (at once when it lags behind)
     duration_s: float  # node_stop, net_cut: how long
     pick: float  # in [0, 1): which of the live nodes (sorted by name)
     target: Optional[str] = None
@@ -457,7 +457,8 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) 
                     or not run.running():
                 fault.skipped = "the run had ended"
                 continue
-            time.sleep(fault.offset_s)
+            if run.last_round() == fault.at_round:  # a fault that lags behind the run is injected at once
+                time.sleep(fault.offset_s)
             if fault.kind in notes:
                 fault.skipped = notes[fault.kind]
                 continue
