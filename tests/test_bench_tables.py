@@ -92,7 +92,7 @@ def many_class_row(method: str, seed: int, accuracy: float, status: str = "compl
             "old_accuracy": [10.0, 5.0], "wall_s": 1800.0, "cpu_s": 3600.0 if seed == 0 else None}
 
 
-def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict_per_claim():
+def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verdict_per_claim():
     rows = [many_class_row("fedavg", s, a) for s, a in enumerate((10.0, 11.0, 12.0))]
     rows += [many_class_row("target", s, a) for s, a in enumerate((20.0, 21.0, 22.0))]
     rows += [many_class_row("mfcl", s, a) for s, a in enumerate((21.0, 23.0))]
@@ -100,10 +100,12 @@ def test_many_class_markdown_gives_the_papers_column_the_cpu_hours_and_a_verdict
     rows.append(many_class_row("glfc", 0, 30.0))
     table = many_class_table.markdown(rows, list(many_class_table.METHODS))
     lines = table.splitlines()
-    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | not available here | 1800 ± 0 |" in lines
+    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | 6.40 ± 0.50 | 1800 ± 0 |" in lines
     assert any(line.startswith("| mfcl | 2 | 22.00 ± 1.41 |") for line in lines)
-    assert "| lander | 0 | failed | | | not available here | |" in lines
-    assert "| fedewc | 0 | not run yet | | | not available here | |" in lines
+    assert "| lander | 0 | failed | | | 16.36 ± 1.00 | |" in lines
+    assert "| fedewc | 0 | not run yet | | | 7.36 ± 0.60 | |" in lines
+    assert any(line.startswith("| mfcl | 2 |") and "| none read |" in line for line in lines)
+    assert "Published: Qi et al., FedCBDR (arXiv 2507.07712), Table 2" in table
     assert ("CPU hours of these 10 runs: 7.50 (the CPU time of all their processes; 5 of them without it, counted as "
             "wall clock x 1 thread).") in table
     assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
