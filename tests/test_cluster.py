@@ -3,8 +3,8 @@
 Every host is a network namespace with its own Docker engine, address and cgroup (containers/local_cluster.py);
 the edge nodes run as Swarm services spread over the hosts, their traffic crossing the overlay network. The tests
 need root, iproute2, iptables and a Docker engine with the project's image (skipped, with the reason, where one
-is missing; `.ci/run` installs them). The cluster is made once for the module and removed at its end; the test
-that loses a host runs last.
+is missing; `.ci/run` installs them). The cluster is made once for the module and removed at its end; the tests
+that lose a host, and resume on the hosts left, run last.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from runconfig import load_config
 from scenario.faults import load_plan
 from fcl_emu.bench.soak_checks import double_counts
 from monitoring import stack
-from tests.conftest import free_port, no_leftovers, up
+from tests.conftest import free_port, up
 from tests.test_monitoring import query_range
 
 pytestmark = pytest.mark.timeout(900)
@@ -164,7 +164,7 @@ def test_down_removes_what_a_crashed_cluster_up_left(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster, image, tmp_path, mnist_root):
+def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster, image, tmp_path, mnist_root, no_leftovers):
     """60 clients on 3 edge nodes as host processes, as containers on this machine's engine, and as Swarm services
     one per host over the overlay network (the same seed, the emulated clock): the same accuracy matrix, the same
     participants in every round and the same bytes of every message type that does not follow host time."""
@@ -271,3 +271,40 @@ def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, t
         assert {s["metric"]["instance"].partition(":")[0] for s in scraped} == {h.address for h in cluster.hosts}
     finally:
         prometheus.stop()
+
+
+@pytest.mark.slow
+def test_after_a_lost_host_a_run_is_stopped_and_resumes_on_the_hosts_left(cluster, image, tmp_path, mnist_root):
+    """Host 2 lost (by the test before, or here): a run places its edge nodes on the hosts left, is stopped by
+    SIGTERM after its first round and `up --resume` finishes it there, each update aggregated once."""
+    import signal
+
+    from monitoring.results import RunSummary
+    from tests.conftest import events as read_events, fcl_emu, wait_for
+
+    if local_cluster.status(cluster)[1]["engine"] != "down":
+        local_cluster.HostFaults(cluster).lose(HOSTS[1])
+    run_dir = tmp_path / "run"
+    args = [*RUN, "--tasks", "2", "--rounds-per-task", "2", "--local-epochs", "1", "--data-root", str(mnist_root),
+            "--backend", "swarm", "--cluster", NAME, "--image", image]
+    run = fcl_emu("up", "--run-dir", str(run_dir), *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resumed = None
+    try:
+        wait_for(lambda: any(e["event"] == "round" for e in read_events(run_dir)), 300, "the first round")
+        run.send_signal(signal.SIGTERM)
+        out, _ = run.communicate(timeout=120)
+        assert run.returncode == 143, out[-3000:]
+        assert RunSummary.load(run_dir / "summary.json").status == "interrupted: SIGTERM"
+        resumed = fcl_emu("up", "--resume", str(run_dir), "--data-root", str(mnist_root), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+        out, _ = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, out[-3000:]
+    finally:
+        for proc in (run, resumed):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    summary = RunSummary.load(run_dir / "summary.json")
+    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
+    assert set(summary.edge_node_hosts.values()) == {HOSTS[0], HOSTS[2]}
+    assert double_counts(read_events(run_dir)) == []
+    assert all(row["containers"] == 0 for row in local_cluster.status(cluster) if row["engine"] == "up")
