@@ -75,6 +75,13 @@ def fcl_emu(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fcl_emu", *args], env=node_env(), **kw)
 
 
+def kill_left(*procs: subprocess.Popen | None) -> None:
+    """Kill what is still running of ``procs`` (a test's commands, when it fails half-way)."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
 def small_config(path: Path, **overrides) -> Path:
     """A tiny but complete FCIL scenario on MNIST (100 clients of ~300 samples per task), fast heartbeats."""
     config = {

@@ -280,7 +280,7 @@ def test_after_a_lost_host_a_run_is_stopped_and_resumes_on_the_hosts_left(cluste
     import signal
 
     from monitoring.results import RunSummary
-    from tests.conftest import events as read_events, fcl_emu, wait_for
+    from tests.conftest import events as read_events, fcl_emu, kill_left, wait_for
 
     if local_cluster.status(cluster)[1]["engine"] != "down":
         local_cluster.HostFaults(cluster).lose(HOSTS[1])
@@ -300,9 +300,7 @@ def test_after_a_lost_host_a_run_is_stopped_and_resumes_on_the_hosts_left(cluste
         out, _ = resumed.communicate(timeout=300)
         assert resumed.returncode == 0, out[-3000:]
     finally:
-        for proc in (run, resumed):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
+        kill_left(run, resumed)
     summary = RunSummary.load(run_dir / "summary.json")
     assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
     assert set(summary.edge_node_hosts.values()) == {HOSTS[0], HOSTS[2]}

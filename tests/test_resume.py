@@ -24,7 +24,7 @@ from methods import registry as methods
 from methods.base import DELTA, ClientUpdate, ServerContext
 from methods.models.classifier import build_model
 from monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
-from tests.conftest import device_keys, events, fcl_emu, free_port, small_config, wait_for
+from tests.conftest import device_keys, events, fcl_emu, free_port, kill_left, small_config, wait_for
 
 SHAPE = (1, 28, 28)
 SCENARIO = SimpleNamespace(task_classes=lambda t: list(range(2 * t, 2 * t + 2)),
@@ -325,9 +325,7 @@ def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_pat
         resumed = fcl_emu("up", "--resume", str(run_dir), *common)
         assert resumed.wait(timeout=120) == 0
     finally:
-        for p in (up, resumed):
-            if p is not None and p.poll() is None:
-                p.kill()
+        kill_left(up, resumed)
     summary = RunSummary.load(run_dir / "summary.json")
     assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
     assert summary.clients.joined == 40 and summary.clients.rejoined == 0
@@ -405,9 +403,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
         resumed = fcl_emu("up", "--resume", str(run_dir), *common)
         assert resumed.wait(timeout=120) == 0
     finally:
-        for p in (up, resumed):
-            if p is not None and p.poll() is None:
-                p.kill()
+        kill_left(up, resumed)
     summary = RunSummary.load(run_dir / "summary.json")
     assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
     assert summary.accuracy_matrix == RunSummary.load(reference / "summary.json").accuracy_matrix
