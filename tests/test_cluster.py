@@ -236,10 +236,12 @@ def test_a_slowed_host_shares_its_cpu_quota_among_all_it_runs(cluster, image):
 @pytest.mark.slow
 def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, tmp_path, mnist_root):
     """Host 2 (engine and containers) is lost at once in round 2: its 20 clients are dropped within the liveness
-    timeout, the run completes, the fault is an event and a metric, and Prometheus scraped every host's node."""
+    timeout, the run completes, the fault is an event and a metric, and Prometheus scraped every host's node and
+    every host's container counters. Round 5: node-2's container on host 3 is killed through host 3's engine."""
     if stack.prometheus_binary() is None:
         pytest.skip("the `prometheus` binary is not installed (`apt-get install prometheus`; .ci/run installs it)")
-    faults = [{"action": "lose_host", "host": HOSTS[1], "round": 2, "after_s": 0.5}]
+    faults = [{"action": "lose_host", "host": HOSTS[1], "round": 2, "after_s": 0.5},
+              {"action": "kill", "node": "node-2", "round": 5, "after_s": 0.3}]
     metrics_port = stack.find_port_block("0.0.0.0", 1, start=20000 + free_port() % 20000, stop=65000)
     args = [*RUN, "--tasks", "2", "--rounds-per-task", "3", "--local-epochs", "1", "--data-root", str(mnist_root),
             "--metrics-port", str(metrics_port), "--prometheus", "--prometheus-port", str(free_port())]
@@ -248,9 +250,11 @@ def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, t
                                "--cluster", NAME, "--image", image)
     ended = time.time()
     assert done.returncode == 0, done.stderr[-2000:]
-    assert summary.status == "completed" and summary.clients.dropped == 20
-    lost = next(e for e in events if e["event"] == "fault")
+    assert summary.status == "completed" and summary.clients.dropped == 40
+    lost, killed = [e for e in events if e["event"] == "fault"]
     assert (lost["action"], lost["host"], lost["nodes"], lost["applied"]) == ("lose_host", HOSTS[1], ["node-1"], True)
+    assert (killed["action"], killed["node"], killed["applied"]) == ("kill", "node-2", True)
+    assert [(e["node"], e["host"]) for e in events if e["event"] == "node_exit"] == [("node-2", HOSTS[2])]
     after = [e for e in events if e["event"] == "round" and e["time"] > lost["time"]]
     # the round it was lost in closes once its clients there are declared dead: the liveness timeout, and slack
     assert after[0]["time"] - lost["time"] < 4.0 + 3.0
@@ -269,6 +273,8 @@ def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, t
         scraped = query_range(prometheus.url, f'up{{run_id="{run_id}",role="edge_node"}} == 1', started, ended)
         assert {s["metric"]["process"] for s in scraped} == {"node-0", "node-1", "node-2"}
         assert {s["metric"]["instance"].partition(":")[0] for s in scraped} == {h.address for h in cluster.hosts}
+        used = query_range(prometheus.url, f'fcl_container_cpu_seconds_total{{run_id="{run_id}"}} > 0', started, ended)
+        assert {s["metric"]["node"] for s in used} == {"node-0", "node-1", "node-2"}
     finally:
         prometheus.stop()
 
