@@ -164,7 +164,8 @@ def test_down_removes_what_a_crashed_cluster_up_left(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster, image, tmp_path, mnist_root, no_leftovers):
+def test_the_same_run_as_processes_in_containers_and_across_three_hosts(cluster, image, tmp_path, mnist_root,
+                                                                       no_leftovers):
     """60 clients on 3 edge nodes as host processes, as containers on this machine's engine, and as Swarm services
     one per host over the overlay network (the same seed, the emulated clock): the same accuracy matrix, the same
     participants in every round and the same bytes of every message type that does not follow host time."""
