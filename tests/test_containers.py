@@ -157,8 +157,12 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
         {"name": "fast", "share": 1, "container": {"cpus": 1.0}},
         {"name": "slow", "share": 1, "container": {"cpus": 0.25}},
         {"name": "starved", "share": 1, "container": {"memory": "200m"}}]}))
+    # 800 samples per client (MNIST's full shares of 2,500 took the 0.25-CPU class 2.5 minutes)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"scenario": {"samples_per_client_task": 800}}))
     done, summary, events = up(
-        tmp_path, "--backend", "docker", "--image", image, "--device-profiles", str(profiles), "--clients", "24",
+        tmp_path, "--config", str(config), "--backend", "docker", "--image", image, "--device-profiles",
+        str(profiles), "--clients", "24",
         "--clients-per-round", "24", "--tasks", "1", "--rounds-per-task", "2", "--local-epochs", "1",
         "--nodes", "3", "--data-root", str(mnist_root), *metrics)
     ended = time.time()
@@ -264,7 +268,7 @@ def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root, no
     from fcl_emu.bench.containers import run
 
     result = run(clients=8, cohort=8, rounds=1, nodes=2, data_root=[mnist_root], json_path=tmp_path / "c.json",
-                 console=Console(file=open(tmp_path / "out.txt", "w")))
+                 console=Console(file=open(tmp_path / "out.txt", "w")), samples=1500)
     assert json.loads((tmp_path / "c.json").read_text())["workload"]["clients"] == 8
     assert result["process"]["status"] == result["docker"]["status"] == result["classes"]["status"] == "completed"
     assert result["process"]["accuracy"] == result["docker"]["accuracy"]

@@ -141,6 +141,8 @@ def bench_containers(
     cohort: Annotated[int, typer.Option(min=1, help="Clients per round.")] = 20,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per run.")] = 3,
     nodes: Annotated[int, typer.Option(min=1, help="Edge nodes (containers).")] = 4,
+    samples: Annotated[Optional[int], typer.Option(min=1, help="Training samples per client (default: its whole "
+                                                                "IID share of MNIST).")] = None,
     data_root: DataRootOpt = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
@@ -153,7 +155,7 @@ def bench_containers(
     writable(folder(json_path))
     try:
         run(clients, cohort, rounds, nodes, [Path(p) for p in data_root] if data_root else default_data_roots(),
-            json_path, Console())
+            json_path, Console(), samples)
     except (EngineError, ImageError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None

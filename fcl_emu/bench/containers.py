@@ -38,9 +38,10 @@ from runconfig import RunConfig
 
 
 def bench_config(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path],
-                 profiles: Path | None = None, backend: str = "process") -> RunConfig:
+                 profiles: Path | None = None, backend: str = "process", samples: int | None = None) -> RunConfig:
+    """The workload: MNIST in one task, IID shares (``samples`` per client, or the whole share)."""
     return RunConfig.model_validate({
-        "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients},
+        "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients, "samples_per_client_task": samples},
         "rounds": {"clients_per_round": min(cohort, clients), "rounds_per_task": rounds, "eval_every": 10**6,
                    "deadline_s": 600},
         "training": {"local_epochs": 1, "batch_size": 32, "momentum": 0.0},
@@ -101,21 +102,22 @@ def measure(config: RunConfig, run_dir: Path) -> dict:
 
 
 def run(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path], json_path: Path | None,
-        console: Console) -> dict:
+        console: Console, samples: int | None = None) -> dict:
     with TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        process = measure(bench_config(clients, cohort, rounds, nodes, data_root), tmp_path / "process")
-        docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker"),
+        process = measure(bench_config(clients, cohort, rounds, nodes, data_root, samples=samples),
+                          tmp_path / "process")
+        docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker", samples=samples),
                          tmp_path / "docker")
         profiles = tmp_path / "classes.yaml"
         profiles.write_text(yaml.safe_dump({"profiles": [
             {"name": "one_cpu", "share": 1, "container": {"cpus": 1.0}},
             {"name": "quarter_cpu", "share": 1, "container": {"cpus": 0.25}}]}))
-        classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker"),
-                          tmp_path / "classes")
+        classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker",
+                                       samples), tmp_path / "classes")
     train = classes["train_s_by_class"]
     result = {
-        "workload": {"clients": clients, "cohort": cohort, "rounds": rounds, "nodes": nodes},
+        "workload": {"clients": clients, "cohort": cohort, "rounds": rounds, "nodes": nodes, "samples": samples},
         "process": process, "docker": docker, "classes": classes,
         "overhead": docker["round_s"] / process["round_s"] - 1.0,
         "memory_ratio": docker["mb_per_idle_client"] / process["mb_per_idle_client"],
