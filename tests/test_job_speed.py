@@ -114,7 +114,7 @@ def test_batched_proxy_reconstructs_what_the_sequential_reference_does():
 
 def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
     out = tmp_path / "jobs.csv"
-    proc = fcl_emu("bench", "jobs", "--kinds", "fedcbc.fuse,device.matmul", "--scale", "0.01", "--device", "cpu",
+    proc = fcl_emu("bench", "jobs", "--kinds", "fedcbc.fuse,device.matmul,lander.synthesize", "--scale", "0.01", "--device", "cpu",
                    "--device", "cuda", "--out", str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, printed
@@ -123,7 +123,7 @@ def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
     assert list(rows[0]) == COLUMNS
     cpu = [r for r in rows if r["device"] == "cpu"]
     assert {(r["kind"], r["variant"]) for r in cpu} == {("fedcbc.fuse", "batched"), ("fedcbc.fuse", "sequential"),
-                                                        ("device.matmul", "")}
+                                                        ("device.matmul", ""), ("lander.synthesize", "")}
     for r in cpu:
         assert float(r["wall_s"]) > 0 and float(r["gflop"]) > 0 and float(r["peak_gflops"]) > 0
     if not torch.cuda.is_available():

@@ -110,9 +110,10 @@ def _common(method_options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lander_inputs() -> dict[str, np.ndarray]:
-    from methods.lander import TEXT_DIM
+    from methods.lander import TEXT_DIM, bounding_radius
 
-    return {**_teacher(), "text": np.random.default_rng(0).normal(size=(CLASSES, TEXT_DIM)).astype(np.float32)}
+    text = np.random.default_rng(0).normal(size=(CLASSES, TEXT_DIM)).astype(np.float32)
+    return {**_teacher(), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}
 
 
 # the synthesis jobs' rounds cut to a few steps each (their defaults take minutes per round on a small CPU)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fcl_emu.bench.tables.generative_table import CPU, budget
 from methods import jobs
-from methods.lander import TEXT_DIM
+from methods.lander import TEXT_DIM, bounding_radius
 from methods.models.classifier import build_model
 from methods.models.generators import Generator
 from methods.models.state import state_to_arrays
@@ -53,7 +53,8 @@ def job_inputs(kind: str, arrays: dict, classes: int) -> dict:
     if kind != "lander.synthesize":
         return arrays
     rng = np.random.default_rng(0)
-    return {**arrays, "text": (rng.standard_normal((classes, TEXT_DIM)) * 0.429).astype(np.float32),
+    text = (rng.standard_normal((classes, TEXT_DIM)) * 0.429).astype(np.float32)
+    return {**arrays, "text": text, "radius": np.float32(bounding_radius(text, 1.0)),
             "projector/weight": (rng.standard_normal((TEXT_DIM, 256)) * 0.05).astype(np.float32),
             "projector/bias": np.zeros(TEXT_DIM, np.float32)}
 
