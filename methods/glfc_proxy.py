@@ -2,12 +2,15 @@
 matching (DLG with the label known), one image at a time or all of a round's at once.
 
 :func:`reconstruct_batch` runs the round's reconstructions side by side: the
-gradient-matching loss of every image and its gradient in one ``vmap``-ed
-call (``torch.func``), and :class:`BatchedLBFGS`, torch's L-BFGS (no line
-search) for many independent problems, each keeping its own history, step
-length and stopping tests. Each image follows the same steps as
-:func:`reconstruct` on its own, from the same random start; only float
-summation order differs (batched convolutions and dot products).
+gradient-matching loss of every image and its gradient in the image from one
+graph (:func:`matching_losses`: each image its own copy of the parameters,
+the convolutions as unfolded batched matrix products), and
+:class:`BatchedLBFGS`, torch's L-BFGS (no line search) for many independent
+problems, each keeping its own history (a ring of curvature pairs), step
+length and stopping tests, its two-loop recursion in numpy. Each image
+follows the same steps as :func:`reconstruct` on its own, from the same
+random start; only float summation order differs (batched products and dot
+products).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, grad_and_value, vmap
 
 
 class GradientEncoder(nn.Module):
@@ -126,13 +128,17 @@ class BatchedLBFGS:
         self.x, self.lr, self.max_iter, self.max_eval = x, lr, max_iter, max_iter * 5 // 4
         self.tolerance_grad, self.tolerance_change, self.history = tolerance_grad, tolerance_change, history_size
         self.n_iter = torch.zeros(b, dtype=torch.long)
-        self.d, self.prev_grad = torch.zeros(b, n), torch.zeros(b, n)
-        self.t, self.h_diag = torch.zeros(b), torch.ones(b)
+        dtype = x.dtype
+        self.d, self.prev_grad = torch.zeros(b, n, dtype=dtype), torch.zeros(b, n, dtype=dtype)
+        self.t, self.h_diag = torch.zeros(b, dtype=dtype), torch.ones(b, dtype=dtype)
         self.prev_loss = torch.zeros(b, dtype=torch.float64)
-        # curvature pairs, oldest first; empty slots hold zeros (ro = 0), so they change nothing
-        self.dirs, self.steps = torch.zeros(b, history_size, n), torch.zeros(b, history_size, n)
-        self.ro = torch.zeros(b, history_size)
+        # curvature pairs in a ring per row: the oldest at slot ``head``, ``count`` of them; empty slots hold
+        # zeros (ro = 0), so they change nothing
+        self.dirs = torch.zeros(b, history_size, n, dtype=dtype)
+        self.steps = torch.zeros(b, history_size, n, dtype=dtype)
+        self.ro = torch.zeros(b, history_size, dtype=dtype)
         self.count = torch.zeros(b, dtype=torch.long)
+        self.head = torch.zeros(b, dtype=torch.long)
 
     def step(self, closure: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              active: torch.Tensor) -> torch.Tensor:
@@ -179,31 +185,79 @@ class BatchedLBFGS:
 
     def _direction(self, grad_: torch.Tensor, rows: torch.Tensor) -> None:
         """The quasi-Newton direction of ``rows`` (a mask): record the latest curvature pair where
-        ``y.s > 1e-10``, then the two-loop recursion over each row's history."""
+        ``y.s > 1e-10`` (over the oldest once the history is full), then the two-loop recursion over each row's
+        history."""
         y = grad_ - self.prev_grad
         s = self.d * self.t[:, None]
         ys = (y * s).sum(dim=1)
         accept = torch.nonzero(rows & (ys > 1e-10)).flatten()
         if len(accept):
-            full = accept[self.count[accept] == self.history]
-            for store in (self.dirs, self.steps, self.ro):
-                store[full] = store[full].roll(-1, dims=1)
-            slot = self.count[accept].clamp(max=self.history - 1)
+            count, head = self.count[accept], self.head[accept]
+            slot = (head + count) % self.history  # the next free slot, or the oldest pair's once full
             self.dirs[accept, slot], self.steps[accept, slot] = y[accept], s[accept]
             self.ro[accept, slot] = 1.0 / ys[accept]
             self.h_diag[accept] = ys[accept] / (y[accept] * y[accept]).sum(dim=1)
-            self.count[accept] = (self.count[accept] + 1).clamp(max=self.history)
+            self.head[accept] = torch.where(count == self.history, (head + 1) % self.history, head)
+            self.count[accept] = (count + 1).clamp(max=self.history)
         used = int(self.count[rows].max())
-        q = -grad_
-        al = torch.zeros(len(q), max(used, 1))
-        for i in range(used - 1, -1, -1):
-            al[:, i] = torch.linalg.vecdot(self.steps[:, i], q) * self.ro[:, i]
-            q.addcmul_(al[:, i, None], self.dirs[:, i], value=-1)
-        r = q * self.h_diag[:, None]
-        for i in range(used):
-            be = torch.linalg.vecdot(self.dirs[:, i], r) * self.ro[:, i]
-            r.addcmul_((al[:, i] - be)[:, None], self.steps[:, i])
-        self.d[rows] = r[rows]
+        order = (self.head[:, None] + torch.arange(used)) % self.history
+        r = two_loop(grad_.numpy(), self.dirs.numpy(), self.steps.numpy(), self.ro.numpy(), self.h_diag.numpy(),
+                     order.numpy())
+        self.d[rows] = torch.from_numpy(r)[rows]
+
+
+def two_loop(grad_: np.ndarray, dirs: np.ndarray, steps: np.ndarray, ro: np.ndarray, h_diag: np.ndarray,
+             order: np.ndarray) -> np.ndarray:
+    """L-BFGS's two-loop recursion ``-H grad`` of every row at once: ``order[b, i]`` is the slot of row b's
+    i-th oldest pair in ``dirs`` (y), ``steps`` (s) and ``ro`` (1 / y.s). In numpy: about a hundred small
+    vector operations per direction, where torch's dispatch costs several times numpy's."""
+    rows = np.arange(len(grad_))
+    same = bool((order == order[:1]).all())  # every row's history in step: plain slices, no gathers
+
+    def pair(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if same:
+            j = int(order[0, i])
+            return dirs[:, j], steps[:, j], ro[:, j]
+        j = order[:, i]
+        return dirs[rows, j], steps[rows, j], ro[rows, j]
+
+    q = -grad_
+    al = np.zeros((len(q), order.shape[1]), q.dtype)
+    for i in range(order.shape[1] - 1, -1, -1):
+        y, s, rho = pair(i)
+        al[:, i] = np.einsum("bn,bn->b", s, q) * rho
+        q -= al[:, i, None] * y
+    r = q * h_diag[:, None]
+    for i in range(order.shape[1]):
+        y, s, rho = pair(i)
+        r += (al[:, i] - np.einsum("bn,bn->b", y, r) * rho)[:, None] * s
+    return r
+
+
+def matching_losses(encoder: GradientEncoder, x: torch.Tensor, labels: torch.Tensor,
+                    targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Each image's gradient-matching loss ``sum_p ||dCE(encoder(x_b), y_b)/dp - target_b[p]||^2`` ``(B,)``,
+    differentiable in ``x``. Every image gets its own copy of the parameters, so one backward pass gives the
+    per-image gradients; the convolutions run as unfolded batched matrix products (``bmm`` over the images),
+    which torch differentiates twice as cheaply as it does batched convolutions of one image each."""
+    b = len(x)
+    convs = [m for m in encoder.body if isinstance(m, nn.Conv2d)]
+    weights = [c.weight.detach().flatten(1).expand(b, -1, -1).clone().requires_grad_(True) for c in convs]
+    biases = [c.bias.detach().expand(b, -1).clone().requires_grad_(True) for c in convs]
+    fc_w = encoder.fc.weight.detach().expand(b, -1, -1).clone().requires_grad_(True)
+    fc_b = encoder.fc.bias.detach().expand(b, -1).clone().requires_grad_(True)
+    h = x
+    for conv, w, bias in zip(convs, weights, biases):
+        size = [(n + 2 * p - k) // s + 1 for n, p, k, s in zip(h.shape[2:], conv.padding, conv.kernel_size,
+                                                                 conv.stride)]
+        cols = F.unfold(h, conv.kernel_size, padding=conv.padding, stride=conv.stride)
+        h = torch.sigmoid(torch.baddbmm(bias[:, :, None], w, cols)).view(b, -1, *size)
+    logits = torch.baddbmm(fc_b[:, :, None], fc_w, h.flatten(1)[:, :, None])[:, :, 0]
+    ce = F.cross_entropy(logits, labels, reduction="sum")
+    params = [t for pair in zip(weights, biases) for t in pair] + [fc_w, fc_b]
+    grads = torch.autograd.grad(ce, params, create_graph=True)
+    return sum(((g.reshape(b, -1) - targets[n].reshape(b, -1)) ** 2).sum(dim=1) for g, n in
+               zip(grads, (n for n, _ in encoder.named_parameters())))
 
 
 def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch.Tensor]], labels: list[int],
@@ -215,20 +269,15 @@ def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch
     if not targets:
         return []
     names = [n for n, _ in encoder.named_parameters()]
-    params = {n: p.detach() for n, p in encoder.named_parameters()}
     stacked = {n: torch.stack([t[n] for t in targets]) for n in names}
     y = torch.tensor(labels)
-
-    def matching(x: torch.Tensor, label: torch.Tensor, target: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        g = grad(lambda p: F.cross_entropy(functional_call(encoder, p, (x[None],)), label[None]))(params)
-        return sum(((g[n] - target[n]) ** 2).sum() for n in names)
-
-    batched = vmap(grad_and_value(matching))
     opt = BatchedLBFGS(torch.cat(starts).flatten(1), lr)
 
     def closure(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grads, values = batched(opt.x[rows].view(-1, *input_shape), y[rows], {n: v[rows] for n, v in stacked.items()})
-        return values, grads.flatten(1)
+        x = opt.x if len(rows) == len(targets) else opt.x[rows]  # every problem still running: no copies
+        x = x.detach().view(-1, *input_shape).requires_grad_(True)
+        values = matching_losses(encoder, x, y[rows], {n: v[rows] for n, v in stacked.items()})
+        return values.detach(), torch.autograd.grad(values.sum(), x)[0].flatten(1)
 
     active = torch.ones(len(targets), dtype=torch.bool)
     losses = torch.full((len(targets),), math.nan, dtype=torch.float64)

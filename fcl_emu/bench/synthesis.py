@@ -2,6 +2,13 @@
 MNIST ``cnn_bn`` teacher, each run with the generator as written (``Generator.phase_conv = False``) and as
 computed (phase convolutions) in turn, in one process: wall and CPU seconds and their ratios.
 
+The limit: a third run of the fast path under ``torch.utils.flop_counter``
+gives its floating-point work (convolutions and matrix products), and the
+same process's 3x3-convolution peak at the same thread count
+(:func:`fcl_emu.bench.jobs.peaks`) the least time that work could take here.
+``bound`` is the reference's wall time over that least time: no faster path
+computing the same work on this machine can beat the reference by more.
+
     python -m fcl_emu.bench.synthesis --data-root ../shared/data --budget 0.125 --threads 2
 
 The budget is the generative table's (``fcl_emu.bench.tables.generative_table.budget``, half-width generators);
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fcl_emu.bench.jobs import count_flops, peaks
 from fcl_emu.bench.tables.generative_table import CPU, budget
 from methods import jobs
 from methods.lander import TEXT_DIM, bounding_radius
@@ -79,6 +87,8 @@ def main() -> None:
     p.add_argument("--set", default="{}", help="JSON: job kind -> method options to override")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    conv_peak = peaks(torch.device("cpu"))["conv2d"]
+    print(f"3x3 convolution peak, {a.threads} thread(s): {conv_peak:.1f} GFLOP/s", flush=True)
     arrays, ds = teacher(a.data_root, a.classes)
     overrides = json.loads(a.set)
     for kind in a.kinds.split(","):
@@ -88,8 +98,11 @@ def main() -> None:
                    "seed": 7}
         inputs = job_inputs(kind, arrays, a.classes)
         (rw, rc), (fw, fc) = timed(kind, inputs, options, True), timed(kind, inputs, options, False)
+        gflop = count_flops(lambda: jobs.run(kind, inputs, options, torch.device("cpu"))) / 1e9
+        least = gflop / conv_peak
         print(f"{kind}: reference {rw:.1f} s wall / {rc:.1f} s CPU, fast {fw:.1f} s / {fc:.1f} s: "
-              f"{rw / fw:.2f}x wall, {rc / fc:.2f}x CPU", flush=True)
+              f"{rw / fw:.2f}x wall, {rc / fc:.2f}x CPU; fast {gflop:.1f} GFLOP at {gflop / fw:.1f} GFLOP/s, "
+              f"{100 * least / fw:.0f} % of the peak; bound {rw / least:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
