@@ -286,6 +286,8 @@ def bench_jobs(
     scale: Annotated[float, typer.Option(min=0.01, help="Multiplies every job's step budget.")] = 1.0,
     kinds: Annotated[Optional[str], typer.Option(help="Comma-separated job kinds (default: every kind).")] = None,
     threads: Annotated[int, typer.Option(min=1, help="Torch CPU threads (GPU workers: gpu.threads, 1).")] = 1,
+    repeat: Annotated[int, typer.Option(min=1, max=50, help="Timed runs per job and path, taken in turn across "
+                                                            "a kind's paths; the median is reported.")] = 1,
     out: Annotated[Path, typer.Option("--out", help="Writes the table as CSV here.")] = Path("runs/bench-jobs.csv"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
@@ -299,6 +301,6 @@ def bench_jobs(
     writable(folder(out), folder(json_path))
     try:
         run(devices, scale, [k.strip() for k in kinds.split(",") if k.strip()] if kinds else None,
-            threads, out, json_path, console)
+            threads, out, json_path, console, repeat)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--kinds") from None

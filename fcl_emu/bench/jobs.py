@@ -11,7 +11,8 @@ is ``fixed + step x budget`` (the counter sees matrix products and
 convolutions, forward and backward, not elementwise work). The timed run is
 a separate one at the full budget, without the counter. Jobs whose
 reference path is kept (``fedcbc.fuse`` and ``glfc.proxy``: ``sequential``)
-are timed both ways on the same inputs.
+are timed both ways on the same inputs; ``repeat`` times each, in turn, the
+median reported (the speed of a virtual machine drifts over minutes).
 
 The limit is the machine's own: a dense float32 matrix product and a
 float32 3x3 convolution, timed in the same run at the same thread count;
@@ -179,27 +180,31 @@ def peaks(device: torch.device, seconds: float = 0.2, windows: int = 5) -> dict[
 
 
 def profile_job(kind: str, profile: Profile, budget: int, variant: dict[str, Any], inputs: dict[str, np.ndarray],
-                device: torch.device) -> tuple[float, float]:
-    """``(wall seconds, FLOPs)`` of ``kind`` at ``budget`` steps: FLOPs from counted runs of one and two steps
-    (or, for a job that reports its steps, one counted run's FLOPs per reported step)."""
+                device: torch.device) -> Callable[[], tuple[float, float]]:
+    """Counts the FLOPs of ``kind`` on runs of one and two steps and returns a function that times one run at
+    ``budget`` steps: ``(wall seconds, FLOPs)`` (for a job that reports its steps, one counted run's FLOPs per
+    reported step times the timed run's steps)."""
     def run(steps: int) -> jobs.JobOutput:
         return jobs.run(kind, inputs, {**profile.options(steps), **variant}, device)
 
     counted: list[jobs.JobOutput] = []
     one, two = (count_flops(lambda: counted.append(run(n))) for n in (1, 2))
-    _sync(device)
-    start = time.perf_counter()
-    out = run(budget)
-    _sync(device)
-    wall = time.perf_counter() - start
-    if profile.work is not None:
-        return wall, two / profile.work(counted[1]) * profile.work(out)
     step = max(two - one, 0)
-    return wall, float((one - step) + step * budget)
+
+    def timed() -> tuple[float, float]:
+        _sync(device)
+        start = time.perf_counter()
+        out = run(budget)
+        _sync(device)
+        wall = time.perf_counter() - start
+        if profile.work is not None:
+            return wall, two / profile.work(counted[1]) * profile.work(out)
+        return wall, float((one - step) + step * budget)
+    return timed
 
 
 def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int, csv_path: Path,
-        json_path: Path | None, console: Console) -> dict:
+        json_path: Path | None, console: Console, repeat: int = 1) -> dict:
     known = sorted({k for prefix in jobs.JOB_MODULES for k in jobs.kinds(prefix)})
     unknown = sorted(set(kinds or []) - set(known))
     if unknown:
@@ -218,7 +223,7 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
             console.print(f"{name}: peak matmul {limit['matmul']:.1f} GFLOP/s, conv2d {limit['conv2d']:.1f} GFLOP/s "
                           f"at {threads} thread(s)")
             for kind in kinds or known:
-                rows += _profile_kind(kind, device, scale, threads, limit, console)
+                rows += _profile_kind(kind, device, scale, threads, limit, console, repeat)
     finally:
         torch.set_num_threads(before)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +236,9 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
 
 
 def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, limit: dict[str, float],
-                  console: Console) -> list[dict[str, Any]]:
+                  console: Console, repeat: int) -> list[dict[str, Any]]:
+    """One row per path of ``kind``; with ``repeat`` > 1 the paths are timed in turn ``repeat`` times (a
+    virtual machine's speed drifts by a third over minutes) and each row is its path's median run."""
     profile = PROFILES.get(kind)
     if profile is None:
         return [_row(kind, "", device.type, threads, 0, "", note="skipped: the bench has no profile of this kind")]
@@ -240,21 +247,28 @@ def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, l
         inputs = profile.inputs()
     except ImportError as exc:
         return [_row(kind, "", device.type, threads, budget, profile.unit, note=f"skipped: {exc}")]
-    rows = []
+    rows, timers = {}, {}
     for variant, extra in profile.variants.items():
         console.print(f"  {kind} {variant}".rstrip() + f": {budget} {profile.unit}", highlight=False)
         try:
-            wall, flops = profile_job(kind, profile, budget, extra, inputs, device)
+            timers[variant] = profile_job(kind, profile, budget, extra, inputs, device)
         except (ImportError, RuntimeError) as exc:  # an optional package the job needs
-            rows.append(_row(kind, variant, device.type, threads, budget, profile.unit,
-                             note=f"skipped: {str(exc).splitlines()[0]}"))
-            continue
+            rows[variant] = _row(kind, variant, device.type, threads, budget, profile.unit,
+                                 note=f"skipped: {str(exc).splitlines()[0]}")
+    runs: dict[str, list[tuple[float, float]]] = {variant: [] for variant in timers}
+    for _ in range(repeat):
+        for variant, timed in timers.items():
+            runs[variant].append(timed())
+    for variant, measured in runs.items():
+        wall, flops = sorted(measured)[len(measured) // 2]
         gflops = flops / wall / 1e9
         peak = limit[profile.dominant]
-        rows.append(_row(kind, variant, device.type, threads, budget, profile.unit, wall_s=round(wall, 3),
-                         gflop=round(flops / 1e9, 3), gflops=round(gflops, 2), dominant_op=profile.dominant,
-                         peak_gflops=round(peak, 1), peak_pct=round(100 * gflops / peak, 1)))
-    return rows
+        walls = [w for w, _ in measured]
+        note = f"median of {repeat}: {min(walls):.3g}-{max(walls):.3g} s" if repeat > 1 else ""
+        rows[variant] = _row(kind, variant, device.type, threads, budget, profile.unit, wall_s=round(wall, 3),
+                             gflop=round(flops / 1e9, 3), gflops=round(gflops, 2), dominant_op=profile.dominant,
+                             peak_gflops=round(peak, 1), peak_pct=round(100 * gflops / peak, 1), note=note)
+    return [rows[variant] for variant in profile.variants]
 
 
 def _row(kind: str, variant: str, device: str, threads: int, budget: int, unit: str, **values: Any) -> dict[str, Any]:
