@@ -237,9 +237,11 @@ def two_loop(grad_: np.ndarray, dirs: np.ndarray, steps: np.ndarray, ro: np.ndar
 def matching_losses(encoder: GradientEncoder, x: torch.Tensor, labels: torch.Tensor,
                     targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Each image's gradient-matching loss ``sum_p ||dCE(encoder(x_b), y_b)/dp - target_b[p]||^2`` ``(B,)``,
-    differentiable in ``x``. Every image gets its own copy of the parameters, so one backward pass gives the
-    per-image gradients; the convolutions run as unfolded batched matrix products (``bmm`` over the images),
-    which torch differentiates twice as cheaply as it does batched convolutions of one image each."""
+    differentiable in ``x``, for the :class:`GradientEncoder`'s layers (convolutions each followed by a
+    sigmoid, then the linear head). Every image gets its own copy of the parameters, so one backward pass
+    gives the per-image gradients; the convolutions run as unfolded batched matrix products (``bmm`` over the
+    images), whose second derivative torch computes several times faster than that of batched one-image
+    convolutions."""
     b = len(x)
     convs = [m for m in encoder.body if isinstance(m, nn.Conv2d)]
     weights = [c.weight.detach().flatten(1).expand(b, -1, -1).clone().requires_grad_(True) for c in convs]
