@@ -276,9 +276,12 @@ def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch
     opt = BatchedLBFGS(torch.cat(starts).flatten(1), lr)
 
     def closure(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = opt.x if len(rows) == len(targets) else opt.x[rows]  # every problem still running: no copies
+        if len(rows) == len(targets):  # every problem still running: no copies
+            x, wanted, labels = opt.x, stacked, y
+        else:
+            x, wanted, labels = opt.x[rows], {n: v[rows] for n, v in stacked.items()}, y[rows]
         x = x.detach().view(-1, *input_shape).requires_grad_(True)
-        values = matching_losses(encoder, x, y[rows], {n: v[rows] for n, v in stacked.items()})
+        values = matching_losses(encoder, x, labels, wanted)
         return values.detach(), torch.autograd.grad(values.sum(), x)[0].flatten(1)
 
     active = torch.ones(len(targets), dtype=torch.bool)
