@@ -186,12 +186,17 @@ def build_vae(o: FedCBCOptions, input_dim: int, arrays: Mapping[str, np.ndarray]
     or freshly initialised from ``seed``; torch's global RNG is left as it was."""
     if o.decoder_output == "auto":
         raise ValueError("fedcbc: decoder_output 'auto' is resolved by the input shape first (resolve_decoder)")
+
+    def make() -> VAE:
+        return VAE(input_dim, o.vae_hidden, o.vae_latent, sigmoid_output=o.decoder_output == "sigmoid")
+
+    if arrays is not None:  # built without an initialisation the arrays would overwrite
+        with torch.device("meta"):
+            vae = make()
+        return load_arrays(vae.to_empty(device="cpu"), arrays)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = VAE(input_dim, o.vae_hidden, o.vae_latent, sigmoid_output=o.decoder_output == "sigmoid")
-    if arrays is not None:
-        load_arrays(vae, arrays)
-    return vae
+        return make()
 
 
 def pseudo_features(vae: VAE, z: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 The ``fedcbc.fuse`` job trains one student VAE per class; done class after
 class, each step is a handful of small matrix products and the job is bound
-by per-op overhead. :func:`fit_students` trains all students of the same
-data length together: their parameters stacked
-(:class:`StackedVAEs`), one batched forward and backward per step, one fused
-Adam over the stacked tensors (Adam is elementwise, so each class's slice
-follows its own trajectory). The sources' averaged posterior of every
+by per-op overhead. :func:`fit_students` trains every class's student
+together: their parameters stacked (:class:`StackedVAEs`), one batched
+forward and backward per step, one fused Adam over the stacked tensors
+(Adam is elementwise, so each class's slice follows its own trajectory).
+Classes with more sources have more pseudo-features, hence more batches an
+epoch: step ``t`` is each class's own ``t``-th step, the short last batch of
+an epoch is padded with rows weighted zero, and a class that has taken all
+its steps leaves the stack with its slice of Adam's state (so it takes no
+further momentum steps). The sources' averaged posterior of every
 pseudo-feature is computed once instead of at every step (the sources are
 frozen and their posterior is deterministic).
 
@@ -20,6 +24,7 @@ matrix products; a posterior computed over all rows instead of per batch).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -70,13 +75,27 @@ class StackedVAEs:
         return self._run("decoder", mean + torch.exp(0.5 * log_var) * eps), mean, log_var
 
     @torch.no_grad()
-    def write_back(self) -> None:
-        """Copy the trained stacked parameters into each class's VAE."""
+    def write_back(self, first: int = 0) -> None:
+        """Copy the trained stacked parameters of the classes from ``first`` on into their VAEs."""
         for path, (weight, bias) in self.params.items():
-            for g, vae in enumerate(self.vaes):
-                layer = vae.get_submodule(path)
+            for g in range(first, len(self.vaes)):
+                layer = self.vaes[g].get_submodule(path)
                 layer.weight.copy_(weight[g].t())
                 layer.bias.copy_(bias[g, 0])
+
+    def keep(self, count: int, opt: torch.optim.Adam) -> torch.optim.Adam:
+        """Write the classes from ``count`` on back into their VAEs and go on with the first ``count``: their
+        slices of the stacked parameters and of ``opt``'s state, in a new optimiser returned (a class that
+        has finished must not take Adam's momentum steps)."""
+        self.write_back(count)
+        self.vaes = self.vaes[:count]
+        old = self.parameters()
+        self.params = {path: tuple(t.detach()[:count].clone().requires_grad_() for t in pair)
+                       for path, pair in self.params.items()}
+        new_opt = torch.optim.Adam(self.parameters(), **opt.defaults)
+        for before, after in zip(old, self.parameters()):
+            new_opt.state[after] = {k: v if k == "step" else v[:count].clone() for k, v in opt.state[before].items()}
+        return new_opt
 
 
 def _class_generators(gen: torch.Generator, rows: list[int], pseudo: int, latent: int, epochs: int, batch: int,
@@ -105,56 +124,77 @@ def fit_students(students: list[VAE], teachers: list[list[VAE]], o, draw: Draw, 
     eq.-5 and distillation terms over its last epoch."""
     rows = [len(t) * o.pseudo_samples for t in teachers]
     gens = _class_generators(gen, rows, o.pseudo_samples, o.vae_latent, o.fusion_epochs, o.fusion_batch, draw)
-    data, mean_t, log_var_t = [], [], []
+    by_length = sorted(range(len(rows)), key=lambda c: -rows[c])  # the longest first: the last to finish
+    longest = rows[by_length[0]]
+    data = torch.zeros((len(rows), longest + 1, students[0].input_dim), device=device)  # row `longest`: padding
+    mean_t = torch.zeros((len(rows), longest + 1, o.vae_latent), device=device)
+    log_var_t = torch.zeros_like(mean_t)
     with torch.no_grad():
-        for c, sources in enumerate(teachers):
+        for slot, c in enumerate(by_length):
             z = draw(o.pseudo_samples, gens[c]).to(device)
-            x = torch.cat([t.to(device).eval().decode(z) for t in sources])
-            posteriors = [t.encode(x) for t in sources]
-            data.append(x)
-            mean_t.append(torch.stack([m for m, _ in posteriors]).mean(dim=0))
-            log_var_t.append(torch.stack([v for _, v in posteriors]).mean(dim=0))
-    results: list[tuple[float, float] | None] = [None] * len(students)
-    for n in sorted(set(rows)):
-        group = [c for c, r in enumerate(rows) if r == n]
-        stacked = [torch.stack([part[c] for c in group]) for part in (data, mean_t, log_var_t)]
-        terms = _fit_group([students[c] for c in group], *stacked, [gens[c] for c in group], o, device)
-        for c, t in zip(group, terms):
-            results[c] = t
+            x = torch.cat([t.to(device).eval().decode(z) for t in teachers[c]])
+            posteriors = [t.encode(x) for t in teachers[c]]
+            data[slot, :rows[c]] = x
+            mean_t[slot, :rows[c]] = torch.stack([m for m, _ in posteriors]).mean(dim=0)
+            log_var_t[slot, :rows[c]] = torch.stack([v for _, v in posteriors]).mean(dim=0)
+    terms = _fit([students[c] for c in by_length], data, mean_t, log_var_t, [rows[c] for c in by_length],
+                 [gens[c] for c in by_length], o, device)
+    results: list[tuple[float, float]] = [(0.0, 0.0)] * len(rows)
+    for slot, c in enumerate(by_length):
+        results[c] = terms[slot]
     return results
 
 
-def _fit_group(students: list[VAE], data: torch.Tensor, mean_t: torch.Tensor, log_var_t: torch.Tensor,
-               gens: list[torch.Generator], o, device: torch.device) -> list[tuple[float, float]]:
-    """Train ``students`` (G of them) side by side on ``data`` ``(G, N, d)`` with the teachers' posteriors
-    ``(G, N, k)``."""
+def _fit(students: list[VAE], data: torch.Tensor, mean_t: torch.Tensor, log_var_t: torch.Tensor, rows: list[int],
+         gens: list[torch.Generator], o, device: torch.device) -> list[tuple[float, float]]:
+    """Train ``students`` side by side, each ``g`` on the first ``rows[g]`` rows of ``data[g]`` (G, N + 1, d)
+    with the teachers' posteriors (G, N + 1, k); ``rows`` in decreasing order, row N zero (the padding).
+
+    Step ``t`` is every class's own step ``t`` (its epoch ``t // s``, batch ``t % s`` of its ``s`` batches an
+    epoch); a class with fewer rows finishes first and leaves the stack (:meth:`StackedVAEs.keep`). Batches
+    shorter than ``fusion_batch`` (an epoch's last) are padded with row N, weighted zero in the loss."""
+    batch, epochs, count = o.fusion_batch, o.fusion_epochs, len(students)
+    per_epoch = [math.ceil(n / batch) for n in rows]
     stacked = StackedVAEs(students, device)
     opt = torch.optim.Adam(stacked.parameters(), lr=o.vae_lr, weight_decay=o.vae_weight_decay, fused=True)
-    g_count, n = data.shape[:2]
-    rows = torch.arange(g_count, device=device)[:, None]
-    sums = torch.zeros(2, g_count, dtype=torch.float64)
-    batches = 0
-    for _ in range(o.fusion_epochs):
-        order = torch.stack([torch.randperm(n, generator=g) for g in gens]).to(device)
-        sums.zero_()
-        batches = 0
-        for i in range(0, n, o.fusion_batch):
-            idx = order[:, i:i + o.fusion_batch]
-            x = data[rows, idx]
-            eps = torch.stack([torch.randn((idx.shape[1], o.vae_latent), generator=g) for g in gens]).to(device)
-            recon, mean, log_var = stacked.forward(x, eps)
-            own = vae_loss_per_sample(recon, x, mean, log_var, o.beta).mean(dim=1)
-            kd = gaussian_kl(mean, log_var, mean_t[rows, idx], log_var_t[rows, idx]).mean(dim=1)
-            loss = own + o.alpha * kd
-            if not torch.isfinite(loss).all():
-                raise FloatingPointError(f"fedcbc: the VAE loss became {loss[~torch.isfinite(loss)][0].item()}")
-            opt.zero_grad(set_to_none=True)
-            loss.sum().backward()
-            opt.step()
-            sums += torch.stack([own.detach(), kd.detach()]).cpu()
-            batches += 1
+    pad = data.shape[1] - 1
+    index = torch.full((count, batch), pad)
+    weight = torch.zeros((count, batch))
+    eps = torch.zeros((count, batch, o.vae_latent))
+    orders: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * count
+    sums = torch.zeros((2, count), dtype=torch.float64)
+    active = count
+    for t in range(epochs * per_epoch[0]):
+        while epochs * per_epoch[active - 1] <= t:
+            active -= 1
+        if active < len(stacked.vaes):
+            opt = stacked.keep(active, opt)
+        for g in range(active):
+            i = t % per_epoch[g]
+            if i == 0:
+                orders[g] = torch.randperm(rows[g], generator=gens[g])
+            chosen = orders[g][i * batch:(i + 1) * batch]
+            b = len(chosen)
+            index[g, :b], index[g, b:] = chosen, pad
+            weight[g, :b], weight[g, b:] = 1.0 / b, 0.0
+            eps[g, :b].normal_(generator=gens[g])
+            eps[g, b:] = 0.0
+        picked = torch.arange(active, device=device)[:, None], index[:active].to(device)
+        x = data[picked]
+        recon, mean, log_var = stacked.forward(x, eps[:active].to(device))
+        w = weight[:active].to(device)
+        own = (vae_loss_per_sample(recon, x, mean, log_var, o.beta) * w).sum(dim=1)
+        kd = (gaussian_kl(mean, log_var, mean_t[picked], log_var_t[picked]) * w).sum(dim=1)
+        loss = own + o.alpha * kd
+        if not torch.isfinite(loss).all():
+            raise FloatingPointError(f"fedcbc: the VAE loss became {loss[~torch.isfinite(loss)][0].item()}")
+        opt.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        opt.step()
+        last_epoch = torch.tensor([t >= (epochs - 1) * per_epoch[g] for g in range(active)])
+        sums[:, :active] += torch.stack([own.detach(), kd.detach()]).cpu() * last_epoch
     stacked.write_back()
     for s in students:
         s.eval()
-    means = (sums / max(batches, 1)).tolist()
-    return [(float(means[0][g]), float(means[1][g])) for g in range(g_count)]
+    means = (sums / torch.tensor(per_epoch)).tolist()
+    return [(float(means[0][g]), float(means[1][g])) for g in range(count)]
