@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -234,32 +235,97 @@ def two_loop(grad_: np.ndarray, dirs: np.ndarray, steps: np.ndarray, ro: np.ndar
     return r
 
 
-def matching_losses(encoder: GradientEncoder, x: torch.Tensor, labels: torch.Tensor,
-                    targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
+@dataclass
+class MatchingTargets:
+    """Every problem's target gradients, ready for :func:`matching_losses`: ``params`` per parameter name
+    ``(P, ...)``; the head weight's also in float64, ``head`` ``(P, C, F)``, with each problem's squared norm
+    ``head_sq`` ``(P,)``, computed once per job (see :class:`_HeadMismatch`)."""
+    params: dict[str, torch.Tensor]
+    head: torch.Tensor
+    head_sq: torch.Tensor
+
+    @classmethod
+    def of(cls, targets: Mapping[str, torch.Tensor], encoder: GradientEncoder) -> MatchingTargets:
+        head = targets["fc.weight"].reshape(-1, *encoder.fc.weight.shape).double()
+        return cls(dict(targets), head, (head * head).sum(dim=(1, 2)))
+
+
+class _HeadMismatch(torch.autograd.Function):
+    """``||g_b h_b^T - T_b||^2`` of each problem ``b`` (``g`` (B, C), ``h`` (B, F), ``T`` (P, C, F), ``rows`` the
+    problems ``g`` and ``h`` belong to, ``None``: all), differentiable in ``g`` and ``h``: the linear head's
+    weight gradient is the outer product ``g h^T`` of its output's and its input's gradients, so its matching
+    term is ``||T||^2 - 2 g.(T h) + ||g||^2 ||h||^2`` and its gradients ``2 (||h||^2 g - T h)`` and
+    ``2 (||g||^2 h - T^T g)``: two matrix-vector products per problem instead of writing and reading B x C x F
+    residuals (the largest tensors of the job with a data set's many classes). The terms nearly cancel where
+    the match is close, so they are computed in float64: the result is exact to float32's precision."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, h: torch.Tensor, target: torch.Tensor, target_sq: torch.Tensor,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        g64, h64 = g.double(), h.double()
+        th = _problem_products(target, h64[:, :, None], rows)[:, :, 0]
+        gg, hh = (g64 * g64).sum(dim=1), (h64 * h64).sum(dim=1)
+        ctx.save_for_backward(g64, h64, th, gg, hh, target)
+        ctx.rows = rows
+        sq = target_sq if rows is None else target_sq[rows]
+        return (sq - 2 * (g64 * th).sum(dim=1) + gg * hh).to(g.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g64, h64, th, gg, hh, target = ctx.saved_tensors
+        scale = 2 * grad.double()[:, None]
+        tg = _problem_products(target, g64[:, None, :], ctx.rows, left=True)[:, 0]
+        return (((hh[:, None] * g64 - th) * scale).to(grad.dtype), ((gg[:, None] * h64 - tg) * scale).to(grad.dtype),
+                None, None, None)
+
+
+def _problem_products(target: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
+                      left: bool = False) -> torch.Tensor:
+    """``target[b] @ v`` (or ``v @ target[b]``, ``left``) for each problem ``b`` of ``rows``; with ``rows``, ``v``
+    is spread over all the problems (zeros elsewhere) rather than ``target`` copied down to ``rows``: reading
+    ``target`` once costs less than copying it at every evaluation."""
+    if rows is not None:
+        full = v.new_zeros((len(target), *v.shape[1:]))
+        full[rows] = v
+        v = full
+    out = torch.bmm(v, target) if left else torch.bmm(target, v)
+    return out if rows is None else out[rows]
+
+
+def matching_losses(encoder: GradientEncoder, x: torch.Tensor, labels: torch.Tensor, targets: MatchingTargets,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """Each image's gradient-matching loss ``sum_p ||dCE(encoder(x_b), y_b)/dp - target_b[p]||^2`` ``(B,)``,
     differentiable in ``x``, for the :class:`GradientEncoder`'s layers (convolutions each followed by a
-    sigmoid, then the linear head). Every image gets its own copy of the parameters, so one backward pass
-    gives the per-image gradients; the convolutions run as unfolded batched matrix products (``bmm`` over the
-    images), whose second derivative torch computes several times faster than that of batched one-image
-    convolutions."""
+    sigmoid, then the linear head); image ``b`` is problem ``rows[b]`` of ``targets`` (``None``: ``b``).
+    Every image gets its own copy of the convolutions' parameters, so one backward pass gives the per-image
+    gradients; the convolutions run as unfolded batched matrix products (``bmm`` over the images), whose
+    second derivative torch computes several times faster than that of batched one-image convolutions. The
+    head's gradients are written out: the bias's is ``g = softmax - onehot`` of the logits, the weight's the
+    outer product of ``g`` and the head's input (:class:`_HeadMismatch`)."""
     b = len(x)
     convs = [m for m in encoder.body if isinstance(m, nn.Conv2d)]
     weights = [c.weight.detach().flatten(1).expand(b, -1, -1).clone().requires_grad_(True) for c in convs]
     biases = [c.bias.detach().expand(b, -1).clone().requires_grad_(True) for c in convs]
-    fc_w = encoder.fc.weight.detach().expand(b, -1, -1).clone().requires_grad_(True)
-    fc_b = encoder.fc.bias.detach().expand(b, -1).clone().requires_grad_(True)
     h = x
     for conv, w, bias in zip(convs, weights, biases):
         size = [(n + 2 * p - k) // s + 1 for n, p, k, s in zip(h.shape[2:], conv.padding, conv.kernel_size,
                                                                  conv.stride)]
         cols = F.unfold(h, conv.kernel_size, padding=conv.padding, stride=conv.stride)
         h = torch.sigmoid(torch.baddbmm(bias[:, :, None], w, cols)).view(b, -1, *size)
-    logits = torch.baddbmm(fc_b[:, :, None], fc_w, h.flatten(1)[:, :, None])[:, :, 0]
-    ce = F.cross_entropy(logits, labels, reduction="sum")
-    params = [t for pair in zip(weights, biases) for t in pair] + [fc_w, fc_b]
-    grads = torch.autograd.grad(ce, params, create_graph=True)
-    return sum(((g.reshape(b, -1) - targets[n].reshape(b, -1)) ** 2).sum(dim=1) for g, n in
-               zip(grads, (n for n, _ in encoder.named_parameters())))
+    features = h.flatten(1)
+    logits = F.linear(features, encoder.fc.weight.detach(), encoder.fc.bias.detach())
+    params = [t for pair in zip(weights, biases) for t in pair]
+    grads = torch.autograd.grad(F.cross_entropy(logits, labels, reduction="sum"), params, create_graph=True)
+
+    def wanted(name: str) -> torch.Tensor:
+        t = targets.params[name]
+        return (t if rows is None else t[rows]).reshape(b, -1)
+
+    names = [n for n, _ in encoder.body.named_parameters(prefix="body")]
+    loss = sum(((g.reshape(b, -1) - wanted(n)) ** 2).sum(dim=1) for g, n in zip(grads, names))
+    g = torch.softmax(logits, dim=1) - F.one_hot(labels, logits.shape[1]).to(logits.dtype)
+    return (loss + _HeadMismatch.apply(g, features, targets.head, targets.head_sq, rows)
+            + ((g - wanted("fc.bias")) ** 2).sum(dim=1))
 
 
 def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch.Tensor]], labels: list[int],
@@ -271,17 +337,14 @@ def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch
     if not targets:
         return []
     names = [n for n, _ in encoder.named_parameters()]
-    stacked = {n: torch.stack([t[n] for t in targets]) for n in names}
+    wanted = MatchingTargets.of({n: torch.stack([t[n] for t in targets]) for n in names}, encoder)
     y = torch.tensor(labels)
     opt = BatchedLBFGS(torch.cat(starts).flatten(1), lr)
 
     def closure(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(rows) == len(targets):  # every problem still running: no copies
-            x, wanted, labels = opt.x, stacked, y
-        else:
-            x, wanted, labels = opt.x[rows], {n: v[rows] for n, v in stacked.items()}, y[rows]
-        x = x.detach().view(-1, *input_shape).requires_grad_(True)
-        values = matching_losses(encoder, x, labels, wanted)
+        every = len(rows) == len(targets)  # every problem still running: no copies
+        x = (opt.x if every else opt.x[rows]).detach().view(-1, *input_shape).requires_grad_(True)
+        values = matching_losses(encoder, x, y if every else y[rows], wanted, None if every else rows)
         return values.detach(), torch.autograd.grad(values.sum(), x)[0].flatten(1)
 
     active = torch.ones(len(targets), dtype=torch.bool)

@@ -24,7 +24,7 @@ import torch
 from fcl_emu.bench.jobs import COLUMNS
 from methods import jobs
 from methods.fedcbc import FedCBCOptions, build_vae
-from methods.glfc_proxy import BatchedLBFGS, GradientEncoder, matching_losses
+from methods.glfc_proxy import BatchedLBFGS, GradientEncoder, MatchingTargets, matching_losses
 from methods.models.state import state_to_arrays
 from tests.conftest import fcl_emu
 
@@ -109,8 +109,14 @@ def test_matching_losses_are_each_image_s_gradient_matching_loss(shape):
     targets = {n: torch.randn((3, *p.shape), generator=gen, dtype=torch.float64) * 0.01
                for n, p in encoder.named_parameters()}
     batch = x.clone().requires_grad_(True)
-    values = matching_losses(encoder, batch, y, targets)
+    prepared = MatchingTargets.of(targets, encoder)
+    values = matching_losses(encoder, batch, y, prepared)
     grads = torch.autograd.grad(values.sum(), batch)[0]
+    rows = torch.tensor([2, 0])  # some problems only (the others have stopped), in any order
+    part = x[rows].clone().requires_grad_(True)
+    some = matching_losses(encoder, part, y[rows], prepared, rows)
+    torch.testing.assert_close(some.detach(), values.detach()[rows], rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(some.sum(), part)[0], grads[rows], rtol=1e-10, atol=1e-14)
     for b in range(3):
         one = x[b:b + 1].clone().requires_grad_(True)
         g = encoder.gradients(one, y[b:b + 1], create_graph=True)
@@ -142,13 +148,13 @@ def test_batched_proxy_reconstructs_what_the_sequential_reference_does():
 def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
     out = tmp_path / "jobs.csv"
     proc = fcl_emu("bench", "jobs", "--kinds", "fedcbc.fuse,device.matmul,lander.synthesize", "--scale", "0.01",
-                   "--repeat", "2", "--device", "cpu", "--device", "cuda", "--out", str(out),
+                   "--repeat", "2", "--classes", "3", "--device", "cpu", "--device", "cuda", "--out", str(out),
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, printed
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == COLUMNS
+    assert list(rows[0]) == COLUMNS and {r["classes"] for r in rows} == {"3"}
     cpu = [r for r in rows if r["device"] == "cpu"]
     assert {(r["kind"], r["variant"]) for r in cpu} == {("fedcbc.fuse", "batched"), ("fedcbc.fuse", "sequential"),
                                                         ("device.matmul", ""), ("lander.synthesize", "")}
