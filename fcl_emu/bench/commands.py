@@ -288,6 +288,9 @@ def bench_jobs(
     threads: Annotated[int, typer.Option(min=1, help="Torch CPU threads (GPU workers: gpu.threads, 1).")] = 1,
     repeat: Annotated[int, typer.Option(min=1, max=50, help="Timed runs per job and path, taken in turn across "
                                                             "a kind's paths; the median is reported.")] = 1,
+    classes: Annotated[int, typer.Option(min=1, max=1000, help="Classes of the synthetic inputs: fused VAEs, "
+                                                               "prototype gradients, classifier outputs (10: "
+                                                               "MNIST's; 200: Tiny-ImageNet's).")] = 10,
     out: Annotated[Path, typer.Option("--out", help="Writes the table as CSV here.")] = Path("runs/bench-jobs.csv"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
@@ -301,6 +304,6 @@ def bench_jobs(
     writable(folder(out), folder(json_path))
     try:
         run(devices, scale, [k.strip() for k in kinds.split(",") if k.strip()] if kinds else None,
-            threads, out, json_path, console, repeat)
+            threads, out, json_path, console, repeat, classes)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--kinds") from None

@@ -2,7 +2,7 @@
 against this machine's own measured peak.
 
 Each job kind the methods register (``methods.jobs.JOB_MODULES``) runs on
-synthetic inputs of MNIST's shape (28x28 grey images, 10 classes) for
+synthetic inputs of MNIST's shape (28x28 grey images; 10 classes, or ``classes``) for
 ``budget`` steps of its own unit (epochs, L-BFGS steps, generator
 iterations, synthesis rounds). Its floating-point work is counted by
 ``torch.utils.flop_counter.FlopCounterMode`` on runs of one and two steps:
@@ -41,17 +41,17 @@ from fcl_emu.bench.report import emit
 from methods import jobs
 
 SHAPE = (1, 28, 28)
-CLASSES = 10
+CLASSES = 10  # the inputs' classes by default (MNIST's); `--classes`
 MEAN, STD = [0.1307], [0.3081]
-COLUMNS = ["kind", "variant", "device", "threads", "budget", "unit", "wall_s", "gflop", "gflops", "dominant_op",
+COLUMNS = ["kind", "variant", "device", "threads", "classes", "budget", "unit", "wall_s", "gflop", "gflops", "dominant_op",
            "peak_gflops", "peak_pct", "note"]
 
 
 @dataclass
 class Profile:
     """How to run one job kind: its inputs, its options for a budget, what one step is."""
-    inputs: Callable[[], dict[str, np.ndarray]]
-    options: Callable[[int], dict[str, Any]]
+    inputs: Callable[[int], dict[str, np.ndarray]]  # classes -> inputs
+    options: Callable[[int, int], dict[str, Any]]  # (steps, classes) -> options
     budget: int
     unit: str
     dominant: str  # "matmul" or "conv2d": the op its work is mostly made of
@@ -60,85 +60,87 @@ class Profile:
 
 
 # ------------------------------------------------------------------ inputs
-def _teacher() -> dict[str, np.ndarray]:
+def _teacher(classes: int) -> dict[str, np.ndarray]:
     """A ``cnn_bn`` classifier with random weights and BatchNorm statistics (what the synthesis jobs invert)."""
     from methods.models.classifier import build_model
     from methods.models.state import state_to_arrays
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build_model("cnn_bn", SHAPE, CLASSES).train()
+        model = build_model("cnn_bn", SHAPE, classes).train()
         with torch.no_grad():
             for _ in range(3):
                 model(torch.randn(64, *SHAPE) * 0.8 + 0.2)
     return {"model/" + k: v for k, v in state_to_arrays(model.eval()).items()}
 
 
-def _fusion_inputs() -> dict[str, np.ndarray]:
-    """Ten classes of pixel VAEs (784 inputs), two or three sources each (several clients and the old global)."""
+def _fusion_inputs(classes: int) -> dict[str, np.ndarray]:
+    """Each class's pixel VAEs (784 inputs), two or three sources each (several clients and the old global)."""
     from methods.fedcbc import FedCBCOptions, build_vae
     from methods.models.state import state_to_arrays
 
     o, d, inputs = FedCBCOptions(decoder_output="sigmoid"), int(np.prod(SHAPE)), {}
-    for c in range(CLASSES):
+    for c in range(classes):
         for i in range(2 + c % 2):
             inputs.update({f"source/{c}/{i}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + i)).items()})
         inputs.update({f"start/{c}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c)).items()})
     return inputs
 
 
-def _prototype_gradients() -> dict[str, np.ndarray]:
+def _prototype_gradients(classes: int) -> dict[str, np.ndarray]:
     """A round's pooled prototype gradients: one per class, of random images."""
     from methods.glfc import GLFCOptions, GradientEncoder
 
-    encoder = GradientEncoder(SHAPE, CLASSES, GLFCOptions().encoder_seed)
+    encoder = GradientEncoder(SHAPE, classes, GLFCOptions().encoder_seed)
     gen = torch.Generator().manual_seed(0)
     inputs = {}
-    for k in range(CLASSES):
+    for k in range(classes):
         grads = encoder.gradients(torch.rand((1, *SHAPE), generator=gen), torch.tensor([k]))
         inputs.update({f"grad/{k}/{n}": g.numpy() for (n, _), g in zip(encoder.named_parameters(), grads)})
     return inputs
 
 
-def _pretrain_inputs() -> dict[str, np.ndarray]:
+def _pretrain_inputs(classes: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {"x": rng.integers(0, 256, (200, 28, 28, 1), dtype=np.uint8), "y": np.arange(200) % CLASSES}
+    return {"x": rng.integers(0, 256, (200, 28, 28, 1), dtype=np.uint8), "y": np.arange(200) % classes}
 
 
-def _common(method_options: dict[str, Any]) -> dict[str, Any]:
+def _common(method_options: dict[str, Any], classes: int) -> dict[str, Any]:
     return {"method_options": method_options, "model": "cnn_bn", "input_shape": list(SHAPE), "mean": MEAN,
-            "std": STD, "num_classes": CLASSES, "seed": 0}
+            "std": STD, "num_classes": classes, "seed": 0}
 
 
-def _lander_inputs() -> dict[str, np.ndarray]:
+def _lander_inputs(classes: int) -> dict[str, np.ndarray]:
     from methods.lander import TEXT_DIM, bounding_radius
 
-    text = np.random.default_rng(0).normal(size=(CLASSES, TEXT_DIM)).astype(np.float32)
-    return {**_teacher(), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}
+    text = np.random.default_rng(0).normal(size=(classes, TEXT_DIM)).astype(np.float32)
+    return {**_teacher(classes), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}
 
 
 # the synthesis jobs' rounds cut to a few steps each (their defaults take minutes per round on a small CPU)
 _SYNTHESIS = {"generator_steps": 2, "student_steps": 4, "synthesis_batch": 64, "warmup": 1}
 
 PROFILES: dict[str, Profile] = {
-    "device.matmul": Profile(dict, lambda n: {"seconds": 0.25 * n, "size": 512}, 2, "x 0.25 s", "matmul",
+    "device.matmul": Profile(lambda k: {}, lambda n, k: {"seconds": 0.25 * n, "size": 512}, 2, "x 0.25 s", "matmul",
                              work=lambda out: out.metrics["products"]),
-    "fedcbc.pretrain": Profile(_pretrain_inputs, lambda n: {**_common({"pretrain_epochs": n}), "model": "cnn"},
+    "fedcbc.pretrain": Profile(_pretrain_inputs, lambda n, k: {**_common({"pretrain_epochs": n}, k), "model": "cnn"},
                                2, "epochs", "conv2d"),
-    "fedcbc.fuse": Profile(_fusion_inputs, lambda n: {"method_options": {"fusion_epochs": n,
+    "fedcbc.fuse": Profile(_fusion_inputs, lambda n, k: {"method_options": {"fusion_epochs": n,
                                                                          "decoder_output": "sigmoid"},
                                                       "feature_dim": int(np.prod(SHAPE)), "seed": 0},
                            3, "epochs", "matmul", {"batched": {}, "sequential": {"sequential": True}}),
-    "glfc.proxy": Profile(_prototype_gradients, lambda n: {**_common({"proxy_iterations": n,
-                                                                      "proxy_keep": min(n, 3)}), "model": "cnn"},
+    "glfc.proxy": Profile(_prototype_gradients, lambda n, k: {**_common({"proxy_iterations": n,
+                                                                         "proxy_keep": min(n, 3)}, k),
+                                                       "model": "cnn"},
                           3, "L-BFGS steps", "conv2d", {"batched": {}, "sequential": {"sequential": True}}),
-    "mfcl.generator": Profile(_teacher, lambda n: _common({"generator_iterations": n}), 4, "iterations", "conv2d"),
-    "target.synthesize": Profile(_teacher, lambda n: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}), 2,
+    "mfcl.generator": Profile(_teacher, lambda n, k: _common({"generator_iterations": n}, k), 4, "iterations", "conv2d"),
+    "target.synthesize": Profile(_teacher, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
                                  "rounds", "conv2d"),
-    "lander.synthesize": Profile(_lander_inputs, lambda n: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}), 2,
+    "lander.synthesize": Profile(_lander_inputs, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
                                  "rounds", "conv2d"),
-    "lander.text_embeddings": Profile(dict, lambda n: {"names": [str(i) for i in range(CLASSES * n)],
-                                                       "prompt": "a photo of a {}"}, 1, "x 10 names", "matmul"),
+    "lander.text_embeddings": Profile(lambda k: {}, lambda n, k: {"names": [str(i) for i in range(k * n)],
+                                                                 "prompt": "a photo of a {}"},
+                                      1, "x classes' names", "matmul"),
 }
 
 
@@ -180,12 +182,12 @@ def peaks(device: torch.device, seconds: float = 0.2, windows: int = 5) -> dict[
 
 
 def profile_job(kind: str, profile: Profile, budget: int, variant: dict[str, Any], inputs: dict[str, np.ndarray],
-                device: torch.device) -> Callable[[], tuple[float, float]]:
+                device: torch.device, classes: int = CLASSES) -> Callable[[], tuple[float, float]]:
     """Counts the FLOPs of ``kind`` on runs of one and two steps and returns a function that times one run at
     ``budget`` steps: ``(wall seconds, FLOPs)`` (for a job that reports its steps, one counted run's FLOPs per
     reported step times the timed run's steps)."""
     def run(steps: int) -> jobs.JobOutput:
-        return jobs.run(kind, inputs, {**profile.options(steps), **variant}, device)
+        return jobs.run(kind, inputs, {**profile.options(steps, classes), **variant}, device)
 
     counted: list[jobs.JobOutput] = []
     one, two = (count_flops(lambda: counted.append(run(n))) for n in (1, 2))
@@ -204,7 +206,7 @@ def profile_job(kind: str, profile: Profile, budget: int, variant: dict[str, Any
 
 
 def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int, csv_path: Path,
-        json_path: Path | None, console: Console, repeat: int = 1) -> dict:
+        json_path: Path | None, console: Console, repeat: int = 1, classes: int = CLASSES) -> dict:
     known = sorted({k for prefix in jobs.JOB_MODULES for k in jobs.kinds(prefix)})
     unknown = sorted(set(kinds or []) - set(known))
     if unknown:
@@ -223,9 +225,11 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
             console.print(f"{name}: peak matmul {limit['matmul']:.1f} GFLOP/s, conv2d {limit['conv2d']:.1f} GFLOP/s "
                           f"at {threads} thread(s)")
             for kind in kinds or known:
-                rows += _profile_kind(kind, device, scale, threads, limit, console, repeat)
+                rows += _profile_kind(kind, device, scale, threads, limit, console, repeat, classes)
     finally:
         torch.set_num_threads(before)
+    for row in rows:
+        row["classes"] = classes
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -236,7 +240,7 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
 
 
 def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, limit: dict[str, float],
-                  console: Console, repeat: int) -> list[dict[str, Any]]:
+                  console: Console, repeat: int, classes: int) -> list[dict[str, Any]]:
     """One row per path of ``kind``; with ``repeat`` > 1 the paths are timed in turn ``repeat`` times (a
     virtual machine's speed drifts by a third over minutes) and each row is its path's median run."""
     profile = PROFILES.get(kind)
@@ -244,14 +248,14 @@ def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, l
         return [_row(kind, "", device.type, threads, 0, "", note="skipped: the bench has no profile of this kind")]
     budget = max(1, round(profile.budget * scale))
     try:
-        inputs = profile.inputs()
+        inputs = profile.inputs(classes)
     except ImportError as exc:
         return [_row(kind, "", device.type, threads, budget, profile.unit, note=f"skipped: {exc}")]
     rows, timers = {}, {}
     for variant, extra in profile.variants.items():
         console.print(f"  {kind} {variant}".rstrip() + f": {budget} {profile.unit}", highlight=False)
         try:
-            timers[variant] = profile_job(kind, profile, budget, extra, inputs, device)
+            timers[variant] = profile_job(kind, profile, budget, extra, inputs, device, classes)
         except (ImportError, RuntimeError) as exc:  # an optional package the job needs
             rows[variant] = _row(kind, variant, device.type, threads, budget, profile.unit,
                                  note=f"skipped: {str(exc).splitlines()[0]}")
