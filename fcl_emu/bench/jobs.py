@@ -43,8 +43,8 @@ from methods import jobs
 SHAPE = (1, 28, 28)
 CLASSES = 10  # the inputs' classes by default (MNIST's); `--classes`
 MEAN, STD = [0.1307], [0.3081]
-COLUMNS = ["kind", "variant", "device", "threads", "classes", "budget", "unit", "wall_s", "gflop", "gflops", "dominant_op",
-           "peak_gflops", "peak_pct", "note"]
+COLUMNS = ["kind", "variant", "device", "threads", "classes", "budget", "unit", "wall_s", "gflop", "gflops",
+           "dominant_op", "peak_gflops", "peak_pct", "note"]
 
 
 @dataclass
@@ -133,7 +133,8 @@ PROFILES: dict[str, Profile] = {
                                                                          "proxy_keep": min(n, 3)}, k),
                                                        "model": "cnn"},
                           3, "L-BFGS steps", "conv2d", {"batched": {}, "sequential": {"sequential": True}}),
-    "mfcl.generator": Profile(_teacher, lambda n, k: _common({"generator_iterations": n}, k), 4, "iterations", "conv2d"),
+    "mfcl.generator": Profile(_teacher, lambda n, k: _common({"generator_iterations": n}, k), 4, "iterations",
+                              "conv2d"),
     "target.synthesize": Profile(_teacher, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
                                  "rounds", "conv2d"),
     "lander.synthesize": Profile(_lander_inputs, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
