@@ -12,7 +12,7 @@ A plan (``--faults PLAN.yaml``):
 .. code-block:: yaml
 
     faults:
-      - {action: kill, node: node-1, round: 3, after_s: 1.0}    # 1 s into round 3
+      - {action: kill, node: node-1, round: 3, round_point: dispatched}  # its clients training in round 3
       - {action: pause, device_class: budget, at_s: 20, duration_s: 8}
       - {action: restart, rate_per_min: 2}                      # Poisson, on a node drawn at random
       - {action: restart, per_round: 0.1, after_s: 0.5}        # each node, each round, with probability 0.1
@@ -23,12 +23,16 @@ hosts, everything on them at once:
 .. code-block:: yaml
 
     faults:
-      - {action: lose_host, host: local-2, round: 3, after_s: 1.0}   # engine and containers killed, silently
+      - {action: lose_host, host: local-2, round: 3, round_point: dispatched}  # killed, silently
       - {action: partition, host: local-3, at_s: 10, duration_s: 20} # cut off both ways, then healed
       - {action: slow_host, host: local-2, round: 2, cpus: 0.5, duration_s: 30}
 
-``round: R`` fires when round R starts (the first round starts when the clients have joined); ``at_s`` counts
-seconds from that moment; ``per_round: p`` draws at every round's start, for each node, whether it is hit (the
+``round: R`` fires at an event of round R, not at a time, so a fault lands at the same point of a round however
+fast the host trains: at its start (``round_point: start``, the default: before any client is sent its request)
+or once its train requests are sent (``round_point: dispatched``: its clients are training), ``after_s`` later. A
+round's fault with no delay lands before the round goes on (the coordinator waits for it). ``at_s`` counts seconds
+from the moment the clients have joined; ``per_round: p`` draws at that point of every round, for each node,
+whether it is hit (the
 container-level counterpart of the emulated ``crash_rate``: the same per-client probability, but all the
 clients of a node at once). ``node`` names an edge node, ``device_class`` picks one of that class's nodes, neither
 picks any running node; random picks and Poisson times are drawn from the run's seed. ``pause`` and
@@ -48,9 +52,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, UNDO, Fault, FaultPlan, load_plan
+from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, ROUND_POINTS, UNDO, Fault, FaultPlan, load_plan
 
 log = logging.getLogger("fcl_emu.faults")
+
+ROUND_EVENTS = {"round_start": "start", "dispatched": "dispatched"}  # progress event -> the round point it marks
 
 
 class Target:
@@ -76,8 +82,10 @@ class Target:
 
 
 class FaultInjector:
-    """Carries out a plan on a run's containers from a thread of its own, timed from the run's progress events
-    (use :meth:`on_progress` as, or inside, the coordinator's progress hook)."""
+    """Carries out a plan on a run's containers, timed from the run's progress events (use :meth:`on_progress` as,
+    or inside, the coordinator's progress hook). A round's fault due at once (``after_s: 0``) is carried out within
+    the progress call, so the round goes on only once it has landed; every other fault, and every undo, from a
+    thread of its own."""
 
     def __init__(self, plan: FaultPlan, target: Target, seed: int,
                  record: Callable[..., None], horizon_s: float = 24 * 3600):
@@ -88,8 +96,10 @@ class FaultInjector:
         self._queue: list[tuple[float, int, str, Fault]] = []  # (due, order, kind, fault), kind: do | undo:<node>
         self._order = 0
         self._wake = threading.Condition()
+        self._acting = threading.Lock()  # the progress hook's thread and the injector's act one at a time
         self._closed = False
-        self._t0: float | None = None
+        self._started = False
+        self._last_round = {point: 0 for point in ROUND_POINTS}  # per point, the last round that triggered
         self._thread = threading.Thread(target=self._serve, name="faults", daemon=True)
         self._thread.start()
 
@@ -102,12 +112,16 @@ class FaultInjector:
             self._wake.notify()
 
     def on_progress(self, kind: str, info: dict) -> None:
-        """The coordinator's progress events: 'ready' starts the clock and round 1; 'round' (round R closed)
-        starts round R + 1."""
+        """The coordinator's progress events: 'ready' starts the clock of ``at_s`` and ``rate_per_min``;
+        'round_start' (round R opened, no request sent yet) and 'dispatched' (round R's train requests sent)
+        trigger round R's faults at that point, once per round (a resumed run goes on from its next round)."""
         now = time.monotonic()
-        if kind == "ready" and self._t0 is None:
-            self._t0 = now
-            self._round_started(1, now)
+        point = ROUND_EVENTS.get(kind)
+        if point is not None and int(info["round"]) > self._last_round[point]:
+            self._last_round[point] = int(info["round"])
+            self._round_reached(self._last_round[point], point, now)
+        elif kind == "ready" and not self._started:
+            self._started = True
             for fault in self.plan.faults:
                 if fault.at_s is not None:
                     self._push(now + fault.at_s, "do", fault)
@@ -118,18 +132,23 @@ class FaultInjector:
                         if t > self.horizon_s:
                             break
                         self._push(now + t, "do", fault)
-        elif kind == "round" and self._t0 is not None:
-            self._round_started(int(info["round"]) + 1, now)
 
-    def _round_started(self, number: int, now: float) -> None:
+    def _round_reached(self, number: int, point: str, now: float) -> None:
         for fault in self.plan.faults:
+            if fault.round_point != point:
+                continue
             if fault.round == number:
-                self._push(now + fault.after_s, "do", fault)
+                self._schedule(now, fault)
             elif fault.per_round is not None:
                 for name in sorted(self._matching(fault)):
                     if self.rng.random() < fault.per_round:
-                        self._push(now + fault.after_s, "do", fault.model_copy(update={"node": name,
-                                                                                       "device_class": None}))
+                        self._schedule(now, fault.model_copy(update={"node": name, "device_class": None}))
+
+    def _schedule(self, now: float, fault: Fault) -> None:
+        if fault.after_s == 0:
+            self._carry_out("do", fault)
+        else:
+            self._push(now + fault.after_s, "do", fault)
 
     def _matching(self, fault: Fault) -> list[str]:
         """The nodes a fault may act on: the named one, the class's, or all."""
@@ -149,6 +168,10 @@ class FaultInjector:
                 if self._closed:
                     return
                 _due, _order, kind, fault = heapq.heappop(self._queue)
+            self._carry_out(kind, fault)
+
+    def _carry_out(self, kind: str, fault: Fault) -> None:
+        with self._acting:
             try:
                 self._act(kind, fault)
             except Exception as exc:  # a container gone or restarted since: recorded as not applied
@@ -235,7 +258,8 @@ class FaultInjector:
         self._thread.join(timeout=5)
         for kind, fault in pending:
             try:
-                self._act(kind, fault)
+                with self._acting:
+                    self._act(kind, fault)
             except Exception as exc:
                 log.warning("undoing %s on %s failed: %s", fault.action, kind, exc)
 

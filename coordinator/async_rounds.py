@@ -126,6 +126,7 @@ class AsyncRoundRunner(RoundRunner):
         self.state.global_round += 1
         number = self.state.global_round
         self.metrics.round_started(task, task_round, number)
+        self.state.progress("round_start", {"task": task, "round": number})
         t0, handled_before = time.perf_counter(), self._update_handling_s()
         buffer, tally = self._collect(task, task_round)
         t_collect, t_updates = time.perf_counter() - t0, self._update_handling_s() - handled_before
@@ -210,6 +211,8 @@ class AsyncRoundRunner(RoundRunner):
         try:
             self._phase_dispatch(r, task_round)
             tally["dispatch_s"] += time.perf_counter() - t0
+            self.state.progress("dispatched", {"task": task, "round": self.state.global_round,
+                                               "selected": len(chosen)})
             online = self.registry.is_online
             self.dispatcher.serve(lambda: not r.pending(online), time.monotonic() + self.config.rounds.host_timeout_s)
         finally:

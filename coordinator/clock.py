@@ -284,8 +284,9 @@ class EmulatedTime(RunClock):
         self._late(len(late))
         if cfg.late_updates == "next_round" and state.server.accepts_stale_updates:
             r.kept_late = [u for u in late if u.num_samples > 0]
-        r.late = len(closing.late - r.failed)
-        r.dropped = len(closing.gone) + len(r.selected - r.timeline.keys())
+        gone_on_host = self._gone_on_host(r)
+        r.late = len(closing.late - r.failed - gone_on_host)
+        r.dropped = len(closing.gone | gone_on_host) + len(r.selected - r.timeline.keys())
         r.bytes_discarded = sum(r.timeline[c].up_bytes for c in closing.lost_uploads)
         r.emulated_s = closing.closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
@@ -313,13 +314,20 @@ class EmulatedTime(RunClock):
         self._crashed(timeline.crashed())
         self._late(len(timeline.late_masked))
         gone = {c for c, t in timeline.gone_at.items() if t <= closed_at}
-        r.late = len(r.timeline.keys() - r.masked - r.failed - gone)
-        r.dropped = len(gone - r.masked) + len(r.selected - r.timeline.keys())
+        gone_on_host = self._gone_on_host(r)
+        r.late = len(r.timeline.keys() - r.masked - r.failed - gone - gone_on_host)
+        r.dropped = len((gone | gone_on_host) - r.masked) + len(r.selected - r.timeline.keys())
         r.bytes_discarded = sum(r.timeline[c].up_bytes for c in gone - r.masked)
         r.emulated_s = closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
         self.model.now = max(self.model.now, closed_at)
         return outcome
+
+    def _gone_on_host(self, r: OpenRound) -> set[str]:
+        """Dispatched clients that died on the host without an answer (their node killed, their host lost: declared
+        dead, or back over a new connection with their work lost): dropped, as under the real clock, not late."""
+        online = self.state.registry.is_online
+        return {c for c in r.timeline.keys() - r.answered() - r.cancelled if not online(c) or c in r.lost}
 
     def _samples_trained(self, index: int, task: int) -> int:
         """The samples client ``index`` trains in a round of ``task``: its share, every local epoch."""

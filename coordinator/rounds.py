@@ -79,6 +79,7 @@ class RoundRunner:
         t0 = time.perf_counter()
         secure = self._phase_dispatch(r, task_round)
         t_dispatch = time.perf_counter() - t0
+        self.state.progress("dispatched", {"task": task, "round": r.number, "selected": len(r.chosen)})
 
         t0, handled_before = time.perf_counter(), self._update_handling_s()
         outcome = self._phase_collect(r, secure)
@@ -146,6 +147,7 @@ class RoundRunner:
         self.clock.open_round(r)
         self.dispatcher.round = r
         self.metrics.round_started(task, task_round, r.number)
+        self.state.progress("round_start", {"task": task, "round": r.number})
         return r
 
     def _phase_dispatch(self, r: OpenRound, task_round: int) -> SecureRound | SecureOutcome | None:

@@ -19,6 +19,8 @@ ACTIONS = NODE_ACTIONS + HOST_ACTIONS
 NEEDS_CLUSTER = ("lose_host, partition and slow_host act on the hosts of a local cluster: run with --backend swarm "
                  "--cluster NAME (`fcl-emu cluster up`)")
 UNDO = {"pause": "unpause", "disconnect": "reconnect", "partition": "heal", "slow_host": "restore"}
+# where in a round its faults land: at its start (no client sent its request yet) or once the requests are sent
+ROUND_POINTS = ("start", "dispatched")
 
 
 class Fault(pydantic.BaseModel):
@@ -38,7 +40,11 @@ class Fault(pydantic.BaseModel):
     per_round: float | None = pydantic.Field(
         None, gt=0, le=1, description="at every round's start, each matching node independently with this "
                                       "probability (the per-round rate of the emulated crash_rate)")
-    after_s: float = pydantic.Field(0.0, ge=0, description="delay after the round trigger")
+    round_point: Literal["start", "dispatched"] = pydantic.Field(
+        "start", description="round and per_round: at the round's start, before any client is sent its request, "
+                             "or once the round's train requests are sent (its clients are training)")
+    after_s: float = pydantic.Field(0.0, ge=0, description="delay after the round trigger (0: the round goes on "
+                                                           "only once the fault has landed)")
     duration_s: float | None = pydantic.Field(
         5.0, ge=0, description="pause, disconnect, partition, slow_host: undone after this long (slow_host: "
                                "null keeps it slow to the end)")
@@ -51,6 +57,8 @@ class Fault(pydantic.BaseModel):
                              f"{triggers or 'none'})")
         if self.node is not None and self.device_class is not None:
             raise ValueError("a fault names a node or a device_class, not both")
+        if self.round_point != "start" and self.round is None and self.per_round is None:
+            raise ValueError("round_point places a round's fault: it needs round or per_round")
         if self.action in HOST_ACTIONS:
             if self.node is not None or self.device_class is not None:
                 raise ValueError(f"{self.action} acts on a host: name it with host, not node or device_class")

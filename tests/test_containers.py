@@ -44,12 +44,73 @@ def test_fault_plans_are_checked(tmp_path):
                           ("faults:\n  - {action: kill}\n", "exactly one of"),
                           ("faults:\n  - {action: kill, round: 1, at_s: 3}\n", "exactly one of"),
                           ("faults:\n  - {action: kill, round: 1, node: a, device_class: b}\n", "not both"),
+                          ("faults:\n  - {action: kill, at_s: 1, round_point: dispatched}\n", "needs round"),
+                          ("faults:\n  - {action: kill, round: 1, round_point: end}\n", "round_point"),
                           ("faults: [\n", "cannot parse")]:
         plan.write_text(text)
         with pytest.raises(ValueError, match=problem):
             load_plan(plan)
     with pytest.raises(ValueError, match="No such file"):
         load_plan(tmp_path / "missing.yaml")
+
+
+class _Container:
+    """A container as the injector sees it: its status, and the actions it was given."""
+
+    def __init__(self, done: list[str]):
+        self.status, self.done = "running", done
+
+    def reload(self):
+        pass
+
+    def kill(self):
+        self.done.append("kill")
+
+    def pause(self):
+        self.done.append("pause")
+
+    def unpause(self):
+        self.done.append("unpause")
+
+
+def test_a_round_s_faults_land_at_its_events_and_at_once_before_the_round_goes_on():
+    """Faults are placed by the run's events, not by host time: a round's fault with no delay has landed when the
+    progress call that triggered it returns (the coordinator goes on only then), at the round's start or once its
+    requests are sent; round 2's faults ignore round 1's close; a resumed run's earlier rounds trigger nothing."""
+    import threading
+
+    from containers.faults import FaultInjector, Target
+    from scenario.faults import FaultPlan
+
+    done: list[str] = []
+    recorded: list[tuple[str, str | None]] = []
+    nodes = {"node-0": _Container(done), "node-1": _Container(done)}
+    plan = FaultPlan.model_validate({"faults": [
+        {"action": "pause", "node": "node-0", "round": 2, "duration_s": 0.2},
+        {"action": "kill", "node": "node-1", "round": 2, "round_point": "dispatched"},
+        {"action": "kill", "node": "node-1", "round": 1}]})
+    undone = threading.Event()
+
+    def record(action, node=None, **fields):
+        recorded.append((action, node))
+        if action == "unpause":
+            undone.set()
+
+    injector = FaultInjector(plan, Target(lambda: nodes, {"node-0": None, "node-1": None}, network=None), seed=0,
+                             record=record)
+    try:
+        injector.on_progress("ready", {})
+        injector.on_progress("round", {"round": 1})  # round 1 closed: round 2 has not started
+        injector.on_progress("round_start", {"round": 2})
+        assert done == ["pause"]  # landed before the call returned; the dispatched one not yet
+        injector.on_progress("dispatched", {"round": 2})
+        assert done == ["pause", "kill"]
+        injector.on_progress("round_start", {"round": 2})  # once per round
+        injector.on_progress("round_start", {"round": 1})  # a round before the last: nothing
+        assert undone.wait(5)  # the undo runs from the injector's thread after duration_s
+        assert recorded == [("pause", "node-0"), ("kill", "node-1"), ("unpause", "node-0")]
+    finally:
+        injector.close()
 
 
 def test_a_fault_plan_needs_containers(tmp_path):
@@ -100,12 +161,13 @@ def test_image_is_reused_when_nothing_changed(image):
 
 @pytest.mark.slow
 def test_killed_container_crashes_its_clients_and_a_paused_one_straggles(tmp_path, image, mnist_root, no_leftovers):
-    """Round 2: node-1's container is killed mid-round (its clients are recorded as crashed, the run goes on).
-    Round 3: node-0's container is frozen past the round deadline (its clients miss it, then come back).
+    """Round 2: node-1's container is killed once its clients were sent their requests (they are recorded as
+    crashed, the run goes on). Round 3: node-0's container is frozen before the round's requests are sent, past
+    the round deadline (its clients miss it, then come back).
     Round 5: node-2's container is cut off its network past the deadline (its clients miss it)."""
     plan = tmp_path / "faults.yaml"
     plan.write_text(yaml.safe_dump({"faults": [
-        {"action": "kill", "node": "node-1", "round": 2, "after_s": 0.3},
+        {"action": "kill", "node": "node-1", "round": 2, "round_point": "dispatched"},
         {"action": "pause", "node": "node-0", "round": 3, "duration_s": 12},
         {"action": "disconnect", "node": "node-2", "round": 5, "duration_s": 12}]}))
     # 800 samples per client and task: a node's four clients train in about a third of the deadline on a
