@@ -3,7 +3,7 @@
 A cluster file (JSON) names the hosts: each host's swarm node name, its address on the hosts' network, the URL of
 its Docker engine (``unix://``, ``tcp://`` or ``ssh://``) and which one is the manager, plus ``advertise``: the
 address at which the hosts reach the machine that runs ``fcl-emu up`` (the coordinator). ``fcl-emu cluster up``
-writes one for a local cluster (:mod:`containers.local_cluster`); for real machines a user writes it by hand.
+writes one for a local cluster (:mod:`fcl_emu.containers.local_cluster`); for real machines a user writes it by hand.
 With it a run reaches every host's engine, not only the manager's: the edge-node containers on every host are
 sampled for the container metrics and acted on by fault plans, and the run's image is loaded into every engine
 that lacks it (no registry needed).
@@ -22,8 +22,8 @@ from typing import Literal
 
 import pydantic
 
-from containers.docker_client import EngineError, client
-from scenario.files import load_model
+from fcl_emu.containers.docker_client import EngineError, client
+from fcl_emu.scenario.files import load_model
 
 DEFAULT_DIR = Path("/var/lib/fcl-emu/clusters")
 FILE = "cluster.json"

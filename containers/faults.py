@@ -38,7 +38,7 @@ clients of a node at once). ``node`` names an edge node, ``device_class`` picks 
 picks any running node; random picks and Poisson times are drawn from the run's seed. ``pause`` and
 ``disconnect`` are undone after ``duration_s``. Each fault is recorded as a ``fault`` event in events.jsonl and
 counted in ``fcl_container_faults_total{action}``; a host fault's event names the host and the edge nodes it ran,
-and is counted in ``fcl_host_faults_total{action}``. The plan's schema: :mod:`scenario.faults`.
+and is counted in ``fcl_host_faults_total{action}``. The plan's schema: :mod:`fcl_emu.scenario.faults`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, ROUND_POINTS, UNDO, Fault, FaultPlan, load_plan
+from fcl_emu.scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, ROUND_POINTS, UNDO, Fault, FaultPlan, load_plan
 
 log = logging.getLogger("fcl_emu.faults")
 
@@ -61,8 +61,8 @@ ROUND_EVENTS = {"round_start": "start", "dispatched": "dispatched"}  # progress 
 
 class Target:
     """What an injector acts on: the run's containers, by node name, with their device classes, the run's network,
-    and on a local cluster its hosts (``host_faults``, :class:`containers.local_cluster.HostFaults`) with the host
-    each node runs on."""
+    and on a local cluster its hosts (``host_faults``, :class:`fcl_emu.containers.local_cluster.HostFaults`) with the
+    host each node runs on."""
 
     def __init__(self, containers: Callable[[], dict[str, object]], classes: dict[str, str | None],
                  network: object, host_faults=None, hosts: dict[str, str] | None = None):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from containers.docker_client import EngineError, client
+from fcl_emu.containers.docker_client import EngineError, client
 
 REPOSITORY = "fcl-emu"
 BASE_REPOSITORY = "fcl-emu-base"

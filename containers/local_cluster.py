@@ -35,9 +35,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from containers.cluster import (LABEL_CLASS, LABEL_HOST, Cluster, ClusterHost, clusters_dir, distribute_image, engine,
-                                save_cluster, FILE)
-from containers.docker_client import EngineError
+from fcl_emu.containers.cluster import (LABEL_CLASS, LABEL_HOST, Cluster, ClusterHost, clusters_dir, distribute_image,
+                                        engine, save_cluster, FILE)
+from fcl_emu.containers.docker_client import EngineError
 
 NAME = re.compile(r"^[a-z0-9]{1,8}$")
 RUN_ROOT = Path("/run/fcl-emu")
@@ -156,7 +156,7 @@ def up(name: str = "local", hosts: int = 3, subnet: str = "192.168.213.0/24", im
     if leftovers(name):
         raise ClusterError(f"cluster {name} exists (or a crashed `cluster up` left parts of it): "
                            f"`fcl-emu cluster down --name {name}` first")
-    from containers.image import image_ref
+    from fcl_emu.containers.image import image_ref
 
     ref = image_ref(image)  # before making anything: a missing engine or image fails here
     gateway = str(net.network_address + 1)

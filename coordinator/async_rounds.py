@@ -1,9 +1,9 @@
 """Asynchronous aggregation on the emulated clock: FedBuff and FedAsync as a round policy
-(``--aggregation fedbuff|fedasync``, :mod:`runconfig.aggregation`).
+(``--aggregation fedbuff|fedasync``, :mod:`fcl_emu.runconfig.aggregation`).
 
 The server keeps ``concurrency`` clients training at once. Each is sent the global model's current *version*
 (the number of aggregations so far) and trains from it; its update arrives at ``sent + down + compute + up`` in
-emulated time, as a synchronous round's would (:mod:`coordinator.emulated`). Arrivals are taken one at a time
+emulated time, as a synchronous round's would (:mod:`fcl_emu.coordinator.emulated`). Arrivals are taken one at a time
 in emulated-time order (ties: the earlier dispatch, then the client id), so the outcome depends on the seed and
 the scenario only, not on how many edge nodes trained the clients or how busy the host was. Each arrival frees
 its client's slot, and the next client (seeded draw among the eligible clients not training) is dispatched at
@@ -43,13 +43,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.clock import EmulatedTime
-from coordinator.dispatch import Dispatcher
-from coordinator.open_round import OpenRound, StaleUpdates
-from coordinator.rounds import RoundRunner, _mean_metrics
-from coordinator.state import RunState
-from methods.base import DELTA, Arrays, ClientUpdate
-from monitoring.results import RoundRecord
+from fcl_emu.coordinator.clock import EmulatedTime
+from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
+from fcl_emu.coordinator.rounds import RoundRunner, _mean_metrics
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods.base import DELTA, Arrays, ClientUpdate
+from fcl_emu.monitoring.results import RoundRecord
 
 
 def fedbuff_weight(staleness: int) -> float:

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from scenario.devices import DeviceProfile
+from fcl_emu.scenario.devices import DeviceProfile
 
 
 class Status(str, Enum):

@@ -1,12 +1,12 @@
 """The run's clock, one interface with two implementations chosen once per run (:func:`make_clock`).
 
 - :class:`RealTime` (``--clock real``): the federation's time is the host's. The edge nodes emulate
-  availability, crashes, device speed and links in host seconds (their :class:`~wire.messages.EdgeSettings`
+  availability, crashes, device speed and links in host seconds (their :class:`~fcl_emu.wire.messages.EdgeSettings`
   carry everything); a round waits in host time until enough updates arrived or its deadline passed.
-- :class:`EmulatedTime` (the default): the federation's time is computed (:mod:`coordinator.emulated`) from each
+- :class:`EmulatedTime` (the default): the federation's time is computed (:mod:`fcl_emu.coordinator.emulated`) from each
   client's own work, device and bytes, so the same seed gives the same rounds on a busy or a quiet host. The
   nodes emulate nothing in host time; a round waits until every selected client answered or is gone, then is
-  closed in emulated time (a secure round: each of its SecAgg+ phases, :mod:`coordinator.secure_timeline`).
+  closed in emulated time (a secure round: each of its SecAgg+ phases, :mod:`fcl_emu.coordinator.secure_timeline`).
 
 The round runner and the dispatcher call the same methods on either; neither asks which one it has.
 """
@@ -19,15 +19,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from coordinator.emulated import ClientRound, EmulatedClock
-from coordinator.open_round import OpenRound
-from coordinator.secure_round import SecureOutcome, SecureRound
-from coordinator.secure_timeline import SecureTimeline
-from coordinator.state import RunState
-from scenario.availability import AvailabilitySpec, client_availability, parse_availability
-from scenario.devices import DeviceProfile
-from scenario.network_trace import client_trace, load_network_trace
-from wire.messages import EdgeSettings
+from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
+from fcl_emu.coordinator.open_round import OpenRound
+from fcl_emu.coordinator.secure_round import SecureOutcome, SecureRound
+from fcl_emu.coordinator.secure_timeline import SecureTimeline
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.scenario.availability import AvailabilitySpec, client_availability, parse_availability
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.network_trace import client_trace, load_network_trace
+from fcl_emu.wire.messages import EdgeSettings
 
 Serve = Callable[[Callable[[], bool], float], None]  # serve(until, monotonic deadline): the dispatcher's loop
 SideChannel = Callable[[str, int, str, dict[str, np.ndarray]], None]  # (client, task, type, tensors) to the method
@@ -222,7 +222,8 @@ class EmulatedTime(RunClock):
     def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
                 side_channel: SideChannel) -> SecureOutcome | None:
         """Serve until every selected client answered or is gone (or the host-side safety timeout), then close
-        the round in emulated time. A secure round closes each of its phases so (:mod:`coordinator.secure_timeline`)."""
+        the round in emulated time. A secure round closes each of its phases so
+        (:mod:`fcl_emu.coordinator.secure_timeline`)."""
         if secure is not None:
             return self._collect_secure(r, secure, serve)
         online = self.state.registry.is_online

@@ -4,12 +4,12 @@
 coordinator waits, for joins, for updates or for a server-side job, so joins, heartbeats and leaves are served
 during rounds. Each client message is received, validated by the wire layer, then handled by its type:
 ``join`` (registers the client and answers ``welcome``), ``heartbeat``, ``leave``, ``error``, ``update`` (into
-the open round, or late), the secure-aggregation replies (into the open :class:`~coordinator.secure_round.
+the open round, or late), the secure-aggregation replies (into the open :class:`~fcl_emu.coordinator.secure_round.
 SecureRound`) and a method's side-channel messages. A bad message is rejected: counted under its reason, logged
 once per reason, answered with an ``error`` where the peer is online; it never stops the loop.
 
 The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`,
-:attr:`Dispatcher.secure`); where a client's answer lands in time is the clock's (:mod:`coordinator.clock`).
+:attr:`Dispatcher.secure`); where a client's answer lands in time is the clock's (:mod:`fcl_emu.coordinator.clock`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Any
 
 import zmq
 
-from coordinator.clock import RunClock
-from coordinator.guard import RateLimiter, delta_norm
-from coordinator.open_round import OpenRound, StaleUpdates
-from coordinator.secure_round import SecureRound
-from coordinator.state import RunState
-from methods.base import DELTA, ClientUpdate
-from scenario.devices import DeviceProfile, assign_profile
-from wire.framing import Message, WireError
-from wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
+from fcl_emu.coordinator.clock import RunClock
+from fcl_emu.coordinator.guard import RateLimiter, delta_norm
+from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
+from fcl_emu.coordinator.secure_round import SecureRound
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods.base import DELTA, ClientUpdate
+from fcl_emu.scenario.devices import DeviceProfile, assign_profile
+from fcl_emu.wire.framing import Message, WireError
+from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -42,7 +42,7 @@ NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this t
 class Dispatcher:
     """Serving the coordinator's socket: receive, validate, handle by type, reject.
 
-    ``endpoint``: the ROUTER (:class:`wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
+    ``endpoint``: the ROUTER (:class:`fcl_emu.wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
     sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome``; ``profiles``: the
     device profiles clients are assigned at join (None: no profiles); ``on_tick``: called each time the loop
     wakes (the node watch)."""
@@ -249,7 +249,7 @@ class Dispatcher:
         self.cancel(r, self.clock.hopeless(r))
 
     def _keep_stale(self, peer: str, msg: Message) -> None:
-        """Keep a late update for the next round (:class:`~coordinator.open_round.StaleUpdates`)."""
+        """Keep a late update for the next round (:class:`~fcl_emu.coordinator.open_round.StaleUpdates`)."""
         if not self.stale.has_room_for(peer, msg.task):
             raise WireError("late_cap", f"late update from {peer} beyond the {self.stale.cap} kept for the next "
                                         f"round (one per client)")

@@ -6,11 +6,11 @@ clock; the coordinator keeps it:
 
 - A round opens at emulated time ``T`` (the clock). Each selected client's update arrives at
   ``A = T + down + compute + up``: ``down`` is what the coordinator sent it for the round (task start, assets,
-  train request) through its downlink (a network trace, :mod:`scenario.network_trace`, makes its bandwidth
+  train request) through its downlink (a network trace, :mod:`fcl_emu.scenario.network_trace`, makes its bandwidth
   vary with emulated time), ``compute`` its profile's compute time for its own training
-  (:meth:`scenario.devices.DeviceProfile.compute_s`: the CPU time the node measured for that client alone,
+  (:meth:`fcl_emu.scenario.devices.DeviceProfile.compute_s`: the CPU time the node measured for that client alone,
   times ``compute_factor``, or ``ms_per_sample`` per sample trained), and ``up`` its side-channel messages and
-  update through its uplink (:class:`scenario.links.Link`: bandwidth, FIFO, latency).
+  update through its uplink (:class:`fcl_emu.scenario.links.Link`: bandwidth, FIFO, latency).
 - The coordinator waits in host time until every selected client has answered or is gone (or the host-side
   safety timeout ``rounds.host_timeout_s`` fires, which the round's record reports), then closes the round
   in emulated time at the earliest of: ``T + deadline_s``; the arrival of the ``clients_per_round``-th useful
@@ -44,10 +44,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from scenario.availability import AvailabilitySpec, client_availability, client_draw, transitions
-from scenario.devices import DeviceProfile
-from scenario.links import Link
-from scenario.network_trace import BandwidthTrace
+from fcl_emu.scenario.availability import AvailabilitySpec, client_availability, client_draw, transitions
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.links import Link
+from fcl_emu.scenario.network_trace import BandwidthTrace
 
 
 class _Presence:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from monitoring.results import client_test_accuracy
-from scenario.transforms import to_tensor
+from fcl_emu.monitoring.results import client_test_accuracy
+from fcl_emu.scenario.transforms import to_tensor
 
 
 CPU_BATCH = 128  # on the CPU: the activations of a batch stay in cache (see Evaluator)
@@ -75,7 +75,7 @@ class Evaluator:
 
     def client_accuracy(self, hits: np.ndarray, totals: np.ndarray, task: int) -> float | None:
         """AF-FCL's accuracy on every client's own test sets after ``task`` (``accuracy_clients``,
-        :func:`monitoring.results.client_test_accuracy`) from :meth:`class_hits`."""
+        :func:`fcl_emu.monitoring.results.client_test_accuracy`) from :meth:`class_hits`."""
         return client_test_accuracy(hits, totals, self.client_task_classes(task))
 
     def accuracy_seen(self, model: nn.Module, task: int) -> float:

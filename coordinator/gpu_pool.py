@@ -33,14 +33,14 @@ import numpy as np
 import torch
 import zmq
 
-from coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
-from coordinator.gpu_worker_args import GpuWorkerArgs
-from coordinator.guard import LogOnce
-from methods import jobs
-from wire.framing import Limits, WireError
-from wire.messages import JobRequest, Shutdown
-from wire.auth import SERVER_NAME, ServerKeys
-from wire.sockets import ByteCounter, ServerEndpoint
+from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
+from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.coordinator.guard import LogOnce
+from fcl_emu.methods import jobs
+from fcl_emu.wire.framing import Limits, WireError
+from fcl_emu.wire.messages import JobRequest, Shutdown
+from fcl_emu.wire.auth import SERVER_NAME, ServerKeys
+from fcl_emu.wire.sockets import ByteCounter, ServerEndpoint
 
 log = logging.getLogger("fcl_emu.gpu_pool")
 
@@ -145,7 +145,7 @@ class WorkerPool:
                     "key": Path(self._key_dir) / f"{WORKER_KEY_NAME}.key_secret"}
         args = GpuWorkerArgs(self._endpoint.address, worker.index, self.settings.device, parent_pid=os.getpid(),
                              **metrics, **keys)
-        cmd = [sys.executable, "-m", "coordinator.gpu_worker", *args.to_argv()]
+        cmd = [sys.executable, "-m", "fcl_emu.coordinator.gpu_worker", *args.to_argv()]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.settings.threads)}
         with open(self._log_dir / f"{worker.identity}.log", "ab") as out:
             worker.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

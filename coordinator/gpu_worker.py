@@ -7,8 +7,8 @@ error. Everything travels in the project's wire framing; nothing received is
 unpickled. A ``shutdown`` ends it; so does its parent's death (the pool starts
 it with ``--parent-pid``).
 
-The pool starts it as ``python -m coordinator.gpu_worker FLAGS`` (the flags of
-:class:`~coordinator.gpu_worker_args.GpuWorkerArgs`); ``fcl-emu gpu-worker``
+The pool starts it as ``python -m fcl_emu.coordinator.gpu_worker FLAGS`` (the flags of
+:class:`~fcl_emu.coordinator.gpu_worker_args.GpuWorkerArgs`); ``fcl-emu gpu-worker``
 takes the same flags.
 """
 
@@ -22,14 +22,14 @@ from collections.abc import Sequence
 import torch
 import zmq
 
-from coordinator.gpu_worker_args import GpuWorkerArgs
-from methods import jobs
-from monitoring.metrics import GpuWorkerMetrics
-from runtime.process import exit_with_parent, fail, setup_logging, setup_process, warn_insecure
-from wire.framing import Limits, WireError
-from wire.messages import Error, JobResult, WorkerHello
-from wire.auth import ClientKeyring, KeyFileError
-from wire.sockets import ClientEndpoint
+from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.methods import jobs
+from fcl_emu.monitoring.metrics import GpuWorkerMetrics
+from fcl_emu.runtime.process import exit_with_parent, fail, setup_logging, setup_process, warn_insecure
+from fcl_emu.wire.framing import Limits, WireError
+from fcl_emu.wire.messages import Error, JobResult, WorkerHello
+from fcl_emu.wire.auth import ClientKeyring, KeyFileError
+from fcl_emu.wire.sockets import ClientEndpoint
 
 log = logging.getLogger("fcl_emu.gpu_worker")
 
@@ -126,7 +126,7 @@ def run_worker(args: GpuWorkerArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m coordinator.gpu_worker FLAGS``."""
+    """``python -m fcl_emu.coordinator.gpu_worker FLAGS``."""
     setup_process()
     return run_worker(GpuWorkerArgs.from_argv(argv))
 

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.process import ArgsError, check, check_keys, check_metrics, parse_with
-from wire.sockets import check_endpoint
+from fcl_emu.runtime.process import ArgsError, check, check_keys, check_metrics, parse_with
+from fcl_emu.wire.sockets import check_endpoint
 
 DEVICES = ("auto", "cuda", "cpu")
 
-# each flag's help, shared by ``python -m coordinator.gpu_worker`` and ``fcl-emu gpu-worker``
+# each flag's help, shared by ``python -m fcl_emu.coordinator.gpu_worker`` and ``fcl-emu gpu-worker``
 HELP = {
     "connect": "The GPU pool's endpoint.",
     "index": "Worker index (its identity and CUDA device).",
@@ -58,7 +58,7 @@ class GpuWorkerArgs:
         check_keys(self.server_key, self.key, insecure=self.server_key is None and self.key is None)
 
     def to_argv(self) -> list[str]:
-        """The flags of ``python -m coordinator.gpu_worker`` that give these arguments back."""
+        """The flags of ``python -m fcl_emu.coordinator.gpu_worker`` that give these arguments back."""
         argv = ["--connect", self.connect, "--index", str(self.index), "--device", self.device]
         if self.parent_pid is not None:
             argv += ["--parent-pid", str(self.parent_pid)]
@@ -75,7 +75,7 @@ class GpuWorkerArgs:
     def from_argv(cls, argv: Sequence[str] | None = None) -> GpuWorkerArgs:
         """The arguments of ``argv`` (default ``sys.argv[1:]``); a bad value exits 2 with the usage and one line
         naming the flag, as argparse does."""
-        parser = argparse.ArgumentParser(prog="python -m coordinator.gpu_worker",
+        parser = argparse.ArgumentParser(prog="python -m fcl_emu.coordinator.gpu_worker",
                                          description="One GPU worker of the coordinator's pool (docs/gpu.md).")
         parser.add_argument("--connect", required=True, help=HELP["connect"])
         parser.add_argument("--index", type=int, required=True, help=HELP["index"])

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from methods.base import DELTA, ClientUpdate
-from monitoring.metrics import CoordinatorMetrics
+from fcl_emu.methods.base import DELTA, ClientUpdate
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
 
 CONTROL_RATE_PER_S = 5.0  # sustained control/error messages per identity, beyond its heartbeats
 CONTROL_BURST = 30  # messages an identity may send at once (a rejoin, a leave, a burst of errors)

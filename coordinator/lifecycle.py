@@ -1,16 +1,17 @@
 """The coordinator's lifecycle: build a run's parts once, then run it task by task and round by round.
 
-The parts are objects over one :class:`~coordinator.state.RunState`, each receiving what it uses:
+The parts are objects over one :class:`~fcl_emu.coordinator.state.RunState`, each receiving what it uses:
 
-- :class:`~coordinator.dispatch.Dispatcher` (:mod:`coordinator.dispatch`): serving the ROUTER socket, each client
-  message by its type;
-- :class:`~coordinator.rounds.RoundRunner` (:mod:`coordinator.rounds`): one round, phase by phase, with
-  :mod:`coordinator.secure_round` for a round's SecAgg+;
-- the run's clock (:mod:`coordinator.clock`): real or emulated time, chosen once;
-- :class:`~coordinator.resume.Checkpointer`: checkpoints after every round, and resuming from one;
-- :class:`~coordinator.summary.SummaryBuilder`: ``summary.json``'s record;
-- :class:`~coordinator.nodes.NodeWatch`: noticing at once that an edge node started by a launcher has exited;
-- :class:`~coordinator.server_jobs.ServerJobs`: server-side jobs on the GPU worker pool while the socket is served.
+- :class:`~fcl_emu.coordinator.dispatch.Dispatcher` (:mod:`fcl_emu.coordinator.dispatch`): serving the ROUTER socket,
+  each client message by its type;
+- :class:`~fcl_emu.coordinator.rounds.RoundRunner` (:mod:`fcl_emu.coordinator.rounds`): one round, phase by phase, with
+  :mod:`fcl_emu.coordinator.secure_round` for a round's SecAgg+;
+- the run's clock (:mod:`fcl_emu.coordinator.clock`): real or emulated time, chosen once;
+- :class:`~fcl_emu.coordinator.resume.Checkpointer`: checkpoints after every round, and resuming from one;
+- :class:`~fcl_emu.coordinator.summary.SummaryBuilder`: ``summary.json``'s record;
+- :class:`~fcl_emu.coordinator.nodes.NodeWatch`: noticing at once that an edge node started by a launcher has exited;
+- :class:`~fcl_emu.coordinator.server_jobs.ServerJobs`: server-side jobs on the GPU worker pool while the socket
+  is served.
 
 :meth:`Coordinator.run`: wait for the clients, then for each task: start it, run its rounds, end it (the
 method's task-end work), evaluate and checkpoint; at the end tell every client to shut down and write the
@@ -30,37 +31,37 @@ import numpy as np
 import torch
 import zmq
 
-from coordinator.async_rounds import AsyncRoundRunner
-from coordinator.checkpoint import Checkpoint
-from coordinator.clients import ClientRegistry, Status
-from coordinator.clock import make_clock
-from coordinator.dispatch import Dispatcher
-from coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
-from coordinator.evaluation import Evaluator
-from coordinator.gpu_pool import Job, WorkerPool
-from coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter, on_refused_handshake
-from coordinator.nodes import NodeExit, NodeWatch
-from coordinator.open_round import StaleUpdates
-from coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
-from coordinator.rounds import RoundRunner
-from coordinator.server_jobs import JobSpec, ServerJobs
-from coordinator.state import ProgressHook, RunState, TimeAccount, no_progress
-from coordinator.summary import SummaryBuilder
-from methods import registry as methods
-from methods.base import ServerContext
-from methods.models.classifier import build_model, resolve_model
-from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
+from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
+from fcl_emu.coordinator.checkpoint import Checkpoint
+from fcl_emu.coordinator.clients import ClientRegistry, Status
+from fcl_emu.coordinator.clock import make_clock
+from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
+from fcl_emu.coordinator.evaluation import Evaluator
+from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
+from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter, on_refused_handshake
+from fcl_emu.coordinator.nodes import NodeExit, NodeWatch
+from fcl_emu.coordinator.open_round import StaleUpdates
+from fcl_emu.coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
+from fcl_emu.coordinator.rounds import RoundRunner
+from fcl_emu.coordinator.server_jobs import JobSpec, ServerJobs
+from fcl_emu.coordinator.state import ProgressHook, RunState, TimeAccount, no_progress
+from fcl_emu.coordinator.summary import SummaryBuilder
+from fcl_emu.methods import registry as methods
+from fcl_emu.methods.base import ServerContext
+from fcl_emu.methods.models.classifier import build_model, resolve_model
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy, failure_status)
-from runconfig import RunConfig, gpu_worker_metrics_port
-from runconfig.adjustments import adjustments
-from scenario.datasets import load_dataset
-from scenario.devices import load_profiles
-from scenario.scenario import build_scenario
-from wire.auth import Allowlist, KeyFileError, ServerKeys, load_server_keys
-from wire.framing import Limits
-from wire.messages import Shutdown
-from wire.sockets import ServerEndpoint, tee
+from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port
+from fcl_emu.runconfig.adjustments import adjustments
+from fcl_emu.scenario.datasets import load_dataset
+from fcl_emu.scenario.devices import load_profiles
+from fcl_emu.scenario.scenario import build_scenario
+from fcl_emu.wire.auth import Allowlist, KeyFileError, ServerKeys, load_server_keys
+from fcl_emu.wire.framing import Limits
+from fcl_emu.wire.messages import Shutdown
+from fcl_emu.wire.sockets import ServerEndpoint, tee
 
 __all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "Interrupted", "JobFailed", "NodeExit", "RunAborted",
            "run_fingerprint"]
@@ -206,7 +207,7 @@ class Coordinator:
 
     def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
         """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).
-        Raises :class:`wire.auth.KeyFileError`."""
+        Raises :class:`fcl_emu.wire.auth.KeyFileError`."""
         security = self.config.security
         if security.transport == "plain":
             return None, None
@@ -328,7 +329,8 @@ class Coordinator:
 
     def _warn_adjustments(self) -> None:
         """Tell once, at the session's start, each setting that another setting changes
-        (:mod:`runconfig.adjustments`): a ``config_warning`` event and a ``warning`` for the progress display."""
+        (:mod:`fcl_emu.runconfig.adjustments`): a ``config_warning`` event and a ``warning`` for the progress
+        display."""
         for adjusted in adjustments(self.config):
             self.state.event("config_warning", setting=adjusted.setting, value=adjusted.value,
                              message=adjusted.message)

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.errors import RunAborted
-from coordinator.state import RunState
+from fcl_emu.coordinator.errors import RunAborted
+from fcl_emu.coordinator.state import RunState
 
 log = logging.getLogger("fcl_emu.coordinator")
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.emulated import ClientRound
-from methods.base import ClientUpdate
+from fcl_emu.coordinator.emulated import ClientRound
+from fcl_emu.methods.base import ClientUpdate
 
 
 @dataclass

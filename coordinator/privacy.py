@@ -31,7 +31,7 @@ dp-accounting library (``dp_accounting.rdp.RdpAccountant``, Poisson sampling as 
 analyses; the emulator samples a fixed number of clients without replacement). Epsilon for ``privacy.delta`` is
 reported after every round.
 
-**Distributed DP** (``privacy.mode: distributed``, under SecAgg+; :mod:`secagg.noise`): the clients clip their
+**Distributed DP** (``privacy.mode: distributed``, under SecAgg+; :mod:`fcl_emu.secagg.noise`): the clients clip their
 own deltas to C and each adds integer Skellam noise of variance z^2 Delta^2 / K in the quantised domain, so the
 masked sum of the K planned clients carries the central mechanism's noise, in levels; the coordinator divides
 the unmasked sum by K. The accountant is the same with the same z. With m < K clients in the sum (dropouts) the
@@ -46,12 +46,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from methods.base import ClientUpdate, DeltaLayout
-from monitoring.results import Privacy, RoundRecord
-from runconfig import RunConfig
-from runconfig.config import PrivacyConfig
-from secagg.noise import DistributedNoise
-from secagg.settings import SecAggSettings
+from fcl_emu.methods.base import ClientUpdate, DeltaLayout
+from fcl_emu.monitoring.results import Privacy, RoundRecord
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig.config import PrivacyConfig
+from fcl_emu.secagg.noise import DistributedNoise
+from fcl_emu.secagg.settings import SecAggSettings
 
 NOISED_UPDATE = "central-dp"  # the client name of the one update the server part receives
 

@@ -1,7 +1,7 @@
 """Checkpoints and resuming: what the coordinator saves after every round and how it takes it back.
 
 :meth:`Checkpointer.save` writes the method's server state, the RNGs, the client registry and the results so
-far (atomically, :mod:`coordinator.checkpoint`); a coordinator built with ``resume=`` takes them over
+far (atomically, :mod:`fcl_emu.coordinator.checkpoint`); a coordinator built with ``resume=`` takes them over
 (:meth:`Checkpointer.restore`), waits for the clients online at the checkpoint to join again
 (:meth:`Checkpointer.wait_for_rejoin`) and goes on with the next round (docs/resume.md).
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator import checkpoint
-from coordinator.checkpoint import Checkpoint
-from coordinator.clock import RunClock, Serve
-from coordinator.errors import RunAborted
-from coordinator.state import RunState
-from monitoring.results import RoundRecord
-from runconfig import RunConfig
+from fcl_emu.coordinator import checkpoint
+from fcl_emu.coordinator.checkpoint import Checkpoint
+from fcl_emu.coordinator.clock import RunClock, Serve
+from fcl_emu.coordinator.errors import RunAborted
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.monitoring.results import RoundRecord
+from fcl_emu.runconfig import RunConfig
 
 log = logging.getLogger("fcl_emu.coordinator")
 

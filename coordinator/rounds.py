@@ -6,15 +6,15 @@
    yet (and a ``secagg_setup`` in a secure round), then a ``train_request`` with the global model;
 3. collect: serve the socket until ``clients_per_round`` updates arrived, every selected client answered or
    died (missed heartbeats, or its socket is gone), or the round deadline passed (a secure round runs the
-   SecAgg+ phases meanwhile, :mod:`coordinator.secure_round`). Under the emulated clock: until every
+   SecAgg+ phases meanwhile, :mod:`fcl_emu.coordinator.secure_round`). Under the emulated clock: until every
    selected client answered or died (or ``host_timeout_s``), then close the round in emulated time
-   (:mod:`coordinator.emulated`): who made the deadline, who is late, who left or crashed. How a round waits
-   and closes is the run's clock's (:mod:`coordinator.clock`);
+   (:mod:`fcl_emu.coordinator.emulated`): who made the deadline, who is late, who left or crashed. How a round waits
+   and closes is the run's clock's (:mod:`fcl_emu.coordinator.clock`);
 4. aggregate: if at least ``min_participants`` updates arrived (with late updates kept from the round before,
    under ``rounds.late_updates: next_round``), through the method's server part (under central DP as one
-   clipped and noised mean, :mod:`coordinator.privacy`); otherwise skip the round;
+   clipped and noised mean, :mod:`fcl_emu.coordinator.privacy`); otherwise skip the round;
 5. evaluate: every ``eval_every`` rounds (a task's last round is evaluated at task end);
-6. record: the :class:`~monitoring.results.RoundRecord` in ``events.jsonl`` and in the Prometheus metrics.
+6. record: the :class:`~fcl_emu.monitoring.results.RoundRecord` in ``events.jsonl`` and in the Prometheus metrics.
 
 :class:`RoundRunner` receives what it uses: the run state, the dispatcher that serves the socket and sends, the
 clock, and the late updates kept between rounds.
@@ -27,16 +27,16 @@ import time
 
 import numpy as np
 
-from coordinator.clock import RunClock
-from coordinator.dispatch import Dispatcher
-from coordinator.guard import clip_to_cohort, clip_update
-from coordinator.open_round import OpenRound, StaleUpdates
-from coordinator.privacy import DistributedPrivacy, run_privacy_part
-from coordinator.secure_round import SecureOutcome, SecureRound
-from coordinator.state import RunState
-from methods.base import ClientUpdate, DeltaLayout
-from monitoring.results import RoundRecord
-from wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
+from fcl_emu.coordinator.clock import RunClock
+from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.guard import clip_to_cohort, clip_update
+from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
+from fcl_emu.coordinator.privacy import DistributedPrivacy, run_privacy_part
+from fcl_emu.coordinator.secure_round import SecureOutcome, SecureRound
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods.base import ClientUpdate, DeltaLayout
+from fcl_emu.monitoring.results import RoundRecord
+from fcl_emu.wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
@@ -228,7 +228,7 @@ class RoundRunner:
     def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:
         """What the method's server part aggregates: the updates, or under central DP their clipped, equally
         weighted and noised mean as one update; under distributed DP the noised mean the secure round unmasked,
-        once the round is accounted for (:mod:`coordinator.privacy`)."""
+        once the round is accounted for (:mod:`fcl_emu.coordinator.privacy`)."""
         if self.privacy is None:
             return updates
         return self.privacy.release(updates, DeltaLayout.of(self.state.server.global_state), number)

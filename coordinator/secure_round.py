@@ -4,7 +4,7 @@ The engine sends every selected client a ``secagg_setup`` (before its train
 request, so the client's session exists before its training ends), then
 the run's clock runs the phases (:meth:`SecureRound.run`, each served by the
 clock's ``wait``; :meth:`SecureRound.collect` is the real clock's).
-Each phase of :class:`secagg.server.SecAggServer` becomes one exchange
+Each phase of :class:`fcl_emu.secagg.server.SecAggServer` becomes one exchange
 over the ROUTER socket: the coordinator serves the socket (joins, heartbeats
 and leaves go on being handled) until every client still in the round has
 answered or went offline, or the phase's time is up; then it closes the phase
@@ -15,10 +15,10 @@ and sends the next messages.
   deadline, or until ``wanted`` masked inputs arrived (overcommit);
 - ``unmasking`` waits at most ``phase_timeout_s``.
 
-How long each phase waits is its clock's (:mod:`coordinator.clock`): the
+How long each phase waits is its clock's (:mod:`fcl_emu.coordinator.clock`): the
 above is the real clock's; on the emulated clock the round holds each phase's
 replies until the phase closes in emulated time and takes only those that
-arrived in time (:mod:`coordinator.secure_timeline`).
+arrived in time (:mod:`fcl_emu.coordinator.secure_timeline`).
 
 The coordinator only ever sees masked vectors, added into one running sum as
 they arrive (``SecAggServer.receive_masked``; held until their phase closes
@@ -40,14 +40,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from methods.base import Arrays, DeltaLayout
-from secagg.noise import DistributedNoise
-from secagg.protocol import PHASES, SecAggAbort, SecAggError
-from secagg.server import SecAggServer
-from secagg.settings import SecAggSettings
-from wire.framing import Message, WireError
-from wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggParams, SecAggPeerKeys, SecAggPublicKeys,
-                           SecAggRelay, SecAggSetup, SecAggUnmaskRequest, plain_body)
+from fcl_emu.methods.base import Arrays, DeltaLayout
+from fcl_emu.secagg.noise import DistributedNoise
+from fcl_emu.secagg.protocol import PHASES, SecAggAbort, SecAggError
+from fcl_emu.secagg.server import SecAggServer
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.wire.framing import Message, WireError
+from fcl_emu.wire.messages import (SECAGG_REPLIES, SecAggAbort as AbortBody, SecAggParams, SecAggPeerKeys,
+                                   SecAggPublicKeys, SecAggRelay, SecAggSetup, SecAggUnmaskRequest, plain_body)
 
 __all__ = ["SecureRound", "SecureOutcome", "round_id"]
 

@@ -1,13 +1,13 @@
 """A secure round on the emulated clock: every SecAgg+ phase's messages placed on the federation's time.
 
-The round runs the real protocol over the wire, as on the real clock (:mod:`coordinator.secure_round`): the
+The round runs the real protocol over the wire, as on the real clock (:mod:`fcl_emu.coordinator.secure_round`): the
 same cryptography on every client, the same messages, the same recovery of the dropped clients' masks. What
 the emulated clock decides is who dropped out of each phase, from the scenario and the seed only, so the same
 seed gives the same survivors per phase, the same recovered sum and the same accuracy on a busy or a quiet
 host and with any number of edge nodes.
 
 Client c's timeline in a round opened at emulated time ``T`` (one FIFO link per client, kept across the
-phases, :class:`scenario.links.Link`); a phase opens when the one before it closed, and the coordinator
+phases, :class:`fcl_emu.scenario.links.Link`); a phase opens when the one before it closed, and the coordinator
 sends the phase's messages then:
 
 - ``advertise_keys``: the round's downlink data (task start, assets, ``secagg_setup``, train request) has
@@ -17,7 +17,7 @@ sends the phase's messages then:
 - ``masked_input``: the input is masked once both the relayed shares came down and its training ended
   (``R`` + its training compute), and leaves after the masking's compute.
 
-Compute is placed as training's is (:meth:`scenario.devices.DeviceProfile.compute_s`): training from the CPU
+Compute is placed as training's is (:meth:`fcl_emu.scenario.devices.DeviceProfile.compute_s`): training from the CPU
 seconds the node measured (or ``ms_per_sample`` x the samples of its task data x local epochs, from the
 scenario: the count itself travels only under the mask); each reply's cryptography from the CPU seconds it
 carries (``cpu_s``; ``mask_cpu_s``) x ``compute_factor`` (nothing under ``ms_per_sample``, whose cost model
@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import math
 
-from coordinator.emulated import EmulatedClock
-from coordinator.open_round import OpenRound
-from coordinator.secure_round import Alive, SecureOutcome, SecureRound, Serve
-from scenario.links import Link
-from secagg.protocol import PHASES
-from wire.framing import Message
+from fcl_emu.coordinator.emulated import EmulatedClock
+from fcl_emu.coordinator.open_round import OpenRound
+from fcl_emu.coordinator.secure_round import Alive, SecureOutcome, SecureRound, Serve
+from fcl_emu.scenario.links import Link
+from fcl_emu.secagg.protocol import PHASES
+from fcl_emu.wire.framing import Message
 
 
 class SecureTimeline:

@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 
-from coordinator.clock import Serve
-from coordinator.errors import JobFailed
-from coordinator.gpu_pool import Job, WorkerPool
-from coordinator.state import RunState
-from methods import jobs
+from fcl_emu.coordinator.clock import Serve
+from fcl_emu.coordinator.errors import JobFailed
+from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods import jobs
 
 JobSpec = tuple[str, dict[str, np.ndarray], dict | None]  # (kind, inputs, options)
 

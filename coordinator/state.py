@@ -1,4 +1,4 @@
-"""The run state: what the coordinator's parts share, built once per run by :mod:`coordinator.lifecycle`.
+"""The run state: what the coordinator's parts share, built once per run by :mod:`fcl_emu.coordinator.lifecycle`.
 
 :class:`RunState` holds the run's fixed parts (config, scenario, the method's server part, evaluator), its
 collaborators with state of their own (client registry, byte counters, Prometheus metrics, the event recorder)
@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.clients import ClientRegistry
-from coordinator.evaluation import Evaluator
-from coordinator.guard import LogOnce
-from methods.base import ServerPart
-from methods.registry import MethodSpec
-from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import RunRecorder, TimeAccounting
-from runconfig import RunConfig
-from scenario.scenario import Scenario
-from wire.sockets import Counters
+from fcl_emu.coordinator.clients import ClientRegistry
+from fcl_emu.coordinator.evaluation import Evaluator
+from fcl_emu.coordinator.guard import LogOnce
+from fcl_emu.methods.base import ServerPart
+from fcl_emu.methods.registry import MethodSpec
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.monitoring.results import RunRecorder, TimeAccounting
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.scenario.scenario import Scenario
+from fcl_emu.wire.sockets import Counters
 
 ProgressHook = Callable[[str, dict], None]
 

@@ -1,8 +1,8 @@
 """The run summary (``summary.json``): results, costs and counts of a finished or ended run.
 
-:class:`SummaryBuilder` builds the record :class:`monitoring.results.RunSummary` from the run state, the clock,
+:class:`SummaryBuilder` builds the record :class:`fcl_emu.monitoring.results.RunSummary` from the run state, the clock,
 the server-side jobs, the checkpointer and the time account; the accuracy definitions it uses are in
-:mod:`monitoring.results` and docs/metrics.md.
+:mod:`fcl_emu.monitoring.results` and docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.clock import RunClock
-from coordinator.gpu_pool import Job
-from coordinator.privacy import run_privacy
-from coordinator.resume import Checkpointer
-from coordinator.server_jobs import ServerJobs
-from coordinator.state import RunState, TimeAccount
-from monitoring import results
-from monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
+from fcl_emu.coordinator.clock import RunClock
+from fcl_emu.coordinator.gpu_pool import Job
+from fcl_emu.coordinator.privacy import run_privacy
+from fcl_emu.coordinator.resume import Checkpointer
+from fcl_emu.coordinator.server_jobs import ServerJobs
+from fcl_emu.coordinator.state import RunState, TimeAccount
+from fcl_emu.monitoring import results
+from fcl_emu.monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
                                 spatial_retention, temporal_retention)
 
 

@@ -1,5 +1,5 @@
-"""``python -m edge_node FLAGS``: one edge node (the flags of ``fcl-emu node``, edge_node/args.py)."""
+"""``python -m fcl_emu.edge_node FLAGS``: one edge node (the flags of ``fcl-emu node``, edge_node/args.py)."""
 
-from edge_node.args import main
+from fcl_emu.edge_node.args import main
 
 raise SystemExit(main())

@@ -1,6 +1,6 @@
 """An edge-node process's arguments (:class:`NodeArgs`) and its run (:func:`run_node`).
 
-``python -m edge_node FLAGS`` and ``fcl-emu node FLAGS`` take the same flags and run the same node; launchers
+``python -m fcl_emu.edge_node FLAGS`` and ``fcl-emu node FLAGS`` take the same flags and run the same node; launchers
 build a :class:`NodeArgs` and start it with :meth:`NodeArgs.to_argv` (a process started afresh, a container) or
 hand it to a forked process (``fcl_emu/launchers/zygote.py``).
 """
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.process import (ArgsError, check, check_keys, check_metrics, exit_with_parent, fail, parse_with,
+from fcl_emu.runtime.process import (ArgsError, check, check_keys, check_metrics, exit_with_parent, fail, parse_with,
                              setup_logging, setup_process, warn_insecure)
-from scenario.datasets import default_data_roots
-from wire.sockets import check_endpoint
+from fcl_emu.scenario.datasets import default_data_roots
+from fcl_emu.wire.sockets import check_endpoint
 
 log = logging.getLogger("fcl_emu.edge_node")
 
@@ -51,7 +51,7 @@ def format_client_set(indices: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-# each flag's help, shared by ``python -m edge_node`` and ``fcl-emu node``
+# each flag's help, shared by ``python -m fcl_emu.edge_node`` and ``fcl-emu node``
 HELP = {
     "connect": "Coordinator endpoint, e.g. tcp://HOST:5555.",
     "clients": "Client indices hosted here, e.g. 0-149 or 0,5,7-9.",
@@ -108,7 +108,7 @@ class NodeArgs:
         return dataclasses.replace(self, server_key=Path(server_key), key=Path(key))
 
     def to_argv(self) -> list[str]:
-        """The flags of ``python -m edge_node`` (and of ``fcl-emu node``) that give these arguments back."""
+        """The flags of ``python -m fcl_emu.edge_node`` (and of ``fcl-emu node``) that give these arguments back."""
         argv = ["--connect", self.connect, "--clients", format_client_set(self.clients)]
         if self.name is not None:
             argv += ["--name", self.name]
@@ -141,7 +141,7 @@ class NodeArgs:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m edge_node",
+    parser = argparse.ArgumentParser(prog="python -m fcl_emu.edge_node",
                                      description="Run one edge node hosting many emulated clients.")
     parser.add_argument("--connect", required=True, help=HELP["connect"])
     parser.add_argument("--clients", required=True, help=HELP["clients"])
@@ -162,10 +162,10 @@ def _parser() -> argparse.ArgumentParser:
 def run_node(args: NodeArgs) -> int:
     """Run the node of ``args`` until the coordinator's shutdown, SIGTERM or SIGINT; its exit code: 0, or 1 after
     one error line when it cannot run (no data root, an unreadable key, too few sockets, a failed set-up)."""
-    from edge_node.connection import show_connection_lines
-    from edge_node.node import EdgeNode, NodeSetupError
-    from wire.auth import ClientKeyring, KeyFileError
-    from wire.sockets import SocketCapacityError
+    from fcl_emu.edge_node.connection import show_connection_lines
+    from fcl_emu.edge_node.node import EdgeNode, NodeSetupError
+    from fcl_emu.wire.auth import ClientKeyring, KeyFileError
+    from fcl_emu.wire.sockets import SocketCapacityError
 
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
@@ -204,6 +204,6 @@ def run_node(args: NodeArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m edge_node FLAGS``."""
+    """``python -m fcl_emu.edge_node FLAGS``."""
     setup_process()
     return run_node(NodeArgs.from_argv(argv))

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from edge_node.client import EmulatedClient
-from monitoring.metrics import EdgeNodeMetrics
-from scenario.availability import client_draw, transitions
-from scenario.devices import DeviceProfile
-from scenario.links import Link
-from wire.messages import EdgeSettings, Leave
+from fcl_emu.edge_node.client import EmulatedClient
+from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.scenario.availability import client_draw, transitions
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.links import Link
+from fcl_emu.wire.messages import EdgeSettings, Leave
 
 log = logging.getLogger("fcl_emu.edge_node")
 

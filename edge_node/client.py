@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_node.store import ArrayStore
-from scenario.devices import DeviceProfile
-from scenario.links import Link
-from secagg.client import SecAggClient
-from wire.messages import TrainRequest
-from wire.sockets import ClientEndpoint
+from fcl_emu.edge_node.store import ArrayStore
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.links import Link
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.wire.messages import TrainRequest
+from fcl_emu.wire.sockets import ClientEndpoint
 
 
 @dataclass

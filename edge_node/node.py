@@ -6,11 +6,11 @@ it is for, and sends each client's heartbeats on time. An idle client
 (edge_node/client.py) holds its socket, a few counters and the references to
 its task assets; no model copy. The node's collaborators:
 
-- :class:`~edge_node.training.Trainer`: local training on one trainer thread;
+- :class:`~fcl_emu.edge_node.training.Trainer`: local training on one trainer thread;
   finished uploads come back through a queue and a wake-up socket;
-- :class:`~edge_node.secure_session.SecureSessions`: the SecAgg+ client on
+- :class:`~fcl_emu.edge_node.secure_session.SecureSessions`: the SecAgg+ client on
   the wire;
-- :class:`~edge_node.churn.Churn`: availability, crashes and restarts in host
+- :class:`~fcl_emu.edge_node.churn.Churn`: availability, crashes and restarts in host
   time.
 
 Device profiles (docs/edge.md) are applied here, under ``--clock real``
@@ -47,20 +47,20 @@ from typing import Any
 import numpy as np
 import zmq
 
-from edge_node.churn import Churn
-from edge_node.client import EmulatedClient
-from edge_node.connection import JoinWatch
-from edge_node.secure_session import SECAGG_DOWN, SecureSessions
-from edge_node.store import ArrayStore, AssetCache, RoundPayloads
-from edge_node.client import TrainJob, TrainResult
-from edge_node.training import RunSetup, Trainer
-from monitoring.metrics import EdgeNodeMetrics
-from scenario.datasets import DatasetNotFoundError, load_dataset
-from scenario.spec import ScenarioSpec
-from wire.auth import ClientKeyring
-from wire.framing import Message, WireError, frames_nbytes
-from wire.messages import ASSET_TYPES, Error, Heartbeat, Join, Leave, SideChannel, Update, client_id
-from wire.sockets import ClientEndpoint, Counters, ensure_socket_capacity, tee
+from fcl_emu.edge_node.churn import Churn
+from fcl_emu.edge_node.client import EmulatedClient
+from fcl_emu.edge_node.connection import JoinWatch
+from fcl_emu.edge_node.secure_session import SECAGG_DOWN, SecureSessions
+from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads
+from fcl_emu.edge_node.client import TrainJob, TrainResult
+from fcl_emu.edge_node.training import RunSetup, Trainer
+from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.scenario.datasets import DatasetNotFoundError, load_dataset
+from fcl_emu.scenario.spec import ScenarioSpec
+from fcl_emu.wire.auth import ClientKeyring
+from fcl_emu.wire.framing import Message, WireError, frames_nbytes
+from fcl_emu.wire.messages import ASSET_TYPES, Error, Heartbeat, Join, Leave, SideChannel, Update, client_id
+from fcl_emu.wire.sockets import ClientEndpoint, Counters, ensure_socket_capacity, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 

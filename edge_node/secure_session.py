@@ -1,13 +1,13 @@
 """The SecAgg+ client on the wire (docs/secagg.md): each client's session of a secure round.
 
 :class:`SecureSessions` answers the coordinator's ``secagg_*`` messages with
-the replies of the client's :class:`secagg.client.SecAggClient`, and sends
+the replies of the client's :class:`fcl_emu.secagg.client.SecAggClient`, and sends
 its masked input once both the relayed shares and its training result are
 there, in whichever order they come. A refused message or an aborted
 protocol ends the client's session and is reported as an ``error`` (code
 ``secagg``). Where the node's keys come with signing keys, each client signs
 the public keys it advertises and checks its neighbours' signatures against
-the run's signers (``secagg_signers.json``, :mod:`secagg.identity`); a
+the run's signers (``secagg_signers.json``, :mod:`fcl_emu.secagg.identity`); a
 neighbour whose signature fails is refused and logged. Each reply carries the
 CPU seconds the client's cryptography took for it (``cpu_s``; ``mask_cpu_s``
 for the masked input), which the emulated clock places on the client's
@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from edge_node.client import EmulatedClient, SecAggSession, TrainResult
-from monitoring.metrics import EdgeNodeMetrics
-from secagg.client import SecAggClient
-from secagg.identity import KeySigner, KeyVerifier
-from secagg.protocol import SecAggAbort, SecAggError
-from wire.auth import ClientKeyring
-from wire.framing import Message
-from wire.messages import Error, SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
+from fcl_emu.edge_node.client import EmulatedClient, SecAggSession, TrainResult
+from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.identity import KeySigner, KeyVerifier
+from fcl_emu.secagg.protocol import SecAggAbort, SecAggError
+from fcl_emu.wire.auth import ClientKeyring
+from fcl_emu.wire.framing import Message
+from fcl_emu.wire.messages import Error, SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
 
 log = logging.getLogger("fcl_emu.edge_node")
 

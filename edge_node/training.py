@@ -34,18 +34,19 @@ import numpy as np
 import torch
 import zmq
 
-from edge_node.client import TrainJob, TrainResult
-from edge_node.store import RoundPayloads
-from methods import registry as methods
-from methods.base import ClientContext, ClientPart, DeltaLayout, TrainingCancelled, TrainingSettings, model_arrays
-from methods.models.classifier import build_model
-from methods.models.state import load_arrays
-from methods.optim import LocalSGD
-from monitoring.metrics import EdgeNodeMetrics
-from scenario.scenario import Scenario, build_scenario
-from scenario.spec import ScenarioSpec
-from scenario.transforms import to_tensor
-from wire.messages import Welcome
+from fcl_emu.edge_node.client import TrainJob, TrainResult
+from fcl_emu.edge_node.store import RoundPayloads
+from fcl_emu.methods import registry as methods
+from fcl_emu.methods.base import (ClientContext, ClientPart, DeltaLayout, TrainingCancelled, TrainingSettings,
+                                  model_arrays)
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import load_arrays
+from fcl_emu.methods.optim import LocalSGD
+from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.scenario.scenario import Scenario, build_scenario
+from fcl_emu.scenario.spec import ScenarioSpec
+from fcl_emu.scenario.transforms import to_tensor
+from fcl_emu.wire.messages import Welcome
 
 log = logging.getLogger("fcl_emu.edge_node")
 

@@ -17,14 +17,14 @@ import pydantic
 import typer
 from rich.console import Console
 
-from coordinator.gpu_worker_args import HELP as WORKER_HELP
-from edge_node.args import HELP as NODE_HELP
+from fcl_emu.coordinator.gpu_worker_args import HELP as WORKER_HELP
+from fcl_emu.edge_node.args import HELP as NODE_HELP
 from fcl_emu import options
 from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, writable
-from runconfig import RunConfig, load_config
-from runtime.process import ArgsError
+from fcl_emu.runconfig import RunConfig, load_config
+from fcl_emu.runtime.process import ArgsError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -39,7 +39,7 @@ T = TypeVar("T")
 @app.callback()
 def _process_setup() -> None:
     """Before every command: what every fcl-emu process sets up (malloc thresholds, stack dumps on SIGUSR1)."""
-    from runtime.process import setup_process
+    from fcl_emu.runtime.process import setup_process
 
     setup_process()
 
@@ -59,13 +59,13 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     """Run, turning a missing dataset into a one-paragraph error; exit 0 only if the run completed.
     ``fork_nodes`` (``up`` with process nodes): fork the zygote that forks the edge nodes first, while this
     process has no other thread (fcl_emu/launchers/zygote.py)."""
-    from containers.docker_client import EngineError
-    from containers.image import ImageError
-    from coordinator.checkpoint import CheckpointError
-    from coordinator.lifecycle import BindError
-    from monitoring.stack import PortInUseError
-    from scenario.datasets import DatasetNotFoundError
-    from wire.auth import KeyFileError
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.image import ImageError
+    from fcl_emu.coordinator.checkpoint import CheckpointError
+    from fcl_emu.coordinator.lifecycle import BindError
+    from fcl_emu.monitoring.stack import PortInUseError
+    from fcl_emu.scenario.datasets import DatasetNotFoundError
+    from fcl_emu.wire.auth import KeyFileError
 
     from fcl_emu.launchers import zygote
     from fcl_emu.run import RunNotRecorded
@@ -91,8 +91,8 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
 def _check_extras(cfg: RunConfig) -> None:
     """Exit 2 with one line naming the pip command unless the run's method finds the extras it needs: before
     the run starts anything (its folder, keys, processes)."""
-    from methods import registry
-    from methods.requirements import missing_extras, pip_install
+    from fcl_emu.methods import registry
+    from fcl_emu.methods.requirements import missing_extras, pip_install
 
     spec = registry.get(cfg.method)
     missing = missing_extras(spec.requires_extras)
@@ -123,7 +123,7 @@ def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags:
 
 
 def _logging(verbose: bool) -> None:
-    from runtime.process import setup_logging
+    from fcl_emu.runtime.process import setup_logging
 
     setup_logging(verbose)
 
@@ -165,8 +165,8 @@ def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, f
 def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus, Grafana) to deploy and
     edit yourself (docs/containers.md). With --image no Docker engine is needed here."""
-    from containers.docker_client import EngineError
-    from containers.image import ImageError
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.image import ImageError
     from fcl_emu.deploy import GRAFANA_PORT, PROMETHEUS_PORT, deployment_image, write_deployment
 
     if resume is not None:
@@ -212,8 +212,8 @@ def gpu_worker(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
-    from coordinator.gpu_worker import run_worker
-    from coordinator.gpu_worker_args import GpuWorkerArgs
+    from fcl_emu.coordinator.gpu_worker import run_worker
+    from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
 
     raise typer.Exit(run_worker(_args(lambda: GpuWorkerArgs(
         connect, index, device, parent_pid=parent_pid, metrics_port=metrics_port, metrics_host=metrics_host,
@@ -237,7 +237,7 @@ def node(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one edge node hosting many emulated clients."""
-    from edge_node.args import NodeArgs, parse_client_set, run_node
+    from fcl_emu.edge_node.args import NodeArgs, parse_client_set, run_node
 
     raise typer.Exit(run_node(_args(lambda: NodeArgs(
         connect, parse_client_set(clients), data_roots=data_root or (), name=name, threads=threads,
@@ -289,8 +289,8 @@ def keys(
 @image_app.command("build")
 def image_build() -> None:
     """Build the image offline (Debian packages + this host's wheels), or reuse it when nothing changed."""
-    from containers.docker_client import EngineError
-    from containers.image import ImageError, build_image
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.image import ImageError, build_image
 
     try:
         built = build_image(log=lambda msg: console.print(msg, markup=False, highlight=False))
@@ -309,7 +309,7 @@ def list_methods(
     """List the learning methods, or describe one: its options and defaults, optimiser, server-side jobs, the
     extras it needs and the run features it refuses."""
     from fcl_emu.method_info import method_card, methods_table
-    from methods import registry
+    from fcl_emu.methods import registry
 
     if name is None:
         return Console().print(methods_table(registry.all_specs()))
@@ -326,8 +326,8 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default RUN_DIR/report).")] = None,
 ) -> None:
     """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
-    from monitoring.report import write_report
-    from monitoring.run_dir import RunDirError, load_run
+    from fcl_emu.monitoring.report import write_report
+    from fcl_emu.monitoring.run_dir import RunDirError, load_run
 
     out = run_dir / "report" if out is None else out
     writable(out)
@@ -352,8 +352,8 @@ def compare(
     """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png. Folders
     that hold no run are skipped; runs not completed are left out unless --include-incomplete; differing scenarios
     are warned about."""
-    from monitoring.compare import NothingToCompare, compare_runs, format_table
-    from monitoring.run_dir import RunDirError
+    from fcl_emu.monitoring.compare import NothingToCompare, compare_runs, format_table
+    from fcl_emu.monitoring.run_dir import RunDirError
 
     writable(out)
     stdout = Console()

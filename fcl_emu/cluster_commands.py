@@ -35,9 +35,9 @@ def cluster_up(
 ) -> None:
     """Make N hosts on this machine (network namespaces, each with its own Docker engine, address and cgroup),
     join them into one Swarm and load the image into every engine. Needs root."""
-    from containers.docker_client import EngineError
-    from containers.image import ImageError
-    from containers.local_cluster import ClusterError, up
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.image import ImageError
+    from fcl_emu.containers.local_cluster import ClusterError, up
 
     classes = {}
     for item in device_class or []:
@@ -59,8 +59,8 @@ def cluster_up(
 @cluster_app.command("status")
 def cluster_status(name: NameOption = "local") -> None:
     """Each host: address, engine, swarm state, link (cut during a partition), CPU quota, running containers."""
-    from containers.cluster import load_cluster
-    from containers.local_cluster import status
+    from fcl_emu.containers.cluster import load_cluster
+    from fcl_emu.containers.local_cluster import status
 
     try:
         cluster = load_cluster(name)
@@ -79,7 +79,7 @@ def cluster_status(name: NameOption = "local") -> None:
 def cluster_down(name: NameOption = "local") -> None:
     """Remove everything the cluster made (engines, containers, namespaces, links, cgroups, state), also what a
     crashed `cluster up` left."""
-    from containers.local_cluster import ClusterError, check_prerequisites, down
+    from fcl_emu.containers.local_cluster import ClusterError, check_prerequisites, down
 
     try:
         check_prerequisites()

@@ -30,14 +30,14 @@ import uuid
 
 import yaml
 
-from containers.image import image_ref
-from coordinator.gpu_worker import WORKER_KEY_NAME
+from fcl_emu.containers.image import image_ref
+from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
-from monitoring import stack
-from runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
-from wire.auth import ROSTER_FILE, SERVER_NAME, SIGNERS_FILE
+from fcl_emu.monitoring import stack
+from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
+from fcl_emu.wire.auth import ROSTER_FILE, SERVER_NAME, SIGNERS_FILE
 
 COORDINATOR_PORT = 5555
 METRICS_PORT = 9100

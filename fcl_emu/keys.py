@@ -13,12 +13,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
-from edge_node.args import format_client_set
+from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
+from fcl_emu.edge_node.args import format_client_set
 from fcl_emu.launchers.base import node_key_name, node_specs
-from wire.auth import write_keys
-from runconfig import RunConfig
-from wire.messages import client_id
+from fcl_emu.wire.auth import write_keys
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.wire.messages import client_id
 
 MAX_GPU_WORKER_GRANTS = 64  # worker identities the GPU workers' key covers (a run has at most this many)
 

@@ -16,11 +16,11 @@ from rich.table import Table
 from rich.text import Text
 
 from fcl_emu.options import bounds, value_type
-from methods import jobs
-from methods.base import ServerPart
-from methods.registry import MethodSpec
-from methods.requirements import missing_extras, pip_install
-from runconfig import RunConfig
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import ServerPart
+from fcl_emu.methods.registry import MethodSpec
+from fcl_emu.methods.requirements import missing_extras, pip_install
+from fcl_emu.runconfig import RunConfig
 
 _TRAINING_KEYS = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size")
 
@@ -95,7 +95,7 @@ def optimiser_lines(spec: MethodSpec) -> list[str]:
 
 def requirement_lines(spec: MethodSpec) -> list[str]:
     """Extras (installed or not), the model the method needs, the features it refuses and why."""
-    from methods.models.classifier import NO_BATCHNORM
+    from fcl_emu.methods.models.classifier import NO_BATCHNORM
 
     lines = []
     if spec.requires_extras:

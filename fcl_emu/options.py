@@ -1,9 +1,9 @@
 """The flags of a run, each declared once: ``fcl-emu up`` and ``fcl-emu coordinator`` are generated from
-:data:`RUN_OPTIONS`, and so are the mapping from flags to :class:`runconfig.RunConfig` fields and the names
+:data:`RUN_OPTIONS`, and so are the mapping from flags to :class:`fcl_emu.runconfig.RunConfig` fields and the names
 that validation errors give. A flag's help, type, default and bounds are its config field's (the pydantic
 ``Field``): here only the field it sets and what the command line alone knows.
 
-A new run option is its field in :mod:`runconfig.config`, with a description, and one :class:`RunOption` here,
+A new run option is its field in :mod:`fcl_emu.runconfig.config`, with a description, and one :class:`RunOption` here,
 in the help panel (:data:`PANELS`) it belongs to. A switch (a bool field, or ``sets``) is ``--x/--no-x``: either
 side overrides the YAML, neither leaves it.
 """
@@ -23,7 +23,7 @@ import yaml
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig
 
 UP, COORDINATOR = "up", "coordinator"
 BOTH = frozenset({UP, COORDINATOR})
@@ -49,7 +49,7 @@ def _paths(items: list[Path]) -> list[str]:
 
 
 def config_field(path: tuple[str, ...]) -> FieldInfo:
-    """The :class:`runconfig.RunConfig` field at ``path`` (through the nested models)."""
+    """The :class:`fcl_emu.runconfig.RunConfig` field at ``path`` (through the nested models)."""
     model: Any = RunConfig
     for key in path[:-1]:
         model = model.model_fields[key].annotation
@@ -83,7 +83,7 @@ def bounds(field: FieldInfo) -> list[str]:
 @dataclass(frozen=True)
 class RunOption:
     """One flag of a run: its parameter name, the config fields it sets and where it is offered. Its help, type
-    and bounds are the first field's (its ``description``, annotation and constraints: :mod:`runconfig.config`);
+    and bounds are the first field's (its ``description``, annotation and constraints: :mod:`fcl_emu.runconfig.config`);
     only what the command line alone knows is said here."""
 
     name: str                                   # the parameter; the flag is --name with dashes

@@ -21,19 +21,19 @@ from rich.table import Table
 
 import pydantic
 
-from containers.faults import FaultInjector, Target, load_plan
-from containers.stats import ContainerStats
-from coordinator import checkpoint
-from coordinator.checkpoint import Checkpoint, CheckpointError
-from coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, Interrupted, RunAborted, run_fingerprint
-from coordinator.errors import BindError
-from runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
+from fcl_emu.containers.faults import FaultInjector, Target, load_plan
+from fcl_emu.containers.stats import ContainerStats
+from fcl_emu.coordinator import checkpoint
+from fcl_emu.coordinator.checkpoint import Checkpoint, CheckpointError
+from fcl_emu.coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, Interrupted, RunAborted, run_fingerprint
+from fcl_emu.coordinator.errors import BindError
+from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from fcl_emu.writable import check_writable
-from monitoring import stack
-from monitoring.results import RunSummary, SummaryNotWritten, failure_status
-from scenario.datasets import find_dataset
+from fcl_emu.monitoring import stack
+from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, failure_status
+from fcl_emu.scenario.datasets import find_dataset
 
 
 class ProgressView:
@@ -163,7 +163,7 @@ def default_run_dir(config: RunConfig) -> Path:
 def resolve_metrics(config: RunConfig, start_nodes: bool) -> RunConfig:
     """Check the /metrics ports are free; ``--prometheus`` without a port picks a free block from 9400.
 
-    Raises :class:`monitoring.stack.PortInUseError`.
+    Raises :class:`fcl_emu.monitoring.stack.PortInUseError`.
     """
     m = config.metrics
     if m.port is None:
@@ -251,8 +251,8 @@ def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint 
     written, the /metrics ports (``--prometheus`` without a port picks a free block), a new run's TCP port, and
     that the dataset is there (unless it is to be downloaded). The configuration is valid by construction.
 
-    Raises :class:`fcl_emu.writable.NotWritableError`, :class:`monitoring.stack.PortInUseError`,
-    :class:`coordinator.errors.BindError` or :class:`scenario.datasets.DatasetNotFoundError`.
+    Raises :class:`fcl_emu.writable.NotWritableError`, :class:`fcl_emu.monitoring.stack.PortInUseError`,
+    :class:`fcl_emu.coordinator.errors.BindError` or :class:`fcl_emu.scenario.datasets.DatasetNotFoundError`.
     """
     check_writable(run_dir)
     config = resolve_metrics(config, start_nodes)

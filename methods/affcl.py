@@ -12,7 +12,7 @@ default and the code's form an option.
 
 **Model.** The classifier splits into the flow's feature space ``h = f(x)``
 and the layers above it, ``logits = c(h)``. With a
-:class:`~methods.models.backbones.SplitBackbone` (``model: cnn_leaky``, the
+:class:`~fcl_emu.methods.models.backbones.SplitBackbone` (``model: cnn_leaky``, the
 code's kind of feature space: LeakyReLU, a 512-d embedding, then a 512-d
 ``neck`` like the code's ``fc2``, then the head) ``f`` is the backbone's
 ``embed`` and ``c`` its neck plus the head; with any other backbone ``f`` is
@@ -20,7 +20,7 @@ the whole backbone and ``c`` the head. ``model: auto`` gives ``cnn_leaky``
 for AF-FCL on small images (``AFFCLServer.small_model``; other methods get
 ``cnn``, whose ReLU features hold exact zeros, over which a density is
 ill-posed); colour images get ``resnet18`` as for every method. A class-conditional
-normalizing flow ``u = g(h; y)`` (:class:`~methods.models.flows.ConditionalFlow`:
+normalizing flow ``u = g(h; y)`` (:class:`~fcl_emu.methods.models.flows.ConditionalFlow`:
 the code's affine couplings with residual conditioners and its bounded
 scale; conditioned on the one-hot class over the data set's label space)
 models ``p(h | y)``:
@@ -119,7 +119,7 @@ Deviations, on purpose:
   thread); 256 units make 1.5M / 1.9M parameters and cost 1-1.5 ``cnn``
   steps. Set ``flow_hidden: 512`` for the code's size.
 - The conditioners' last layers start at zero (code: PyTorch's default), so
-  a fresh flow is a fixed permutation and scaling; see :mod:`methods.models.flows`.
+  a fresh flow is a fixed permutation and scaling; see :mod:`fcl_emu.methods.models.flows`.
 - The classifier uses the run's optimiser (``training``: SGD), not the code's
   Adam at lr 1e-4; the flow's and the replay step's Adam states start afresh
   every training job (a round), the code keeps them across rounds.
@@ -146,7 +146,7 @@ Deviations, on purpose:
   federated, the code's default ``all``).
 
 Secure aggregation: the flow's deltas are summable under the model delta's
-rule (a sample-weighted mean), but SecAgg's layout (:class:`methods.base.DeltaLayout`)
+rule (a sample-weighted mean), but SecAgg's layout (:class:`fcl_emu.methods.base.DeltaLayout`)
 masks ``delta/`` tensors only, so ``--secagg`` with affcl is refused at
 config time, naming ``affcl/flow/``.
 """
@@ -161,14 +161,14 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods.base import (DELTA, Arrays, ClientContext, ClientPart, ClientUpdate, Options, ServerPart,
+from fcl_emu.methods.base import (DELTA, Arrays, ClientContext, ClientPart, ClientUpdate, Options, ServerPart,
                           _frozen_copy, apply_fedavg, strip_prefix)
-from methods.datafree import soft_target_ce
-from methods.models.backbones import SplitBackbone
-from methods.models.classifier import IncrementalClassifier
-from methods.models.flows import ConditionalFlow
-from methods.models.state import load_arrays, state_to_arrays
-from methods.registry import MethodSpec, register
+from fcl_emu.methods.datafree import soft_target_ce
+from fcl_emu.methods.models.backbones import SplitBackbone
+from fcl_emu.methods.models.classifier import IncrementalClassifier
+from fcl_emu.methods.models.flows import ConditionalFlow
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.methods.registry import MethodSpec, register
 
 NAME = "affcl"
 FLOW = f"{NAME}/flow/"  # round tensors / uploads (deltas) / checkpoint: the federated flow

@@ -1,6 +1,6 @@
 """The method interface: a server part (coordinator) and a client part (edge).
 
-A method is registered by name (see :mod:`methods.registry`) with
+A method is registered by name (see :mod:`fcl_emu.methods.registry`) with
 
 - an ``Options`` pydantic model (its hyper-parameters, validated before a run
   starts and sent to edge nodes as a plain dict),
@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.models.classifier import IncrementalClassifier
-from methods.models.state import delta_arrays, load_arrays, state_to_arrays
-from methods.optim import LocalSGD
-from methods.robust import MEAN, Aggregator
+from fcl_emu.methods.models.classifier import IncrementalClassifier
+from fcl_emu.methods.models.state import delta_arrays, load_arrays, state_to_arrays
+from fcl_emu.methods.optim import LocalSGD
+from fcl_emu.methods.robust import MEAN, Aggregator
 
 Arrays = dict[str, np.ndarray]
 
@@ -85,7 +85,7 @@ class ClientUpdate:
 
 def fedavg(updates: list[ClientUpdate], aggregate: Aggregator = MEAN) -> Arrays:
     """The clients' deltas combined by ``aggregate`` (default: the sample-weighted mean, McMahan et al. 2017, eq.
-    'w <- sum n_k/n w_k'; a robust rule of :mod:`methods.robust` as the run configures it).
+    'w <- sum n_k/n w_k'; a robust rule of :mod:`fcl_emu.methods.robust` as the run configures it).
 
     Float tensors are combined in float64 and returned as float32; integer
     buffers (BatchNorm's step counter) take the largest value.

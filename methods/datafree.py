@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.models.classifier import IncrementalClassifier, build_model
-from methods.models.state import load_arrays
-from scenario.transforms import random_crop_flip
+from fcl_emu.methods.models.classifier import IncrementalClassifier, build_model
+from fcl_emu.methods.models.state import load_arrays
+from fcl_emu.scenario.transforms import random_crop_flip
 
 __all__ = ["BatchNormStatistics", "information_entropy_loss", "smoothness_prior", "soft_target_ce",
            "adversarial_divergence", "frozen_classifier", "to_uint8", "from_uint8",

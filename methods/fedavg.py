@@ -9,8 +9,8 @@ head grows with each task and the loss is cross-entropy over all classes seen
 so far, on the current task's data only. No options.
 """
 
-from methods.base import ClientPart, Options, ServerPart
-from methods.registry import MethodSpec, register
+from fcl_emu.methods.base import ClientPart, Options, ServerPart
+from fcl_emu.methods.registry import MethodSpec, register
 
 
 class FedAvgOptions(Options):

@@ -36,7 +36,7 @@ data-free, and the extractor has seen a little of every class. The frozen
 extractor's weights travel to each client once per task as the
 ``feature_extractor`` asset (``fedcbc/extractor/<backbone param>``).
 
-**VAE** (:class:`methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
+**VAE** (:class:`fcl_emu.methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
 MLP, tanh (code: encoder [512, 256], latent 128, decoder [256, 512] over
 ResNet-18's 512 features; here ``vae_hidden``, ``vae_latent``, d the
 backbone's width, or 784 pixels on MNIST). The decoder ends in a sigmoid over
@@ -80,7 +80,7 @@ the sources' posterior means and log-variances averaged (the code averages
 the sources' *sampled* latents instead of their means, a noisy stand-in for
 the same target). Uploads are not weighted by sample counts (code).
 
-**Prediction** (eq. 6, :class:`methods.models.vae.VAEClassifier`): the class
+**Prediction** (eq. 6, :class:`fcl_emu.methods.models.vae.VAEClassifier`): the class
 whose global VAE has the lowest eq.-5 loss on the features; the logits are
 minus that loss (``-inf`` for a seen class without a VAE yet), so the
 evaluator's argmax is eq. 6. The latent is the posterior mean (the code
@@ -114,13 +114,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods import fedcbc_fusion, jobs
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
-from methods.models.classifier import build_model
-from methods.models.state import load_arrays, state_to_arrays
-from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
-from methods.registry import MethodSpec, register
-from scenario.transforms import denormalize, to_tensor
+from fcl_emu.methods import fedcbc_fusion, jobs
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
+from fcl_emu.methods.registry import MethodSpec, register
+from fcl_emu.scenario.transforms import denormalize, to_tensor
 
 NAME = "fedcbc"
 VAES = f"{NAME}/vae/"  # uploads, round tensors, checkpoint: fedcbc/vae/<class>/<param>
@@ -342,7 +342,8 @@ def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: t
 
 def _fuse_one(student: VAE, teachers: list[VAE], o: FedCBCOptions, gen: torch.Generator,
               device: torch.device) -> tuple[float, float]:
-    """One class's fusion on its own (the sequential reference of :func:`methods.fedcbc_fusion.fit_students`)."""
+    """One class's fusion on its own (the sequential reference of
+    :func:`fcl_emu.methods.fedcbc_fusion.fit_students`)."""
     z = draw_latents(o, o.pseudo_samples, gen).to(device)
     data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
     own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)

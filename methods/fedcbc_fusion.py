@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from methods.models.vae import VAE, gaussian_kl, vae_loss_per_sample
+from fcl_emu.methods.models.vae import VAE, gaussian_kl, vae_loss_per_sample
 
 Draw = Callable[[int, torch.Generator], torch.Tensor]  # (count, generator) -> latents (count, k)
 

@@ -82,8 +82,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart
-from methods.registry import MethodSpec, register
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.registry import MethodSpec, register
 
 NAME = "fedewc"
 PENDING = f"{NAME}.pending"  # store: Fisher and theta* after the client's latest job

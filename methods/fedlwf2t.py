@@ -70,9 +70,9 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
-from methods.models.state import state_to_arrays
-from methods.registry import MethodSpec, register
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.methods.models.state import state_to_arrays
+from fcl_emu.methods.registry import MethodSpec, register
 
 NAME = "fedlwf2t"
 OLD_ASSET = f"{NAME}/old/"  # prefix of the previous task's global model in the task assets

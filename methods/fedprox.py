@@ -15,8 +15,8 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods.base import ClientContext, ClientPart, Options, ServerPart
-from methods.registry import MethodSpec, register
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.registry import MethodSpec, register
 
 
 class FedProxOptions(Options):

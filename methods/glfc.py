@@ -21,7 +21,7 @@ Learning", CVPR 2022. Facts from the paper and its official code
   in all). Memory samples are stored as uint8 in the client's disk store and
   trained on with the fresh data. Classes in the memory are the client's
   *old* classes, the others *new*.
-- *Class-aware gradient compensation* (eq. 1-4; :mod:`methods.glfc_losses`):
+- *Class-aware gradient compensation* (eq. 1-4; :mod:`fcl_emu.methods.glfc_losses`):
   each sample's gradient size ``G_i = |P_{i,y_i} - 1|`` with eq. 2's softmax
   probability ``P = softmax(z)`` over the seen classes, and each sample
   weighted by ``G_i`` divided by the mean ``G`` of its group (old or new
@@ -105,15 +105,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods import jobs
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
-from methods.datafree import frozen_classifier, from_uint8, to_uint8
-from methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
-from methods.glfc_proxy import (GradientEncoder, gradient_groups, label_from_gradients, reconstruct,
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.methods.datafree import frozen_classifier, from_uint8, to_uint8
+from fcl_emu.methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
+from fcl_emu.methods.glfc_proxy import (GradientEncoder, gradient_groups, label_from_gradients, reconstruct,
                                  reconstruct_batch)
-from methods.optim import LocalSGD
-from methods.registry import MethodSpec, register
-from scenario.transforms import denormalize
+from fcl_emu.methods.optim import LocalSGD
+from fcl_emu.methods.registry import MethodSpec, register
+from fcl_emu.scenario.transforms import denormalize
 
 NAME = "glfc"
 OLD = f"{NAME}/old/"  # asset / checkpoint prefix of the proxy's best model of the previous task

@@ -1,4 +1,4 @@
-"""GLFC's client loss terms (Dong et al., CVPR 2022, eq. 1-5; :mod:`methods.glfc` describes the method): the
+"""GLFC's client loss terms (Dong et al., CVPR 2022, eq. 1-5; :mod:`fcl_emu.methods.glfc` describes the method): the
 class-aware gradient compensation and the class-semantic relation distillation, in the paper's form or the
 official code's (``loss_form``)."""
 

@@ -12,7 +12,7 @@ Bad inputs raise an exception; its type and message go back to the
 coordinator as the job's error.
 
 A server part runs a job with ``ctx.run_job(kind, inputs, options)``
-(:class:`methods.base.ServerContext`); the coordinator keeps serving its
+(:class:`fcl_emu.methods.base.ServerContext`); the coordinator keeps serving its
 clients meanwhile. The job modules are imported by kind prefix, so a worker
 process knows every kind the method modules define.
 """
@@ -44,9 +44,8 @@ _JOBS: dict[str, JobFunction] = {}
 _LABELS: dict[str, str] = {}  # kind -> what the job makes, in a word or two (the progress display, events)
 
 # kind prefix -> module that registers its jobs (imported on first use, by workers too)
-JOB_MODULES = {"device": "methods.jobs", "mfcl": "methods.mfcl", "target": "methods.target",
-               "lander": "methods.lander", "glfc": "methods.glfc",
-               "affcl": "methods.affcl", "fedcbc": "methods.fedcbc"}
+JOB_MODULES = {prefix: f"fcl_emu.methods.{'jobs' if prefix == 'device' else prefix}"
+               for prefix in ("device", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc")}
 
 
 def job(kind: str, label: str | None = None) -> Callable[[JobFunction], JobFunction]:

@@ -2,7 +2,7 @@
 
 Tran, Le, Nguyen, Nguyen and Nguyen, "Text-Enhanced Data-free Approach for
 Federated Class-Incremental Learning", CVPR 2024. Built on TARGET
-(:mod:`methods.target`); facts from the paper's description and the authors'
+(:mod:`fcl_emu.methods.target`); facts from the paper's description and the authors'
 code (tmtuan1307/LANDER).
 
 **Label-text embeddings (LTE).** Computed once, on a GPU worker
@@ -32,7 +32,7 @@ embedding reaches a client once.
 federated (FedAvg) with the model. Its Bounding loss (eq. 3-4) keeps the
 projected features of a class near that class's LTE ``e_y``:
 ``L_B = max(0, MSE(P(f(x)), e_y) - r)`` (``r`` above), the mean squared error
-over the batch (the code's form, :func:`methods.datafree.bounding_loss`),
+over the batch (the code's form, :func:`fcl_emu.methods.datafree.bounding_loss`),
 weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
 ``K_old`` old and ``K`` seen classes, ``alpha = log2(K / 2 + 1)``,
 ``beta = sqrt(K_old / K)``::
@@ -42,9 +42,9 @@ weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
       + w_pre (KD_2(S(x~)[:, :K_old], T(x~)) + MSE(P(f(x~)), P_old(f_old(x~))))
 
 on the real batch and a batch of the server's synthetic images ``x~``; KD is
-the soft-target cross-entropy at T = 2 (:func:`methods.datafree.soft_target_ce`).
+the soft-target cross-entropy at T = 2 (:func:`fcl_emu.methods.datafree.soft_target_ce`).
 
-**Server synthesis** (``lander.synthesize``, :func:`methods.datafree.synthesize`),
+**Server synthesis** (``lander.synthesize``, :func:`fcl_emu.methods.datafree.synthesize`),
 at the end of every task but the last: the generator
 (:class:`TextConditionedGenerator`) takes ``e_y`` of the target classes (all
 seen classes in turn, in a fixed order) through BatchNorm and the *noisy layer*,
@@ -101,14 +101,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods import jobs
-from methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, apply_fedavg, strip_prefix
-from methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
-from methods.models.generators import TextConditionedGenerator
-from methods.models.state import load_arrays
-from methods.optim import LocalSGD
-from methods.registry import MethodSpec, register
-from methods.target import SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage, prepare_synthesis
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, apply_fedavg, strip_prefix
+from fcl_emu.methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
+from fcl_emu.methods.models.generators import TextConditionedGenerator
+from fcl_emu.methods.models.state import load_arrays
+from fcl_emu.methods.optim import LocalSGD
+from fcl_emu.methods.registry import MethodSpec, register
+from fcl_emu.methods.target import (SynthesisOptions, SynthesisServer, SyntheticReplayClient, _coverage,
+                                    prepare_synthesis)
 
 NAME = "lander"
 PROJECTOR = f"{NAME}/projector/"  # round tensors / uploads (deltas) / checkpoint: the federated projector

@@ -17,7 +17,7 @@ from the frozen global model ``T`` alone, ``K`` = the classes seen so far::
   (1; the code divides by 1000, which makes the term almost vanish);
 - ``L_IE = 1 - H(mean_b softmax(T(x))) / log K`` (information entropy of the
   batch-mean prediction: classes evenly covered);
-- ``L_BN``: the KL form of :class:`methods.datafree.BatchNormStatistics`
+- ``L_BN``: the KL form of :class:`fcl_emu.methods.datafree.BatchNormStatistics`
   (per layer ``KL(N(mu_run, var_run) || N(mu_batch, var_batch))``, the code's);
 - ``L_pr``: MSE between the images and their 5x5 Gaussian blur, reflect
   padding, ``prior_sigma = sqrt 2`` (the paper says Gaussian smoothing; the
@@ -68,12 +68,12 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods import jobs
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
-from methods.datafree import BatchNormStatistics, frozen_classifier, information_entropy_loss, smoothness_prior
-from methods.models.generators import Generator
-from methods.models.state import load_arrays, state_to_arrays
-from methods.registry import MethodSpec, register
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.methods.datafree import BatchNormStatistics, frozen_classifier, information_entropy_loss, smoothness_prior
+from fcl_emu.methods.models.generators import Generator
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.methods.registry import MethodSpec, register
 
 NAME = "mfcl"
 GEN = f"{NAME}/generator/"  # asset / checkpoint prefix of the generator

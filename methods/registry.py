@@ -11,11 +11,11 @@ import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from methods import requirements
-from methods.base import ClientPart, Options, ServerPart
+from fcl_emu.methods import requirements
+from fcl_emu.methods.base import ClientPart, Options, ServerPart
 
-BUILTIN_MODULES = ("methods.fedavg", "methods.fedprox", "methods.fedlwf2t", "methods.fedewc", "methods.mfcl",
-                   "methods.target", "methods.lander", "methods.glfc", "methods.affcl", "methods.fedcbc")
+BUILTIN_MODULES = tuple(f"fcl_emu.methods.{name}" for name in (
+    "fedavg", "fedprox", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc"))
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class MethodSpec:
 
     @property
     def refusals(self) -> dict[str, str]:
-        """The run features the method refuses, each with why (:func:`methods.requirements.refusals`)."""
+        """The run features the method refuses, each with why (:func:`fcl_emu.methods.requirements.refusals`)."""
         return requirements.refusals(self.name, self.server)
 
 

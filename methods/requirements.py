@@ -14,8 +14,8 @@ import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from methods.base import DELTA, ServerPart
-from methods.robust import RULES
+from fcl_emu.methods.base import DELTA, ServerPart
+from fcl_emu.methods.robust import RULES
 
 # extra -> the modules it installs that the code imports (pyproject.toml's [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {

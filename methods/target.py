@@ -5,7 +5,7 @@ Learning via Exemplar-Free Distillation", ICCV 2023. Facts from the paper's
 description and the authors' code (zj-jayzhang/Federated-Class-Continual-Learning).
 
 **Server, at the end of every task but the last** (a job on the GPU worker
-pool, ``target.synthesize``; :func:`methods.datafree.synthesize`): a fresh
+pool, ``target.synthesize``; :func:`fcl_emu.methods.datafree.synthesize`): a fresh
 generator (:class:`Generator` with a sigmoid output, ``z`` of 256) inverts the
 frozen global model ``T`` over the ``K`` classes seen so far. Each of
 ``synthesis_rounds`` rounds draws ``z`` (learnable, lr 0.01) and uniform target
@@ -19,7 +19,7 @@ classes, takes ``generator_steps`` Adam steps (betas 0.5, 0.999) on::
 - ``A``: random crop after 4-pixel padding, and horizontal flips for colour
   images (the code's kornia augmentation; flips are off for grey digits);
 - ``L_adv = -mean(m * KL(T || S))`` where teacher and student ``S`` agree on
-  the top class (:func:`methods.datafree.adversarial_divergence`), after the
+  the top class (:func:`fcl_emu.methods.datafree.adversarial_divergence`), after the
   ``warmup`` rounds;
 - weights ``w_bn = 10, w_oh = 0.5, w_adv = 1`` (code, CIFAR-100 constants).
 
@@ -36,7 +36,7 @@ drawn from the set, and::
     L = CE(z[:, K_old:], y - K_old) + kd * KD_2(S(x~)[:, :K_old], T_old(x~))
 
 cross-entropy on the current task's classes only, plus iCaRL's soft-target
-distillation (:func:`methods.datafree.soft_target_ce`, T = 2, no ``T^2``) on the
+distillation (:func:`fcl_emu.methods.datafree.soft_target_ce`, T = 2, no ``T^2``) on the
 old classes, ``kd = 25`` (code). Task 0 is plain cross-entropy. Neither term
 compares an old class's logit with a new one's (the cross-entropy sees only
 the new logits, the distillation only the old ones), so how the two groups
@@ -86,14 +86,14 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from methods import jobs
-from methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
-from methods.datafree import (SynthesisProblem, SynthesisSettings, frozen_classifier, from_uint8, normalizer,
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.methods.datafree import (SynthesisProblem, SynthesisSettings, frozen_classifier, from_uint8, normalizer,
                               soft_target_ce, synthesize, to_uint8)
-from methods.models.classifier import build_model
-from methods.models.generators import Generator
-from methods.registry import MethodSpec, register
-from scenario.transforms import random_crop_flip
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.generators import Generator
+from fcl_emu.methods.registry import MethodSpec, register
+from fcl_emu.scenario.transforms import random_crop_flip
 
 NAME = "target"
 SYNTHETIC = f"{NAME}/synthetic"  # asset: uint8 images (N, C, H, W)

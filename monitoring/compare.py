@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 
 from rich.table import Table
 
-from monitoring.plots import new_figure, save_figure
-from monitoring.run_dir import NotARunError, Run, load_run
+from fcl_emu.monitoring.plots import new_figure, save_figure
+from fcl_emu.monitoring.run_dir import NotARunError, Run, load_run
 
 COMPARE_PNG = "compare.png"
 SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",

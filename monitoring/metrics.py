@@ -35,9 +35,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
-from wire.auth import HANDSHAKE_REFUSALS
-from wire.framing import REASONS
-from wire.messages import BODY_SCHEMAS
+from fcl_emu.wire.auth import HANDSHAKE_REFUSALS
+from fcl_emu.wire.framing import REASONS
+from fcl_emu.wire.messages import BODY_SCHEMAS
 
 # ``_created`` series (one per counter and histogram child) double the series
 # count and Prometheus ignores them in the text format: turn them off.

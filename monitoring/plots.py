@@ -1,4 +1,4 @@
-"""The plots of a run report (:mod:`monitoring.report`), and the figure helpers the comparisons and benchmark
+"""The plots of a run report (:mod:`fcl_emu.monitoring.report`), and the figure helpers the comparisons and benchmark
 plots share.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so plotting neither needs a display nor
@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from monitoring.run_dir import Run
+from fcl_emu.monitoring.run_dir import Run
 
 DPI = 110
 

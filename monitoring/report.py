@@ -1,4 +1,4 @@
-"""Report of one run directory: PNG plots (:mod:`monitoring.plots`) and ``report.md``, a short Markdown
+"""Report of one run directory: PNG plots (:mod:`fcl_emu.monitoring.plots`) and ``report.md``, a short Markdown
 summary linking them. The metrics are defined in docs/metrics.md.
 
 A run not completed (failed, interrupted, or partial: no summary.json yet; a partial accuracy matrix, no rounds
@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from monitoring.plots import (plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round, plot_online_clients,
-                              plot_round_phases)
-from monitoring.run_dir import Run, load_run
+from fcl_emu.monitoring.plots import (plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round,
+                                      plot_online_clients, plot_round_phases)
+from fcl_emu.monitoring.run_dir import Run, load_run
 
 PLOTS = {
     "accuracy_matrix": "accuracy_matrix.png",

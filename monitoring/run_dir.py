@@ -1,10 +1,10 @@
-"""Reading a run directory: ``summary.json`` (as :class:`monitoring.results.RunSummary`), ``events.jsonl`` and,
+"""Reading a run directory: ``summary.json`` (as :class:`fcl_emu.monitoring.results.RunSummary`), ``events.jsonl`` and,
 when readable, ``config.yaml``, validated, with errors that name the file (and line) at fault.
 
 A run without ``summary.json`` (still running, or killed before it wrote one) is read from its events and
 config as a *partial* run: status :data:`PARTIAL`, its finished tasks, the bytes and time of its recorded rounds.
 
-The reports (:mod:`monitoring.report`) and comparisons (:mod:`monitoring.compare`) read runs through
+The reports (:mod:`fcl_emu.monitoring.report`) and comparisons (:mod:`fcl_emu.monitoring.compare`) read runs through
 ``load_run``.
 """
 
@@ -19,7 +19,7 @@ import msgspec
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from monitoring.results import (RoundRecord, RunSummary, average_accuracy, average_forgetting,
+from fcl_emu.monitoring.results import (RoundRecord, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy)
 
 SUMMARY = "summary.json"

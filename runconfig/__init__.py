@@ -3,13 +3,13 @@
 It sits below the coordinator, the edge node and the command line (which
 builds it from flags and YAML, :mod:`fcl_emu.options`); it may import only the
 scenario and the method registry, to validate names and combinations, and the
-SecAgg+ settings it embeds (:class:`secagg.settings.SecAggSettings`).
+SecAgg+ settings it embeds (:class:`fcl_emu.secagg.settings.SecAggSettings`).
 """
 
-from runconfig.config import (EdgeConfig, GpuSettings, MetricsConfig, NetworkConfig, RoundConfig, RunConfig,
+from fcl_emu.runconfig.config import (EdgeConfig, GpuSettings, MetricsConfig, NetworkConfig, RoundConfig, RunConfig,
                               TrainingConfig, default_data_roots, load_config)
-from secagg.settings import SecAggSettings
-from runconfig.ports import gpu_worker_metrics_port, metrics_ports, node_metrics_port
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.runconfig.ports import gpu_worker_metrics_port, metrics_ports, node_metrics_port
 
 __all__ = ["EdgeConfig", "GpuSettings", "MetricsConfig", "NetworkConfig", "RoundConfig", "RunConfig", "SecAggSettings",
            "TrainingConfig", "default_data_roots", "load_config", "gpu_worker_metrics_port", "metrics_ports",

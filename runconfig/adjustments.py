@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from runconfig.config import RunConfig
+from fcl_emu.runconfig.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def adjustments(config: RunConfig) -> list[Adjustment]:
 
 def _accepts_stale_updates(method: str) -> bool:
     """Whether the method's server part aggregates late deltas in a later round (a property of its class)."""
-    from methods import registry
-    from methods.base import ServerPart
+    from fcl_emu.methods import registry
+    from fcl_emu.methods.base import ServerPart
 
     return ServerPart.accepts_stale_updates.fget(registry.get(method).server)

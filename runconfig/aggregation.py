@@ -1,5 +1,5 @@
 """How the server turns client updates into new global models (``RunConfig.aggregation``): synchronous rounds,
-or one of two asynchronous policies on the emulated clock (:mod:`coordinator.async_rounds`).
+or one of two asynchronous policies on the emulated clock (:mod:`fcl_emu.coordinator.async_rounds`).
 
 - ``sync`` (the default): rounds of ``clients_per_round`` clients, each round waits for its cohort.
 - ``fedbuff``: FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022):
@@ -51,8 +51,8 @@ class AggregationSettings(pydantic.BaseModel):
 
 def check_aggregation(config, refusals: dict[str, str]) -> None:
     """Raise ValueError (one line) for an asynchronous policy the run cannot take: ``config`` a
-    :class:`~runconfig.RunConfig`, ``refusals`` its method's (:func:`methods.requirements.refusals`)."""
-    from methods.requirements import ASYNC
+    :class:`~fcl_emu.runconfig.RunConfig`, ``refusals`` its method's (:func:`fcl_emu.methods.requirements.refusals`)."""
+    from fcl_emu.methods.requirements import ASYNC
 
     settings = config.aggregation
     flag = f"--aggregation {settings.kind}"

@@ -16,15 +16,15 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from methods.robust import Aggregator, Rule
-from runconfig.aggregation import AggregationSettings, check_aggregation
-from scenario.availability import parse_availability
-from scenario.datasets import default_data_roots
-from scenario.devices import load_profiles, memory_limit
-from scenario.network_trace import load_network_trace
-from scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, load_plan
-from scenario.spec import ScenarioSpec
-from secagg.settings import SecAggSettings
+from fcl_emu.methods.robust import Aggregator, Rule
+from fcl_emu.runconfig.aggregation import AggregationSettings, check_aggregation
+from fcl_emu.scenario.availability import parse_availability
+from fcl_emu.scenario.datasets import default_data_roots
+from fcl_emu.scenario.devices import load_profiles, memory_limit
+from fcl_emu.scenario.network_trace import load_network_trace
+from fcl_emu.scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, load_plan
+from fcl_emu.scenario.spec import ScenarioSpec
+from fcl_emu.secagg.settings import SecAggSettings
 
 
 class TrainingConfig(pydantic.BaseModel):
@@ -205,7 +205,7 @@ class SecurityConfig(pydantic.BaseModel):
         return None if value is False or value == "off" else value
 
     def robust_aggregator(self) -> Aggregator:
-        """The aggregation rule with its parameters (:mod:`methods.robust`)."""
+        """The aggregation rule with its parameters (:mod:`fcl_emu.methods.robust`)."""
         return Aggregator(self.aggregator, self.trim_fraction, self.byzantine, self.multikrum_keep)
 
 
@@ -412,7 +412,7 @@ class RunConfig(pydantic.BaseModel):
         optimiser, ``MethodSpec.training``) before the project's defaults."""
         if not isinstance(data, dict) or not isinstance(data.get("training", {}), dict):
             return data
-        from methods import registry
+        from fcl_emu.methods import registry
 
         try:
             spec = registry.get(str(data.get("method", "fedavg")))
@@ -425,14 +425,14 @@ class RunConfig(pydantic.BaseModel):
     @pydantic.field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        from methods import registry
+        from fcl_emu.methods import registry
 
         return registry.get(value).name
 
     @pydantic.field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        from methods.models.classifier import MODELS
+        from fcl_emu.methods.models.classifier import MODELS
 
         if value not in MODELS:
             raise ValueError(f"unknown model {value!r}; choose one of {', '.join(MODELS)}")
@@ -440,11 +440,11 @@ class RunConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
-        from methods import registry
+        from fcl_emu.methods import registry
 
         spec = registry.get(self.method)
         spec.options(**self.method_options)
-        from methods.models.classifier import NO_BATCHNORM
+        from fcl_emu.methods.models.classifier import NO_BATCHNORM
 
         if spec.server.needs_batchnorm and self.model in NO_BATCHNORM:
             raise ValueError(f"method {spec.name!r} trains its generator on the model's BatchNorm statistics; "
@@ -491,7 +491,7 @@ class RunConfig(pydantic.BaseModel):
         return self.rounds.clock == "emulated"
 
     def _check_secagg(self, spec) -> None:
-        from methods.requirements import SECAGG
+        from fcl_emu.methods.requirements import SECAGG
 
         if SECAGG in spec.refusals:
             raise ValueError(f"--secagg: {spec.refusals[SECAGG]}")
@@ -505,7 +505,7 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError("--secagg needs at least 3 clients per round")
 
     def _check_privacy(self, spec) -> None:
-        from methods.requirements import CENTRAL_DP
+        from fcl_emu.methods.requirements import CENTRAL_DP
 
         cohort = self.rounds.clients_per_round
         if importlib.util.find_spec("dp_accounting") is None:
@@ -531,7 +531,7 @@ class RunConfig(pydantic.BaseModel):
     def _check_distributed_privacy(self) -> None:
         """Distributed DP runs under SecAgg+ (whose checks cover the method, the aggregator and late updates)
         with a fixed clip norm, and its ring must hold the clipped sum plus the noise."""
-        from secagg.noise import DistributedNoise
+        from fcl_emu.secagg.noise import DistributedNoise
 
         if importlib.util.find_spec("dp_accounting") is None:
             raise ValueError("--privacy distributed needs Google's dp-accounting library for its privacy "
@@ -551,7 +551,7 @@ class RunConfig(pydantic.BaseModel):
                              f"around; raise secagg.ring_bits (at most 32) or lower the noise")
 
     def _check_aggregator(self, spec) -> None:
-        from methods.requirements import ROBUST
+        from fcl_emu.methods.requirements import ROBUST
 
         rule = self.security.aggregator
         if ROBUST in spec.refusals:
@@ -565,7 +565,7 @@ class RunConfig(pydantic.BaseModel):
                              f"updates a round; rounds.clients_per_round is {self.rounds.clients_per_round}")
 
     def method_options_model(self):
-        from methods import registry
+        from fcl_emu.methods import registry
 
         return registry.get(self.method).options(**self.method_options)
 

@@ -6,7 +6,7 @@ The coordinator takes ``port``, edge node ``n`` of ``up`` takes ``port + 1 + n``
 
 from __future__ import annotations
 
-from runconfig.config import RunConfig
+from fcl_emu.runconfig.config import RunConfig
 
 
 def node_metrics_port(config: RunConfig, n: int) -> int | None:

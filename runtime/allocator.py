@@ -1,4 +1,5 @@
-"""Fixed glibc ``malloc`` thresholds for every fcl-emu process (:func:`runtime.process.setup_process`, first thing).
+"""Fixed glibc ``malloc`` thresholds for every fcl-emu process (:func:`fcl_emu.runtime.process.setup_process`, first
+thing).
 
 glibc serves an allocation above its mmap threshold with a fresh ``mmap`` and returns it with ``munmap`` on
 free; the threshold starts at 128 KiB and moves with the sizes freed, and the heap's top is trimmed back to

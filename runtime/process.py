@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from runtime.allocator import fix_malloc_thresholds
+from fcl_emu.runtime.allocator import fix_malloc_thresholds
 
 T = TypeVar("T")
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from scenario.files import read_data
+from fcl_emu.scenario.files import read_data
 
 KINDS = ("always", "bernoulli", "onoff", "trace")
 USAGE = "always | bernoulli:P | onoff:MEAN_ON_S:MEAN_OFF_S | trace:PATH"

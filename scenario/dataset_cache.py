@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scenario.dataset_formats import DecodedArrays
+from fcl_emu.scenario.dataset_formats import DecodedArrays
 
 log = logging.getLogger(__name__)
 

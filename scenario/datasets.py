@@ -2,10 +2,10 @@
 
 :func:`load_dataset` looks in every data root for every on-disk layout a
 dataset may come in (the original release files, torchvision's layout, an
-image-folder tree or tarball; decoded by :mod:`scenario.dataset_formats`) and
+image-folder tree or tarball; decoded by :mod:`fcl_emu.scenario.dataset_formats`) and
 returns an :class:`ImageDataset`: uint8 images ``(N, H, W, C)`` and int64
 labels, memory-mapped read-only from the cache of decoded arrays
-(:mod:`scenario.dataset_cache`).
+(:mod:`fcl_emu.scenario.dataset_cache`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scenario.dataset_cache import cached
-from scenario.dataset_formats import (CLASS_FILE, DatasetFormatError, DecodedArrays, read_cifar_pickles,
+from fcl_emu.scenario.dataset_cache import cached
+from fcl_emu.scenario.dataset_formats import (CLASS_FILE, DatasetFormatError, DecodedArrays, read_cifar_pickles,
                                       read_idx_set, read_image_folder, read_image_tar, read_tiny_imagenet)
 
 DATA_ROOT_ENV = "FCL_EMU_DATA_ROOT"

@@ -42,7 +42,7 @@ form one device class, ``fedscale``. A missing bandwidth
 means an unlimited link; a missing latency 0. The coordinator assigns a
 profile to every client, seeded by the run seed (:func:`assign_profile`), and
 sends it in the client's ``welcome``; the edge node applies its bandwidth and
-latency to the client's real messages (:class:`scenario.links.Link`).
+latency to the client's real messages (:class:`fcl_emu.scenario.links.Link`).
 
 Under a container backend the clients of one class share the containers of that class, so ``container``
 limits are real: the kernel throttles, caps and kills. ``compute_factor`` still scales the measured time on top
@@ -62,8 +62,8 @@ from typing import Any
 import numpy as np
 import pydantic
 
-from scenario.availability import sort_key
-from scenario.files import read_data, validate
+from fcl_emu.scenario.availability import sort_key
+from fcl_emu.scenario.files import read_data, validate
 
 Value = float | dict[str, Any]
 

@@ -1,7 +1,7 @@
 """Fault plans: what to do to which edge-node container, and when (``--faults PLAN.yaml``).
 
 The plan is part of the emulated world, like availability models and device profiles; it is validated with
-the run's configuration and carried out by :class:`containers.faults.FaultInjector` (docs/containers.md).
+the run's configuration and carried out by :class:`fcl_emu.containers.faults.FaultInjector` (docs/containers.md).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Literal
 
 import pydantic
 
-from scenario.files import load_model
+from fcl_emu.scenario.files import load_model
 
 NODE_ACTIONS = ("kill", "pause", "disconnect", "restart")
 HOST_ACTIONS = ("lose_host", "partition", "slow_host")  # a host of a local cluster, everything on it at once

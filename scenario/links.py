@@ -1,21 +1,21 @@
 """The emulated link of one client: when its real messages get through.
 
-A client's :class:`scenario.devices.DeviceProfile` gives its bandwidth per
+A client's :class:`fcl_emu.scenario.devices.DeviceProfile` gives its bandwidth per
 direction and its one-way latency. A message of ``n`` bytes on a link of
 ``b`` bytes/s waits for the messages before it on the same direction (a FIFO
 link), then ``n / b`` seconds, then the latency. Heartbeats and the
 membership messages (join, welcome, leave, shutdown) are treated as a
 separate control channel: latency only, so a long upload cannot make a
 client miss its heartbeats. The profiles file and how profiles are drawn:
-:mod:`scenario.devices`. With a network trace (:mod:`scenario.network_trace`)
+:mod:`fcl_emu.scenario.devices`. With a network trace (:mod:`fcl_emu.scenario.network_trace`)
 the bandwidth varies with time instead: a message is through when the
 bandwidth integrated from its start reaches its size.
 """
 
 from __future__ import annotations
 
-from scenario.devices import DeviceProfile
-from scenario.network_trace import BandwidthTrace
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.network_trace import BandwidthTrace
 
 
 class Link:

@@ -1,6 +1,6 @@
 """Network traces: each client's link bandwidth over emulated time (``edge.network_trace``, ``--network-trace``).
 
-A trace file is laid out like FedScale's device-capacity file (:mod:`scenario.devices`): a map from client id to
+A trace file is laid out like FedScale's device-capacity file (:mod:`fcl_emu.scenario.devices`): a map from client id to
 that client's entry, in a plain pickle, JSON or YAML file. Here an entry is the client's bandwidth over time,
 piecewise constant: ``communication[i]`` kbit/s (FedScale's unit) from ``time[i]`` seconds of emulated time until
 ``time[i + 1]``; the first value also holds before ``time[0]``, the last one after the end of the trace.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pydantic
 
-from scenario.availability import sort_key
-from scenario.files import read_data, validate
+from fcl_emu.scenario.availability import sort_key
+from fcl_emu.scenario.files import read_data, validate
 
 
 class _Entry(pydantic.BaseModel):

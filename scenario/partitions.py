@@ -140,7 +140,7 @@ def task_pool(
     """AF-FCL's limitless task pool: client ``i`` works on the classes ``client_tasks[i]``.
 
     The pool here is fixed (equal, disjoint pool tasks, see
-    :func:`scenario.tasks.pool_stream`), where AF-FCL lets each client group
+    :func:`fcl_emu.scenario.tasks.pool_stream`), where AF-FCL lets each client group
     classes into tasks freely; many small pool tasks come close to that.
 
     With ``samples_per_client=None`` the samples of each pool task are dealt
@@ -170,7 +170,7 @@ def accessible_classes(
     labels: np.ndarray, steps: np.ndarray, active: Sequence[int], rng: np.random.Generator
 ) -> list[list[np.ndarray]]:
     """FedCBC's protocol: client ``i`` works on the classes ``steps[i, t]`` at task ``t`` (from
-    :func:`scenario.tasks.draw_class_sequences`, incremental labels), once it is active
+    :func:`fcl_emu.scenario.tasks.draw_class_sequences`, incremental labels), once it is active
     (``i < active[t]``).
 
     A class comes back in several of a client's tasks and is held by several

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from scenario import partitions, tasks
-from scenario.datasets import ImageDataset
-from scenario.spec import ScenarioSpec
+from fcl_emu.scenario import partitions, tasks
+from fcl_emu.scenario.datasets import ImageDataset
+from fcl_emu.scenario.spec import ScenarioSpec
 
 # Independent random streams derived from one seed.
 _ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM, _NOISE_STREAM = 0, 1, 2, 3, 4
@@ -25,7 +25,7 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
 class Scenario:
     """Class-incremental tasks and the clients' training data at each task.
 
-    Class ids are incremental labels (see :mod:`scenario.tasks`). Clients are
+    Class ids are incremental labels (see :mod:`fcl_emu.scenario.tasks`). Clients are
     numbered by join order: the first ``spec.initial_clients`` are active from
     task 0 and ``spec.new_clients_per_task`` more join at each later task; a
     client stays active once it has joined.

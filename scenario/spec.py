@@ -2,7 +2,7 @@
 
 A :class:`ScenarioSpec` is validated once on the coordinator and sent to edge
 nodes as a plain dict (``spec.model_dump()``); ``ScenarioSpec(**d)`` rebuilds
-the same spec there, and :func:`scenario.scenario.build_scenario` turns it
+the same spec there, and :func:`fcl_emu.scenario.scenario.build_scenario` turns it
 into the same partitions in every process.
 """
 
@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from scenario.datasets import DATASETS, NUM_CLASSES
+from fcl_emu.scenario.datasets import DATASETS, NUM_CLASSES
 
 Partition = Literal["iid", "dirichlet", "class_fraction", "private_classes", "task_pool", "accessible_classes"]
 _ACCESSIBLE_FIELDS = ("classes_per_client", "private_per_client", "classes_per_task")
@@ -28,7 +28,7 @@ class ScenarioSpec(BaseModel):
     - ``num_clients`` clients in all; ``new_clients_per_task`` of them join at
       each later task boundary, so ``initial_clients`` are there from task 0.
     - ``partition`` splits each task's training samples among the task's
-      active clients (see :mod:`scenario.partitions`):
+      active clients (see :mod:`fcl_emu.scenario.partitions`):
 
       - ``iid``: uniformly at random, equal sizes (with ``samples_per_client_task``:
         exactly that many per client and task, the rest unused);

@@ -2,7 +2,7 @@
 
 Pure and synchronous: each ``on_*`` method takes the server's message of a
 phase (a plain dict) and returns the client's reply. Primitives and
-parameters: :mod:`secagg.protocol`; the server: :mod:`secagg.server`.
+parameters: :mod:`fcl_emu.secagg.protocol`; the server: :mod:`fcl_emu.secagg.server`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from secagg import protocol
-from secagg.identity import KeySigner, KeyVerifier
-from secagg.noise import add_skellam, clip_l2
-from secagg.protocol import (PHASES, RING_DTYPE, SECRET_BYTES, SHARE_BYTES, Quantizer, RoundParams, SecAggAbort,
+from fcl_emu.secagg import protocol
+from fcl_emu.secagg.identity import KeySigner, KeyVerifier
+from fcl_emu.secagg.noise import add_skellam, clip_l2
+from fcl_emu.secagg.protocol import (PHASES, RING_DTYPE, SECRET_BYTES, SHARE_BYTES, Quantizer, RoundParams, SecAggAbort,
                              SecAggError, X25519PrivateKey, X25519PublicKey, agree, decrypt_share, describe,
                              encrypt_share, keypair, pair_mask_key, prg_stream, public_key, seed_commitment,
                              self_mask_key, shamir_split, share_ad, share_key, zero_bytes)
@@ -47,7 +47,7 @@ class SecAggClient:
     ``mask`` split of ``masked_input``.
 
     With a ``signer`` the client signs the keys it advertises; with a ``verifier`` it uses a neighbour's keys
-    only if their signature checks out, and refuses the others (:attr:`refused`; :mod:`secagg.identity`).
+    only if their signature checks out, and refuses the others (:attr:`refused`; :mod:`fcl_emu.secagg.identity`).
     """
 
     def __init__(self, client: str, signer: KeySigner | None = None, verifier: KeyVerifier | None = None):
@@ -170,7 +170,7 @@ class SecAggClient:
         The senders are the neighbours that survived the share phase: the client masks with exactly those.
         Shares are decrypted and authenticated here, before the masked input leaves the client. With
         distributed DP (``params.noise``) the vector is clipped to L2 norm ``clip`` and each value gets the
-        client's share of the noise, drawn from the OS's entropy (:mod:`secagg.noise`).
+        client's share of the noise, drawn from the OS's entropy (:mod:`fcl_emu.secagg.noise`).
         """
         start = time.perf_counter()
         self._expect(2, "shares")

@@ -5,7 +5,7 @@ would sit in the middle of the share encryption and could read t shares of a cli
 signs what it advertises, ``(round, client id, c_pk, s_pk)``, with a long-term Ed25519 key (``cryptography``)
 bound to its transport identity: the key directory that grants the client's CurveZMQ key also holds the
 signing key beside it, and lists every signing public key with the identities it speaks for, for every host
-(:mod:`wire.auth`). A receiver checks each neighbour's signature against that list before using its keys; a
+(:mod:`fcl_emu.wire.auth`). A receiver checks each neighbour's signature against that list before using its keys; a
 neighbour whose signature is missing or wrong is refused, and the server drops it from the round.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from secagg.protocol import context
+from fcl_emu.secagg.protocol import context
 
 SIGNATURE_BYTES = 64
 

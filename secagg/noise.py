@@ -8,7 +8,7 @@ with Secure Aggregation", ICML 2021). With C the L2 clip norm, z the noise multi
 (``rounds.clients_per_round``), M the levels per client and D the vector length:
 
 1. the client clips its vector to L2 norm C and quantises it with the protocol's fixed-point encoding (one level
-   is 2C/M, stochastic rounding; :class:`secagg.protocol.Quantizer`);
+   is 2C/M, stochastic rounding; :class:`fcl_emu.secagg.protocol.Quantizer`);
 2. it adds to each of its D values an independent Skellam variable Sk(mu, mu) = Poisson(mu) - Poisson(mu)
    (numpy's Poisson sampler, from the OS's entropy: nobody else can repeat it), of variance
    2 mu = z^2 Delta^2 / K, where Delta = M/2 + sqrt(D) is the L2 sensitivity of one client's quantised vector

@@ -1,9 +1,9 @@
 """Secure aggregation, SecAgg+ (Bell et al., CCS 2020): the protocol's shared part.
 
 Round parameters, phases, errors, sizes, the quantiser and the cryptographic
-primitives that both ends use. The client is :mod:`secagg.client`, the server
-:mod:`secagg.server`; the edge node (:mod:`edge_node.secure_session`) and the coordinator
-(:mod:`coordinator.secure_round`) move their messages over the wire.
+primitives that both ends use. The client is :mod:`fcl_emu.secagg.client`, the server
+:mod:`fcl_emu.secagg.server`; the edge node (:mod:`fcl_emu.edge_node.secure_session`) and the coordinator
+(:mod:`fcl_emu.coordinator.secure_round`) move their messages over the wire.
 
 Everything is pure, synchronous Python + numpy: one round of the protocol is a
 sequence of phases, and in each phase the server produces one
@@ -60,7 +60,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from secagg.noise import DistributedNoise, centred_sum
+from fcl_emu.secagg.noise import DistributedNoise, centred_sum
 
 PROTOCOL = b"fcl-emu/secagg/v1"
 PHASES = ("setup", "advertise_keys", "share_keys", "masked_input", "unmasking")
@@ -119,9 +119,9 @@ class RoundParams:
     graph; ``threshold``: t, shares needed to reconstruct a secret and the minimum
     number of participants in every phase; ``clip``: inputs are clipped to
     [-clip, clip]; ``max_weight``: sample weights above it are clipped to it; ``noise``: distributed DP, each
-    client clips its vector to L2 norm ``clip`` and adds its share of the noise (:mod:`secagg.noise`; weights are
-    then equal: ``max_weight`` is 1). The user-facing settings they are resolved from, with their defaults:
-    :class:`secagg.settings.SecAggSettings`.
+    client clips its vector to L2 norm ``clip`` and adds its share of the noise (:mod:`fcl_emu.secagg.noise`; weights
+    are then equal: ``max_weight`` is 1). The user-facing settings they are resolved from, with their defaults:
+    :class:`fcl_emu.secagg.settings.SecAggSettings`.
     """
 
     round_id: int
@@ -181,7 +181,7 @@ class RoundParams:
     def levels(self) -> int:
         """M = floor((2^bits - 1) / n): every client's ring value lies in [0, M], so n of them sum to at
         most n*M <= 2^bits - 1 and the ring sum never wraps; with distributed DP the smaller M that leaves room
-        for the noise (:meth:`secagg.noise.DistributedNoise.levels`)."""
+        for the noise (:meth:`fcl_emu.secagg.noise.DistributedNoise.levels`)."""
         if self.noise is not None:
             return self.noise.levels(self.ring_bits, self.n, self.dim)
         return (2**self.ring_bits - 1) // self.n

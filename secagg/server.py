@@ -22,7 +22,7 @@ run goes on with the next round.
 
 The server never holds an unmasked individual input: masked inputs are added
 into one running sum as they arrive and the masks come off the sum only.
-Primitives, parameters and guarantees: :mod:`secagg.protocol`, docs/secagg.md.
+Primitives, parameters and guarantees: :mod:`fcl_emu.secagg.protocol`, docs/secagg.md.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from secagg.identity import SIGNATURE_BYTES
-from secagg.noise import DistributedNoise
-from secagg.protocol import (CIPHERTEXT_BYTES, COMMIT_BYTES, PHASES, RING_DTYPE, SHARE_BYTES, Quantizer, RoundParams,
-                              SecAggAbort, SecAggError, X25519PrivateKey, agree, check_commitment,
-                              harary_neighbors, pair_mask_key, prg_into, public_key, self_mask_key, shamir_combine)
-from secagg.settings import SecAggSettings
+from fcl_emu.secagg.identity import SIGNATURE_BYTES
+from fcl_emu.secagg.noise import DistributedNoise
+from fcl_emu.secagg.protocol import (CIPHERTEXT_BYTES, COMMIT_BYTES, PHASES, RING_DTYPE, SHARE_BYTES, Quantizer,
+                                     RoundParams, SecAggAbort, SecAggError, X25519PrivateKey, agree, check_commitment,
+                                     harary_neighbors, pair_mask_key, prg_into, public_key, self_mask_key,
+                                     shamir_combine)
+from fcl_emu.secagg.settings import SecAggSettings
 
 __all__ = ["SecAggServer", "SecAggResult", "SecAggAbort", "SecAggError"]
 

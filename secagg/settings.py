@@ -1,8 +1,8 @@
 """The user-facing SecAgg+ settings (:class:`SecAggSettings`), each declared once with its default and bounds.
 
 A run's configuration embeds them (``secagg:`` in its YAML; the ``--secagg*`` flags take their help and
-bounds from these fields), the coordinator hands them to :class:`secagg.server.SecAggServer`, and
-:meth:`SecAggSettings.resolve` turns them into the :class:`secagg.protocol.RoundParams` of one round.
+bounds from these fields), the coordinator hands them to :class:`fcl_emu.secagg.server.SecAggServer`, and
+:meth:`SecAggSettings.resolve` turns them into the :class:`fcl_emu.secagg.protocol.RoundParams` of one round.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import math
 
 import pydantic
 
-from secagg.noise import DistributedNoise
-from secagg.protocol import (MAX_RING_BITS, MIN_RING_BITS, MIN_THRESHOLD, PHASES, RoundParams, SecAggAbort,
+from fcl_emu.secagg.noise import DistributedNoise
+from fcl_emu.secagg.protocol import (MAX_RING_BITS, MIN_RING_BITS, MIN_THRESHOLD, PHASES, RoundParams, SecAggAbort,
                              default_threshold)
 
 DEFAULT_MAX_WEIGHT = 1 << 16  # the weight clip where neither the settings nor the caller give one
@@ -63,14 +63,14 @@ class SecAggSettings(pydantic.BaseModel):
         return log_neighbors(n) if self.neighbors is None else min(self.neighbors, n - 1)
 
     def threshold_for(self, k: int) -> int:
-        """t for degree ``k``: the setting, or :func:`secagg.protocol.default_threshold` when unset."""
+        """t for degree ``k``: the setting, or :func:`fcl_emu.secagg.protocol.default_threshold` when unset."""
         return default_threshold(k) if self.threshold is None else self.threshold
 
     def resolve(self, n: int, dim: int, round_id: int, max_weight: int | None = None,
                 noise: DistributedNoise | None = None) -> RoundParams:
         """The parameters of one round of ``n`` sampled clients with ``dim`` values each; ``max_weight`` is the
         weight clip where the settings leave it unset (default :data:`DEFAULT_MAX_WEIGHT`); ``noise``: the
-        distributed DP noise every client adds (:mod:`secagg.noise`; ``clip`` is then the L2 clip). Raises
+        distributed DP noise every client adds (:mod:`fcl_emu.secagg.noise`; ``clip`` is then the L2 clip). Raises
         :class:`SecAggAbort` when the round cannot run (fewer than 3 clients, t above the possible k)."""
         if n < 3:
             raise SecAggAbort(f"{n} clients sampled: secure aggregation needs at least 3", PHASES[0])

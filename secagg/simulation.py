@@ -1,6 +1,6 @@
 """One SecAgg+ round driven in a single process, with its per-phase costs (tests and ``fcl-emu bench secagg``).
 
-:func:`simulate_round` passes the server's messages to :class:`secagg.client.SecAggClient` objects and their
+:func:`simulate_round` passes the server's messages to :class:`fcl_emu.secagg.client.SecAggClient` objects and their
 replies back, with scripted dropouts; :func:`measure_masking` times a client's masking against its lower bound.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from secagg.client import SecAggClient
-from secagg.protocol import PHASES, RING_DTYPE, prg_into
-from secagg.server import SecAggResult, SecAggServer
-from secagg.settings import SecAggSettings
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.protocol import PHASES, RING_DTYPE, prg_into
+from fcl_emu.secagg.server import SecAggResult, SecAggServer
+from fcl_emu.secagg.settings import SecAggSettings
 
 def wire_size(obj: Any) -> int:
     """Approximate bytes of a phase message on the wire: arrays as raw bytes (tensor frames), the rest as

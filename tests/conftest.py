@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitoring.results import RunSummary
-from runconfig import default_data_roots
+from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.runconfig import default_data_roots
 from fcl_emu.launchers.process import node_env
-from scenario.datasets import DATA_ROOT_ENV
+from fcl_emu.scenario.datasets import DATA_ROOT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,13 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session", autouse=True)
 def _outside_the_checkout(tmp_path_factory):
     """The tests run in a scratch directory: nothing that a test, or a command it starts, writes where no path
-    was given (``runs/<time>/``, say) lands in the checkout. The data roots are made absolute first, and the
-    commands started as processes import this checkout as the tests do."""
+    was given (``runs/<time>/``, say) lands in the checkout. The data roots are made absolute first; the commands
+    started as processes import the project as installed (``pip install -e .``: this checkout), never its bare
+    folders."""
     roots = default_data_roots()
     with pytest.MonkeyPatch.context() as patch:
         if os.environ.get(DATA_ROOT_ENV) or any(root.exists() for root in roots):
             patch.setenv(DATA_ROOT_ENV, os.pathsep.join(str(root.resolve()) for root in roots))
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         patch.chdir(tmp_path_factory.mktemp("cwd"))
         yield
 
@@ -108,7 +108,7 @@ HOG = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\
 def seeded_run(tmp_path: Path, mnist_root: Path, name: str, *, hogs: int = 0, **overrides):
     """One seeded `fcl-emu up` run of :func:`small_config` with ``overrides``, beside ``hogs`` processes that
     keep a core busy each all along; its summary and its round records."""
-    from monitoring.results import RunSummary
+    from fcl_emu.monitoring.results import RunSummary
 
     config = small_config(tmp_path / f"{name}.yaml", **overrides)
     busy = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
@@ -154,7 +154,7 @@ def raw_header(**overrides) -> bytes:
     """A header frame built field by field, to hand-craft messages the encoder would refuse."""
     import msgspec
 
-    from wire.messages import PROTOCOL_VERSION, Header
+    from fcl_emu.wire.messages import PROTOCOL_VERSION, Header
 
     fields = dict(v=PROTOCOL_VERSION, type="heartbeat", sender="c", seq=1, round=0, task=0,
                   body=msgspec.Raw(msgspec.msgpack.encode({})), tensors=[])
@@ -208,12 +208,12 @@ def up(tmp: Path, *args: str,
 @pytest.fixture(scope="session")
 def image() -> str:
     """The project's image, built (or reused) once per test session; skips without a Docker engine."""
-    from containers import docker_client
+    from fcl_emu.containers import docker_client
 
     reason = docker_client.available()
     if reason:
         pytest.skip(f"needs a Docker engine: {reason}")
-    from containers.image import ImageError, build_image
+    from fcl_emu.containers.image import ImageError, build_image
 
     try:
         return build_image(log=lambda _msg: None).tag
@@ -225,7 +225,7 @@ def image() -> str:
 
 def _run_objects() -> set[str]:
     """The containers and networks on the engine that carry a run's label."""
-    from containers import docker_client
+    from fcl_emu.containers import docker_client
 
     client = docker_client.client()
     return ({f"container {c.name}" for c in client.containers.list(all=True, filters={"label": "fcl-emu.run"})}

@@ -14,16 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runconfig import RunConfig
-from methods import affcl
-from methods import registry as methods
-from methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.methods import affcl
+from fcl_emu.methods import registry as methods
+from fcl_emu.methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,
                            flow_loss, generated_ce, latent_statistics, mean_density, output_distillation)
-from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
-from methods.models.backbones import SmallCNNLeaky, SplitBackbone
-from methods.models.classifier import build_model, resolve_model
-from methods.models.flows import ConditionalFlow
-from monitoring.results import RunSummary
+from fcl_emu.methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from fcl_emu.methods.models.backbones import SmallCNNLeaky, SplitBackbone
+from fcl_emu.methods.models.classifier import build_model, resolve_model
+from fcl_emu.methods.models.flows import ConditionalFlow
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import ctypes
-    from runtime.allocator import fix_malloc_thresholds
+    from fcl_emu.runtime.allocator import fix_malloc_thresholds
 
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -11,13 +11,13 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from coordinator.async_rounds import fedasync_mixing, fedasync_update, fedbuff_update, fedbuff_weight
-from methods import registry
-from methods.base import ClientUpdate
-from methods.requirements import ASYNC
-from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import RunSummary
-from runconfig import RunConfig
+from fcl_emu.coordinator.async_rounds import fedasync_mixing, fedasync_update, fedbuff_update, fedbuff_weight
+from fcl_emu.methods import registry
+from fcl_emu.methods.base import ClientUpdate
+from fcl_emu.methods.requirements import ASYNC
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.runconfig import RunConfig
 from tests.conftest import events, exit_code, fcl_emu, small_config
 from tests.test_config_cli import invoke
 

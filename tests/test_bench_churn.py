@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from fcl_emu.bench import churn
-from runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig
 from fcl_emu.launchers.process import node_env
-from monitoring.results import Clients, RunSummary
+from fcl_emu.monitoring.results import Clients, RunSummary
 
 
 def fake_summary(acc: float, forgetting: float, rounds: int = 12, skipped: int = 0, left: int = 0) -> RunSummary:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, many_class_table, runs
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 SUMMARY = {
     "status": "completed", "method": "glfc", "dataset": "mnist", "scenario": {"num_tasks": 2},

@@ -1,7 +1,6 @@
 """What a new user meets on the command line: `methods` and `methods NAME`, the extras check before a run, the
 help panels and --x/--no-x switches of the run commands, --join-timeout, and the commands `keys` prints."""
 
-import os
 import re
 import subprocess
 import sys
@@ -17,9 +16,9 @@ from typer.testing import CliRunner
 from fcl_emu import options
 from fcl_emu.cli import app, build_config
 from fcl_emu.keys import host_commands, node_blocks
-from methods import registry
-from methods.requirements import SECAGG, missing_extras, pip_install
-from runconfig import RunConfig
+from fcl_emu.methods import registry
+from fcl_emu.methods.requirements import SECAGG, missing_extras, pip_install
+from fcl_emu.runconfig import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -150,10 +149,8 @@ def test_a_method_whose_extra_is_missing_stops_up_in_one_line_before_anything_st
     script = tmp_path / "without_text.py"
     script.write_text(textwrap.dedent(_WITHOUT_SENTENCE_TRANSFORMERS))
     run_dir = tmp_path / "runs" / "r"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(script), "up", "--method", "lander", "--clients", "4", "--nodes", "1",
-                           "--run-dir", str(run_dir)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+                           "--run-dir", str(run_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines == ["error: method lander needs the text extra, which is not installed: "

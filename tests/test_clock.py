@@ -10,11 +10,11 @@ import pickle
 import pytest
 import yaml
 
-from coordinator.emulated import ClientRound, EmulatedClock
-from coordinator.clients import ClientRegistry
-from runconfig.config import RunConfig
-from scenario.availability import AvailabilitySpec, parse_availability
-from scenario.devices import DeviceProfile, assign_profile, load_profiles
+from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
+from fcl_emu.coordinator.clients import ClientRegistry
+from fcl_emu.runconfig.config import RunConfig
+from fcl_emu.scenario.availability import AvailabilitySpec, parse_availability
+from fcl_emu.scenario.devices import DeviceProfile, assign_profile, load_profiles
 from tests.conftest import seeded_run
 
 
@@ -151,8 +151,8 @@ def test_fedscale_device_capacities_become_per_sample_costs_and_links(tmp_path):
 def test_a_network_trace_integrates_piecewise_constant_bandwidth_over_each_transfer(tmp_path):
     """The example of docs/edge.md, by hand: 800 kbit/s (100 kB/s) until 60 s, an outage until 90 s, then
     2400 kbit/s (300 kB/s)."""
-    from scenario.links import Link
-    from scenario.network_trace import client_trace, load_network_trace
+    from fcl_emu.scenario.links import Link
+    from fcl_emu.scenario.network_trace import client_trace, load_network_trace
 
     path = tmp_path / "network.json"
     path.write_text(json.dumps({"17": {"time": [0, 60, 90], "communication": [800, 0, 2400]},

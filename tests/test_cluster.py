@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from containers import local_cluster
-from containers.cluster import Cluster, ClusterHost, engine, load_cluster
-from containers.faults import Target
-from containers.local_cluster import HostFaults
+from fcl_emu.containers import local_cluster
+from fcl_emu.containers.cluster import Cluster, ClusterHost, engine, load_cluster
+from fcl_emu.containers.faults import Target
+from fcl_emu.containers.local_cluster import HostFaults
 from fcl_emu.launchers.base import NodeSpec
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS
 from fcl_emu.launchers.swarm import place
-from runconfig import load_config
-from scenario.faults import load_plan
+from fcl_emu.runconfig import load_config
+from fcl_emu.scenario.faults import load_plan
 from fcl_emu.bench.soak_checks import double_counts
-from monitoring import stack
+from fcl_emu.monitoring import stack
 from tests.conftest import free_port, up
 from tests.test_monitoring import query_range
 
@@ -293,7 +293,7 @@ def test_after_a_lost_host_a_run_is_stopped_and_resumes_on_the_hosts_left(cluste
     SIGTERM after its first round and `up --resume` finishes it there, each update aggregated once."""
     import signal
 
-    from monitoring.results import RunSummary
+    from fcl_emu.monitoring.results import RunSummary
     from tests.conftest import events as read_events, fcl_emu, kill_left, wait_for
 
     if local_cluster.status(cluster)[1]["engine"] != "down":

@@ -8,12 +8,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from edge_node.args import format_client_set, parse_client_set
+from fcl_emu.edge_node.args import format_client_set, parse_client_set
 from fcl_emu import options
 from fcl_emu.cli import app
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import node_assignment
-from runconfig import RunConfig, load_config
+from fcl_emu.runconfig import RunConfig, load_config
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def test_a_taken_port_is_found_before_anything_is_written(tmp_path, mnist_root):
 
 def test_a_run_that_does_not_start_takes_its_keys_away(tmp_path, mnist_root, monkeypatch):
     """Its coordinator fails after ``up`` wrote the run's keys: they go, with the directories made for them."""
-    from coordinator.errors import BindError
+    from fcl_emu.coordinator.errors import BindError
     from fcl_emu import run
 
     def coordinator_that_cannot_bind(config, **kwargs):

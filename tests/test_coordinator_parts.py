@@ -12,19 +12,19 @@ from collections import deque
 import numpy as np
 import pytest
 
-from coordinator.clients import ClientRegistry
-from coordinator.clock import EmulatedTime, RealTime, make_clock
-from coordinator.dispatch import Dispatcher
-from coordinator.guard import LogOnce, RateLimiter
-from coordinator.open_round import OpenRound, StaleUpdates
-from coordinator.rounds import RoundRunner
-from coordinator.state import RunState
-from methods.base import DELTA, ClientPart, ClientUpdate
-from monitoring.metrics import CoordinatorMetrics
-from runconfig import RunConfig
-from scenario.devices import DeviceProfile
-from wire.framing import WireError, decode, encode
-from wire.messages import Heartbeat, Join, Update, client_id
+from fcl_emu.coordinator.clients import ClientRegistry
+from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock
+from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.guard import LogOnce, RateLimiter
+from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
+from fcl_emu.coordinator.rounds import RoundRunner
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods.base import DELTA, ClientPart, ClientUpdate
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.wire.framing import WireError, decode, encode
+from fcl_emu.wire.messages import Heartbeat, Join, Update, client_id
 
 NUM_CLIENTS = 6
 SAMPLES = 50  # each client's samples in every task
@@ -413,7 +413,7 @@ def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_h
     import ast
     from pathlib import Path
 
-    from coordinator.lifecycle import Coordinator
+    from fcl_emu.coordinator.lifecycle import Coordinator
 
     assert Coordinator.__bases__ == (object,)
     asking = []
@@ -442,7 +442,7 @@ class DonePool:
         self.ids = 0
 
     def submit(self, kind, inputs, options):
-        from coordinator.gpu_pool import Job
+        from fcl_emu.coordinator.gpu_pool import Job
 
         self.ids += 1
         ok = not kind.endswith("fail")
@@ -454,9 +454,9 @@ class DonePool:
 def test_a_server_job_is_an_event_and_its_start_and_end_are_heard(tmp_path, kind, label, ok):
     import json
 
-    from coordinator.errors import JobFailed
-    from coordinator.server_jobs import ServerJobs
-    from monitoring.results import RunRecorder
+    from fcl_emu.coordinator.errors import JobFailed
+    from fcl_emu.coordinator.server_jobs import ServerJobs
+    from fcl_emu.monitoring.results import RunRecorder
 
     state = make_state()
     state.recorder = RunRecorder(tmp_path, "")

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from fcl_emu.cli import app
 from fcl_emu.deploy import PROMETHEUS_PORT
-from monitoring.stack import DASHBOARDS_DIR
-from runconfig import load_config
+from fcl_emu.monitoring.stack import DASHBOARDS_DIR
+from fcl_emu.runconfig import load_config
 
 RUN_LABELS = {"run_id", "role", "process"}  # what prometheus_targets.json gives `up`'s runs
 
@@ -109,7 +109,7 @@ def test_grafana_is_provisioned_with_prometheus_and_every_dashboard(deployed, fi
 
 def test_the_coordinator_takes_the_run_id_it_is_given(tmp_path, mnist_root):
     """The run_id label Prometheus puts on every target is the coordinator's own (fcl_run_info, summary.json)."""
-    from coordinator.lifecycle import Coordinator
+    from fcl_emu.coordinator.lifecycle import Coordinator
     from tests.conftest import keyed, small_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4}),

@@ -15,22 +15,22 @@ import msgspec
 import numpy as np
 import pytest
 
-from coordinator.lifecycle import Coordinator
-from coordinator.privacy import CentralPrivacy, DistributedPrivacy
-from coordinator.secure_round import SecureRound
-from edge_node.node import EdgeNode
-from methods.base import DELTA, ClientUpdate, DeltaLayout
-from runconfig import RunConfig, load_config
-from runconfig.config import PrivacyConfig
-from secagg.noise import FAILURE_PROBABILITY, MAX_POISSON_MEAN, DistributedNoise
-from secagg.protocol import RoundParams, SecAggError, keypair
-from secagg.server import SecAggServer
-from secagg.settings import SecAggSettings
-from secagg.simulation import simulate_round
+from fcl_emu.coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.privacy import CentralPrivacy, DistributedPrivacy
+from fcl_emu.coordinator.secure_round import SecureRound
+from fcl_emu.edge_node.node import EdgeNode
+from fcl_emu.methods.base import DELTA, ClientUpdate, DeltaLayout
+from fcl_emu.runconfig import RunConfig, load_config
+from fcl_emu.runconfig.config import PrivacyConfig
+from fcl_emu.secagg.noise import FAILURE_PROBABILITY, MAX_POISSON_MEAN, DistributedNoise
+from fcl_emu.secagg.protocol import RoundParams, SecAggError, keypair
+from fcl_emu.secagg.server import SecAggServer
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.secagg.simulation import simulate_round
 from tests.conftest import events, keyed, raw_header, small_config
-from wire.auth import ClientKeyring
-from wire.framing import WireError, decode, encode
-from wire.messages import plain_body
+from fcl_emu.wire.auth import ClientKeyring
+from fcl_emu.wire.framing import WireError, decode, encode
+from fcl_emu.wire.messages import plain_body
 
 needs_accountant = pytest.mark.skipif(importlib.util.find_spec("dp_accounting") is None,
                                       reason="dp-accounting is not installed (pip install 'fcl-emu[dp]')")
@@ -185,7 +185,7 @@ def test_a_secagg_run_with_distributed_dp_reports_central_epsilon_and_refuses_a_
         return out
 
     def coordinator_round(number: int) -> int:
-        from coordinator.secure_round import round_id
+        from fcl_emu.coordinator.secure_round import round_id
         return round_id(coordinator.run_id, number)
 
     stop = threading.Event()

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from containers.stats import ContainerStats
-from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
+from fcl_emu.containers.stats import ContainerStats
+from fcl_emu.monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

@@ -13,10 +13,10 @@ import sys
 import pytest
 import yaml
 
-from scenario.availability import client_availability, load_trace, parse_availability, transitions
-from scenario.links import Link
-from scenario.devices import DeviceProfile, assign_profile, load_profiles
-from monitoring.results import RunSummary
+from fcl_emu.scenario.availability import client_availability, load_trace, parse_availability, transitions
+from fcl_emu.scenario.links import Link
+from fcl_emu.scenario.devices import DeviceProfile, assign_profile, load_profiles
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, free_port, small_config
 
 
@@ -247,8 +247,8 @@ def test_crashes_and_churn_with_overcommit(tmp_path, mnist_root):
 EDGE_NODE_WITH_LIMIT = """
 import resource, sys, tempfile
 import zmq
-from edge_node.node import EdgeNode
-from wire.sockets import SocketCapacityError
+from fcl_emu.edge_node.node import EdgeNode
+from fcl_emu.wire.sockets import SocketCapacityError
 soft, hard = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 try:

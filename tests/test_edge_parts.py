@@ -8,18 +8,18 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from edge_node.churn import Churn
-from edge_node.client import EmulatedClient, TrainJob, TrainResult
-from edge_node.secure_session import SecureSessions
-from edge_node.store import RoundPayloads
-from edge_node.training import Trainer
-from monitoring.metrics import EdgeNodeMetrics
-from scenario.availability import client_draw
-from secagg.client import SecAggClient
-from secagg.protocol import RoundParams
-from wire.framing import Message
-from wire.messages import (EdgeSettings, SecAggAbort, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay, SecAggSetup,
-                           client_id, plain_body)
+from fcl_emu.edge_node.churn import Churn
+from fcl_emu.edge_node.client import EmulatedClient, TrainJob, TrainResult
+from fcl_emu.edge_node.secure_session import SecureSessions
+from fcl_emu.edge_node.store import RoundPayloads
+from fcl_emu.edge_node.training import Trainer
+from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.scenario.availability import client_draw
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.protocol import RoundParams
+from fcl_emu.wire.framing import Message
+from fcl_emu.wire.messages import (EdgeSettings, SecAggAbort, SecAggPeerKeys, SecAggPublicKeys, SecAggRelay,
+                                   SecAggSetup, client_id, plain_body)
 
 
 @dataclass
@@ -214,7 +214,7 @@ def test_a_job_whose_client_moved_on_to_a_newer_task_is_not_trained():
     It is skipped, and nothing is sent for it."""
     import zmq
 
-    from wire.messages import TrainRequest
+    from fcl_emu.wire.messages import TrainRequest
 
     payloads = RoundPayloads()
     trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=EdgeNodeMetrics(),
@@ -231,7 +231,7 @@ def test_a_job_whose_client_moved_on_to_a_newer_task_is_not_trained():
 def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
     import zmq
 
-    from wire.messages import TrainRequest
+    from fcl_emu.wire.messages import TrainRequest
 
     payloads, metrics = RoundPayloads(), EdgeNodeMetrics()
     trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=metrics, setup=lambda: None)
@@ -251,7 +251,7 @@ def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
 def test_jobs_train_round_by_round_in_the_nodes_order_then_first_come_first_served():
     import zmq
 
-    from wire.messages import TrainRequest
+    from fcl_emu.wire.messages import TrainRequest
 
     payloads = RoundPayloads()
     trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=EdgeNodeMetrics(),

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from edge_node.store import ArrayStore, AssetCache, RoundPayloads
+from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads
 
 
 def test_array_store_round_trip_and_names(tmp_path):

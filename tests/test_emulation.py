@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from tests.conftest import device_keys, events, fcl_emu, free_port, keyed, raw_header, small_config, wait_for
-from wire.framing import encode
-from wire.messages import Heartbeat, Join, Shutdown, TensorSpec, Update
-from monitoring.results import RunSummary
+from fcl_emu.wire.framing import encode
+from fcl_emu.wire.messages import Heartbeat, Join, Shutdown, TensorSpec, Update
+from fcl_emu.monitoring.results import RunSummary
 
 pytestmark = pytest.mark.slow
 
@@ -159,8 +159,8 @@ def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
 def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
     """An unexpected error inside the run ends it with status "failed: ..." in summary.json and in the clients'
     shutdown, never "completed"."""
-    from coordinator.lifecycle import Coordinator
-    from runconfig import load_config
+    from fcl_emu.coordinator.lifecycle import Coordinator
+    from fcl_emu.runconfig import load_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8}),
                          {"data_root": [str(mnist_root)]})
@@ -192,8 +192,8 @@ def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tm
     """A condition that never holds delays the first round by its timeout, longer than the liveness timeout,
     and the run goes on with a warning: no client is dropped meanwhile (heartbeats are served), and the wait
     counts as join time. (`up --prometheus` waits like this for its Prometheus's first scrape.)"""
-    from coordinator.lifecycle import Coordinator
-    from runconfig import load_config
+    from fcl_emu.coordinator.lifecycle import Coordinator
+    from fcl_emu.runconfig import load_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "num_tasks": 1}),
                          {"data_root": [str(mnist_root)]})
@@ -231,7 +231,7 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
 
     from fcl_emu import run as run_module
     from fcl_emu.launchers import process
-    from runconfig import load_config
+    from fcl_emu.runconfig import load_config
 
     original = process.node_args
 
@@ -264,7 +264,7 @@ def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_ro
     from rich.console import Console
 
     from fcl_emu import run as run_module
-    from runconfig import load_config
+    from fcl_emu.runconfig import load_config
 
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 6},
                                       rounds={"clients_per_round": 3, "rounds_per_task": 1},

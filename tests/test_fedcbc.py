@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from edge_node.store import ArrayStore
-from runconfig import RunConfig
-from methods import jobs
-from methods.base import ClientContext, ClientUpdate, ServerContext, TrainingSettings
-from methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
+from fcl_emu.edge_node.store import ArrayStore
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from fcl_emu.methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
                             distillation_loss, fit_vae, join_vaes, resolve_decoder, split_vaes)
-from methods.models.classifier import build_model
-from methods.models.state import state_to_arrays
-from methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
-from monitoring.results import RunSummary
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import state_to_arrays
+from fcl_emu.methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -327,10 +327,10 @@ def test_bad_uploads_are_refused(feature_vaes):
 
 def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
     """ServerPart.check_update runs when an update arrives: a misfit VAE is a bad_shape rejection."""
-    from coordinator.lifecycle import Coordinator
-    from runconfig import load_config
-    from wire.framing import WireError, decode, encode
-    from wire.messages import Update
+    from fcl_emu.coordinator.lifecycle import Coordinator
+    from fcl_emu.runconfig import load_config
+    from fcl_emu.wire.framing import WireError, decode, encode
+    from fcl_emu.wire.messages import Update
 
     config = load_config(small_config(tmp_path / "c.yaml", method="fedcbc", method_options=TINY,
                                       scenario={"num_clients": 3, "partition": "accessible_classes"},
@@ -351,8 +351,8 @@ def test_the_coordinator_rejects_a_bad_upload_at_receipt(tmp_path, mnist_root):
 
 
 def test_non_finite_vaes_are_refused_on_the_wire():
-    from wire.framing import WireError, decode, encode
-    from wire.messages import Update
+    from fcl_emu.wire.framing import WireError, decode, encode
+    from fcl_emu.wire.messages import Update
 
     frames = encode("update", Update(num_samples=1, train_time_s=0.1, loss=0.0), sender="client-0001", seq=1,
                     tensors={VAES + "0/mean.bias": np.array([0.1, np.inf], np.float32)})

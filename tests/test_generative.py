@@ -12,19 +12,19 @@ import pytest
 import torch
 from torch import nn
 
-from runconfig import RunConfig
-from methods import jobs
-from methods import registry as methods
-from methods.base import DELTA, ClientUpdate, ServerContext
-from methods.datafree import (BatchNormStatistics, adversarial_divergence, bounding_loss, from_uint8,
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.methods import jobs
+from fcl_emu.methods import registry as methods
+from fcl_emu.methods.base import DELTA, ClientUpdate, ServerContext
+from fcl_emu.methods.datafree import (BatchNormStatistics, adversarial_divergence, bounding_loss, from_uint8,
                               information_entropy_loss, smoothness_prior, soft_target_ce, to_uint8)
-from methods.lander import RADIUS, TEXT_DIM, bounding_radius, cosine_lr, scaled_embeddings, task_weights
-from methods.mfcl import MFCLOptions, feature_distillation, generator_loss
-from methods.models.classifier import build_model, resolve_model
-from methods.models.generators import Generator, NoisyLayer, TextConditionedGenerator
-from methods.models.state import state_to_arrays
-from methods.target import current_task_ce
-from monitoring.results import RunSummary
+from fcl_emu.methods.lander import RADIUS, TEXT_DIM, bounding_radius, cosine_lr, scaled_embeddings, task_weights
+from fcl_emu.methods.mfcl import MFCLOptions, feature_distillation, generator_loss
+from fcl_emu.methods.models.classifier import build_model, resolve_model
+from fcl_emu.methods.models.generators import Generator, NoisyLayer, TextConditionedGenerator
+from fcl_emu.methods.models.state import state_to_arrays
+from fcl_emu.methods.target import current_task_ce
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)

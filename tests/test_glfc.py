@@ -13,17 +13,17 @@ import pytest
 import torch
 from torch import nn
 
-from edge_node.store import ArrayStore
-from runconfig import RunConfig
-from methods import jobs
-from methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
-from methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder, herding,
+from fcl_emu.edge_node.store import ArrayStore
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.methods import jobs
+from fcl_emu.methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from fcl_emu.methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder, herding,
                           label_from_gradients, mean_entropy, merge_memory, prototype_index, reconstruct)
-from methods.glfc_losses import (compensation_weights, gradient_compensation_loss, relation_distillation,
+from fcl_emu.methods.glfc_losses import (compensation_weights, gradient_compensation_loss, relation_distillation,
                                  true_class_gradient)
-from methods.models.classifier import build_model
-from methods.models.state import load_arrays, state_to_arrays
-from monitoring.results import RunSummary
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
 SHAPE = (1, 28, 28)
@@ -150,7 +150,7 @@ def test_gradient_labels_and_reconstruction_match_the_prototype():
 def _ctx(mnist, store, task: int, classes, global_state, assets=None, new_task=True):
     ds, labels = mnist
     idx = np.flatnonzero(np.isin(labels, classes))[:120]
-    from scenario.transforms import to_tensor
+    from fcl_emu.scenario.transforms import to_tensor
     return ClientContext(
         client="client-0003", task=task, task_classes=np.asarray(classes), seen_classes=np.arange(max(classes) + 1),
         x=to_tensor(ds.train_x[idx], ds.mean, ds.std), y=torch.from_numpy(labels[idx].astype(np.int64)),
@@ -162,7 +162,7 @@ def _ctx(mnist, store, task: int, classes, global_state, assets=None, new_task=T
 
 @pytest.fixture(scope="module")
 def mnist(mnist_root):
-    from scenario.datasets import load_dataset
+    from fcl_emu.scenario.datasets import load_dataset
     ds = load_dataset("mnist", [mnist_root])
     return ds, np.asarray(ds.train_y)
 
@@ -263,8 +263,8 @@ def test_bad_prototype_gradients_are_refused():
 
 
 def test_non_finite_prototype_gradients_are_refused_on_the_wire():
-    from wire.framing import WireError, decode, encode
-    from wire.messages import SideChannel
+    from fcl_emu.wire.framing import WireError, decode, encode
+    from fcl_emu.wire.messages import SideChannel
 
     frames = encode("prototype_gradients", SideChannel(items=1), sender="client-0001", seq=1,
                     tensors={"0/fc.bias": np.array([0.1, np.nan], np.float32)})

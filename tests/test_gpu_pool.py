@@ -16,10 +16,10 @@ import psutil
 import pytest
 import torch
 
-from coordinator.lifecycle import Coordinator, JobFailed
-from runconfig import load_config
-from methods import jobs
-from monitoring.results import RunSummary
+from fcl_emu.coordinator.lifecycle import Coordinator, JobFailed
+from fcl_emu.runconfig import load_config
+from fcl_emu.methods import jobs
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import events, fcl_emu, keyed, small_config
 
 pytestmark = pytest.mark.slow

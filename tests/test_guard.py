@@ -6,10 +6,11 @@ import logging
 import numpy as np
 import pytest
 
-from coordinator.guard import LogOnce, RateLimiter, clip_to_cohort, clip_update, delta_norm, on_refused_handshake
-from methods.base import ClientUpdate, fedavg
-from monitoring.metrics import CoordinatorMetrics
-from runconfig.config import RunConfig
+from fcl_emu.coordinator.guard import (LogOnce, RateLimiter, clip_to_cohort, clip_update, delta_norm,
+                                       on_refused_handshake)
+from fcl_emu.methods.base import ClientUpdate, fedavg
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.runconfig.config import RunConfig
 
 
 def test_the_rate_limiter_allows_a_burst_then_the_rate():

@@ -28,21 +28,21 @@ import psutil
 import pytest
 import zmq
 
-from coordinator.clock import make_clock
-from coordinator.dispatch import Dispatcher
-from coordinator.guard import RateLimiter
-from coordinator.open_round import StaleUpdates
-from coordinator.rounds import RoundRunner
-from coordinator.state import RunState
-from methods.base import fedavg
-from monitoring.metrics import CoordinatorMetrics
-from monitoring.results import RunSummary
+from fcl_emu.coordinator.clock import make_clock
+from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.guard import RateLimiter
+from fcl_emu.coordinator.open_round import StaleUpdates
+from fcl_emu.coordinator.rounds import RoundRunner
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.methods.base import fedavg
+from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import device_keys, events, exit_code, fcl_emu, free_port, raw_header, small_config, wait_for
 from tests.test_coordinator_parts import FakeServer, make_state
-from wire.auth import ClientKeyring
-from wire.framing import encode
-from wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update, client_id
-from wire.sockets import ClientEndpoint, ServerEndpoint
+from fcl_emu.wire.auth import ClientKeyring
+from fcl_emu.wire.framing import encode
+from fcl_emu.wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update, client_id
+from fcl_emu.wire.sockets import ClientEndpoint, ServerEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -296,9 +296,9 @@ def _shares(config: Path, mnist_root: Path) -> list[int]:
     """Client 9's samples in each task of the run configured in ``config``, as the coordinator counts them."""
     import yaml
 
-    from runconfig import RunConfig
-    from scenario.datasets import load_dataset
-    from scenario.scenario import build_scenario
+    from fcl_emu.runconfig import RunConfig
+    from fcl_emu.scenario.datasets import load_dataset
+    from fcl_emu.scenario.scenario import build_scenario
 
     spec = RunConfig.model_validate(yaml.safe_load(config.read_text())).scenario
     scenario = build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
@@ -481,7 +481,7 @@ def test_a_message_of_a_million_empty_frames_is_refused_in_bounded_memory_and_ti
 
 def _whole_message(sock: zmq.Socket, limits) -> list:
     """The former receive path (the audit below): the message taken whole, then its frames counted."""
-    from wire.framing import refused_unread
+    from fcl_emu.wire.framing import refused_unread
 
     frames = sock.recv_multipart(copy=False)
     if len(frames) > limits.max_tensors + 1:
@@ -492,9 +492,9 @@ def _whole_message(sock: zmq.Socket, limits) -> list:
 def test_without_the_per_frame_bounds_the_receiver_holds_every_frame(monkeypatch):
     """The audit of the test above: a receiver taking each message whole holds a Python object per frame, about
     200 bytes each (100,000 frames here, to keep it short)."""
-    import wire.sockets
+    from fcl_emu.wire import sockets
 
-    monkeypatch.setattr(wire.sockets, "receive_frames", _whole_message)
+    monkeypatch.setattr(sockets, "receive_frames", _whole_message)
     state, peak, _ = frames_refused(100_000)
     assert state.tally.rejected == {"frame_count": 1} and peak > 4 << 20, peak
 
@@ -518,7 +518,7 @@ def test_a_strangers_messages_never_reach_the_coordinator(tmp_path, allowlist):
     """A peer whose key is not in the roster: with the allow-list its handshake is refused (counted) and nothing it
     sends reaches the dispatcher; without it (the audit) its ten joins are received and decoded, one by one."""
     from fcl_emu.keys import write_run_keys
-    from wire.auth import Allowlist, load_server_keys
+    from fcl_emu.wire.auth import Allowlist, load_server_keys
 
     keys = write_run_keys(tmp_path / "keys", [[0, 1]])
     server_keys = load_server_keys(keys)
@@ -562,11 +562,11 @@ def test_the_gpu_pools_socket_bounds_refuses_counts_and_logs_once(tmp_path, monk
     (``not_authorized``) and the worker stays unready; each refusal is counted (the pool's tally, the wire
     metric), logged once per peer and reason. A stranger's key never gets a message through (refused at the
     handshake, counted by the allow-list)."""
-    from coordinator.gpu_pool import WorkerPool
-    from coordinator.gpu_worker import worker_identity
+    from fcl_emu.coordinator.gpu_pool import WorkerPool
+    from fcl_emu.coordinator.gpu_worker import worker_identity
     from fcl_emu.keys import write_run_keys
-    from wire.auth import Allowlist, load_server_keys
-    from wire.messages import WorkerHello
+    from fcl_emu.wire.auth import Allowlist, load_server_keys
+    from fcl_emu.wire.messages import WorkerHello
 
     keys = write_run_keys(tmp_path / "keys", [[0, 1]])
     server_keys = load_server_keys(keys)

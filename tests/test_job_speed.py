@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from fcl_emu.bench.jobs import COLUMNS
-from methods import jobs
-from methods.fedcbc import FedCBCOptions, build_vae
-from methods.glfc_proxy import BatchedLBFGS, GradientEncoder, MatchingTargets, matching_losses
-from methods.models.state import state_to_arrays
+from fcl_emu.methods import jobs
+from fcl_emu.methods.fedcbc import FedCBCOptions, build_vae
+from fcl_emu.methods.glfc_proxy import BatchedLBFGS, GradientEncoder, MatchingTargets, matching_losses
+from fcl_emu.methods.models.state import state_to_arrays
 from tests.conftest import fcl_emu
 
 CPU = torch.device("cpu")

@@ -1,9 +1,13 @@
 """The project's folders import each other only downwards (docs/architecture.md), no two of its files import
-each other in a circle, and no file of it grows past 600 lines. The imports are read from the code itself,
-function-level ones included, so a new arrow against the layering or a new cycle fails here with the file and
-line that drew it."""
+each other in a circle, no file of it grows past 600 lines, and every import names the installed package
+(``fcl_emu.<folder>``, pyproject.toml's package-dir), never a bare folder. The imports are read from the code
+itself, function-level ones included, so a new arrow against the layering or a new cycle fails here with the file
+and line that drew it."""
 
 import ast
+import subprocess
+import sys
+import tomllib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +24,29 @@ MAY_IMPORT: dict[str, set[str]] = {
     "wire": set(),
     "scenario": set(),
     "secagg": set(),
-    "methods": {"scenario"},
+    "aggregation": set(),
+    "methods": {"scenario", "aggregation"},
     "monitoring": {"wire"},
-    "runconfig": {"scenario", "methods", "secagg"},
-    "edge_node": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring"},
-    "coordinator": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
+    "runconfig": {"scenario", "aggregation", "methods", "secagg"},
+    "edge_node": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring"},
+    "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
-    "fcl_emu": {"runtime", "wire", "secagg", "scenario", "methods", "monitoring", "runconfig", "edge_node",
-                "coordinator", "containers"},
+    "fcl_emu": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
+                "edge_node", "coordinator", "containers"},
 }
+
+# The installed package's name for each folder of code (pyproject.toml's package-dir): fcl_emu.<folder> -> folder.
+PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+FOLDERS = {name.partition(".")[2]: folder for name, folder in PACKAGE_DIR.items() if "." in name}
+
+
+def folder_module(module: str) -> str:
+    """The module path inside the repository of an installed module: ``fcl_emu.wire.framing`` is ``wire.framing``
+    (the folder ``wire/``); ``fcl_emu.cli`` stays itself; anything else (a bare ``wire``) is returned as it is."""
+    parts = module.split(".")
+    if parts[0] == "fcl_emu" and len(parts) > 1 and parts[1] in FOLDERS:
+        return ".".join([FOLDERS[parts[1]], *parts[2:]])
+    return module
 
 MAX_LINES = 600
 
@@ -54,6 +72,14 @@ def imports(path: Path, root: Path = ROOT) -> list[Import]:
     return found
 
 
+def bare_imports(path: Path) -> list[str]:
+    """The imports in ``path`` that name a folder of code by its bare name (``from methods.base import x``)
+    instead of the installed package's (``from fcl_emu.methods.base import x``): they work from the repository's
+    root only, and load a second copy of the module beside the installed one."""
+    return [f"{path.relative_to(ROOT)}:{i.line}: {i.module}" for i in imports(path)
+            if i.module.split(".")[0] in FOLDERS]
+
+
 def package_of(path: Path, level: int, root: Path) -> tuple[str, ...]:
     """The package that a ``level``-dots relative import in ``path`` starts from (none for an absolute one)."""
     if not level:
@@ -63,8 +89,8 @@ def package_of(path: Path, level: int, root: Path) -> tuple[str, ...]:
 
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:
-    """(top-level package, line) of every import in ``path``."""
-    return {(i.module.split(".")[0], i.line) for i in imports(path)}
+    """(folder of code, line) of every import in ``path`` (a module outside the project: its top-level name)."""
+    return {(folder_module(i.module).split(".")[0], i.line) for i in imports(path)}
 
 
 def code_folders(root: Path = ROOT) -> set[str]:
@@ -95,8 +121,9 @@ def imported_files(path: Path, root: Path = ROOT) -> dict[Path, int]:
     search = [root] if (path.parent / "__init__.py").is_file() else [path.parent, root]
     found: dict[Path, int] = {}
     for imp in imports(path, root):
+        module = folder_module(imp.module)
         for name in imp.names or [None]:
-            target = ((name and module_file(f"{imp.module}.{name}", search)) or module_file(imp.module, search))
+            target = ((name and module_file(f"{module}.{name}", search)) or module_file(module, search))
             if target and target != path:
                 found[target] = min(found.get(target, imp.line), imp.line)
     return found
@@ -195,8 +222,39 @@ def test_no_file_is_over_600_lines():
 
 def test_the_reader_catches_function_level_imports(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from coordinator.lifecycle import Coordinator\n    import edge_node.node\n")
-    assert imported_packages(path) == {("coordinator", 2), ("edge_node", 3)}
+    path.write_text("def f():\n    from fcl_emu.coordinator.lifecycle import Coordinator\n"
+                    "    import fcl_emu.edge_node.node\n    from fcl_emu import cli\n")
+    assert imported_packages(path) == {("coordinator", 2), ("edge_node", 3), ("fcl_emu", 4)}
+
+
+def test_every_folder_of_code_is_installed_under_the_project_s_name():
+    assert set(FOLDERS.values()) | {"fcl_emu"} == code_folders()
+    assert all(name == f"fcl_emu.{folder}" for name, folder in PACKAGE_DIR.items() if folder != "fcl_emu")
+
+
+def test_no_code_or_test_imports_a_folder_by_its_bare_name():
+    files = code_files() + sorted((ROOT / "tests").rglob("*.py"))
+    bare = [line for path in files for line in bare_imports(path)]
+    assert not bare, "import these as fcl_emu.<folder>:\n" + "\n".join(bare)
+
+
+def test_the_install_owns_its_names_and_a_user_s_own_modules_do_not_shadow_them(tmp_path):
+    """Outside the repository no generic top-level name is installed; a user's own ``methods/`` and
+    ``monitoring.py`` in the working directory neither break the project's imports nor are broken by them."""
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "__init__.py").write_text("MINE = True\n")
+    (tmp_path / "monitoring.py").write_text("MINE = True\n")
+    code = ("import importlib.util, sys\n"
+            "assert all(importlib.util.find_spec(n) is None for n in ('wire', 'coordinator', 'secagg', 'runconfig'))\n"
+            "import methods, monitoring\n"
+            "assert methods.MINE and monitoring.MINE\n"
+            "from fcl_emu.methods.registry import get\n"
+            "from fcl_emu.monitoring.results import RunSummary\n"
+            "from fcl_emu.coordinator.lifecycle import Coordinator\n"
+            "assert get('fedavg').name == 'fedavg'\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_reader_resolves_files_and_finds_their_cycles(tmp_path):

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods import registry
-from methods.base import DELTA, ClientContext, ClientPart, ClientUpdate, ServerContext, TrainingSettings, fedavg
-from methods.fedewc import (CONSOLIDATED, FISHER, PENDING, THETA, FedEWCClient, FedEWCOptions, cap_fisher,
+from fcl_emu.methods import registry
+from fcl_emu.methods.base import DELTA, ClientContext, ClientPart, ClientUpdate, ServerContext, TrainingSettings, fedavg
+from fcl_emu.methods.fedewc import (CONSOLIDATED, FISHER, PENDING, THETA, FedEWCClient, FedEWCOptions, cap_fisher,
                             empirical_fisher, ewc_penalty, merge_fisher)
-from methods.fedlwf2t import (LAST, OLD, OLD_ASSET, FedLwF2TClient, FedLwF2TOptions, FedLwF2TServer, kd_loss)
-from methods.fedprox import proximal_term
-from methods.models.classifier import build_model
-from methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.methods.fedlwf2t import (LAST, OLD, OLD_ASSET, FedLwF2TClient, FedLwF2TOptions, FedLwF2TServer, kd_loss)
+from fcl_emu.methods.fedprox import proximal_term
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -289,7 +289,7 @@ def test_fedewc_two_tasks():
 
 def test_a_cancelled_job_stops_between_two_batches():
     """The coordinator's cancel (edge_node.training): the base training loop checks it before every batch."""
-    from methods.base import TrainingCancelled
+    from fcl_emu.methods.base import TrainingCancelled
 
     ctx = _ctx(0, 2, _snapshot(_model(2, 0)), MemoryStore())  # 24 samples in batches of 8: three steps
     checks = []

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN
-from methods.models.classifier import MODELS, IncrementalClassifier, build_model, resolve_model
-from methods.models.state import StateError, apply_delta, delta_arrays, load_arrays, state_to_arrays
+from fcl_emu.methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN
+from fcl_emu.methods.models.classifier import MODELS, IncrementalClassifier, build_model, resolve_model
+from fcl_emu.methods.models.state import StateError, apply_delta, delta_arrays, load_arrays, state_to_arrays
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from fcl_emu.bench.metrics import series_count, simulate
 from fcl_emu.cli import app
 from fcl_emu.launchers import node_args
-from runconfig import gpu_worker_metrics_port, load_config, metrics_ports
-from monitoring import stack
-from monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
+from fcl_emu.runconfig import gpu_worker_metrics_port, load_config, metrics_ports
+from fcl_emu.monitoring import stack
+from fcl_emu.monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
 from tests.conftest import fcl_emu, free_port, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ CONTAINERS_BOARD = "containers.json"
 
 def container_metric_names() -> set[str]:
     """The series the coordinator serves for edge-node containers (containers/stats.py), from one sample."""
-    from containers.stats import ContainerStats, sample
+    from fcl_emu.containers.stats import ContainerStats, sample
 
     stats = ContainerStats(lambda: {}, {"node-0": "fast"}, interval_s=60)
     stats.latest = {"node-0": sample({})}

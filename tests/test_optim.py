@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from methods.optim import LocalSGD
+from fcl_emu.methods.optim import LocalSGD
 
 
 def _model() -> torch.nn.Module:

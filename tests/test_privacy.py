@@ -11,13 +11,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from coordinator.privacy import (CentralPrivacy, PrivacyAccountant, adaptive_clip, delta_noise_multiplier,
+from fcl_emu.coordinator.privacy import (CentralPrivacy, PrivacyAccountant, adaptive_clip, delta_noise_multiplier,
                                  run_privacy)
 from fcl_emu import options
-from methods.base import DELTA, ClientUpdate, DeltaLayout
-from monitoring.results import RoundRecord, RunSummary
-from runconfig import RunConfig
-from runconfig.config import PrivacyConfig
+from fcl_emu.methods.base import DELTA, ClientUpdate, DeltaLayout
+from fcl_emu.monitoring.results import RoundRecord, RunSummary
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig.config import PrivacyConfig
 from tests.test_coordinator_parts import join_all, make_state, runner
 
 needs_accountant = pytest.mark.skipif(importlib.util.find_spec("dp_accounting") is None,

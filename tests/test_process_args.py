@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.gpu_worker_args import GpuWorkerArgs
-from edge_node.args import NodeArgs, format_client_set, parse_client_set
+from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.edge_node.args import NodeArgs, format_client_set, parse_client_set
 from fcl_emu.cli import app
 from fcl_emu.launchers import node_args
-from runconfig import load_config
-from runtime.process import ArgsError
+from fcl_emu.runconfig import load_config
+from fcl_emu.runtime.process import ArgsError
 
 KEYED = dict(server_key=Path("/k/coordinator.key"), key=Path("/k/node-0.key_secret"))
 
@@ -88,9 +88,9 @@ def test_from_argv_reports_a_bad_value_as_a_usage_error(argv, expected, capsys):
 
 
 def test_python_m_edge_node_is_a_node(tmp_path):
-    """`python -m edge_node`: the node's own one-line errors, exit 1 (as under `fcl-emu node`)."""
-    run = subprocess.run([sys.executable, "-m", "edge_node", "--connect", "tcp://127.0.0.1:9", "--clients", "0-3",
-                          "--insecure", "--data-root", str(tmp_path / "missing")],
+    """`python -m fcl_emu.edge_node`: the node's own one-line errors, exit 1 (as under `fcl-emu node`)."""
+    run = subprocess.run([sys.executable, "-m", "fcl_emu.edge_node", "--connect", "tcp://127.0.0.1:9",
+                          "--clients", "0-3", "--insecure", "--data-root", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("error: no data root exists")
     assert "Traceback" not in run.stderr

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.run import ProgressView
-from monitoring.results import RunRecorder
-from runconfig import load_config
-from runconfig.adjustments import adjustments
+from fcl_emu.monitoring.results import RunRecorder
+from fcl_emu.runconfig import load_config
+from fcl_emu.runconfig.adjustments import adjustments
 
 
 class FakeClock:
@@ -134,7 +134,7 @@ def test_an_edge_node_at_a_closed_port_says_so_within_seconds(tmp_path):
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    node = subprocess.Popen([sys.executable, "-m", "edge_node", "--connect", f"tcp://127.0.0.1:{port}",
+    node = subprocess.Popen([sys.executable, "-m", "fcl_emu.edge_node", "--connect", f"tcp://127.0.0.1:{port}",
                              "--clients", "0-3", "--insecure", "--name", "edge-a", "--data-root", str(tmp_path)],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
@@ -157,7 +157,7 @@ def test_a_node_that_connects_without_an_answer_says_so_and_then_that_it_joined(
 
     import zmq
 
-    from edge_node.connection import JoinWatch
+    from fcl_emu.edge_node.connection import JoinWatch
 
     context = zmq.Context()
     with socket.socket() as listener:  # accepts TCP connections, never speaks ZeroMQ

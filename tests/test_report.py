@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from monitoring.compare import NothingToCompare, compare_runs, format_table
-from monitoring.plots import round_phase_parts
-from monitoring.report import PLOTS, REPORT, write_report
-from monitoring.run_dir import PARTIAL, RunDirError, load_run
+from fcl_emu.monitoring.compare import NothingToCompare, compare_runs, format_table
+from fcl_emu.monitoring.plots import round_phase_parts
+from fcl_emu.monitoring.report import PLOTS, REPORT, write_report
+from fcl_emu.monitoring.run_dir import PARTIAL, RunDirError, load_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

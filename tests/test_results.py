@@ -8,10 +8,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from monitoring.results import (Checkpoints, Clients, GpuJobs, JobTotals, KnowledgeRetention, Liveness, RunRecorder,
-                                RunSummary, SecAggTotals, TimeAccounting, average_accuracy, average_forgetting,
-                                average_incremental_accuracy, client_test_accuracy, spatial_retention,
-                                temporal_retention)
+from fcl_emu.monitoring.results import (Checkpoints, Clients, GpuJobs, JobTotals, KnowledgeRetention, Liveness,
+                                        RunRecorder, RunSummary, SecAggTotals, TimeAccounting, average_accuracy,
+                                        average_forgetting, average_incremental_accuracy, client_test_accuracy,
+                                        spatial_retention, temporal_retention)
 
 # After task 0: 90 on task 0. After task 1: 60 on task 0, 80 on task 1.
 # After task 2: 30 on task 0, 50 on task 1, 70 on task 2.

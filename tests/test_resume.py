@@ -14,16 +14,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from coordinator import checkpoint
-from coordinator.checkpoint import CheckpointError
-from coordinator.resume import CHECKPOINT_DIR
-from coordinator.clients import ClientRegistry, Status
+from fcl_emu.coordinator import checkpoint
+from fcl_emu.coordinator.checkpoint import CheckpointError
+from fcl_emu.coordinator.resume import CHECKPOINT_DIR
+from fcl_emu.coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
-from runconfig import RunConfig
-from methods import registry as methods
-from methods.base import DELTA, ClientUpdate, ServerContext
-from methods.models.classifier import build_model
-from monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
+from fcl_emu.runconfig import RunConfig
+from fcl_emu.methods import registry as methods
+from fcl_emu.methods.base import DELTA, ClientUpdate, ServerContext
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
 from tests.conftest import device_keys, events, fcl_emu, free_port, kill_left, small_config, wait_for
 
 SHAPE = (1, 28, 28)
@@ -189,7 +189,7 @@ def test_restored_server_parts_behave_like_the_original(method, options):
 def test_cancelling_late_trainings_is_not_part_of_what_a_checkpoint_must_match():
     """``rounds.skip_late`` changes the host's work, not the results: a run resumes with either setting, and the
     checkpoints of runs from before the setting existed still match."""
-    from coordinator.resume import run_fingerprint
+    from fcl_emu.coordinator.resume import run_fingerprint
 
     assert run_fingerprint(RunConfig()) == run_fingerprint(RunConfig(rounds={"skip_late": False}))
     assert run_fingerprint(RunConfig()) != run_fingerprint(RunConfig(rounds={"overcommit": 1.5}))
@@ -339,12 +339,12 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
 
     from rich.console import Console
 
-    import methods.base
+    from fcl_emu.methods import base
     from fcl_emu import run as run_module
-    from runconfig import load_config
+    from fcl_emu.runconfig import load_config
 
     calls = {"n": 0}
-    original = methods.base.fedavg
+    original = base.fedavg
 
     def failing_fedavg(updates, *rule):
         calls["n"] += 1
@@ -352,7 +352,7 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
             raise RuntimeError("disk on fire")
         return original(updates, *rule)
 
-    monkeypatch.setattr(methods.base, "fedavg", failing_fedavg)
+    monkeypatch.setattr(base, "fedavg", failing_fedavg)
     run_dir = tmp_path / "run"
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 2, "eval_every": 2},
@@ -364,7 +364,7 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
     text = out.getvalue()
     assert "run failed: RuntimeError: disk on fire" in text and f"fcl-emu up --resume {run_dir}" in text
     assert "disk on fire" in (run_dir / "logs" / "failure.txt").read_text()
-    monkeypatch.setattr(methods.base, "fedavg", original)
+    monkeypatch.setattr(base, "fedavg", original)
     resumed_config, ckpt = run_module.open_resume(run_dir, {"data_root": [str(mnist_root)]})
     summary = run_module.run_local(resumed_config, Console(file=io.StringIO()), resume=ckpt)
     assert summary.status == "completed" and summary.rounds == 4 and summary.resumes == 1
@@ -412,7 +412,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
 def test_a_task_that_trained_nothing_is_never_reported_completed():
     """Every round of a task skipped (its clients gone, say, after the task before ended): `degraded`, naming
     the task; no round trained at all: `failed`."""
-    from coordinator.lifecycle import _trained_status
+    from fcl_emu.coordinator.lifecycle import _trained_status
 
     def rounds(*skipped_by_task):
         return [SimpleNamespace(task=t, skipped=s) for t, flags in enumerate(skipped_by_task) for s in flags]
@@ -439,11 +439,11 @@ def test_nodes_killed_during_a_tasks_end_abort_the_run_with_their_exits_recorded
     import psutil
     from rich.console import Console
 
-    import methods.base
+    from fcl_emu.methods import base
     from fcl_emu import run as run_module
-    from runconfig import load_config
+    from fcl_emu.runconfig import load_config
 
-    original = methods.base.ServerPart.end_task
+    original = base.ServerPart.end_task
 
     def end_task_as_the_nodes_die(self, task):
         nodes = [p for p in psutil.Process().children(recursive=True) if "node" in " ".join(p.cmdline())]
@@ -452,7 +452,7 @@ def test_nodes_killed_during_a_tasks_end_abort_the_run_with_their_exits_recorded
         psutil.wait_procs(nodes, timeout=10)
         return original(self, task)
 
-    monkeypatch.setattr(methods.base.ServerPart, "end_task", end_task_as_the_nodes_die)
+    monkeypatch.setattr(base.ServerPart, "end_task", end_task_as_the_nodes_die)
     run_dir = tmp_path / "run"
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 1},
@@ -477,7 +477,7 @@ def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
 
     from fcl_emu import cli
     from fcl_emu import run as run_module
-    from runconfig import load_config
+    from fcl_emu.runconfig import load_config
 
     saves, savez = [], np.savez
 

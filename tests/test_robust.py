@@ -4,11 +4,11 @@ configuration lets them aggregate."""
 import numpy as np
 import pytest
 
-from methods.base import ClientUpdate, fedavg
-from methods.robust import Aggregator, bulyan, coordinate_median, krum, krum_scores, multikrum, trimmed_mean, \
+from fcl_emu.methods.base import ClientUpdate, fedavg
+from fcl_emu.methods.robust import Aggregator, bulyan, coordinate_median, krum, krum_scores, multikrum, trimmed_mean, \
     weighted_mean
 from fcl_emu.options import overrides
-from runconfig.config import RunConfig, load_config
+from fcl_emu.runconfig.config import RunConfig, load_config
 
 
 def _updates(*rows, weights=None):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scenario.datasets import DatasetNotFoundError, ImageDataset, load_dataset, roots_from_env
-from scenario.scenario import Scenario, build_scenario
-from scenario.spec import ScenarioSpec
+from fcl_emu.scenario.datasets import DatasetNotFoundError, ImageDataset, load_dataset, roots_from_env
+from fcl_emu.scenario.scenario import Scenario, build_scenario
+from fcl_emu.scenario.spec import ScenarioSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITIONS = ["iid", "dirichlet", "class_fraction", "private_classes", "task_pool"]

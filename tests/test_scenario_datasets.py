@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scenario import dataset_formats, datasets
-from scenario.dataset_cache import CACHE_DIR_ENV
-from scenario.dataset_formats import DatasetFormatError, read_idx
-from scenario.datasets import DATASETS, EMNIST_CLASSES, DatasetNotFoundError, ImageDataset, load_dataset
+from fcl_emu.scenario import dataset_formats, datasets
+from fcl_emu.scenario.dataset_cache import CACHE_DIR_ENV
+from fcl_emu.scenario.dataset_formats import DatasetFormatError, read_idx
+from fcl_emu.scenario.datasets import DATASETS, EMNIST_CLASSES, DatasetNotFoundError, ImageDataset, load_dataset
 
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 

@@ -11,9 +11,9 @@ import numpy as np
 import pydantic
 import pytest
 
-from scenario.datasets import ImageDataset, load_dataset
-from scenario.scenario import Scenario, build_scenario
-from scenario.spec import ScenarioSpec
+from fcl_emu.scenario.datasets import ImageDataset, load_dataset
+from fcl_emu.scenario.scenario import Scenario, build_scenario
+from fcl_emu.scenario.spec import ScenarioSpec
 
 REPO = Path(__file__).resolve().parents[1]
 # 10 initial clients, 2 more at each of the 4 later tasks: 10, 12, 14, 16, 18 active.

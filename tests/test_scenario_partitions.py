@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scenario import partitions
+from fcl_emu.scenario import partitions
 
 PER_CLASS = 200
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from scenario.spec import ScenarioSpec
+from fcl_emu.scenario.spec import ScenarioSpec
 
 
 def test_defaults():

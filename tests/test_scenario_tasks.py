@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scenario import tasks
+from fcl_emu.scenario import tasks
 
 
 def test_class_order():

@@ -14,12 +14,12 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from secagg.client import SecAggClient
-from secagg.protocol import (CIPHERTEXT_BYTES, PHASES, RING_DTYPE, Quantizer, RoundParams, SecAggAbort, SecAggError,
-                             harary_neighbors, prg, shamir_combine, shamir_split)
-from secagg.server import SecAggResult, SecAggServer
-from secagg.settings import SecAggSettings, log_neighbors
-from secagg.simulation import PhaseStats, measure_masking, simulate_round, wire_size
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.protocol import (CIPHERTEXT_BYTES, PHASES, RING_DTYPE, Quantizer, RoundParams, SecAggAbort,
+                                     SecAggError, harary_neighbors, prg, shamir_combine, shamir_split)
+from fcl_emu.secagg.server import SecAggResult, SecAggServer
+from fcl_emu.secagg.settings import SecAggSettings, log_neighbors
+from fcl_emu.secagg.simulation import PhaseStats, measure_masking, simulate_round, wire_size
 
 
 def params(**kw) -> RoundParams:
@@ -292,7 +292,7 @@ def test_unmasked_aggregate_equals_plaintext_quantized_aggregate(data):
 @pytest.mark.parametrize("chunk", [16, 48, None])
 def test_chunked_quantise_and_mask_matches_the_one_shot_unmasking(monkeypatch, chunk):
     """Clients expand their masks chunk by chunk, the server in one go: the keystreams must line up."""
-    import secagg.protocol as secagg
+    import fcl_emu.secagg.protocol as secagg
 
     if chunk is not None:
         monkeypatch.setattr(secagg, "CHUNK", chunk)

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 import yaml
 
-from coordinator.emulated import ClientRound, EmulatedClock
-from coordinator.open_round import OpenRound
-from coordinator.secure_round import SecureRound
-from coordinator.secure_timeline import SecureTimeline
-from methods.base import DELTA, DeltaLayout
-from scenario.availability import parse_availability
-from scenario.devices import DeviceProfile
-from scenario.network_trace import BandwidthTrace
-from secagg.client import SecAggClient
-from secagg.settings import SecAggSettings
+from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
+from fcl_emu.coordinator.open_round import OpenRound
+from fcl_emu.coordinator.secure_round import SecureRound
+from fcl_emu.coordinator.secure_timeline import SecureTimeline
+from fcl_emu.methods.base import DELTA, DeltaLayout
+from fcl_emu.scenario.availability import parse_availability
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.network_trace import BandwidthTrace
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.settings import SecAggSettings
 from tests.conftest import seeded_run
-from wire.framing import Message
-from wire.messages import SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
+from fcl_emu.wire.framing import Message
+from fcl_emu.wire.messages import SecAggKeys, SecAggMasked, SecAggShares, SecAggUnmask, plain_body
 
 SECURE = {"enabled": True}
 EVERYONE = [f"client-{i:04d}" for i in range(5)]

@@ -10,15 +10,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from secagg.client import SecAggClient
-from secagg.identity import KeySigner, KeyVerifier
-from secagg.protocol import keypair
-from secagg.server import SecAggServer
-from secagg.settings import SecAggSettings
-from secagg.simulation import simulate_round
-from wire.auth import SIGNERS_FILE, ClientKeyring, write_keys
-from wire.framing import decode, encode
-from wire.messages import SecAggKeys, SecAggPeerKeys, SecAggPublicKeys, SecAggShares, plain_body
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.identity import KeySigner, KeyVerifier
+from fcl_emu.secagg.protocol import keypair
+from fcl_emu.secagg.server import SecAggServer
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.secagg.simulation import simulate_round
+from fcl_emu.wire.auth import SIGNERS_FILE, ClientKeyring, write_keys
+from fcl_emu.wire.framing import decode, encode
+from fcl_emu.wire.messages import SecAggKeys, SecAggPeerKeys, SecAggPublicKeys, SecAggShares, plain_body
 
 ROSTER = [f"client-{i:04d}" for i in range(8)]
 DIM = 40

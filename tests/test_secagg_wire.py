@@ -15,20 +15,20 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.lifecycle import Coordinator
-from coordinator.secure_round import SecureRound, round_id
-from edge_node.node import EdgeNode
-from secagg.client import SecAggClient
-from secagg.protocol import Quantizer, SecAggError
-from secagg.settings import SecAggSettings
-from runconfig import RunConfig, load_config
-from methods import registry
-from methods.base import DELTA, DeltaLayout, ServerPart
+from fcl_emu.coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.secure_round import SecureRound, round_id
+from fcl_emu.edge_node.node import EdgeNode
+from fcl_emu.secagg.client import SecAggClient
+from fcl_emu.secagg.protocol import Quantizer, SecAggError
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.runconfig import RunConfig, load_config
+from fcl_emu.methods import registry
+from fcl_emu.methods.base import DELTA, DeltaLayout, ServerPart
 from tests.conftest import events, fcl_emu, keyed, raw_header, small_config
-from wire.auth import ClientKeyring
-from monitoring.results import RunSummary
-from wire.framing import Message, WireError, decode, encode
-from wire.messages import SecAggKeys, SecAggMasked, plain_body
+from fcl_emu.wire.auth import ClientKeyring
+from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.wire.framing import Message, WireError, decode, encode
+from fcl_emu.wire.messages import SecAggKeys, SecAggMasked, plain_body
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from methods import jobs
-from methods.models.classifier import build_model
-from methods.models.generators import Generator, TextConditionedGenerator, upsample_conv
-from methods.models.state import state_to_arrays
+from fcl_emu.methods import jobs
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.generators import Generator, TextConditionedGenerator, upsample_conv
+from fcl_emu.methods.models.state import state_to_arrays
 
 SHAPE = (1, 28, 28)
 CPU = torch.device("cpu")

@@ -12,11 +12,11 @@ import pytest
 import yaml
 from PIL import Image
 
-from scenario.dataset_cache import CACHE_DIR_ENV
-from scenario.dataset_formats import DatasetFormatError, read_image_folder, read_image_tar
-from scenario.datasets import DatasetNotFoundError, find_dataset, load_dataset
-from scenario.scenario import build_scenario
-from scenario.spec import Partition, ScenarioSpec
+from fcl_emu.scenario.dataset_cache import CACHE_DIR_ENV
+from fcl_emu.scenario.dataset_formats import DatasetFormatError, read_image_folder, read_image_tar
+from fcl_emu.scenario.datasets import DatasetNotFoundError, find_dataset, load_dataset
+from fcl_emu.scenario.scenario import build_scenario
+from fcl_emu.scenario.spec import Partition, ScenarioSpec
 from tests.conftest import fcl_emu, find_dataset_root
 from tests.test_scenario_build import fake_dataset
 from tests.test_scenario_datasets import write_tar

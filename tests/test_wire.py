@@ -9,11 +9,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
+from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
 from tests.conftest import raw_header
-from wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
-from wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
-from wire.sockets import ClientEndpoint, Counters, ServerEndpoint
+from fcl_emu.wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
+from fcl_emu.wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
+from fcl_emu.wire.sockets import ClientEndpoint, Counters, ServerEndpoint
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
 

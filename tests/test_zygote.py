@@ -19,7 +19,7 @@ from fcl_emu.launchers import zygote
 SCRIPT = textwrap.dedent("""
     import json, signal, subprocess, sys, time
     from pathlib import Path
-    from edge_node.args import NodeArgs
+    from fcl_emu.edge_node.args import NodeArgs
     from fcl_emu.launchers import zygote
     logs = Path(sys.argv[1])
     z = zygote.start()
@@ -101,7 +101,7 @@ def test_no_zygote_beside_other_threads():
 def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import os, signal, sys
-        from edge_node.args import NodeArgs
+        from fcl_emu.edge_node.args import NodeArgs
         from fcl_emu.launchers import zygote
         z = zygote.start()
         os.kill(z.pid, signal.SIGKILL)
@@ -125,7 +125,7 @@ def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist
         from fcl_emu.launchers import process, zygote
         forks = zygote.start()  # as `fcl-emu up` does, before anything else
         from fcl_emu import run
-        from runconfig import load_config
+        from fcl_emu.runconfig import load_config
 
         original = process.node_args
 

@@ -25,7 +25,7 @@ Certificates are pyzmq's ZPL key files (:func:`zmq.auth.create_certificates`), w
 grant's certificate also holds, in its metadata, the grant's Ed25519 signing key (``secagg-signing-key``, 32
 raw bytes in hex): its clients sign the SecAgg+ public keys they advertise with it, and the other clients check
 the signatures against ``secagg_signers.json``, which binds each signing key to the same grant as its
-CurveZMQ key (:mod:`secagg.identity`).
+CurveZMQ key (:mod:`fcl_emu.secagg.identity`).
 """
 
 from __future__ import annotations

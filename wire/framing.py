@@ -1,6 +1,6 @@
 """Encoding and validating multipart messages.
 
-Frame 0 is a msgpack :class:`~wire.messages.Header`; frames 1..n are the raw,
+Frame 0 is a msgpack :class:`~fcl_emu.wire.messages.Header`; frames 1..n are the raw,
 C-contiguous bytes of the tensors listed in the header's tensor table, in
 order. Sending hands numpy buffers to ZeroMQ without copying; receiving wraps
 the received frame buffers with ``np.frombuffer`` without copying (the arrays
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from wire.messages import BODY_SCHEMAS, FINITE_CHECKED, PROTOCOL_VERSION, Body, Header, TensorSpec
+from fcl_emu.wire.messages import BODY_SCHEMAS, FINITE_CHECKED, PROTOCOL_VERSION, Body, Header, TensorSpec
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")

@@ -4,7 +4,7 @@ Socket options follow the design notes: ``ROUTER_MANDATORY`` so a send to a
 vanished peer fails loudly instead of vanishing, small send high-water marks
 because frames are large, ``MAXMSGSIZE`` so an oversized frame is refused by
 libzmq before it is buffered, and a linger long enough that an update in
-flight is delivered on close. With keys (:mod:`wire.auth`) both ends speak
+flight is delivered on close. With keys (:mod:`fcl_emu.wire.auth`) both ends speak
 CurveZMQ.
 
 What one message can cost the receiver is bounded at the socket
@@ -12,7 +12,7 @@ What one message can cost the receiver is bounded at the socket
 reading it (it checks each frame, not the message, and drops the connection,
 discarding the message's frames received so far); the frames of a message are
 taken one at a time, zero-copy, and one with more frames or bytes than the
-:class:`~wire.framing.Limits` allow is refused there, its remaining frames
+:class:`~fcl_emu.wire.framing.Limits` allow is refused there, its remaining frames
 received and dropped one by one, never kept.
 
 Peers are addressed by the identity their messages name (``client-0004``), not
@@ -33,9 +33,9 @@ from typing import Any
 
 import zmq
 
-from wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
-from wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes, refused_unread
-from wire.messages import Body
+from fcl_emu.wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
+from fcl_emu.wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes, refused_unread
+from fcl_emu.wire.messages import Body
 
 LINGER_MS = 5000
 SEND_HWM = 16
@@ -142,7 +142,7 @@ class ServerEndpoint:
     """A bound ROUTER: receives from and sends to many identified peers.
 
     ``keys``: speak CurveZMQ and accept a message only if its connection's key may speak for its sender (the
-    context must run an :class:`wire.auth.Allowlist`). Without keys any peer may claim any identity.
+    context must run an :class:`fcl_emu.wire.auth.Allowlist`). Without keys any peer may claim any identity.
     """
 
     def __init__(self, ctx: zmq.Context, bind: str, *, name: str = "coordinator",

@@ -49,7 +49,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 CSV_NAME = "churn.csv"
 PNG_NAME = "churn.png"
@@ -137,7 +137,7 @@ def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, t
                 rounds_per_task: Optional[int] = None, clients_per_round: Optional[int] = None,
                 min_participants: Optional[int] = None, data_root: Optional[Sequence[Path]] = None) -> dict:
     """The config shared by every point: bench defaults < ``config_file`` < flags (as a plain dict)."""
-    from runconfig import default_data_roots
+    from fcl_emu.runconfig import default_data_roots
 
     loaded: dict[str, Any] = {}
     if config_file is not None:
@@ -187,7 +187,7 @@ def point_config(base: dict, method: str, churn_rate: float, crash_rate: float, 
     written to ``plan_path``."""
     import pydantic
 
-    from runconfig import RunConfig
+    from fcl_emu.runconfig import RunConfig
 
     if faults == "emulated":
         edge = {"availability": availability_for(churn_rate), "crash_rate": crash_rate}
@@ -220,7 +220,7 @@ def point_name(method: str, churn_rate: float, crash_rate: float, seed: int, fau
 
 def run_timeout_s(config: dict) -> float:
     """A generous bound on one run: joining, every round at its deadline, evaluation and start-up."""
-    from runconfig import RunConfig
+    from fcl_emu.runconfig import RunConfig
 
     cfg = RunConfig.model_validate(config)
     total = cfg.scenario.num_tasks * cfg.rounds.rounds_per_task
@@ -398,7 +398,7 @@ def plot_churn(rows: Sequence[dict[str, Any]], path: Path, title: Optional[str] 
     """Four panels against the churn rate (%), one line per method; points of runs not completed are hollow."""
     from matplotlib import colormaps
 
-    from monitoring.plots import new_figure, save_figure
+    from fcl_emu.monitoring.plots import new_figure, save_figure
 
     stragglers = [r for r in rows if r.get("sweep") == "stragglers"]
     rows = [r for r in rows if r.get("sweep", "churn") == "churn"]

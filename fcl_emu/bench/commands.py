@@ -147,10 +147,10 @@ def bench_containers(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Edge nodes in containers against host processes: start-up, idle memory, round time, CPU-limit slow-down."""
-    from containers.docker_client import EngineError
-    from containers.image import ImageError
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.image import ImageError
     from fcl_emu.bench.containers import run
-    from runconfig import default_data_roots
+    from fcl_emu.runconfig import default_data_roots
 
     writable(folder(json_path))
     try:
@@ -267,7 +267,7 @@ def bench_soak(
 ) -> None:
     """Fault soak: one emulated-clock run under seeded real faults, checked against the same run without them."""
     from fcl_emu.bench import soak
-    from runconfig import default_data_roots
+    from fcl_emu.runconfig import default_data_roots
 
     chosen = [k.strip() for k in kinds.split(",") if k.strip()]
     if not chosen or set(chosen) - set(soak.KINDS):

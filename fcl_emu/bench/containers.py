@@ -31,10 +31,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import launcher
-from runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig
 
 
 def bench_config(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path],

@@ -3,7 +3,7 @@
 The workload, the same on both sides: MNIST, N clients holding the IID shards of fcl-emu's scenario (one task
 with every class, the run's seed: both sides train on exactly the same samples), K clients per round, R rounds,
 E local epochs of SGD (batch 32, lr 0.05, no momentum, no weight decay), the small CNN of
-:mod:`methods.models.classifier` (``cnn``) with a 10-way head, inputs normalised with the dataset's mean and
+:mod:`fcl_emu.methods.models.classifier` (``cnn``) with a 10-way head, inputs normalised with the dataset's mean and
 standard deviation, and an evaluation of the global model on the whole MNIST test set after every round.
 
 - fcl-emu: ``python -m fcl_emu up`` with that configuration (coordinator and two edge-node processes, its
@@ -35,7 +35,7 @@ from rich.console import Console
 
 from fcl_emu.bench.report import emit
 from fcl_emu.launchers.process import node_env
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 DEFAULT_POINTS = ((100, 10), (300, 30))
 LR, BATCH, SEED = 0.05, 32, 0
@@ -124,7 +124,7 @@ def point(clients: int, cohort: int, rounds: int, epochs: int, data_root: list[P
 
 def run(points: list[tuple[int, int]], rounds: int, epochs: int, data_root: list[Path] | None,
         json_path: Path | None, console: Console) -> dict:
-    from runconfig import default_data_roots
+    from fcl_emu.runconfig import default_data_roots
 
     roots = [Path(p).resolve() for p in (data_root or default_data_roots())]
     rows = []
@@ -156,11 +156,11 @@ def simulate(clients: int, cohort: int, rounds: int, epochs: int, data_root: lis
     from flwr.server.strategy import FedAvg
     from flwr.simulation import start_simulation
 
-    from methods.models.classifier import build_model
-    from scenario.datasets import load_dataset
-    from scenario.scenario import build_scenario
-    from scenario.spec import ScenarioSpec
-    from scenario.transforms import to_tensor
+    from fcl_emu.methods.models.classifier import build_model
+    from fcl_emu.scenario.datasets import load_dataset
+    from fcl_emu.scenario.scenario import build_scenario
+    from fcl_emu.scenario.spec import ScenarioSpec
+    from fcl_emu.scenario.transforms import to_tensor
 
     torch.set_num_threads(1)
     dataset = load_dataset("mnist", data_root)

@@ -4,7 +4,7 @@ Drives the client stage functions of Flower's SecAgg+ mod
 (``flwr.client.mod.secure_aggregation.secaggplus_mod``: ``_setup``, ``_share_keys``,
 ``_collect_masked_vectors``) in one process, for ``neighbors + 1`` clients that are all each other's
 neighbours: a client's cost depends on its degree k, not on N, so this is one client of an N-client
-SecAgg+ round with k neighbours. The parameters match ours (:class:`secagg.settings.SecAggSettings`):
+SecAgg+ round with k neighbours. The parameters match ours (:class:`fcl_emu.secagg.settings.SecAggSettings`):
 clipping range 1.0, a 2^32 modulus, a target (quantisation) range of floor((2^32 - 1) / N) levels
 so that N clients cannot overflow it, the threshold floor(k/2) + 1, and weight 1 of max weight 1.
 The input is one float32 vector of ``dim`` values as a single ndarray in Flower's ``Parameters``, as a
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from secagg.protocol import default_threshold
+from fcl_emu.secagg.protocol import default_threshold
 
 FLOWER_MOD_RANGE = 2**32  # our 32-bit ring; also the default modulus_range of Flower's SecAggPlusWorkflow
 

@@ -2,7 +2,7 @@
 
 A sender process (an insider: its messages reach the coordinator's endpoint)
 sends one message that the wire layer must refuse, then a heartbeat; the
-receiver, a :class:`wire.sockets.ServerEndpoint` with the default limits
+receiver, a :class:`fcl_emu.wire.sockets.ServerEndpoint` with the default limits
 (1 GiB of tensors, 4,096 tensors), measures
 
 - ``peak_rss_mb``: its peak resident memory (``ru_maxrss``) above the level
@@ -31,9 +31,9 @@ import zmq
 from rich.console import Console
 
 from fcl_emu.bench.report import emit
-from wire.framing import WireError, encode
-from wire.messages import Heartbeat
-from wire.sockets import ServerEndpoint
+from fcl_emu.wire.framing import WireError, encode
+from fcl_emu.wire.messages import Heartbeat
+from fcl_emu.wire.sockets import ServerEndpoint
 
 CASES = {"big-frames": (3, 400_000_000), "empty-frames": (4_000_000, 0)}  # (frames after the header, bytes each)
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -38,7 +38,7 @@ from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcl_emu.bench.report import emit
-from methods import jobs
+from fcl_emu.methods import jobs
 
 SHAPE = (1, 28, 28)
 CLASSES = 10  # the inputs' classes by default (MNIST's); `--classes`
@@ -62,8 +62,8 @@ class Profile:
 # ------------------------------------------------------------------ inputs
 def _teacher(classes: int) -> dict[str, np.ndarray]:
     """A ``cnn_bn`` classifier with random weights and BatchNorm statistics (what the synthesis jobs invert)."""
-    from methods.models.classifier import build_model
-    from methods.models.state import state_to_arrays
+    from fcl_emu.methods.models.classifier import build_model
+    from fcl_emu.methods.models.state import state_to_arrays
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -76,8 +76,8 @@ def _teacher(classes: int) -> dict[str, np.ndarray]:
 
 def _fusion_inputs(classes: int) -> dict[str, np.ndarray]:
     """Each class's pixel VAEs (784 inputs), two or three sources each (several clients and the old global)."""
-    from methods.fedcbc import FedCBCOptions, build_vae
-    from methods.models.state import state_to_arrays
+    from fcl_emu.methods.fedcbc import FedCBCOptions, build_vae
+    from fcl_emu.methods.models.state import state_to_arrays
 
     o, d, inputs = FedCBCOptions(decoder_output="sigmoid"), int(np.prod(SHAPE)), {}
     for c in range(classes):
@@ -89,7 +89,7 @@ def _fusion_inputs(classes: int) -> dict[str, np.ndarray]:
 
 def _prototype_gradients(classes: int) -> dict[str, np.ndarray]:
     """A round's pooled prototype gradients: one per class, of random images."""
-    from methods.glfc import GLFCOptions, GradientEncoder
+    from fcl_emu.methods.glfc import GLFCOptions, GradientEncoder
 
     encoder = GradientEncoder(SHAPE, classes, GLFCOptions().encoder_seed)
     gen = torch.Generator().manual_seed(0)
@@ -111,7 +111,7 @@ def _common(method_options: dict[str, Any], classes: int) -> dict[str, Any]:
 
 
 def _lander_inputs(classes: int) -> dict[str, np.ndarray]:
-    from methods.lander import TEXT_DIM, bounding_radius
+    from fcl_emu.methods.lander import TEXT_DIM, bounding_radius
 
     text = np.random.default_rng(0).normal(size=(classes, TEXT_DIM)).astype(np.float32)
     return {**_teacher(classes), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fcl_emu.bench.report import emit
-from monitoring.metrics import (CLIENT_EVENTS, DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES,
+from fcl_emu.monitoring.metrics import (CLIENT_EVENTS, DROP_REASONS, MESSAGE_TYPES, REJECT_REASONS, ROUND_PHASES,
                                 SECAGG_OUTCOMES, SECAGG_PHASES, CoordinatorMetrics,
                                 EdgeNodeMetrics)
 

@@ -8,11 +8,11 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.launchers.base import node_args
 from fcl_emu.launchers.process import node_command, node_env
-from monitoring.results import RunSummary
-from runconfig import RunConfig
+from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.runconfig import RunConfig
 
 
 def run_with_nodes(coordinator: Coordinator, config: RunConfig, assignment: list[list[int]], run_dir: Path, *,

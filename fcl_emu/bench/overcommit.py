@@ -17,10 +17,10 @@ from tempfile import TemporaryDirectory
 import yaml
 from rich.console import Console
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
-from runconfig import RunConfig, default_data_roots
+from fcl_emu.runconfig import RunConfig, default_data_roots
 
 PROFILES = {"profiles": [{"name": "phone", "ms_per_sample": {"lognormal": {"median": 8.0, "sigma": 0.8}},
                           "uplink_mbps": {"uniform": [2, 20]}, "downlink_mbps": {"uniform": [10, 50]},

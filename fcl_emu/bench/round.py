@@ -24,11 +24,11 @@ import numpy as np
 import psutil
 from rich.console import Console
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
 from fcl_emu.keys import with_keys
-from runconfig import RunConfig, default_data_roots
+from fcl_emu.runconfig import RunConfig, default_data_roots
 
 
 def run(clients: int, rounds: int, json_path: Path | None, data_root: list[Path] | None,

@@ -33,11 +33,11 @@ import numpy as np
 import psutil
 from rich.console import Console
 
-from coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.bench.nodes import run_with_nodes
 from fcl_emu.bench.report import emit
 from fcl_emu.keys import with_keys
-from runconfig import RunConfig, default_data_roots
+from fcl_emu.runconfig import RunConfig, default_data_roots
 
 DEFAULT_POPULATIONS = (100, 300, 1000, 3000, 10_000)
 CSV_NAME, PNG_NAME = "scale.csv", "scale.png"
@@ -188,7 +188,7 @@ def run(populations: list[int], cohort: int, rounds: int, share: int, clients_pe
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from monitoring.plots import new_figure, save_figure
+    from fcl_emu.monitoring.plots import new_figure, save_figure
 
     fig = new_figure(11, 7)
     xs = [r["clients"] for r in rows]

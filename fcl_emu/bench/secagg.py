@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from secagg.protocol import SecAggAbort
-from secagg.settings import SecAggSettings
-from secagg.simulation import EXCHANGES, PhaseStats, measure_masking, simulate_round
+from fcl_emu.secagg.protocol import SecAggAbort
+from fcl_emu.secagg.settings import SecAggSettings
+from fcl_emu.secagg.simulation import EXCHANGES, PhaseStats, measure_masking, simulate_round
 from fcl_emu.bench.flower_secagg import measure_flower_masking
 from fcl_emu.bench.report import emit
 

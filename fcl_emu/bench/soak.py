@@ -51,11 +51,11 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.checkpoint import CheckpointError
-from coordinator.checkpoint import load as load_checkpoint
+from fcl_emu.coordinator.checkpoint import CheckpointError
+from fcl_emu.coordinator.checkpoint import load as load_checkpoint
 from fcl_emu.bench.churn import merge_config, emulated_base, run_point
 from fcl_emu.bench.soak_checks import compare, double_counts, read_events
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 KINDS = ("node_stop", "net_cut", "node_kill", "coordinator_kill", "disk_full")
 CSV_COLUMNS = ["kind", "at_round", "target", "injected_at_s", "duration_s", "survived", "skipped", "problems",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 
 def read_events(run_dir: Path) -> list[dict]:

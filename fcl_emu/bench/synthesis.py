@@ -28,13 +28,13 @@ import torch.nn.functional as F
 
 from fcl_emu.bench.jobs import count_flops, peaks
 from fcl_emu.bench.tables.generative_table import CPU, budget
-from methods import jobs
-from methods.lander import TEXT_DIM, bounding_radius
-from methods.models.classifier import build_model
-from methods.models.generators import Generator
-from methods.models.state import state_to_arrays
-from scenario.datasets import load_dataset
-from scenario.transforms import to_tensor
+from fcl_emu.methods import jobs
+from fcl_emu.methods.lander import TEXT_DIM, bounding_radius
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.generators import Generator
+from fcl_emu.methods.models.state import state_to_arrays
+from fcl_emu.scenario.datasets import load_dataset
+from fcl_emu.scenario.transforms import to_tensor
 
 KINDS = {"mfcl.generator": "mfcl", "target.synthesize": "target", "lander.synthesize": "lander"}
 

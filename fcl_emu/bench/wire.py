@@ -34,7 +34,7 @@ import zmq
 from rich.console import Console
 
 from fcl_emu.bench.report import emit
-from wire.auth import (
+from fcl_emu.wire.auth import (
     Allowlist,
     ClientKeyring,
     ClientKeys,
@@ -44,9 +44,9 @@ from wire.auth import (
     serve_curve,
     write_keys,
 )
-from wire.framing import Limits, decode, encode
-from wire.messages import Join, Update, client_id
-from wire.sockets import ClientEndpoint, ServerEndpoint, ensure_socket_capacity
+from fcl_emu.wire.framing import Limits, decode, encode
+from fcl_emu.wire.messages import Join, Update, client_id
+from fcl_emu.wire.sockets import ClientEndpoint, ServerEndpoint, ensure_socket_capacity
 
 SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "45MiB": 45 << 20}
 CODECS = ("raw", "framed", "framed-unscanned", "pickle", "raw+curve", "framed+curve")

@@ -1,9 +1,9 @@
 """How ``fcl-emu up`` starts its edge nodes: one small interface (:class:`NodeLauncher`), one file per backend.
 
 A backend gets the coordinator's address, the run configuration and a log directory, and starts one edge node
-per :class:`NodeSpec` of :func:`node_specs`; every node runs ``python -m edge_node`` with the arguments of
-:func:`node_args` (:meth:`~edge_node.args.NodeArgs.to_argv`; forked by ``up``'s zygote under the process backend)
-and dials out to the coordinator, so a backend only decides *where* that node runs.
+per :class:`NodeSpec` of :func:`node_specs`; every node runs ``python -m fcl_emu.edge_node`` with the arguments of
+:func:`node_args` (:meth:`~fcl_emu.edge_node.args.NodeArgs.to_argv`; forked by ``up``'s zygote under the process
+backend) and dials out to the coordinator, so a backend only decides *where* that node runs.
 To add a backend (a container engine, an orchestrator), write ``fcl_emu/launchers/<name>.py`` with a
 :class:`NodeLauncher` subclass and add it to :data:`BACKENDS`; nothing in the coordinator changes.
 """
@@ -27,7 +27,7 @@ def _docker(cluster: str | None) -> NodeLauncher:
 
 
 def _swarm(cluster: str | None) -> NodeLauncher:
-    from containers.cluster import load_cluster
+    from fcl_emu.containers.cluster import load_cluster
     from fcl_emu.launchers.swarm import SwarmLauncher
 
     return SwarmLauncher(load_cluster(cluster) if cluster else None)

@@ -1,5 +1,5 @@
 """The edge-node launcher interface and what every backend shares: which node hosts which clients, and the
-arguments (:class:`~edge_node.args.NodeArgs`) that start one."""
+arguments (:class:`~fcl_emu.edge_node.args.NodeArgs`) that start one."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.lifecycle import NodeExit
-from edge_node.args import NodeArgs
-from wire.auth import SERVER_NAME
-from runconfig import RunConfig, node_metrics_port
-from scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles
+from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.edge_node.args import NodeArgs
+from fcl_emu.wire.auth import SERVER_NAME
+from fcl_emu.runconfig import RunConfig, node_metrics_port
+from fcl_emu.scenario.devices import ContainerLimits, ProfilesFile, assign_profile, load_profiles
 
 
 # A progress line of a node's log ("<date> <time> <logger> INFO ..."): it names no error.

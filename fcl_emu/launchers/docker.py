@@ -2,8 +2,8 @@
 node's device class's real CPU, memory and uplink limits.
 
 The coordinator stays a process of ``fcl-emu up`` on the host and binds the network's gateway address; every
-container runs ``python -m edge_node --connect tcp://GATEWAY:PORT ...`` and dials out, so no port is published except
-the /metrics endpoints (published on the run's metrics host at the same port numbers as under the process
+container runs ``python -m fcl_emu.edge_node --connect tcp://GATEWAY:PORT ...`` and dials out, so no port is published
+except the /metrics endpoints (published on the run's metrics host at the same port numbers as under the process
 backend, so Prometheus targets do not change). Data roots and the run's key directory are mounted read-only at
 their host paths. An engine event stream reports each container that dies (with its exit code, and an
 out-of-memory kill named as such), and the coordinator records its clients as crashed.
@@ -19,11 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from containers.image import image_ref
+from fcl_emu.containers.image import image_ref
 from fcl_emu.launchers.base import NodeSpec, node_args, node_specs
 from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher,
                                                node_entrypoint, node_exit, run_label, split_endpoint)
-from runconfig import RunConfig, node_metrics_port
+from fcl_emu.runconfig import RunConfig, node_metrics_port
 
 log = logging.getLogger("fcl_emu.launchers")
 

@@ -10,10 +10,10 @@ import threading
 import time
 from pathlib import Path
 
-from containers.cluster import LABEL_CLASS  # noqa: F401 (beside LABEL_RUN and LABEL_NODE for the launchers)
-from containers.docker_client import client
-from containers.faults import Target
-from coordinator.lifecycle import NodeExit
+from fcl_emu.containers.cluster import LABEL_CLASS  # noqa: F401 (beside LABEL_RUN and LABEL_NODE for the launchers)
+from fcl_emu.containers.docker_client import client
+from fcl_emu.containers.faults import Target
+from fcl_emu.coordinator.lifecycle import NodeExit
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error_line, signal_exit
 
 log = logging.getLogger("fcl_emu.launchers")
@@ -35,7 +35,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
-NODE_PROGRAM = "python -m edge_node"  # what an edge-node container runs (the image's Python, on its PATH)
+NODE_PROGRAM = "python -m fcl_emu.edge_node"  # what an edge-node container runs (the image's Python, on its PATH)
 
 
 def tbf_entrypoint(uplink_mbit: float, program: str = NODE_PROGRAM) -> list[str]:
@@ -48,8 +48,8 @@ def tbf_entrypoint(uplink_mbit: float, program: str = NODE_PROGRAM) -> list[str]
 
 
 def node_entrypoint(uplink_mbit: float | None) -> list[str]:
-    """The entrypoint of an edge-node container (its arguments: :meth:`~edge_node.args.NodeArgs.to_argv`):
-    ``python -m edge_node``, behind a cap on its egress where its device class has an uplink rate."""
+    """The entrypoint of an edge-node container (its arguments: :meth:`~fcl_emu.edge_node.args.NodeArgs.to_argv`):
+    ``python -m fcl_emu.edge_node``, behind a cap on its egress where its device class has an uplink rate."""
     return NODE_PROGRAM.split() if uplink_mbit is None else tbf_entrypoint(uplink_mbit)
 
 

@@ -10,17 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.lifecycle import NodeExit
-from edge_node.args import NodeArgs
+from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.edge_node.args import NodeArgs
 from fcl_emu.launchers import zygote
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs, signal_exit
 from fcl_emu.launchers.zygote import ForkedProcess
-from runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig
 
 
 def node_command(args: NodeArgs) -> list[str]:
     """The command line of an edge node with ``args`` as a process of this Python started afresh."""
-    return [sys.executable, "-m", "edge_node", *args.to_argv()]
+    return [sys.executable, "-m", "fcl_emu.edge_node", *args.to_argv()]
 
 
 # Added to an edge-node process's environment: one torch thread (nodes are the unit of parallelism).
@@ -36,9 +36,9 @@ def node_env() -> dict[str, str]:
 
 class ProcessLauncher(NodeLauncher):
     """The edge nodes as processes of this machine, forked by ``up``'s zygote where it has one
-    (:mod:`fcl_emu.launchers.zygote`), else children started with ``python -m edge_node``; stopped for sure
+    (:mod:`fcl_emu.launchers.zygote`), else children started with ``python -m fcl_emu.edge_node``; stopped for sure
     on exit, and ending with ``up`` even if it is killed (``--parent-pid``,
-    :func:`runtime.process.exit_with_parent`)."""
+    :func:`fcl_emu.runtime.process.exit_with_parent`)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen | ForkedProcess] = []

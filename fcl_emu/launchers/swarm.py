@@ -1,9 +1,9 @@
 """Edge nodes as Docker Swarm services, on as many hosts as the swarm has: one service per edge node.
 
 The coordinator stays a process of ``fcl-emu up`` on a manager and binds all its interfaces; every service runs
-``python -m edge_node --connect tcp://MANAGER_ADDRESS:PORT`` (the manager's swarm address, or ``containers.advertise``)
-and dials out over the hosts' network, so only the coordinator's port must be open between hosts (plus Swarm's
-own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). Each service:
+``python -m fcl_emu.edge_node --connect tcp://MANAGER_ADDRESS:PORT`` (the manager's swarm address, or
+``containers.advertise``) and dials out over the hosts' network, so only the coordinator's port must be open between
+hosts (plus Swarm's own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). Each service:
 
 - is attached to an attachable overlay network of the run with ``endpoint_mode: dnsrr`` (no virtual IP: the
   kernel here has no IPVS, and an edge node needs no load balancer);
@@ -17,7 +17,7 @@ own 2377/tcp, 7946/tcp+udp, 4789/udp, and the /metrics ports for a Prometheus). 
 Each edge node is pinned to one swarm node (``node.id==``): nodes of a device class go round-robin over the swarm
 nodes labelled with that class, others over every ready swarm node, in host-name order, so a run on the same
 swarm lands the same way every time. Its /metrics port is published on that host, where Prometheus scrapes it.
-With a cluster file (``--cluster``, :mod:`containers.cluster`) the launcher reaches every host's engine: the
+With a cluster file (``--cluster``, :mod:`fcl_emu.containers.cluster`) the launcher reaches every host's engine: the
 run's image is loaded where it is missing, and the containers on every host are sampled and acted on by fault
 plans; without one, only those on the manager's host.
 
@@ -32,16 +32,16 @@ import threading
 import time
 from pathlib import Path
 
-from containers.cluster import Cluster, distribute_image, engine, engines
-from containers.docker_client import EngineError
-from containers.faults import Target
-from containers.image import image_ref
+from fcl_emu.containers.cluster import Cluster, distribute_image, engine, engines
+from fcl_emu.containers.docker_client import EngineError
+from fcl_emu.containers.faults import Target
+from fcl_emu.containers.image import image_ref
 from fcl_emu.launchers.base import NodeSpec, node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import (ANY, LABEL_CLASS, LABEL_NODE, LABEL_RUN, LOOPBACK, EngineLauncher,
                                                node_entrypoint, node_exit, remove_when_free, run_label, split_endpoint)
-from runconfig import RunConfig, node_metrics_port
-from scenario.devices import memory_bytes
-from wire.auth import SERVER_NAME, SIGNERS_FILE
+from fcl_emu.runconfig import RunConfig, node_metrics_port
+from fcl_emu.scenario.devices import memory_bytes
+from fcl_emu.wire.auth import SERVER_NAME, SIGNERS_FILE
 
 log = logging.getLogger("fcl_emu.launchers")
 
@@ -202,7 +202,7 @@ class SwarmLauncher(EngineLauncher):
         """As for one engine, plus the hosts of a local cluster for host faults."""
         target = super().container_target()
         if self.cluster is not None and self.cluster.kind == "local":
-            from containers.local_cluster import HostFaults
+            from fcl_emu.containers.local_cluster import HostFaults
 
             target.host_faults, target.hosts = HostFaults(self.cluster), self.hosts()
         return target

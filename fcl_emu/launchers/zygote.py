@@ -1,6 +1,6 @@
 """Edge-node processes forked from a pre-loaded copy of ``fcl-emu up`` (a zygote), not started afresh.
 
-An edge node started with ``python -m edge_node`` spends its first seconds importing torch and the
+An edge node started with ``python -m fcl_emu.edge_node`` spends its first seconds importing torch and the
 project, and then holds about 160 MB of memory of its own for that (the relocated libraries and the modules'
 objects): two thirds of an idle node. ``up`` forks one zygote process right after importing what a node
 needs and before it starts any thread, socket or torch computation; the zygote forks every edge node. The
@@ -12,11 +12,11 @@ Only a process that has not yet run a thread, a ZeroMQ context or a torch comput
 (:func:`start` checks the threads; ``fcl-emu up`` calls it first thing): a fork copies one thread only, so a
 lock held by another thread, or OpenMP's thread pool, would be broken in the child. Where there is no
 zygote (``run_local`` called from a program that has already done those), :class:`ProcessLauncher` starts
-nodes with ``python -m edge_node`` as before.
+nodes with ``python -m fcl_emu.edge_node`` as before.
 
-The zygote answers :meth:`Zygote.spawn` requests (a node's :class:`~edge_node.args.NodeArgs`, its log and
-environment) over a pipe with the new pid; the node runs :func:`edge_node.args.run_node` under the title
-``fcl-emu node FLAGS`` (what ``ps`` shows, the same flags as ``python -m edge_node``). The zygote reaps its
+The zygote answers :meth:`Zygote.spawn` requests (a node's :class:`~fcl_emu.edge_node.args.NodeArgs`, its log and
+environment) over a pipe with the new pid; the node runs :func:`fcl_emu.edge_node.args.run_node` under the title
+``fcl-emu node FLAGS`` (what ``ps`` shows, the same flags as ``python -m fcl_emu.edge_node``). The zygote reaps its
 children and reports their exit statuses on the same pipe; :class:`ForkedProcess` gives ``up`` the
 :class:`subprocess.Popen` methods it uses (``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``).
 The zygote ends when ``up`` closes it or dies (its death signal), and a node when the zygote does.
@@ -36,11 +36,12 @@ import time
 import traceback
 from pathlib import Path
 
-from edge_node.args import NodeArgs, run_node
-from runtime.process import exit_with_parent, setup_process
+from fcl_emu.edge_node.args import NodeArgs, run_node
+from fcl_emu.runtime.process import exit_with_parent, setup_process
 
 # what an edge node imports: loaded once in ``up``, shared by every node
-PRELOAD = ("torch", "zmq", "edge_node.node", "edge_node.args", "methods", "wire.sockets")
+PRELOAD = ("torch", "zmq", "fcl_emu.edge_node.node", "fcl_emu.edge_node.args", "fcl_emu.methods",
+           "fcl_emu.wire.sockets")
 
 
 class ZygoteGone(RuntimeError):

@@ -5,7 +5,7 @@ maps a batch ``(B, C, H, W)`` to features ``(B, out_dim)``. All of them end
 in adaptive average pooling, so one network takes 28x28 (MNIST family),
 32x32 (CIFAR) and 64x64 (Tiny-ImageNet) inputs; only ``min_size`` (the
 smallest height / width that still leaves a non-degenerate feature map) is
-checked, by :func:`methods.models.classifier.build_model`.
+checked, by :func:`fcl_emu.methods.models.classifier.build_model`.
 
 Submodules have fixed explicit names, so state-dict keys are identical in
 every process (the wire carries state dicts as flat ``name -> array`` maps).

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN, SmallCNNLeaky
+from fcl_emu.methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN, SmallCNNLeaky
 
 __all__ = ["IncrementalClassifier", "build_model", "resolve_model", "MODELS", "BACKBONES"]
 

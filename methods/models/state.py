@@ -11,7 +11,7 @@ checkpoints) goes through these helpers, so there is one convention:
   buffers (a step counter is not something to average or add).
 
 Head growth: :func:`load_arrays` into a module with a growable ``head``
-(an :class:`~methods.models.classifier.IncrementalClassifier`) whose
+(an :class:`~fcl_emu.methods.models.classifier.IncrementalClassifier`) whose
 ``head.weight`` in the arrays has more rows than the module's grows the head
 first, so a client learns the class count from the state it receives. A
 smaller head in the arrays is a shape error (heads never shrink).

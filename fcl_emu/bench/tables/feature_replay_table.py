@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.bench.tables.runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 COMMON = {
     "rounds": {"rounds_per_task": 5, "deadline_s": 1800, "eval_every": 5},

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 10},

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 BASE = {
     "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
@@ -91,15 +91,15 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
     (``noise``: the clients' ``perturb_noise`` instead of the run's)."""
     import yaml
 
-    from coordinator import checkpoint
-    from methods.glfc import (GLFCOptions, GradientEncoder, label_from_gradients,
+    from fcl_emu.coordinator import checkpoint
+    from fcl_emu.methods.glfc import (GLFCOptions, GradientEncoder, label_from_gradients,
                               perturb_prototype, prototype_index, reconstruct)
-    from methods.models.classifier import build_model
-    from methods.models.state import load_arrays
-    from scenario.datasets import load_dataset
-    from scenario.scenario import build_scenario
-    from scenario.spec import ScenarioSpec
-    from scenario.transforms import denormalize, to_tensor
+    from fcl_emu.methods.models.classifier import build_model
+    from fcl_emu.methods.models.state import load_arrays
+    from fcl_emu.scenario.datasets import load_dataset
+    from fcl_emu.scenario.scenario import build_scenario
+    from fcl_emu.scenario.spec import ScenarioSpec
+    from fcl_emu.scenario.transforms import denormalize, to_tensor
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     o = GLFCOptions(**config["method_options"])

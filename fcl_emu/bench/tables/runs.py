@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from monitoring.results import RunSummary
+from fcl_emu.monitoring.results import RunSummary
 
 #: The file in a run's directory where :func:`run_up` keeps the CPU time the run took (:func:`host_cpu_s`).
 HOST_CPU = "host_cpu.json"
