@@ -8,7 +8,9 @@
   nodes emulate nothing in host time; a round waits until every selected client answered or is gone, then is
   closed in emulated time (a secure round: each of its SecAgg+ phases, :mod:`fcl_emu.coordinator.secure_timeline`).
 
-The round runner and the dispatcher call the same methods on either; neither asks which one it has.
+The round runner and the dispatcher call the same methods on either; neither asks which one it has. A round's
+collection (:mod:`fcl_emu.coordinator.collection`, plain or secure, also chosen once) asks for its kind of wait:
+:meth:`RunClock.collect` or :meth:`RunClock.collect_secure`.
 """
 
 from __future__ import annotations
@@ -85,10 +87,12 @@ class RunClock(ABC):
         return False
 
     @abstractmethod
-    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
-                side_channel: SideChannel) -> SecureOutcome | None:
-        """Serve until round ``r`` is over, close it (late, dropped, the updates that count) and return the secure
-        round's outcome (None in a plain round)."""
+    def collect(self, r: OpenRound, serve: Serve, side_channel: SideChannel) -> None:
+        """Serve until plain round ``r`` is over and close it (the updates that count, late, dropped)."""
+
+    @abstractmethod
+    def collect_secure(self, r: OpenRound, secure: SecureRound, serve: Serve) -> SecureOutcome:
+        """Run secure round ``r``'s SecAgg+ phases, close it (late, dropped) and return its outcome."""
 
 
 class RealTime(RunClock):
@@ -108,20 +112,28 @@ class RealTime(RunClock):
             wait_s = min(cfg.deadline_s, registry.liveness_timeout_s)
             serve(lambda: registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
 
-    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
-                side_channel: SideChannel) -> SecureOutcome | None:
-        """Serve until the round is done or its deadline passed (a secure round runs its protocol meanwhile);
-        then count who missed the deadline and who dropped out."""
+    def collect(self, r: OpenRound, serve: Serve, side_channel: SideChannel) -> None:
+        """Serve until the round is done or its deadline passed; every update that arrived counts."""
+        online = self.state.registry.is_online
+        serve(lambda: r.done(online), time.monotonic() + self.state.config.rounds.deadline_s)
+        r.counted = list(r.updates)
+        self._close(r)
+
+    def collect_secure(self, r: OpenRound, secure: SecureRound, serve: Serve) -> SecureOutcome:
+        """Run the protocol while the clients train, each phase for its time in host seconds, until the round's
+        deadline."""
         cfg, online = self.state.config.rounds, self.state.registry.is_online
-        deadline = time.monotonic() + cfg.deadline_s
-        if isinstance(secure, SecureRound):
-            secure = secure.collect(serve, online, lambda c: online(c) and c not in r.failed and c not in r.lost,
-                                    r.wanted, deadline, cfg.min_participants)
-        elif secure is None:
-            serve(lambda: r.done(online), deadline)
+        outcome = secure.collect(serve, online, lambda c: online(c) and c not in r.failed and c not in r.lost,
+                                 r.wanted, time.monotonic() + cfg.deadline_s, cfg.min_participants)
+        self._close(r)
+        return outcome
+
+    def _close(self, r: OpenRound) -> None:
+        """Count who missed the deadline and who dropped out; the training times are the reported ones."""
+        online = self.state.registry.is_online
         r.late = len(r.pending(online))
         r.dropped = len(r.selected - r.answered() - r.pending(online))
-        return secure
+        r.train_s, r.masked_in_time = dict(r.reported_s), set(r.masked)
 
 
 class EmulatedTime(RunClock):
@@ -219,13 +231,9 @@ class EmulatedTime(RunClock):
         r.side.append((client, msg_type, tensors))
         return True
 
-    def collect(self, r: OpenRound, secure: SecureRound | SecureOutcome | None, serve: Serve,
-                side_channel: SideChannel) -> SecureOutcome | None:
+    def collect(self, r: OpenRound, serve: Serve, side_channel: SideChannel) -> None:
         """Serve until every selected client answered or is gone (or the host-side safety timeout), then close
-        the round in emulated time. A secure round closes each of its phases so
-        (:mod:`fcl_emu.coordinator.secure_timeline`)."""
-        if secure is not None:
-            return self._collect_secure(r, secure, serve)
+        the round in emulated time."""
         online = self.state.registry.is_online
         serve(lambda: not r.pending(online), time.monotonic() + self.state.config.rounds.host_timeout_s)
         self._close(r, side_channel)
@@ -275,7 +283,7 @@ class EmulatedTime(RunClock):
         indices = {c: registry.records[c].index for c in r.timeline}
         closing = self.model.close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful, r.number)
         late = [u for u in r.updates if u.client in closing.arrived_late]
-        r.updates = [u for u in r.updates if u.client in closing.on_time]
+        r.counted = [u for u in r.updates if u.client in closing.on_time]
         for client, kind, tensors in r.side:
             if client in closing.on_time:
                 side_channel(client, r.task, kind, tensors)
@@ -295,11 +303,9 @@ class EmulatedTime(RunClock):
         skipped = r.cancelled - r.answered()  # a cancel may cross an update already sent
         r.host_cpu_saved_s = sum(r.timeline[c].samples_trained for c in skipped) * cpu_s / max(samples, 1)
 
-    def _collect_secure(self, r: OpenRound, secure: SecureRound | SecureOutcome, serve: Serve) -> SecureOutcome:
-        """Run a secure round's phases, each closed in emulated time; then count the late, the gone and the
-        crashed as :meth:`_close` does."""
-        if isinstance(secure, SecureOutcome):  # aborted before it started
-            return secure
+    def collect_secure(self, r: OpenRound, secure: SecureRound, serve: Serve) -> SecureOutcome:
+        """Run a secure round's phases, each closed in emulated time (:mod:`fcl_emu.coordinator.secure_timeline`);
+        then count the late, the gone and the crashed as :meth:`_close` does."""
         state = self.state
         cfg, registry, online = state.config.rounds, state.registry, state.registry.is_online
         indices = {c: registry.records[c].index for c in r.timeline}
@@ -309,6 +315,7 @@ class EmulatedTime(RunClock):
                                lambda c: online(c) and c not in r.failed and c not in r.lost, online,
                                cfg.min_participants)
         closed_at = timeline.opened
+        r.masked_in_time, r.host_timeout = timeline.masked, timeline.host_timeout
         if r.host_timeout:
             state.log_once(None, "host timeout", f"round {r.number}: clients still working after the host-side "
                                                  f"safety timeout of {cfg.host_timeout_s:g} s; they count as late")
@@ -316,9 +323,9 @@ class EmulatedTime(RunClock):
         self._late(len(timeline.late_masked))
         gone = {c for c, t in timeline.gone_at.items() if t <= closed_at}
         gone_on_host = self._gone_on_host(r)
-        r.late = len(r.timeline.keys() - r.masked - r.failed - gone - gone_on_host)
-        r.dropped = len((gone | gone_on_host) - r.masked) + len(r.selected - r.timeline.keys())
-        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in gone - r.masked)
+        r.late = len(r.timeline.keys() - r.masked_in_time - r.failed - gone - gone_on_host)
+        r.dropped = len((gone | gone_on_host) - r.masked_in_time) + len(r.selected - r.timeline.keys())
+        r.bytes_discarded = sum(r.timeline[c].up_bytes for c in gone - r.masked_in_time)
         r.emulated_s = closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
         self.model.now = max(self.model.now, closed_at)

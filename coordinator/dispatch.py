@@ -4,12 +4,14 @@
 coordinator waits, for joins, for updates or for a server-side job, so joins, heartbeats and leaves are served
 during rounds. Each client message is received, validated by the wire layer, then handled by its type:
 ``join`` (registers the client and answers ``welcome``), ``heartbeat``, ``leave``, ``error``, ``update`` (into
-the open round, or late), the secure-aggregation replies (into the open :class:`~fcl_emu.coordinator.secure_round.
-SecureRound`) and a method's side-channel messages. A bad message is rejected: counted under its reason, logged
-once per reason, answered with an ``error`` where the peer is online; it never stops the loop.
+the open round, or late), the secure-aggregation replies (to the run's collection,
+:mod:`fcl_emu.coordinator.collection`) and a method's side-channel messages. A bad message is rejected: counted
+under its reason, logged once per reason, answered with an ``error`` where the peer is online; it never stops the
+loop.
 
-The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`,
-:attr:`Dispatcher.secure`); where a client's answer lands in time is the clock's (:mod:`fcl_emu.coordinator.clock`).
+The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`); which answers a
+round takes is its collection's; where a client's answer lands in time is the clock's
+(:mod:`fcl_emu.coordinator.clock`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from typing import Any
 import zmq
 
 from fcl_emu.coordinator.clock import RunClock
-from fcl_emu.coordinator.guard import RateLimiter, delta_norm
+from fcl_emu.aggregation.clipping import delta_norm
+from fcl_emu.coordinator.guard import RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
-from fcl_emu.coordinator.secure_round import SecureRound
+from fcl_emu.coordinator.collection import Collection
 from fcl_emu.coordinator.state import RunState
-from fcl_emu.methods.base import DELTA, ClientUpdate
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.scenario.devices import DeviceProfile, assign_profile
 from fcl_emu.wire.framing import Message, WireError
 from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
@@ -47,14 +50,13 @@ class Dispatcher:
     device profiles clients are assigned at join (None: no profiles); ``on_tick``: called each time the loop
     wakes (the node watch)."""
 
-    def __init__(self, state: RunState, endpoint, pool, clock: RunClock, stale: StaleUpdates,
+    def __init__(self, state: RunState, endpoint, pool, clock: RunClock, collection: Collection, stale: StaleUpdates,
                  rate_limiter: RateLimiter, *, welcome: dict[str, Any],
                  profiles: list[DeviceProfile] | None = None, on_tick: Callable[[], None] = lambda: None):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
-        self.endpoint, self.pool, self.clock, self.stale = endpoint, pool, clock, stale
+        self.endpoint, self.pool, self.clock, self.collection, self.stale = endpoint, pool, clock, collection, stale
         self.rate_limiter, self.welcome, self.profiles, self.on_tick = rate_limiter, welcome, profiles, on_tick
         self.round: OpenRound | None = None  # the open round, set by the round runner
-        self.secure: SecureRound | None = None  # its secure aggregation while the round collects
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
         self._listened_at = time.monotonic()  # when the waiting messages were last all handled
@@ -223,8 +225,7 @@ class Dispatcher:
         self.state.progress("join", {"client": peer, "index": record.index})
 
     def _on_update(self, peer: str, msg: Message) -> None:
-        if self.config.secagg.enabled:
-            raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
+        self.collection.check(msg.type)
         r = self.round
         if r is None or not r.is_current(peer, msg.round):
             self.state.tally.late_updates += 1
@@ -243,7 +244,7 @@ class Dispatcher:
             raise
         body = msg.body
         r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
-        r.train_s[peer] = body.train_time_s
+        r.reported_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
         self.clock.answered(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
         self.cancel(r, self.clock.hopeless(r))
@@ -286,9 +287,9 @@ class Dispatcher:
 
     def _on_secagg(self, peer: str, msg: Message) -> None:
         """A client's reply in a secure-aggregation phase; a masked input that comes too late counts as late."""
-        sr, r = self.secure, self.round
-        current = sr is not None and r is not None and msg.round == sr.number and r.is_current(peer, msg.round)
-        if not current or not sr.on_message(peer, msg):
+        self.collection.check(msg.type)
+        r = self.round
+        if r is None or not r.is_current(peer, msg.round) or not self.collection.on_secagg(peer, msg):
             if msg.type == "secagg_masked":
                 self.state.tally.late_updates += 1
                 self.metrics.late_update()

@@ -6,8 +6,8 @@
   reason, so one kind of refusal repeated cannot silence the others; everything is still counted.
 - :func:`on_refused_handshake`: a handshake the allow-list refused is counted by reason and logged once per
   address, within the same budgets.
-- :func:`delta_norm` and :func:`clip_update`: the norm bound on updates and norm clipping (robust aggregation);
-  :func:`clip_to_cohort`: clipping to a multiple of the round's median norm (on by default).
+
+The norm bound on updates and clipping are aggregation's (:mod:`fcl_emu.aggregation.clipping`).
 
 The buckets and the log memory are bounded, so peers with ever new identities cannot grow them.
 """
@@ -15,16 +15,13 @@ The buckets and the log memory are bounded, so peers with ever new identities ca
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 
-import numpy as np
 
-from fcl_emu.methods.base import DELTA, ClientUpdate
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 
 CONTROL_RATE_PER_S = 5.0  # sustained control/error messages per identity, beyond its heartbeats
@@ -102,45 +99,3 @@ def on_refused_handshake(metrics: CoordinatorMetrics, log_once: LogOnce) -> Call
         log_once(address, f"handshake {reason}", f"refused a CurveZMQ handshake from {address} ({reason}: its key "
                                                  f"is not in the run's roster)", budget="refused handshake")
     return refused
-
-
-def delta_norm(update: ClientUpdate, prefix: str = DELTA) -> float:
-    """L2 norm of an update's float tensors under ``prefix`` (default: the model delta) taken together, summed in
-    float64 on the calling thread (``np.dot`` would hand it to the BLAS threads: ten times slower on a busy
-    host)."""
-    total = 0.0
-    for name, value in update.tensors.items():
-        if name.startswith(prefix) and value.dtype.kind == "f":
-            flat = value.reshape(-1).astype(np.float64, copy=False)
-            total += float(np.einsum("i,i->", flat, flat))
-    return math.sqrt(total)
-
-
-def clip_update(update: ClientUpdate, max_norm: float, prefix: str = DELTA) -> ClientUpdate:
-    """``update`` with its float tensors under ``prefix`` (default: the model delta) scaled down to L2 norm
-    ``max_norm`` if larger (norm clipping, as in DP-FedAvg, McMahan et al. 2018, and Sun et al. 2019 against
-    backdoors); other tensors unchanged."""
-    norm = delta_norm(update, prefix)
-    if norm <= max_norm:
-        return update
-    scale = max_norm / norm
-    tensors = {name: (value * scale).astype(value.dtype) if name.startswith(prefix) and value.dtype.kind == "f"
-               else value for name, value in update.tensors.items()}
-    return ClientUpdate(update.client, update.num_samples, tensors, update.loss, update.metrics)
-
-
-def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tuple[str, ...] = (DELTA,)
-                   ) -> list[ClientUpdate]:
-    """The round's updates with each one's deltas under every prefix of ``prefixes`` (the method's summed
-    uploads) clipped to ``multiplier`` times the median of the cohort's norms under that prefix: the adaptive
-    norm bound that is on by default (docs/security.md, "Aggregation defences").
-
-    Norm clipping bounds what one update can move the mean (Sun et al. 2019, "Can You Really Backdoor Federated
-    Learning?"); taking the bound from the cohort's median norm (FLAME, Nguyen et al. 2022, clips to the median
-    itself) needs no tuning per model and stays honest while fewer than half of the updates are hostile. An
-    honest update within ``multiplier`` x the median is left exactly as it was."""
-    for prefix in prefixes if updates else ():
-        norms = [delta_norm(u, prefix) for u in updates]
-        bound = multiplier * float(np.median(norms))
-        updates = [clip_update(u, bound, prefix) if norm > bound else u for u, norm in zip(updates, norms)]
-    return updates

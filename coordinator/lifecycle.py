@@ -34,13 +34,15 @@ import zmq
 from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
 from fcl_emu.coordinator.checkpoint import Checkpoint
 from fcl_emu.coordinator.clients import ClientRegistry, Status
+from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
 from fcl_emu.coordinator.evaluation import Evaluator
 from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
-from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, RateLimiter, on_refused_handshake
+from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, on_refused_handshake, RateLimiter
 from fcl_emu.coordinator.nodes import NodeExit, NodeWatch
+from fcl_emu.coordinator.privacy import run_privacy_part
 from fcl_emu.coordinator.open_round import StaleUpdates
 from fcl_emu.coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
 from fcl_emu.coordinator.rounds import RoundRunner
@@ -139,9 +141,11 @@ class Coordinator:
         metrics.watch_gpu_pool(lambda: self.pool.queued, self.pool.worker_states)
         self.clock = make_clock(state, liveness_timeout_s)
         self.nodes = NodeWatch(state)
-        stale = StaleUpdates.for_rounds(config.rounds.clients_per_round, config.rounds.overcommit)
+        self.privacy = run_privacy_part(config)  # central or distributed DP; None without
+        collection = make_collection(state, self.privacy)
+        stale = StaleUpdates(config.rounds.planned_cohort)
         self.dispatcher = Dispatcher(
-            state, self.endpoint, self.pool, self.clock, stale,
+            state, self.endpoint, self.pool, self.clock, collection, stale,
             # control messages per peer: room for twice the heartbeat rate on top of the rest
             RateLimiter(CONTROL_RATE_PER_S + 2.0 / self.heartbeat_interval_s),
             welcome=dict(run_id=state.run_id, scenario=config.scenario.model_dump(mode="json"),
@@ -151,8 +155,9 @@ class Coordinator:
                          heartbeat_interval_s=self.heartbeat_interval_s),
             profiles=load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None,
             on_tick=self.nodes.check)
-        runner = AsyncRoundRunner if config.aggregation.asynchronous else RoundRunner
-        self.rounds = runner(state, self.dispatcher, self.clock, stale)
+        policy = config.aggregation.policy()
+        self.rounds = (AsyncRoundRunner(state, self.dispatcher, self.clock, collection, policy) if policy.asynchronous
+                       else RoundRunner(state, self.dispatcher, self.clock, collection, stale, self.privacy))
         self.jobs = ServerJobs(state, self.pool, self.dispatcher.serve)
         self.checkpointer = Checkpointer(state, self.clock, self.address)
         self.time = TimeAccount()
@@ -162,8 +167,8 @@ class Coordinator:
         # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
         self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
         self._resumed: Resumed | None = None if resume is None else self.checkpointer.restore(resume)
-        if self._resumed is not None and self.rounds.privacy is not None:
-            self.rounds.privacy.restore(self._resumed.rounds)
+        if self._resumed is not None and self.privacy is not None:
+            self.privacy.restore(self._resumed.rounds)
 
     # ------------------------------------------------------------ what run.py and the benches use
     @property

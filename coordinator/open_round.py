@@ -3,43 +3,50 @@ what the dispatcher fills in as messages arrive and the round runner reads at th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fcl_emu.coordinator.emulated import ClientRound
-from fcl_emu.methods.base import ClientUpdate
+from fcl_emu.aggregation.update import ClientUpdate
 
 
 @dataclass
 class OpenRound:
-    """The round in progress: who was chosen and what each has answered so far."""
+    """The round in progress. Each field has one writer: the round runner fills the first group when it opens the
+    round, the dispatcher records the answers as they arrive, the clock (:mod:`fcl_emu.coordinator.clock`) keeps
+    its timeline and closes the round."""
 
+    # the round runner, at the open
     task: int
     number: int
     chosen: list[str]  # in selection order
-    selected: set[str]  # emptied if a secure round aborts before it starts
+    selected: set[str]  # asked to train (a secure round that could not start asks none)
     wanted: int  # updates that close the round early (clients_per_round; fewer than selected with overcommit)
+    # the dispatcher, as answers arrive
     updates: list[ClientUpdate] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # reported an error, or its update was refused
     lost: set[str] = field(default_factory=set)  # left or crashed and joined again during the round
     masked: set[str] = field(default_factory=set)  # secure aggregation: sent a masked input in time
-    late: int = 0  # at the close: selected, online, and no answer yet
-    dropped: int = 0  # at the close: selected, gone without an answer
-    train_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time
-    # emulated clock (coordinator/clock.py): when the round opened, each dispatched client's timeline,
-    # side-channel messages held until the close (only the on-time clients' count)
+    reported_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time
+    # the clock: its timeline while the round runs (emulated: when the round opened, each dispatched client's
+    # timeline, side-channel messages held until the close, trainings cancelled because they could no longer count)
     started_at: float = 0.0
     timeline: dict[str, ClientRound] = field(default_factory=dict)
     side: list[tuple[str, str, dict[str, np.ndarray]]] = field(default_factory=list)
+    cancelled: set[str] = field(default_factory=set)
+    # the clock, at the close
+    counted: list[ClientUpdate] = field(default_factory=list)  # the updates that arrived in time
+    masked_in_time: set[str] = field(default_factory=set)  # secure aggregation: the masked inputs that did
+    late: int = 0  # selected, online, and no answer in time
+    dropped: int = 0  # selected, gone without an answer
+    train_s: dict[str, float] = field(default_factory=dict)  # client -> its training time (emulated: compute time)
     emulated_s: float | None = None
     host_timeout: bool = False
     kept_late: list[ClientUpdate] = field(default_factory=list)  # late updates for the next round
     bytes_discarded: int = 0  # uploads of clients gone (in emulated time) before they would have arrived
-    cancelled: set[str] = field(default_factory=set)  # told to drop their training: it could no longer count
-    host_cpu_saved_s: float = 0.0  # what that saved the host (an estimate)
+    host_cpu_saved_s: float = 0.0  # what the cancelled trainings saved the host (an estimate)
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed
@@ -66,9 +73,6 @@ class StaleUpdates:
         self.task = -1
         self.updates: list[ClientUpdate] = []
 
-    @classmethod
-    def for_rounds(cls, clients_per_round: int, overcommit: float) -> StaleUpdates:
-        return cls(math.ceil(clients_per_round * overcommit))
 
     def has_room_for(self, client: str, task: int) -> bool:
         if self.task != task:

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fcl_emu.methods.base import ClientUpdate, DeltaLayout
+from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
 from fcl_emu.monitoring.results import Privacy, RoundRecord
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.runconfig.config import PrivacyConfig
@@ -217,7 +217,7 @@ def run_privacy_part(config: RunConfig) -> CentralPrivacy | DistributedPrivacy |
 def sampling_rate(config: RunConfig) -> float:
     """q: the clients a round selects over the clients of the scenario."""
     rounds = config.rounds
-    return min(1.0, math.ceil(rounds.clients_per_round * rounds.overcommit) / config.scenario.num_clients)
+    return min(1.0, rounds.planned_cohort / config.scenario.num_clients)
 
 
 def run_privacy(config: RunConfig, rounds: Sequence[RoundRecord]) -> Privacy | None:

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fcl_emu.methods.base import Arrays, DeltaLayout
+from fcl_emu.aggregation.update import Arrays, DeltaLayout
 from fcl_emu.secagg.noise import DistributedNoise
 from fcl_emu.secagg.protocol import PHASES, SecAggAbort, SecAggError
 from fcl_emu.secagg.server import SecAggServer

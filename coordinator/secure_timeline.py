@@ -64,6 +64,8 @@ class SecureTimeline:
         self.opened = r.started_at  # when the open phase opened
         self.phase_s: dict[str, float] = {}  # phase -> its emulated seconds
         self.late_masked: set[str] = set()  # masked inputs that arrived after their phase's close
+        self.masked: set[str] = set()  # masked inputs that arrived by their phase's close
+        self.host_timeout = False  # a phase's wait in host time ran out with clients still owing a reply
         self.links = {c: Link(t.profile, t.trace) for c, t in r.timeline.items()}
         self.ready = {c: self.links[c].arrival("down", t.down_bytes, r.started_at) for c, t in r.timeline.items()}
         self.gone_at: dict[str, float] = {}
@@ -140,15 +142,15 @@ class SecureTimeline:
         """Run the round's phases: each waits in host time until every client still in the round replied (or is
         gone on the host, or ``host_deadline`` passed), then closes in emulated time and takes the replies that
         count. The outcome's record adds each phase's emulated seconds (``emulated_phase_s``)."""
-        secure, r = self.secure, self.r
+        secure = self.secure
         secure.hold()
 
         def wait(phase: int) -> None:
             serve(lambda: not secure.waiting(phase, alive), host_deadline)
-            r.host_timeout |= bool(secure.waiting(phase, alive))
+            self.host_timeout |= bool(secure.waiting(phase, alive))
             on_time = self.close(phase)
             if phase == 3:
-                r.masked = on_time
+                self.masked = on_time
             secure.admit(phase, on_time)
 
         outcome = secure.run(wait, online, min_participants)

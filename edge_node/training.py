@@ -37,8 +37,9 @@ import zmq
 from fcl_emu.edge_node.client import TrainJob, TrainResult
 from fcl_emu.edge_node.store import RoundPayloads
 from fcl_emu.methods import registry as methods
-from fcl_emu.methods.base import (ClientContext, ClientPart, DeltaLayout, TrainingCancelled, TrainingSettings,
-                                  model_arrays)
+from fcl_emu.aggregation.update import DeltaLayout
+from fcl_emu.methods.base import ClientContext, ClientPart, TrainingCancelled, TrainingSettings
+from fcl_emu.methods.models.state import model_arrays
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.methods.models.state import load_arrays
 from fcl_emu.methods.optim import LocalSGD

@@ -161,8 +161,10 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from fcl_emu.methods.base import (DELTA, Arrays, ClientContext, ClientPart, ClientUpdate, Options, ServerPart,
-                          _frozen_copy, apply_fedavg, strip_prefix)
+from fcl_emu.aggregation.combine import apply_fedavg
+from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import soft_target_ce
 from fcl_emu.methods.models.backbones import SplitBackbone
 from fcl_emu.methods.models.classifier import IncrementalClassifier
@@ -322,7 +324,7 @@ class AFFCLServer(ServerPart):
     def __init__(self, ctx):
         super().__init__(ctx)
         flow = build_flow(flow_dim(self.model), ctx.scenario.num_classes, self.options)
-        self._flow: Arrays = _frozen_copy(state_to_arrays(flow))
+        self._flow: Arrays = read_only(state_to_arrays(flow))
         self._old: Arrays | None = None  # OLD_MODEL / OLD_FLOW arrays of the last finished task
 
     def round_tensors(self, task: int, round: int) -> Arrays:
@@ -344,9 +346,9 @@ class AFFCLServer(ServerPart):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
-        self._flow = _frozen_copy(strip_prefix(arrays, FLOW))
+        self._flow = read_only(strip_prefix(arrays, FLOW))
         old = {k: v for k, v in arrays.items() if k.startswith((OLD_MODEL, OLD_FLOW))}
-        self._old = _frozen_copy(old) if old else None
+        self._old = read_only(old) if old else None
 
 
 # ------------------------------------------------------------------------ client
@@ -368,7 +370,7 @@ class AFFCLClient(ClientPart):
             old_flow = build_flow(dim, ctx.dataset_classes, o, strip_prefix(ctx.assets, OLD_FLOW))
             old_flow.to(ctx.device).eval().requires_grad_(False)
         replay_opt = torch.optim.Adam(replay_parameters(model), lr=o.replay_lr) if o.replay == "step" else None
-        ctx.job.update(flow=flow, start=_frozen_copy(state_to_arrays(flow)), old=old_model, old_flow=old_flow,
+        ctx.job.update(flow=flow, start=read_only(state_to_arrays(flow)), old=old_model, old_flow=old_flow,
                        flow_opt=torch.optim.Adam(flow.parameters(), lr=o.flow_lr), replay_opt=replay_opt,
                        draw=torch.Generator().manual_seed(ctx.seed), sums={}, steps=0)
 

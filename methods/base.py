@@ -12,8 +12,13 @@ A method is registered by name (see :mod:`fcl_emu.methods.registry`) with
   one batch, and what to upload besides the delta.
 
 Upload tensors are named ``delta/<param>`` for the model delta and
-``<method>/<name>`` for extras. ``ServerPart.summable`` says which prefixes are
-sums over clients (secure aggregation and compression may wrap only those);
+``<method>/<name>`` for extras (:mod:`fcl_emu.aggregation.update`: the update as the
+server sees it). What methods share beyond this contract lives where they import it
+from: combining updates in :mod:`fcl_emu.aggregation.combine`, state arrays in
+:mod:`fcl_emu.methods.models.state`, models in :mod:`fcl_emu.methods.models`.
+
+``ServerPart.summable`` says which prefixes are sums over clients (secure
+aggregation and compression may wrap only those);
 ``ServerPart.individual_payload`` names the payload a server must see per client,
 if any, so that combining it with secure aggregation can fail clearly.
 
@@ -26,7 +31,6 @@ sender's identity (GLFC's prototype gradients).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,13 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods.models.classifier import IncrementalClassifier
-from fcl_emu.methods.models.state import delta_arrays, load_arrays, state_to_arrays
+from fcl_emu.methods.models.state import delta_arrays, head_size, load_arrays, model_arrays, read_only, state_to_arrays
 from fcl_emu.methods.optim import LocalSGD
-from fcl_emu.methods.robust import MEAN, Aggregator
-
-Arrays = dict[str, np.ndarray]
-
-DELTA = "delta/"
+from fcl_emu.aggregation.combine import fedavg
+from fcl_emu.aggregation.rules import MEAN, Aggregator
+from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 
 
 class Options(pydantic.BaseModel):
@@ -70,100 +72,6 @@ class TrainingSettings:
 
 
 @dataclass
-class ClientUpdate:
-    """One client's upload as the server part sees it."""
-
-    client: str
-    num_samples: int
-    tensors: Mapping[str, np.ndarray]
-    loss: float = float("nan")
-    metrics: Mapping[str, float] = field(default_factory=dict)  # the method's own terms, as reported
-
-    def delta(self) -> Arrays:
-        return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
-
-
-def fedavg(updates: list[ClientUpdate], aggregate: Aggregator = MEAN) -> Arrays:
-    """The clients' deltas combined by ``aggregate`` (default: the sample-weighted mean, McMahan et al. 2017, eq.
-    'w <- sum n_k/n w_k'; a robust rule of :mod:`fcl_emu.methods.robust` as the run configures it).
-
-    Float tensors are combined in float64 and returned as float32; integer
-    buffers (BatchNorm's step counter) take the largest value.
-    """
-    weighted = [u for u in updates if u.num_samples > 0]
-    if not weighted:
-        raise ValueError("no client update carries samples")
-    deltas = [u.delta() for u in weighted]
-    names = deltas[0].keys()
-    for d, u in zip(deltas, weighted):
-        if d.keys() != names:
-            raise ValueError(f"client {u.client} uploaded delta keys that differ from the others")
-    floats = [name for name in names if deltas[0][name].dtype.kind == "f"]
-    out = aggregate([(u.num_samples, {name: d[name] for name in floats}) for d, u in zip(deltas, weighted)])
-    for name in names - set(floats):
-        out[name] = np.asarray(np.max(np.stack([d[name] for d in deltas]), axis=0))  # 0-d stays an array
-    return out
-
-
-def apply_fedavg(arrays: Mapping[str, np.ndarray], updates: list[ClientUpdate], prefix: str,
-                 aggregate: Aggregator = MEAN) -> Arrays:
-    """``arrays`` plus the clients' deltas uploaded under ``prefix`` combined by ``aggregate`` (:func:`fedavg`;
-    a module that rides with the model, such as LANDER's projector or AF-FCL's flow), as read-only arrays."""
-    delta = fedavg([ClientUpdate(u.client, u.num_samples,
-                                 {DELTA + k: v for k, v in strip_prefix(u.tensors, prefix).items()})
-                    for u in updates], aggregate)
-    return _frozen_copy({k: v + delta[k] for k, v in arrays.items()}, copy=False)
-
-
-@dataclass(frozen=True)
-class DeltaLayout:
-    """The model delta as one flat float vector: what secure aggregation sums.
-
-    The float tensors of the model, in name order, each flattened. Integer
-    buffers (BatchNorm's step counter) are not summable and stay out: under
-    secure aggregation the server keeps its own value of them.
-    """
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def of(cls, model: Mapping[str, np.ndarray]) -> DeltaLayout:
-        names = tuple(sorted(k for k, v in model.items() if v.dtype.kind == "f"))
-        return cls(names, tuple(tuple(model[k].shape) for k in names))
-
-    @property
-    def dim(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
-
-    def flatten(self, uploads: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The ``delta/<name>`` tensors of an upload as one float32 vector (ValueError if they do not fit)."""
-        got = {k[len(DELTA):] for k in uploads if k.startswith(DELTA)} & set(self.names)
-        if got != set(self.names):
-            raise ValueError(f"the upload lacks the deltas of {sorted(set(self.names) - got)[:3]}")
-        out = np.empty(self.dim, np.float32)
-        at = 0
-        for name, shape in zip(self.names, self.shapes):
-            value = uploads[DELTA + name]
-            if tuple(value.shape) != shape:
-                raise ValueError(f"delta {name!r} has shape {list(value.shape)}, the model has {list(shape)}")
-            out[at:at + value.size] = value.reshape(-1)
-            at += value.size
-        return out
-
-    def unflatten(self, vector: np.ndarray) -> Arrays:
-        """The inverse of :meth:`flatten`: ``{delta/<name>: float32 array}``."""
-        if vector.shape != (self.dim,):
-            raise ValueError(f"a vector of shape {vector.shape} does not fit a delta of {self.dim} values")
-        out, at = {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            size = math.prod(shape)
-            out[DELTA + name] = vector[at:at + size].astype(np.float32).reshape(shape)
-            at += size
-        return out
-
-
-@dataclass
 class ServerContext:
     """What a server part may use: its options, the scenario, a model builder, and the GPU worker pool."""
 
@@ -177,7 +85,7 @@ class ServerContext:
     model_name: str = "cnn"  # the concrete model (methods.models.classifier.BACKBONES): jobs rebuild it by name
     input_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the scenario's images
     rounds_per_task: int = 1
-    aggregator: Aggregator = MEAN  # how deltas are combined (the run's security.aggregator, methods/robust.py)
+    aggregator: Aggregator = MEAN  # how deltas are combined (the run's security.aggregator, aggregation/rules/)
 
 
 class ServerPart:
@@ -193,13 +101,13 @@ class ServerPart:
         self.ctx = ctx
         self.options = ctx.options
         self.model = ctx.build_model(0 if ctx.scenario is None else len(ctx.scenario.task_classes(0)))
-        self.global_state: Arrays = _frozen_copy(state_to_arrays(self.model))
+        self.global_state: Arrays = read_only(state_to_arrays(self.model))
 
     # --- task life cycle -------------------------------------------------
     def start_task(self, task: int) -> None:
         """Grow the head to the classes seen so far."""
         self.model.expand(len(self.ctx.scenario.seen_classes(task)))
-        self.global_state = _frozen_copy(state_to_arrays(self.model))
+        self.global_state = read_only(state_to_arrays(self.model))
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
         """Tensors every participant receives once per task, by asset kind (a message type of
@@ -233,7 +141,7 @@ class ServerPart:
                 new[name] = value + d
             else:
                 new[name] = d
-        self.global_state = _frozen_copy(new, copy=False)
+        self.global_state = read_only(new, copy=False)
         load_arrays(self.model, self.global_state)
 
     def check_update(self, task: int, tensors: Mapping[str, np.ndarray]) -> None:
@@ -273,23 +181,13 @@ class ServerPart:
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state_arrays`; the head grows to the saved size (torch's RNG is not touched)."""
         load_arrays(self.model, {k: v for k, v in arrays.items() if "/" not in k})
-        self.global_state = _frozen_copy(state_to_arrays(self.model))
+        self.global_state = read_only(state_to_arrays(self.model))
 
     def load_state_meta(self, meta: Mapping[str, Any]) -> None:
         """Restore :meth:`state_meta` (after :meth:`load_state_arrays`)."""
         if int(meta["num_classes"]) != self.model.num_classes:
             raise ValueError(f"checkpoint: the model head has {self.model.num_classes} classes, "
                              f"the state says {meta['num_classes']}")
-
-
-def _frozen_copy(arrays: Mapping[str, np.ndarray], copy: bool = True) -> Arrays:
-    """Read-only arrays: sent zero-copy, so they must never change after sending."""
-    out = {}
-    for k, v in arrays.items():
-        a = np.array(v, copy=True) if copy else v
-        a.flags.writeable = False
-        out[k] = a
-    return out
 
 
 @dataclass
@@ -328,27 +226,12 @@ class ClientContext:
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
         """A model in eval mode with these weights (method tensors ``<method>/...`` ignored) and no
         gradients (teachers)."""
-        model = self.build_model(_head_size(arrays))
+        model = self.build_model(head_size(arrays))
         load_arrays(model, model_arrays(arrays))
         model.to(self.device).eval()
         for p in model.parameters():
             p.requires_grad_(False)
         return model
-
-
-def strip_prefix(arrays: Mapping[str, np.ndarray], prefix: str) -> Arrays:
-    """The tensors whose names start with ``prefix``, under the rest of their names."""
-    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-
-
-def model_arrays(arrays: Mapping[str, np.ndarray]) -> Arrays:
-    """The classifier's own tensors of a received state: state-dict keys never hold a '/', method tensors
-    that ride along (``<method>/...``, such as LANDER's projector) always do."""
-    return {k: v for k, v in arrays.items() if "/" not in k}
-
-
-def _head_size(arrays: Mapping[str, np.ndarray]) -> int:
-    return int(arrays["head.weight"].shape[0]) if "head.weight" in arrays else 0
 
 
 class TrainingCancelled(Exception):

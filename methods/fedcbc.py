@@ -115,7 +115,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import fedcbc_fusion, jobs
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.methods.models.state import load_arrays, state_to_arrays
 from fcl_emu.methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
@@ -394,7 +396,7 @@ class FedCBCServer(ServerPart):
             "method_options": self.options.model_dump(), "model": self.ctx.model_name,
             "input_shape": list(self.ctx.input_shape), "num_classes": int(scenario.num_classes),
             "mean": list(ds.mean), "std": list(ds.std), "seed": self.ctx.seed})
-        self._extractor = _frozen_copy(job.outputs)
+        self._extractor = read_only(job.outputs)
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
         return {} if self.pixels else {ASSET: {EXTRACTOR + k: v for k, v in self._extractor.items()}}
@@ -441,7 +443,7 @@ class FedCBCServer(ServerPart):
         for c, local in sorted(uploads.items()):
             sources = local + ([self._vaes[c]] if c in self._vaes else [])
             if len(sources) == 1:
-                self._vaes[c] = _frozen_copy(sources[0])
+                self._vaes[c] = read_only(sources[0])
                 continue
             inputs.update({f"start/{c}/{k}": v for k, v in self._vaes.get(c, local[0]).items()})
             for i, arrays in enumerate(sources):
@@ -451,7 +453,7 @@ class FedCBCServer(ServerPart):
             job = self.ctx.run_job("fedcbc.fuse", inputs, {
                 "method_options": self.options.model_dump(), "feature_dim": self.feature_dim,
                 "seed": self.ctx.seed * 100_003 + round})
-            self._vaes.update({c: _frozen_copy(strip_prefix(job.outputs, f"{c}/")) for c in fused})
+            self._vaes.update({c: read_only(strip_prefix(job.outputs, f"{c}/")) for c in fused})
         self._payload = self._eval = None
 
     def eval_model(self) -> nn.Module:
@@ -479,8 +481,8 @@ class FedCBCServer(ServerPart):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         extractor = strip_prefix(arrays, EXTRACTOR)
-        self._extractor = _frozen_copy(extractor) if extractor else None
-        self._vaes = {c: _frozen_copy(v) for c, v in split_vaes(arrays, VAES).items()}
+        self._extractor = read_only(extractor) if extractor else None
+        self._vaes = {c: read_only(v) for c, v in split_vaes(arrays, VAES).items()}
         self._payload = self._eval = None
 
     def load_state_meta(self, meta: Mapping[str, Any]) -> None:

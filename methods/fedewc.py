@@ -82,7 +82,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.registry import MethodSpec, register
 
 NAME = "fedewc"

@@ -70,7 +70,9 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.models.state import state_to_arrays
 from fcl_emu.methods.registry import MethodSpec, register
 
@@ -152,7 +154,7 @@ class FedLwF2TServer(ServerPart):
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
         old = strip_prefix(arrays, OLD_STATE)
-        self._old_global = _frozen_copy(old) if old else None
+        self._old_global = read_only(old) if old else None
         self._assets = {}  # rebuilt from _old_global on first use
 
 

@@ -106,7 +106,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import jobs
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import frozen_classifier, from_uint8, to_uint8
 from fcl_emu.methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
 from fcl_emu.methods.glfc_proxy import (GradientEncoder, gradient_groups, label_from_gradients, reconstruct,
@@ -348,8 +350,8 @@ class GLFCServer(ServerPart):
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
         old, best, monitor = (strip_prefix(arrays, p) for p in (OLD, BEST, MONITOR))
-        self._old = _frozen_copy(old) if old else None
-        self._best = _frozen_copy(best) if best else None
+        self._old = read_only(old) if old else None
+        self._best = read_only(best) if best else None
         self._monitor = {k: np.array(v) for k, v in monitor.items()} if monitor else None
 
     def load_state_meta(self, meta: Mapping[str, Any]) -> None:

@@ -102,7 +102,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import jobs
-from fcl_emu.methods.base import DELTA, Arrays, ClientContext, ClientUpdate, _frozen_copy, apply_fedavg, strip_prefix
+from fcl_emu.aggregation.combine import apply_fedavg
+from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
+from fcl_emu.methods.base import ClientContext
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
 from fcl_emu.methods.models.generators import TextConditionedGenerator
 from fcl_emu.methods.models.state import load_arrays
@@ -291,7 +294,7 @@ class LanderServer(SynthesisServer):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._projector = _frozen_copy(_projector_arrays(_projector(self.model.backbone.out_dim)))
+        self._projector = read_only(_projector_arrays(_projector(self.model.backbone.out_dim)))
         self._old_projector: Arrays | None = None
         self._text: np.ndarray | None = None  # (num_classes, D) in the scenario's class-index order
         # end_model "lowest_loss": (mean client loss, global model, projector) of the best round start so far
@@ -315,7 +318,7 @@ class LanderServer(SynthesisServer):
             scenario = self.ctx.scenario
             names = [scenario.dataset.class_names[c] for c in scenario.class_order]
             job = self.ctx.run_job("lander.text_embeddings", {}, {"names": names, "prompt": self.options.prompt})
-            self._text = _frozen_copy({"e": scaled_embeddings(job.outputs["embeddings"], self.options.anchor_rms)})["e"]
+            self._text = read_only({"e": scaled_embeddings(job.outputs["embeddings"], self.options.anchor_rms)})["e"]
         return self._text
 
     def radius(self) -> np.ndarray:
@@ -374,13 +377,13 @@ class LanderServer(SynthesisServer):
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
-        self._projector = _frozen_copy(strip_prefix(arrays, PROJECTOR))
+        self._projector = read_only(strip_prefix(arrays, PROJECTOR))
         old = strip_prefix(arrays, OLD_PROJECTOR)
-        self._old_projector = _frozen_copy(old) if old else None
-        self._text = _frozen_copy({"e": arrays[ALL_TEXT]})["e"] if ALL_TEXT in arrays else None
+        self._old_projector = read_only(old) if old else None
+        self._text = read_only({"e": arrays[ALL_TEXT]})["e"] if ALL_TEXT in arrays else None
         self._best = None if BEST_LOSS not in arrays else (
-            float(arrays[BEST_LOSS]), _frozen_copy(strip_prefix(arrays, BEST)),
-            _frozen_copy(strip_prefix(arrays, BEST_PROJECTOR)))
+            float(arrays[BEST_LOSS]), read_only(strip_prefix(arrays, BEST)),
+            read_only(strip_prefix(arrays, BEST_PROJECTOR)))
 
 
 class LanderClient(SyntheticReplayClient):

@@ -69,7 +69,9 @@ import torch
 import torch.nn.functional as F
 
 from fcl_emu.methods import jobs
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import BatchNormStatistics, frozen_classifier, information_entropy_loss, smoothness_prior
 from fcl_emu.methods.models.generators import Generator
 from fcl_emu.methods.models.state import load_arrays, state_to_arrays
@@ -190,7 +192,7 @@ class MFCLServer(ServerPart):
         job = self.ctx.run_job("mfcl.generator", inputs, {
             "method_options": self.options.model_dump(), "model": self.ctx.model_name,
             "input_shape": list(self.ctx.input_shape), "seed": self.ctx.seed * 1000 + task})
-        self._generator = _frozen_copy(job.outputs)
+        self._generator = read_only(job.outputs)
         self._old = self.global_state
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
@@ -209,8 +211,8 @@ class MFCLServer(ServerPart):
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
         gen, old = strip_prefix(arrays, GEN), strip_prefix(arrays, OLD)
-        self._generator = _frozen_copy(gen) if gen else None
-        self._old = _frozen_copy(old) if old else None
+        self._generator = read_only(gen) if gen else None
+        self._old = read_only(old) if old else None
 
 
 class MFCLClient(ClientPart):

@@ -14,8 +14,9 @@ import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fcl_emu.methods.base import DELTA, ServerPart
-from fcl_emu.methods.robust import RULES
+from fcl_emu.aggregation.update import DELTA
+from fcl_emu.methods.base import ServerPart
+from fcl_emu.aggregation.rules import RULE_NAMES
 
 # extra -> the modules it installs that the code imports (pyproject.toml's [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -24,7 +25,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 SECAGG, CENTRAL_DP = "--secagg", "--privacy central"
 ASYNC = "--aggregation fedbuff|fedasync"
-ROBUST = f"--aggregator {'|'.join(rule for rule in RULES if rule != 'mean')}"
+ROBUST = f"--aggregator {'|'.join(rule for rule in RULE_NAMES if rule != 'mean')}"
 
 
 def _installed(module: str, find_spec: Callable[[str], Any]) -> bool:

@@ -87,7 +87,9 @@ import torch
 import torch.nn.functional as F
 
 from fcl_emu.methods import jobs
-from fcl_emu.methods.base import Arrays, ClientContext, ClientPart, Options, ServerPart, _frozen_copy, strip_prefix
+from fcl_emu.aggregation.update import Arrays
+from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
+from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import (SynthesisProblem, SynthesisSettings, frozen_classifier, from_uint8, normalizer,
                               soft_target_ce, synthesize, to_uint8)
 from fcl_emu.methods.models.classifier import build_model
@@ -238,7 +240,7 @@ class SynthesisServer(ServerPart):
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
         old = strip_prefix(arrays, self.old_prefix)
-        self._old = _frozen_copy(old) if old else None
+        self._old = read_only(old) if old else None
         self._synthetic = np.asarray(arrays[self.synthetic_key]) if self.synthetic_key in arrays else None
 
 

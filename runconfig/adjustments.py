@@ -11,7 +11,6 @@ once at its start (a warning line and a ``config_warning`` event in ``events.jso
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ def adjustments(config: RunConfig) -> list[Adjustment]:
         found.append(Adjustment("rounds.clients_per_round", cohort, (
             f"clients per round is {cohort}, every client: the default {config.capped_cohort} exceeds the "
             f"{clients} clients (--clients-per-round sets it)")))
-    selected = math.ceil(cohort * rounds.overcommit)
+    selected = rounds.planned_cohort
     if selected > clients:
         found.append(Adjustment("rounds.overcommit", round(clients / cohort, 4), (
             f"overcommit {rounds.overcommit:g} asks for ceil({cohort} x {rounds.overcommit:g}) = {selected} "

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from fcl_emu.methods.robust import Aggregator, Rule
-from fcl_emu.runconfig.aggregation import AggregationSettings, check_aggregation
+from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
+from fcl_emu.runconfig.aggregation import check_aggregation
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.scenario.devices import load_profiles, memory_limit
@@ -70,6 +70,11 @@ class RoundConfig(pydantic.BaseModel):
         900.0, gt=0, description="emulated clock: the longest a round waits in host time for its clients' work "
                                  "(a safety net, reported when it fires)")
 
+
+    @property
+    def planned_cohort(self) -> int:
+        """The clients a synchronous round selects: ``ceil(clients_per_round x overcommit)``."""
+        return math.ceil(self.clients_per_round * self.overcommit)
 
 class NetworkConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -164,8 +169,10 @@ class GpuSettings(pydantic.BaseModel):
     threads: int = pydantic.Field(1, ge=1, le=256, description="torch CPU threads of each worker process")
 
 
-class SecurityConfig(pydantic.BaseModel):
-    """Transport security and the defences against hostile clients (docs/security.md)."""
+class SecurityConfig(AggregationDefences):
+    """Transport security and the defences against hostile clients (docs/security.md); the defences of
+    aggregation (clipping, the rule) are declared with aggregation (:class:`~fcl_emu.aggregation.settings.
+    AggregationDefences`)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -178,35 +185,6 @@ class SecurityConfig(pydantic.BaseModel):
                           "RUN_DIR/keys; `coordinator` needs one)")
     max_update_norm: float | None = pydantic.Field(
         None, gt=0, description="refuse an update whose model delta has a larger L2 norm (counted as norm_bound)")
-    clip_norm: float | None = pydantic.Field(
-        None, gt=0, description="robust aggregation: scale every model delta down to at most this L2 norm before "
-                                "aggregating (norm clipping)")
-    adaptive_clip: float | None = pydantic.Field(
-        10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
-                               "its round's updates before aggregating; off: no adaptive bound (plain rounds only: "
-                               "a secure round shows no single update)")
-    aggregator: Rule = pydantic.Field(
-        "mean", description="how a round's deltas are combined: mean (FedAvg, weighted by samples), median or "
-                            "trimmed_mean (coordinate-wise, Yin et al. 2018), krum or multikrum (Blanchard et al. "
-                            "2017), bulyan (El Mhamdi et al. 2018); docs/security.md")
-    trim_fraction: float = pydantic.Field(
-        0.1, ge=0, lt=0.5, description="the fraction of values trimmed_mean cuts at each end of every coordinate")
-    byzantine: int = pydantic.Field(
-        1, ge=0, le=1000, description="the hostile updates f a round of krum, multikrum or bulyan must withstand "
-                                      "(krum and multikrum need 2f + 3 updates, bulyan 4f + 3; fewer: the round is "
-                                      "skipped)")
-    multikrum_keep: int | None = pydantic.Field(
-        None, ge=1, description="the updates of best Krum score that multikrum averages (unset: n - f)")
-
-    @pydantic.field_validator("adaptive_clip", mode="before")
-    @classmethod
-    def _off(cls, value: Any) -> Any:
-        """``off`` (a flag's word, or YAML's false) turns the adaptive bound off."""
-        return None if value is False or value == "off" else value
-
-    def robust_aggregator(self) -> Aggregator:
-        """The aggregation rule with its parameters (:mod:`fcl_emu.methods.robust`)."""
-        return Aggregator(self.aggregator, self.trim_fraction, self.byzantine, self.multikrum_keep)
 
 
 class AdaptiveClipping(pydantic.BaseModel):
@@ -543,7 +521,7 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError("--privacy distributed clips to a fixed norm (--dp-clip): adaptive clipping needs the "
                              "count of unclipped updates, which the server cannot see under SecAgg+")
         rounds = self.rounds
-        sampled = math.ceil(rounds.clients_per_round * rounds.overcommit)
+        sampled = rounds.planned_cohort
         noise = DistributedNoise(self.privacy.noise_multiplier, rounds.clients_per_round)
         if not noise.fits(self.secagg.ring_bits, sampled, 1):
             raise ValueError(f"--privacy distributed: a {self.secagg.ring_bits}-bit ring cannot hold the clipped sum "

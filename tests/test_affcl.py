@@ -19,7 +19,8 @@ from fcl_emu.methods import affcl
 from fcl_emu.methods import registry as methods
 from fcl_emu.methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,
                            flow_loss, generated_ce, latent_statistics, mean_density, output_distillation)
-from fcl_emu.methods.base import DELTA, ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.models.backbones import SmallCNNLeaky, SplitBackbone
 from fcl_emu.methods.models.classifier import build_model, resolve_model
 from fcl_emu.methods.models.flows import ConditionalFlow

@@ -11,9 +11,10 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from fcl_emu.coordinator.async_rounds import fedasync_mixing, fedasync_update, fedbuff_update, fedbuff_weight
+from fcl_emu.aggregation.policies.fedasync import fedasync_mixing, fedasync_update
+from fcl_emu.aggregation.policies.fedbuff import fedbuff_update, fedbuff_weight
 from fcl_emu.methods import registry
-from fcl_emu.methods.base import ClientUpdate
+from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.methods.requirements import ASYNC
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.monitoring.results import RunSummary

@@ -8,18 +8,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import pytest
-
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.coordinator.clients import ClientRegistry
 from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock
+from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.guard import LogOnce, RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
+from fcl_emu.coordinator.privacy import run_privacy_part
 from fcl_emu.coordinator.rounds import RoundRunner
 from fcl_emu.coordinator.state import RunState
-from fcl_emu.methods.base import DELTA, ClientPart, ClientUpdate
+from fcl_emu.methods.base import ClientPart
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.scenario.devices import DeviceProfile
@@ -110,7 +113,6 @@ class PlayingDispatcher:
         self.state, self.silent, self.failing = state, set(silent), set(failing)
         self.sent: list[tuple[str, str]] = []
         self.round: OpenRound | None = None
-        self.secure = None
         self.served = 0
 
     def drain(self):
@@ -122,6 +124,9 @@ class PlayingDispatcher:
 
     def side_channel(self, client, task, msg_type, tensors):
         raise AssertionError("no side channel in these rounds")
+
+    def reject(self, exc):
+        raise AssertionError(f"nothing is refused in these rounds: {exc}")
 
     def cancel(self, r, clients):
         self.sent += [(c, "cancel") for c in clients]
@@ -147,8 +152,8 @@ class PlayingDispatcher:
 def runner(state: RunState, **dispatcher) -> tuple[RoundRunner, PlayingDispatcher]:
     fake = PlayingDispatcher(state, **dispatcher)
     fake.clock = make_clock(state, liveness_timeout_s=10.0)
-    stale = StaleUpdates.for_rounds(state.config.rounds.clients_per_round, state.config.rounds.overcommit)
-    return RoundRunner(state, fake, fake.clock, stale), fake
+    stale, privacy = StaleUpdates(state.config.rounds.planned_cohort), run_privacy_part(state.config)
+    return RoundRunner(state, fake, fake.clock, make_collection(state, privacy), stale, privacy), fake
 
 
 @pytest.mark.parametrize("clock", ["real", "emulated"])
@@ -310,8 +315,8 @@ class FakeEndpoint:
 def dispatcher(state: RunState) -> tuple[Dispatcher, FakeEndpoint]:
     endpoint = FakeEndpoint()
     clock = make_clock(state, liveness_timeout_s=10.0)
-    stale = StaleUpdates.for_rounds(3, 1.0)
-    return Dispatcher(state, endpoint, pool=None, clock=clock, stale=stale, rate_limiter=RateLimiter(),
+    return Dispatcher(state, endpoint, pool=None, clock=clock, collection=make_collection(state, None),
+                      stale=StaleUpdates(3), rate_limiter=RateLimiter(),
                       welcome={"run_id": "test", "scenario": {}, "method": "fake", "method_options": {},
                                "model": "fake", "training": {}, "heartbeat_interval_s": 1.0}), endpoint
 
@@ -342,7 +347,7 @@ def test_an_update_goes_into_the_open_round_and_a_late_one_is_counted():
     endpoint.push(ids[3], "update", Update(num_samples=10, train_time_s=0.1, loss=0.5), task=0, round=1,
                   tensors=delta)  # not selected
     d.drain()
-    assert [u.client for u in r.updates] == [ids[0]] and r.train_s[ids[0]] == pytest.approx(0.1)
+    assert [u.client for u in r.updates] == [ids[0]] and r.reported_s[ids[0]] == pytest.approx(0.1)
     assert state.tally.late_updates == 1 and state.registry.records[ids[0]].rounds_trained == 1
 
 
@@ -496,3 +501,51 @@ def test_heartbeats_queued_while_the_coordinator_did_not_listen_are_not_refused_
         endpoint.push(ids[0], "heartbeat", Heartbeat())
     d.drain()
     assert state.tally.rejected["rate_limited"] >= 10
+
+
+# ------------------------------------------------------------------------------------------- one writer per field
+def _open_round_writers() -> dict[str, set[str]]:
+    """For each field of :class:`OpenRound`, the coordinator's files that write it after the round opens: an
+    assignment to ``r.<field>`` (or to an item of it), or a call that changes it in place (``r.failed.add``)."""
+    import ast
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(OpenRound)}
+    changing = {"add", "append", "extend", "update", "discard", "remove", "clear", "pop", "setdefault"}
+    writers: dict[str, set[str]] = {name: set() for name in fields}
+    folder = Path(__file__).resolve().parents[1] / "coordinator"
+
+    def field_of(node) -> str | None:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in fields and isinstance(node.value, ast.Name) \
+                and node.value.id == "r":
+            return node.attr
+        return None
+
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [t for target in targets
+                           for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in changing:
+                targets = [node.func.value]
+            for target in targets:
+                name = field_of(target)
+                if name is not None:
+                    writers[name].add(path.name)
+    return writers
+
+
+def test_every_field_of_the_open_round_has_one_writer():
+    """The round runner fills an open round's first fields when it makes it; after that the dispatcher writes
+    what the clients answered and the clock its timeline and the close, each field from one file."""
+    writers = _open_round_writers()
+    assert {name: files for name, files in writers.items() if len(files) > 1} == {}
+    assert {name for name, files in writers.items() if files == {"dispatch.py"}} == {
+        "updates", "failed", "lost", "masked", "reported_s"}
+    assert {name for name, files in writers.items() if files == {"clock.py"}} == {
+        "started_at", "timeline", "side", "cancelled", "counted", "masked_in_time", "late", "dropped", "train_s",
+        "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s"}

@@ -19,7 +19,7 @@ from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.coordinator.privacy import CentralPrivacy, DistributedPrivacy
 from fcl_emu.coordinator.secure_round import SecureRound
 from fcl_emu.edge_node.node import EdgeNode
-from fcl_emu.methods.base import DELTA, ClientUpdate, DeltaLayout
+from fcl_emu.aggregation.update import DELTA, ClientUpdate, DeltaLayout
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.config import PrivacyConfig
 from fcl_emu.secagg.noise import FAILURE_PROBABILITY, MAX_POISSON_MEAN, DistributedNoise

@@ -16,7 +16,8 @@ from torch import nn
 from fcl_emu.edge_node.store import ArrayStore
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.methods import jobs
-from fcl_emu.methods.base import ClientContext, ClientUpdate, ServerContext, TrainingSettings
+from fcl_emu.aggregation.update import ClientUpdate
+from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
                             distillation_loss, fit_vae, join_vaes, resolve_decoder, split_vaes)
 from fcl_emu.methods.models.classifier import build_model

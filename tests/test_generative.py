@@ -15,7 +15,8 @@ from torch import nn
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.methods import jobs
 from fcl_emu.methods import registry as methods
-from fcl_emu.methods.base import DELTA, ClientUpdate, ServerContext
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.methods.base import ServerContext
 from fcl_emu.methods.datafree import (BatchNormStatistics, adversarial_divergence, bounding_loss, from_uint8,
                               information_entropy_loss, smoothness_prior, soft_target_ce, to_uint8)
 from fcl_emu.methods.lander import RADIUS, TEXT_DIM, bounding_radius, cosine_lr, scaled_embeddings, task_weights

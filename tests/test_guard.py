@@ -6,9 +6,10 @@ import logging
 import numpy as np
 import pytest
 
-from fcl_emu.coordinator.guard import (LogOnce, RateLimiter, clip_to_cohort, clip_update, delta_norm,
-                                       on_refused_handshake)
-from fcl_emu.methods.base import ClientUpdate, fedavg
+from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update, delta_norm
+from fcl_emu.coordinator.guard import LogOnce, on_refused_handshake, RateLimiter
+from fcl_emu.aggregation.combine import fedavg
+from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.runconfig.config import RunConfig
 

@@ -28,13 +28,14 @@ import psutil
 import pytest
 import zmq
 
+from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.guard import RateLimiter
 from fcl_emu.coordinator.open_round import StaleUpdates
 from fcl_emu.coordinator.rounds import RoundRunner
 from fcl_emu.coordinator.state import RunState
-from fcl_emu.methods.base import fedavg
+from fcl_emu.aggregation.combine import fedavg
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import device_keys, events, exit_code, fcl_emu, free_port, raw_header, small_config, wait_for
@@ -384,14 +385,14 @@ def one_round(attack: dict | None = None) -> tuple[RunState, object]:
     ctx = zmq.Context()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
     clock = make_clock(state, liveness_timeout_s=10.0)
-    stale = StaleUpdates.for_rounds(ROUND_CLIENTS, 1.0)
-    dispatch = Dispatcher(state, endpoint, NoPool(), clock, stale, RateLimiter(), welcome=WELCOME)
+    stale, collection = StaleUpdates(ROUND_CLIENTS), make_collection(state, None)
+    dispatch = Dispatcher(state, endpoint, NoPool(), clock, collection, stale, RateLimiter(), welcome=WELCOME)
     cohort = Cohort(ctx, endpoint.address, attack)
     cohort.start()
     try:
         dispatch.serve(lambda: len(state.registry.online()) == ROUND_CLIENTS, time.monotonic() + 30)
         assert len(state.registry.online()) == ROUND_CLIENTS
-        record = RoundRunner(state, dispatch, clock, stale).run_round(0, 0)
+        record = RoundRunner(state, dispatch, clock, collection, stale).run_round(0, 0)
     finally:
         cohort.close()
         endpoint.close()
@@ -432,14 +433,14 @@ class _Forgetful(set):
 def test_without_failing_a_refused_client_at_once_its_round_waits_for_the_deadline(monkeypatch, attack, reason):
     """The audit of the test above: when a refused update no longer fails its client, the same attack holds the
     round until its deadline."""
-    select = RoundRunner._phase_select
+    select = RoundRunner._select
 
     def forgetting(self, task, task_round):
         r = select(self, task, task_round)
         r.failed = _Forgetful()
         return r
 
-    monkeypatch.setattr(RoundRunner, "_phase_select", forgetting)
+    monkeypatch.setattr(RoundRunner, "_select", forgetting)
     state, attacked = one_round(attack)
     assert state.tally.rejected == {reason: 1} and attacked.duration_s >= DEADLINE_S
 
@@ -452,7 +453,7 @@ def frames_refused(frames: int) -> tuple[RunState, int, float]:
     ctx = zmq.Context()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
     dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
-                          StaleUpdates.for_rounds(3, 1.0), RateLimiter(), welcome=WELCOME)
+                          make_collection(state, None), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
     peer = ClientEndpoint(ctx, endpoint.address, client_id(1))
     try:
         peer.sock.send_multipart([peer.encode("heartbeat", Heartbeat())[0]] + [b""] * frames)
@@ -527,7 +528,7 @@ def test_a_strangers_messages_never_reach_the_coordinator(tmp_path, allowlist):
     state = make_state()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0", keys=server_keys)
     dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
-                          StaleUpdates.for_rounds(3, 1.0), RateLimiter(), welcome=WELCOME)
+                          make_collection(state, None), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
     other = write_run_keys(tmp_path / "other", [[0, 1]])
     stranger = ClientEndpoint(ctx, endpoint.address, client_id(1), keys=ClientKeyring(
         keys / "coordinator.key", other / "node-0.key_secret").for_identity(client_id(1)))

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import registry
-from fcl_emu.methods.base import DELTA, ClientContext, ClientPart, ClientUpdate, ServerContext, TrainingSettings, fedavg
+from fcl_emu.aggregation.combine import fedavg
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.methods.base import ClientContext, ClientPart, ServerContext, TrainingSettings
 from fcl_emu.methods.fedewc import (CONSOLIDATED, FISHER, PENDING, THETA, FedEWCClient, FedEWCOptions, cap_fisher,
                             empirical_fisher, ewc_penalty, merge_fisher)
 from fcl_emu.methods.fedlwf2t import (LAST, OLD, OLD_ASSET, FedLwF2TClient, FedLwF2TOptions, FedLwF2TServer, kd_loss)
@@ -306,6 +308,6 @@ def test_methods_whose_jobs_leave_client_state_say_so():
 
     for name in registry.names():
         client = registry.get(name).client
-        source = "".join(inspect.getsource(k) for k in client.__mro__ if k.__module__.startswith("methods.")
+        source = "".join(inspect.getsource(k) for k in client.__mro__ if k.__module__.startswith("fcl_emu.methods.")
                          and k.__name__ != "ClientPart")
         assert client.keeps_state == ("ctx.store" in source or "ctx.state" in source), name

@@ -14,7 +14,7 @@ import pytest
 from fcl_emu.coordinator.privacy import (CentralPrivacy, PrivacyAccountant, adaptive_clip, delta_noise_multiplier,
                                  run_privacy)
 from fcl_emu import options
-from fcl_emu.methods.base import DELTA, ClientUpdate, DeltaLayout
+from fcl_emu.aggregation.update import DELTA, ClientUpdate, DeltaLayout
 from fcl_emu.monitoring.results import RoundRecord, RunSummary
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.runconfig.config import PrivacyConfig

@@ -21,7 +21,8 @@ from fcl_emu.coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.methods import registry as methods
-from fcl_emu.methods.base import DELTA, ClientUpdate, ServerContext
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.methods.base import ServerContext
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
 from tests.conftest import device_keys, events, fcl_emu, free_port, kill_left, small_config, wait_for

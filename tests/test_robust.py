@@ -4,9 +4,14 @@ configuration lets them aggregate."""
 import numpy as np
 import pytest
 
-from fcl_emu.methods.base import ClientUpdate, fedavg
-from fcl_emu.methods.robust import Aggregator, bulyan, coordinate_median, krum, krum_scores, multikrum, trimmed_mean, \
-    weighted_mean
+from fcl_emu.aggregation.combine import fedavg
+from fcl_emu.aggregation.update import ClientUpdate
+from fcl_emu.aggregation.rules import Aggregator
+from fcl_emu.aggregation.rules.bulyan import bulyan
+from fcl_emu.aggregation.rules.krum import krum, krum_scores, multikrum
+from fcl_emu.aggregation.rules.mean import weighted_mean
+from fcl_emu.aggregation.rules.median import coordinate_median
+from fcl_emu.aggregation.rules.trimmed_mean import trimmed_mean
 from fcl_emu.options import overrides
 from fcl_emu.runconfig.config import RunConfig, load_config
 

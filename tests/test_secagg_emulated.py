@@ -16,7 +16,7 @@ from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.secure_round import SecureRound
 from fcl_emu.coordinator.secure_timeline import SecureTimeline
-from fcl_emu.methods.base import DELTA, DeltaLayout
+from fcl_emu.aggregation.update import DELTA, DeltaLayout
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.devices import DeviceProfile
 from fcl_emu.scenario.network_trace import BandwidthTrace
@@ -115,7 +115,7 @@ def test_a_client_off_between_masked_input_and_unmasking_stays_in_the_sum(tmp_pa
     assert timeline.phase_s == pytest.approx({p: 1.0 for p in ("advertise_keys", "share_keys", "masked_input",
                                                                "unmasking")})
     assert np.allclose(outcome.delta[DELTA + "w"], fed.mean(EVERYONE), atol=1e-4)
-    assert r.masked == set(EVERYONE) and timeline.opened == pytest.approx(4.0)
+    assert timeline.masked == set(EVERYONE) and timeline.opened == pytest.approx(4.0)
 
 
 def test_a_masked_input_past_the_deadline_is_left_out_and_its_masks_removed(tmp_path):

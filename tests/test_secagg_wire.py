@@ -23,7 +23,8 @@ from fcl_emu.secagg.protocol import Quantizer, SecAggError
 from fcl_emu.secagg.settings import SecAggSettings
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.methods import registry
-from fcl_emu.methods.base import DELTA, DeltaLayout, ServerPart
+from fcl_emu.aggregation.update import DELTA, DeltaLayout
+from fcl_emu.methods.base import ServerPart
 from tests.conftest import events, fcl_emu, keyed, raw_header, small_config
 from fcl_emu.wire.auth import ClientKeyring
 from fcl_emu.monitoring.results import RunSummary

@@ -39,7 +39,7 @@ def parse_shares(text: str) -> list[float]:
 
 
 def parse_aggregations(text: str) -> list[str]:
-    from fcl_emu.runconfig.aggregation import AggregationSettings
+    from fcl_emu.aggregation.settings import AggregationSettings
 
     kinds = [t.strip() for t in text.split(",") if t.strip()]
     allowed = AggregationSettings.model_fields["kind"].annotation.__args__

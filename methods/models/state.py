@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["StateError", "state_to_arrays", "load_arrays", "delta_arrays", "apply_delta", "wire_dtype"]
+__all__ = ["StateError", "state_to_arrays", "load_arrays", "delta_arrays", "apply_delta", "wire_dtype", "read_only",
+           "strip_prefix", "model_arrays", "head_size"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -235,3 +236,30 @@ def apply_delta(arrays: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray
         else:
             out[k] = np.array(d, copy=True)
     return out
+
+
+def read_only(arrays: Mapping[str, np.ndarray], copy: bool = True) -> Arrays:
+    """The arrays made read-only (copied first unless ``copy`` is False): a server part's state is sent
+    zero-copy, so it must never change after sending."""
+    out = {}
+    for k, v in arrays.items():
+        a = np.array(v, copy=True) if copy else v
+        a.flags.writeable = False
+        out[k] = a
+    return out
+
+
+def strip_prefix(arrays: Mapping[str, np.ndarray], prefix: str) -> Arrays:
+    """The tensors whose names start with ``prefix``, under the rest of their names."""
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def model_arrays(arrays: Mapping[str, np.ndarray]) -> Arrays:
+    """The classifier's own tensors of a received state: state-dict keys never hold a '/', method tensors
+    that ride along (``<method>/...``, such as LANDER's projector) always do."""
+    return {k: v for k, v in arrays.items() if "/" not in k}
+
+
+def head_size(arrays: Mapping[str, np.ndarray]) -> int:
+    """The classes of the head in a classifier's state (0 without a head)."""
+    return int(arrays[_HEAD_W].shape[0]) if _HEAD_W in arrays else 0

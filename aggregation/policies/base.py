@@ -1,0 +1,45 @@
+"""What a round policy is (:class:`RoundPolicy`), and the registry of policies by name (:func:`register`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from fcl_emu.aggregation.update import Arrays, ClientUpdate
+
+
+class RoundPolicy:
+    """When the server aggregates, and what an update weighs for its staleness.
+
+    A synchronous policy aggregates each round's cohort once it has answered. An asynchronous one keeps
+    ``concurrency`` clients training, takes their updates as they arrive on the emulated clock and aggregates every
+    :attr:`needed` of them, each through :meth:`weigh`; staleness is counted in server model versions (how many
+    aggregations happened between the version a client was sent and the one its update is applied to)."""
+
+    name: ClassVar[str]
+    asynchronous: ClassVar[bool] = True
+    keeps_sent_models: ClassVar[bool] = False  # weigh() needs the model each client was sent
+
+    def __init__(self, settings: Any):  # fcl_emu.aggregation.settings.AggregationSettings
+        self.settings = settings
+
+    @property
+    def needed(self) -> int:
+        """Updates per aggregation."""
+        return 1
+
+    def weigh(self, update: ClientUpdate, staleness: int, sent: Arrays | None, current: Arrays
+              ) -> tuple[ClientUpdate, float]:
+        """The update as the method's aggregate should take it, and its weight (for the round's event); ``sent``:
+        the model the client trained from (where :attr:`keeps_sent_models`), ``current``: the global model now."""
+        raise NotImplementedError(f"{self.name} aggregates rounds, not single updates")
+
+
+POLICIES: dict[str, type[RoundPolicy]] = {}
+
+
+def register(policy: type[RoundPolicy]) -> type[RoundPolicy]:
+    """Class decorator: make ``policy`` available under its ``name`` (``--aggregation NAME``)."""
+    if policy.name in POLICIES:
+        raise ValueError(f"round policy {policy.name!r} is registered twice")
+    POLICIES[policy.name] = policy
+    return policy

@@ -1,0 +1,43 @@
+"""FedAsync (Xie, Koyejo and Gupta, "Asynchronous Federated Optimization", 2019, eq. "x <- (1 - a_t) x + a_t
+x_new"): every kept update is mixed in on arrival, ``a_t = alpha * (1 + t) ** -a`` (:func:`fedasync_mixing`, the
+paper's polynomial staleness function), where ``x_new`` is the client's model: the version it was sent plus its
+delta."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcl_emu.aggregation.policies.base import RoundPolicy, register
+from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
+
+
+def fedasync_mixing(alpha: float, exponent: float, staleness: int) -> float:
+    """FedAsync's mixing weight ``alpha * (1 + staleness) ** -exponent`` (polynomial staleness function)."""
+    return alpha * (1.0 + staleness) ** -exponent
+
+
+def fedasync_update(update: ClientUpdate, staleness: int, alpha: float, exponent: float, sent: Arrays,
+                    current: Arrays) -> ClientUpdate:
+    """The update as the delta that takes the current model ``x`` to ``(1 - a) x + a (sent + delta)``."""
+    a = fedasync_mixing(alpha, exponent, staleness)
+    out = {}
+    for key, value in update.tensors.items():
+        name = key[len(DELTA):]
+        if key.startswith(DELTA) and value.dtype.kind == "f" and name in current:
+            mixed = a * (sent[name].astype(np.float64) + value - current[name])
+            out[key] = mixed.astype(value.dtype)
+        else:
+            out[key] = value
+    return update.with_tensors(out)
+
+
+@register
+class FedAsync(RoundPolicy):
+    name = "fedasync"
+    keeps_sent_models = True
+
+    def weigh(self, update: ClientUpdate, staleness: int, sent: Arrays | None, current: Arrays
+              ) -> tuple[ClientUpdate, float]:
+        s = self.settings
+        return (fedasync_update(update, staleness, s.async_alpha, s.async_staleness_exponent, sent, current),
+                fedasync_mixing(s.async_alpha, s.async_staleness_exponent, staleness))

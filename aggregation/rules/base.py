@@ -1,0 +1,63 @@
+"""What every aggregation rule is: a pure function of weighted deltas, registered by name (:func:`register`).
+
+A rule takes ``updates``, a list of ``(weight, delta)`` pairs (weight: the client's sample count; delta:
+``{name: float array}``, the same names and shapes in every pair) and the run's :class:`RuleParams`, and returns
+one delta of the same names and shapes in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+Delta = Mapping[str, np.ndarray]
+Weighted = Sequence[tuple[float, Delta]]
+
+
+@dataclass(frozen=True)
+class RuleParams:
+    """The rules' parameters as the run sets them: ``trim`` (trimmed_mean), ``f`` the hostile updates a round must
+    withstand (krum, multikrum, bulyan), ``m`` (multikrum; None: ``n - f``)."""
+
+    trim: float = 0.1
+    f: int = 1
+    m: int | None = None
+
+
+class Rule:
+    """One aggregation rule. Subclasses set ``name``, implement :meth:`combine` and, where the rule needs more than
+    one update, :meth:`min_updates`."""
+
+    name: ClassVar[str]
+
+    def min_updates(self, params: RuleParams) -> int:
+        """The fewest updates the rule can combine (fewer: the round is skipped)."""
+        return 1
+
+    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+RULES: dict[str, Rule] = {}
+
+
+def register(rule: type[Rule]) -> type[Rule]:
+    """Class decorator: make ``rule`` available under its ``name`` (``--aggregator NAME``)."""
+    if rule.name in RULES:
+        raise ValueError(f"aggregation rule {rule.name!r} is registered twice")
+    RULES[rule.name] = rule()
+    return rule
+
+
+def names(updates: Weighted) -> list[str]:
+    if not updates:
+        raise ValueError("no update to aggregate")
+    return list(updates[0][1])
+
+
+def stacked(updates: Weighted, name: str) -> np.ndarray:
+    """The ``name`` tensors of every update as one float64 array of shape ``(n, *shape)``."""
+    return np.stack([np.asarray(d[name], np.float64) for _, d in updates])

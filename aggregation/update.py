@@ -1,0 +1,83 @@
+"""A client's update as the server sees it (:class:`ClientUpdate`), and the model delta as one flat vector
+(:class:`DeltaLayout`, what secure aggregation sums).
+
+Upload tensors are named ``delta/<param>`` for the model delta and ``<method>/<name>`` for a method's extras.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+DELTA = "delta/"
+
+
+@dataclass
+class ClientUpdate:
+    """One client's upload as the server part sees it."""
+
+    client: str
+    num_samples: int
+    tensors: Mapping[str, np.ndarray]
+    loss: float = float("nan")
+    metrics: Mapping[str, float] = field(default_factory=dict)  # the method's own terms, as reported
+
+    def delta(self) -> Arrays:
+        return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
+
+    def with_tensors(self, tensors: Mapping[str, np.ndarray]) -> ClientUpdate:
+        """The same client's update carrying ``tensors`` instead (clipped, weighted, mixed)."""
+        return ClientUpdate(self.client, self.num_samples, tensors, self.loss, self.metrics)
+
+
+@dataclass(frozen=True)
+class DeltaLayout:
+    """The model delta as one flat float vector: what secure aggregation sums.
+
+    The float tensors of the model, in name order, each flattened. Integer
+    buffers (BatchNorm's step counter) are not summable and stay out: under
+    secure aggregation the server keeps its own value of them.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, model: Mapping[str, np.ndarray]) -> DeltaLayout:
+        names = tuple(sorted(k for k, v in model.items() if v.dtype.kind == "f"))
+        return cls(names, tuple(tuple(model[k].shape) for k in names))
+
+    @property
+    def dim(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def flatten(self, uploads: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The ``delta/<name>`` tensors of an upload as one float32 vector (ValueError if they do not fit)."""
+        got = {k[len(DELTA):] for k in uploads if k.startswith(DELTA)} & set(self.names)
+        if got != set(self.names):
+            raise ValueError(f"the upload lacks the deltas of {sorted(set(self.names) - got)[:3]}")
+        out = np.empty(self.dim, np.float32)
+        at = 0
+        for name, shape in zip(self.names, self.shapes):
+            value = uploads[DELTA + name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"delta {name!r} has shape {list(value.shape)}, the model has {list(shape)}")
+            out[at:at + value.size] = value.reshape(-1)
+            at += value.size
+        return out
+
+    def unflatten(self, vector: np.ndarray) -> Arrays:
+        """The inverse of :meth:`flatten`: ``{delta/<name>: float32 array}``."""
+        if vector.shape != (self.dim,):
+            raise ValueError(f"a vector of shape {vector.shape} does not fit a delta of {self.dim} values")
+        out, at = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            out[DELTA + name] = vector[at:at + size].astype(np.float32).reshape(shape)
+            at += size
+        return out
