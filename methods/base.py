@@ -32,9 +32,9 @@ sender's identity (GLFC's prototype gradients).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import pydantic
@@ -42,12 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fcl_emu.methods.models.classifier import IncrementalClassifier
-from fcl_emu.methods.models.state import delta_arrays, head_size, load_arrays, model_arrays, read_only, state_to_arrays
-from fcl_emu.methods.optim import LocalSGD
 from fcl_emu.aggregation.combine import fedavg
 from fcl_emu.aggregation.rules import MEAN, Aggregator
 from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
+from fcl_emu.methods.models.classifier import IncrementalClassifier
+from fcl_emu.methods.models.state import (delta_arrays, head_size, load_arrays, model_arrays, read_only,
+                                          state_to_arrays)
+from fcl_emu.methods.optim import LocalSGD
+
+if TYPE_CHECKING:
+    from fcl_emu.scenario.scenario import Scenario
 
 
 class Options(pydantic.BaseModel):
@@ -71,17 +75,40 @@ class TrainingSettings:
     weight_decay: float = 0.0
 
 
+class JobRun(Protocol):
+    """What a server-side job comes back as (the coordinator's ``gpu_pool.Job``): its output tensors and metrics."""
+
+    outputs: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+
+class RunJob(Protocol):
+    def __call__(self, kind: str, inputs: dict[str, np.ndarray], options: dict | None = None) -> JobRun:
+        """Run a job of ``kind`` (methods/jobs.py) on the coordinator's GPU workers and wait for it; raises if it
+        failed after its retries."""
+
+
+class ClientStore(Protocol):
+    """A client's persistent large arrays (the edge node's ``store.ArrayStore``: disk-backed, like a device's
+    flash)."""
+
+    def save(self, name: str, arrays: Mapping[str, np.ndarray]) -> None: ...
+
+    def load(self, name: str) -> dict[str, np.ndarray] | None: ...
+
+
+BuildModel = Callable[[int], IncrementalClassifier]  # a model of the run with that many classes
+
+
 @dataclass
 class ServerContext:
     """What a server part may use: its options, the scenario, a model builder, and the GPU worker pool."""
 
     options: Options
-    scenario: Any  # scenario.scenario.Scenario
-    build_model: Any  # Callable[[int], IncrementalClassifier]: model with that many classes
+    scenario: Scenario | None  # None: a server part built without a scenario (tools, tests)
+    build_model: BuildModel
     seed: int = 0
-    # run_job(kind, inputs, options) -> coordinator.gpu_pool.Job (.outputs, .metrics): a server-side job
-    # (methods/jobs.py) on the coordinator's GPU workers; raises if it failed after its retries
-    run_job: Any = None
+    run_job: RunJob | None = None  # server-side jobs (methods/jobs.py) on the coordinator's GPU workers
     model_name: str = "cnn"  # the concrete model (methods.models.classifier.BACKBONES): jobs rebuild it by name
     input_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the scenario's images
     rounds_per_task: int = 1
@@ -209,8 +236,8 @@ class ClientContext:
     global_state: Mapping[str, np.ndarray]
     assets: Mapping[str, np.ndarray]
     state: dict[str, Any]
-    store: Any  # edge_node.store.ArrayStore
-    build_model: Any  # Callable[[int], IncrementalClassifier]
+    store: ClientStore
+    build_model: BuildModel
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mean: tuple[float, ...] = (0.0,)  # the data set's per-channel normalisation (x is already normalised)
     std: tuple[float, ...] = (1.0,)
@@ -221,7 +248,7 @@ class ClientContext:
     metrics: dict[str, float] = field(default_factory=dict)  # method metrics of this job, reported upstream
     # side-channel messages of this job, by kind (ServerPart.side_channels): {kind: (items, tensors)}
     outbox: dict[str, tuple[int, Arrays]] = field(default_factory=dict)
-    cancelled: Any = lambda: False  # Callable[[], bool]: the coordinator cancelled this job (checked per batch)
+    cancelled: Callable[[], bool] = lambda: False  # the coordinator cancelled this job (checked per batch)
 
     def frozen_model(self, arrays: Mapping[str, np.ndarray]) -> IncrementalClassifier:
         """A model in eval mode with these weights (method tensors ``<method>/...`` ignored) and no

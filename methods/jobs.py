@@ -43,9 +43,12 @@ JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.devic
 _JOBS: dict[str, JobFunction] = {}
 _LABELS: dict[str, str] = {}  # kind -> what the job makes, in a word or two (the progress display, events)
 
-# kind prefix -> module that registers its jobs (imported on first use, by workers too)
-JOB_MODULES = {prefix: f"fcl_emu.methods.{'jobs' if prefix == 'device' else prefix}"
-               for prefix in ("device", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc")}
+def _module(prefix: str) -> str | None:
+    """The module that registers the jobs ``<prefix>.*`` (imported on first use, by workers too): a built-in
+    method's own module, or this one for ``device.*``."""
+    from fcl_emu.methods.registry import BUILTIN
+
+    return __name__ if prefix == "device" else f"fcl_emu.methods.{prefix}" if prefix in BUILTIN else None
 
 
 def job(kind: str, label: str | None = None) -> Callable[[JobFunction], JobFunction]:
@@ -62,7 +65,7 @@ def job(kind: str, label: str | None = None) -> Callable[[JobFunction], JobFunct
 
 def kinds(prefix: str) -> dict[str, JobFunction]:
     """The job kinds ``<prefix>.*`` (a method's name: its server-side jobs), their module imported."""
-    module = JOB_MODULES.get(prefix)
+    module = _module(prefix)
     if module is not None:
         importlib.import_module(module)
     return {kind: fn for kind, fn in sorted(_JOBS.items()) if kind.startswith(prefix + ".")}
@@ -78,7 +81,7 @@ def label(kind: str) -> str:
 
 
 def get(kind: str) -> JobFunction:
-    module = JOB_MODULES.get(kind.split(".", 1)[0])
+    module = _module(kind.split(".", 1)[0])
     if module is not None:
         importlib.import_module(module)
     try:

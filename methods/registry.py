@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from fcl_emu.methods import requirements
 from fcl_emu.methods.base import ClientPart, Options, ServerPart
 
-BUILTIN_MODULES = tuple(f"fcl_emu.methods.{name}" for name in (
-    "fedavg", "fedprox", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc"))
+# The built-in methods, each the module fcl_emu.methods.<name>: the one place a new method is listed (its module
+# registers its spec, and its server-side jobs under <name>.<kind>, methods/jobs.py).
+BUILTIN = ("fedavg", "fedprox", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc")
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 
 def _load_builtins() -> None:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+    for name in BUILTIN:
+        importlib.import_module(f"fcl_emu.methods.{name}")
 
 
 def get(name: str) -> MethodSpec:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.coordinator.clients import ClientRegistry
 from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock

@@ -280,3 +280,35 @@ def test_delta_layout_round_trips_and_names_what_does_not_fit():
         layout.flatten({**upload, DELTA + "a.weight": np.ones(6, np.float32)})
     with pytest.raises(ValueError, match="does not fit"):
         layout.unflatten(np.zeros(7))
+
+
+def test_the_wire_s_secagg_params_are_the_protocol_s_round_params():
+    """``wire.messages.SecAggParams`` mirrors ``secagg.protocol.RoundParams`` (``round`` is ``round_id``): the
+    same fields in the same order with the same types, and the noise's likewise, so a field added to one side
+    alone fails here; a setup's params encode to the same bytes through either and decode back to equal params."""
+    import dataclasses
+    import typing
+
+    from fcl_emu.secagg.noise import DistributedNoise
+    from fcl_emu.secagg.protocol import RoundParams
+    from fcl_emu.wire.messages import SecAggNoise, SecAggParams
+
+    def wire_fields(struct) -> list[tuple[str, object]]:
+        hints = typing.get_type_hints(struct)
+        return [(name, hints[name]) for name in struct.__struct_fields__]
+
+    def protocol_fields(cls, rename=None) -> list[tuple[str, object]]:
+        hints = typing.get_type_hints(cls)
+        return [((rename or {}).get(f.name, f.name), hints[f.name]) for f in dataclasses.fields(cls)]
+
+    wire, protocol = wire_fields(SecAggParams), protocol_fields(RoundParams, {"round_id": "round"})
+    assert [n for n, _ in wire] == [n for n, _ in protocol]
+    assert [t for n, t in wire if n != "noise"] == [t for n, t in protocol if n != "noise"]
+    assert dict(wire)["noise"] == SecAggNoise | None and dict(protocol)["noise"] == DistributedNoise | None
+    assert wire_fields(SecAggNoise) == protocol_fields(DistributedNoise)
+    for noise in (None, DistributedNoise(1.1, 8)):
+        params = RoundParams(round_id=2**63 + 5, n=8, dim=1000, neighbors=6, threshold=4, ring_bits=32, clip=2.5,
+                             max_weight=1 if noise else 300, noise=noise)
+        on_wire = msgspec.convert(params.to_dict(), SecAggParams)
+        assert msgspec.msgpack.encode(on_wire) == msgspec.msgpack.encode(params.to_dict())
+        assert RoundParams.from_dict(msgspec.to_builtins(on_wire)) == params

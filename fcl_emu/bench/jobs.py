@@ -1,7 +1,7 @@
 """``fcl-emu bench jobs``: every server-side job kind on a small budget, its floating-point work and speed
 against this machine's own measured peak.
 
-Each job kind the methods register (``methods.jobs.JOB_MODULES``) runs on
+Each job kind the methods register (``methods.jobs.kinds``) runs on
 synthetic inputs of MNIST's shape (28x28 grey images; 10 classes, or ``classes``) for
 ``budget`` steps of its own unit (epochs, L-BFGS steps, generator
 iterations, synthesis rounds). Its floating-point work is counted by
@@ -38,7 +38,7 @@ from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcl_emu.bench.report import emit
-from fcl_emu.methods import jobs
+from fcl_emu.methods import jobs, registry
 
 SHAPE = (1, 28, 28)
 CLASSES = 10  # the inputs' classes by default (MNIST's); `--classes`
@@ -208,7 +208,7 @@ def profile_job(kind: str, profile: Profile, budget: int, variant: dict[str, Any
 
 def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int, csv_path: Path,
         json_path: Path | None, console: Console, repeat: int = 1, classes: int = CLASSES) -> dict:
-    known = sorted({k for prefix in jobs.JOB_MODULES for k in jobs.kinds(prefix)})
+    known = sorted({k for prefix in ("device", *registry.BUILTIN) for k in jobs.kinds(prefix)})
     unknown = sorted(set(kinds or []) - set(known))
     if unknown:
         raise ValueError(f"unknown job kind {', '.join(unknown)}; known: {', '.join(known)}")
