@@ -7,7 +7,6 @@ hand it to a forked process (``fcl_emu/launchers/zygote.py``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import signal
@@ -16,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fcl_emu.runtime.process import (ArgsError, check, check_keys, check_metrics, exit_with_parent, fail, parse_with,
-                             setup_logging, setup_process, warn_insecure)
+from fcl_emu.runtime.flags import Flags, flag
+from fcl_emu.runtime.process import (ArgsError, check, check_keys, check_metrics, exit_with_parent, fail, setup_logging,
+                                     setup_process, warn_insecure)
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.wire.sockets import check_endpoint
 
@@ -51,41 +51,31 @@ def format_client_set(indices: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-# each flag's help, shared by ``python -m fcl_emu.edge_node`` and ``fcl-emu node``
-HELP = {
-    "connect": "Coordinator endpoint, e.g. tcp://HOST:5555.",
-    "clients": "Client indices hosted here, e.g. 0-149 or 0,5,7-9.",
-    "data_root": "Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or ./data).",
-    "name": "Node name (default node-<pid>).",
-    "threads": "Torch threads for local training.",
-    "metrics_port": "Serve this node's Prometheus /metrics on this port.",
-    "metrics_host": "Address /metrics listens on.",
-    "metrics_linger": "Seconds to keep /metrics up after the clients shut down.",
-    "parent_pid": "Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).",
-    "server_key": "The coordinator's public key file (coordinator.key from `fcl-emu keys`).",
-    "key": "This side's secret key file (<name>.key_secret from `fcl-emu keys`), or a directory of per-device "
-           "keys (<client>.key_secret).",
-    "insecure": "Connect over plain TCP without keys (a coordinator started with --insecure).",
-}
-
-
 @dataclass(frozen=True)
-class NodeArgs:
-    """What one edge-node process runs with; checked when made (:class:`ArgsError` naming the flag)."""
+class NodeArgs(Flags, prog="python -m fcl_emu.edge_node",
+               description="Run one edge node hosting many emulated clients."):
+    """What one edge-node process runs with, each field one flag (:mod:`fcl_emu.runtime.flags`); checked when made
+    (:class:`ArgsError` naming the flag)."""
 
-    connect: str
-    clients: tuple[int, ...]
-    data_roots: tuple[Path, ...] = ()  # none: $FCL_EMU_DATA_ROOT or ./data
-    name: str | None = None
-    threads: int = 1
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_linger: float = 0.0
-    parent_pid: int | None = None
-    server_key: Path | None = None
-    key: Path | None = None
-    insecure: bool = False
-    verbose: bool = False
+    connect: str = flag("Coordinator endpoint, e.g. tcp://HOST:5555.")
+    clients: tuple[int, ...] = flag("Client indices hosted here, e.g. 0-149 or 0,5,7-9.", parse=parse_client_set,
+                                    format=format_client_set)
+    data_roots: tuple[Path, ...] = flag("Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or "
+                                        "./data).", default=(), repeat="--data-root")
+    name: str | None = flag("Node name (default node-<pid>).", default=None)
+    threads: int = flag("Torch threads for local training.", default=1)
+    metrics_port: int | None = flag("Serve this node's Prometheus /metrics on this port.", default=None)
+    metrics_host: str = flag("Address /metrics listens on.", default="127.0.0.1")
+    metrics_linger: float = flag("Seconds to keep /metrics up after the clients shut down.", default=0.0)
+    parent_pid: int | None = flag("Exit as soon as this process, the node's parent, is gone (set by `fcl-emu up`).",
+                                  default=None)
+    server_key: Path | None = flag("The coordinator's public key file (coordinator.key from `fcl-emu keys`).",
+                                   default=None)
+    key: Path | None = flag("This side's secret key file (<name>.key_secret from `fcl-emu keys`), or a directory of "
+                            "per-device keys (<client>.key_secret).", default=None)
+    insecure: bool = flag("Connect over plain TCP without keys (a coordinator started with --insecure).",
+                          default=False)
+    verbose: bool = flag("Log progress (INFO and up).", default=False, alias="-v")
 
     def __post_init__(self) -> None:
         assign = object.__setattr__  # any sequence of clients, sorted; path strings as Paths
@@ -106,57 +96,6 @@ class NodeArgs:
     def with_paths(self, server_key: Path | str, key: Path | str) -> NodeArgs:
         """These arguments with the key files at other paths (where a container sees them)."""
         return dataclasses.replace(self, server_key=Path(server_key), key=Path(key))
-
-    def to_argv(self) -> list[str]:
-        """The flags of ``python -m fcl_emu.edge_node`` (and of ``fcl-emu node``) that give these arguments back."""
-        argv = ["--connect", self.connect, "--clients", format_client_set(self.clients)]
-        if self.name is not None:
-            argv += ["--name", self.name]
-        if self.insecure:
-            argv.append("--insecure")
-        else:
-            argv += ["--server-key", str(self.server_key), "--key", str(self.key)]
-        if self.parent_pid is not None:
-            argv += ["--parent-pid", str(self.parent_pid)]
-        for root in self.data_roots:
-            argv += ["--data-root", str(root)]
-        if self.threads != 1:
-            argv += ["--threads", str(self.threads)]
-        if self.metrics_port is not None:
-            argv += ["--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host,
-                     "--metrics-linger", repr(self.metrics_linger)]
-        if self.verbose:
-            argv.append("--verbose")
-        return argv
-
-    @classmethod
-    def from_argv(cls, argv: Sequence[str] | None = None) -> NodeArgs:
-        """The arguments of ``argv`` (default ``sys.argv[1:]``); a bad value exits 2 with the usage and one line
-        naming the flag, as argparse does."""
-        return parse_with(_parser(), argv, lambda ns: cls(
-            connect=ns.connect, clients=parse_client_set(ns.clients), data_roots=ns.data_root, name=ns.name,
-            threads=ns.threads, metrics_port=ns.metrics_port, metrics_host=ns.metrics_host,
-            metrics_linger=ns.metrics_linger, parent_pid=ns.parent_pid, server_key=ns.server_key, key=ns.key,
-            insecure=ns.insecure, verbose=ns.verbose))
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fcl_emu.edge_node",
-                                     description="Run one edge node hosting many emulated clients.")
-    parser.add_argument("--connect", required=True, help=HELP["connect"])
-    parser.add_argument("--clients", required=True, help=HELP["clients"])
-    parser.add_argument("--data-root", type=Path, action="append", default=[], help=HELP["data_root"])
-    parser.add_argument("--name", help=HELP["name"])
-    parser.add_argument("--threads", type=int, default=1, help=HELP["threads"])
-    parser.add_argument("--metrics-port", type=int, help=HELP["metrics_port"])
-    parser.add_argument("--metrics-host", default="127.0.0.1", help=HELP["metrics_host"])
-    parser.add_argument("--metrics-linger", type=float, default=0.0, help=HELP["metrics_linger"])
-    parser.add_argument("--parent-pid", type=int, help=HELP["parent_pid"])
-    parser.add_argument("--server-key", type=Path, help=HELP["server_key"])
-    parser.add_argument("--key", type=Path, help=HELP["key"])
-    parser.add_argument("--insecure", action="store_true", help=HELP["insecure"])
-    parser.add_argument("--verbose", "-v", action="store_true")
-    return parser
 
 
 def run_node(args: NodeArgs) -> int:

@@ -9,22 +9,18 @@ container image.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, Optional
 
 import pydantic
 import typer
 from rich.console import Console
 
-from fcl_emu.coordinator.gpu_worker_args import HELP as WORKER_HELP
-from fcl_emu.edge_node.args import HELP as NODE_HELP
 from fcl_emu import options
 from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, writable
 from fcl_emu.runconfig import RunConfig, load_config
-from fcl_emu.runtime.process import ArgsError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -33,7 +29,6 @@ image_app = typer.Typer(no_args_is_help=True, help="The container image of edge 
                                                    "Prometheus (docs/containers.md).")
 app.add_typer(image_app, name="image")
 app.add_typer(cluster_app, name="cluster")
-T = TypeVar("T")
 
 
 @app.callback()
@@ -129,7 +124,6 @@ def _logging(verbose: bool) -> None:
 
 
 ClientsOpt = options.elsewhere("clients")
-DataRootOpt = options.elsewhere("data_root")
 
 
 @app.command()
@@ -190,59 +184,26 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
         f"{files.run_id}), Prometheus on port {PROMETHEUS_PORT}", markup=False, highlight=False)
 
 
-def _args(make: Callable[[], T]) -> T:
-    """The arguments object ``make`` builds; a bad value is typer's usage error naming the flag."""
-    try:
-        return make()
-    except ArgsError as exc:
-        raise typer.BadParameter(str(exc), param_hint=exc.flag) from None
+# `node` and `gpu-worker` take no options of their own: their arguments go to the argparse parser of the object
+# they build (its fields are the flags), --help included
+PASS_ON = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-@app.command("gpu-worker", hidden=True)
-def gpu_worker(
-    connect: Annotated[str, typer.Option(help=WORKER_HELP["connect"])],
-    index: Annotated[int, typer.Option(help=WORKER_HELP["index"])],
-    device: Annotated[str, typer.Option(help=WORKER_HELP["device"])] = "auto",
-    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help=WORKER_HELP["parent_pid"])] = None,
-    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help=WORKER_HELP["metrics_port"])] = None,
-    metrics_host: Annotated[str, typer.Option("--metrics-host", help=WORKER_HELP["metrics_host"])] = "127.0.0.1",
-    metrics_linger: Annotated[float, typer.Option("--metrics-linger", help=WORKER_HELP["metrics_linger"])] = 0.0,
-    server_key: Annotated[Optional[Path], typer.Option("--server-key", help=WORKER_HELP["server_key"])] = None,
-    key: Annotated[Optional[Path], typer.Option("--key", help=WORKER_HELP["key"])] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-) -> None:
+@app.command("gpu-worker", hidden=True, context_settings=PASS_ON)
+def gpu_worker(ctx: typer.Context) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
     from fcl_emu.coordinator.gpu_worker import run_worker
     from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
 
-    raise typer.Exit(run_worker(_args(lambda: GpuWorkerArgs(
-        connect, index, device, parent_pid=parent_pid, metrics_port=metrics_port, metrics_host=metrics_host,
-        metrics_linger=metrics_linger, server_key=server_key, key=key, verbose=verbose))))
+    raise typer.Exit(run_worker(GpuWorkerArgs.from_argv(ctx.args, prog="fcl-emu gpu-worker")))
 
 
-@app.command()
-def node(
-    connect: Annotated[str, typer.Option(help=NODE_HELP["connect"])],
-    clients: Annotated[str, typer.Option(help=NODE_HELP["clients"])],
-    data_root: DataRootOpt = None,
-    name: Annotated[Optional[str], typer.Option(help=NODE_HELP["name"])] = None,
-    threads: Annotated[int, typer.Option(help=NODE_HELP["threads"])] = 1,
-    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help=NODE_HELP["metrics_port"])] = None,
-    metrics_host: Annotated[str, typer.Option("--metrics-host", help=NODE_HELP["metrics_host"])] = "127.0.0.1",
-    metrics_linger: Annotated[float, typer.Option("--metrics-linger", help=NODE_HELP["metrics_linger"])] = 0.0,
-    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", help=NODE_HELP["parent_pid"])] = None,
-    server_key: Annotated[Optional[Path], typer.Option("--server-key", help=NODE_HELP["server_key"])] = None,
-    key: Annotated[Optional[Path], typer.Option("--key", help=NODE_HELP["key"])] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help=NODE_HELP["insecure"])] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-) -> None:
+@app.command(context_settings=PASS_ON)
+def node(ctx: typer.Context) -> None:
     """Run one edge node hosting many emulated clients."""
-    from fcl_emu.edge_node.args import NodeArgs, parse_client_set, run_node
+    from fcl_emu.edge_node.args import NodeArgs, run_node
 
-    raise typer.Exit(run_node(_args(lambda: NodeArgs(
-        connect, parse_client_set(clients), data_roots=data_root or (), name=name, threads=threads,
-        metrics_port=metrics_port, metrics_host=metrics_host, metrics_linger=metrics_linger, parent_pid=parent_pid,
-        server_key=server_key, key=key, insecure=insecure, verbose=verbose))))
+    raise typer.Exit(run_node(NodeArgs.from_argv(ctx.args, prog="fcl-emu node")))
 
 
 @app.command()

@@ -4,8 +4,10 @@ itself back through its flags, refuses bad values naming the flag, and is what t
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from fcl_emu.edge_node.args import NodeArgs, format_client_set, parse_client_set
 from fcl_emu.cli import app
 from fcl_emu.launchers import node_args
 from fcl_emu.runconfig import load_config
+from fcl_emu.runtime.flags import Flags, flag, flag_name
 from fcl_emu.runtime.process import ArgsError
 
 KEYED = dict(server_key=Path("/k/coordinator.key"), key=Path("/k/node-0.key_secret"))
@@ -104,8 +107,8 @@ def test_what_launchers_build_is_what_the_command_line_takes(tmp_path):
     args = node_args("tcp://127.0.0.1:5555", [1, 4, 7], config, "node-1", 1, parent_pid=77)
     assert (args.metrics_port, args.parent_pid, args.insecure, args.clients) == (9302, 77, True, (1, 4, 7))
     assert NodeArgs.from_argv(args.to_argv()) == args
-    # the CLI's mapping: a bad value through `fcl-emu node` is typer's usage error naming the same flag (no parent
-    # to watch: a node that ran would end this process with it)
+    # the same flags through `fcl-emu node`: a bad value is the parser's usage error naming the flag (no parent to
+    # watch: a node that ran would end this process with it)
     argv = dataclasses.replace(args, parent_pid=None).to_argv()
     result = CliRunner().invoke(app, ["node", *argv, "--threads", "0"])
     assert result.exit_code == 2 and "--threads" in result.output
@@ -128,6 +131,76 @@ def test_gpu_worker_args_refuse_bad_values(fields, flag):
     with pytest.raises(ArgsError) as caught:
         GpuWorkerArgs(**{"connect": "tcp://h:1", "index": 0, **fields})
     assert caught.value.flag == flag
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+
+
+@pytest.mark.parametrize("cls, command", [(NodeArgs, "node"), (GpuWorkerArgs, "gpu-worker")])
+def test_every_field_is_a_flag_of_the_parser_and_of_the_commands_help(cls, command):
+    """The fields are the flags: the argparse parser's and `fcl-emu node --help`'s (the command hands its
+    arguments to the same parser)."""
+    fields = {flag_name(field) for field in dataclasses.fields(cls)}
+    assert fields == _flags(cls.parser().format_help()) - {"--help"}
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0 and result.output.startswith(f"usage: fcl-emu {command} ")
+    assert fields == _flags(result.output) - {"--help"}
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(size) for size in text.split("x"))
+
+
+@dataclass(frozen=True)
+class Tiny(Flags, prog="tiny", description="A process with one flag of each kind."):
+    endpoint: str = flag("Where to connect.")
+    shape: tuple[int, ...] = flag("Sizes, e.g. 2x3.", parse=_sizes, format=lambda shape: "x".join(map(str, shape)))
+    roots: tuple[Path, ...] = flag("A data root (repeatable).", default=(), repeat="--root")
+    rate: float | None = flag("A rate.", default=None)
+    out: Path = flag("Where to write.", default=Path("out"))
+    quiet: bool = flag("Say less.", default=False, alias="-q")
+
+
+@dataclass(frozen=True)
+class Grown(Tiny):
+    batch_size: int = flag("Examples per step.", default=32)
+
+
+def test_a_field_declared_with_the_helper_is_a_flag_that_round_trips():
+    help = Grown.parser().format_help()
+    assert help.startswith("usage: tiny ") and "Examples per step. Default 32." in help
+    assert _flags(help) == {"--help", "--endpoint", "--shape", "--root", "--rate", "--out", "--quiet", "--batch-size"}
+    least = Grown("tcp://h:1", (2, 3))
+    assert least.to_argv() == ["--endpoint", "tcp://h:1", "--shape", "2x3"]  # required flags, no defaults
+    most = Grown("tcp://h:1", (4,), roots=(Path("/a"), Path("/b")), rate=1e-7, out=Path("/o"), quiet=True,
+                 batch_size=8)
+    assert most.to_argv()[-2:] == ["--batch-size", "8"]
+    for args in (least, most):
+        assert Grown.from_argv(args.to_argv()) == args
+    assert Grown.from_argv(["--endpoint", "e", "--shape", "1", "-q", "--batch-size", "2"]).quiet
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--endpoint", "e"], "tiny: error: the following arguments are required: --shape"),
+    (["--endpoint", "e", "--shape", "2xa"], "tiny: error: argument --shape: invalid literal for int()"),
+    (["--endpoint", "e", "--shape", "2", "--rate", "fast"], "tiny: error: argument --rate: invalid float value"),
+])
+def test_a_bad_value_of_a_declared_flag_is_a_usage_error(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exited:
+        Tiny.from_argv(argv)
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["node", "--connect", "tcp://h:1", "--clients", "0", "--insecure", "--threads", "0"],
+     "fcl-emu node: error: argument --threads: 0: give 1 or more"),
+    (["gpu-worker", "--connect", "tcp://h:1", "--index", "0", "--device", "tpu"],
+     "fcl-emu gpu-worker: error: argument --device: 'tpu': choose one of auto, cuda, cpu"),
+])
+def test_a_bad_value_on_the_command_line_exits_2_naming_the_flag(argv, line):
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == line
 
 
 def test_a_nodes_exit_names_its_last_error_not_its_progress_lines():
