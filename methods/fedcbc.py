@@ -21,7 +21,7 @@ to its 784 pixels and the VAEs model those: no extractor, no pretraining.
 (MNIST, Fashion-MNIST) and the pretrained extractor below for colour ones
 (CIFAR-10), as the paper does per data set; ``"pretrained"`` forces the
 extractor (on MNIST it lifts every FedCBC number far above the paper's:
-docs/experiments.md).
+docs/results/glfc-fedcbc-affcl-single-seed.md).
 
 **Feature extractor** (colour images, or ``features = "pretrained"``). The
 code loads a ResNet-18 pretrained beforehand on a server-side subset; the
@@ -58,7 +58,7 @@ With a global VAE of ``c`` (the *teacher*) the loss is::
 
 (``alpha = 0.1``, code). The run's ``training.local_epochs`` and
 ``batch_size`` apply (code: 300 epochs, batch 32; the paper trains the
-baselines 50 local epochs, docs/reproduction.md); the round's ``lr`` does
+baselines 50 local epochs, docs/results/reproduction-glfc-affcl-fedcbc.md); the round's ``lr`` does
 not (the VAEs use Adam at ``vae_lr``). The client uploads every trained VAE as
 ``fedcbc/vae/<class>/<param>`` and keeps it in its on-device store.
 

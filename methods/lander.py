@@ -54,7 +54,7 @@ when they read the images back). They start at the data set's mean and std
 (``stats_init = "dataset"``); the code starts at 0.5 / 0.2 (``"code"``), close
 to CIFAR's own statistics but far from MNIST's (0.13 / 0.31): there the
 teacher is inverted under one normalisation and the clients distil under
-another, and the old classes are lost (docs/experiments.md). Generator loss (eq. 10-16)::
+another, and the old classes are lost (docs/results/data-free-single-seed.md). Generator loss (eq. 10-16)::
 
     lambda_bn L_BN + lambda_oh CE(T(x), y) + lambda_adv L_adv + lambda_ltc L_B(P(f_T(x)), e_y)
 

@@ -42,7 +42,7 @@ compares an old class's logit with a new one's (the cross-entropy sees only
 the new logits, the distillation only the old ones), so how the two groups
 are calibrated against each other is left to the shared features and to long
 training; ``ce_scope = "all"`` takes the cross-entropy over every seen class
-instead (docs/experiments.md shows what each does in a short run).
+instead (docs/results/data-free-single-seed.md shows what each does in a short run).
 
 Deviations, on purpose:
 
@@ -53,7 +53,7 @@ Deviations, on purpose:
   rounds, so its adversarial term and student never run; the paper describes
   both. ``warmup >= synthesis_rounds`` reproduces the code.
 - Student learning rate 0.01, not the code's 0.2: at 0.2 the student
-  diverges here (on the MNIST teacher of docs/experiments.md its weights
+  diverges here (on the MNIST teacher of docs/results/data-free-single-seed.md its weights
   reach 3.5e5 within 300 steps and its distillation loss stays at 5; at
   0.05 they still grow, to 64 in 200 steps); at 0.01 it agrees with the
   teacher on 97 % of the synthetic images after 200 steps. The code's value
@@ -70,7 +70,7 @@ replay and the next synthesis drops whole classes. Batch size and local
 epochs are the run's (the code: 128 and 5).
 
 The L2 BatchNorm term is in the units of the teacher's activations: where
-those grow over tasks (docs/experiments.md measures BatchNorm input
+those grow over tasks (docs/results/data-free-single-seed.md measures BatchNorm input
 variances in the hundreds on the small CNN after a task of replay) it
 swamps the class term and the synthetic set stops being class-specific.
 MFCL's KL form is scale-free.

@@ -21,7 +21,7 @@ Hot path: a heartbeat arrives 300 times a second at the coordinator, and
 every message goes through :meth:`ProcessMetrics.count_message`. Labelled
 children are looked up once and cached as bound ``inc`` methods in a dict, so
 an update is a dict lookup plus two lock-protected additions (about 1 us;
-measured numbers in docs/monitoring.md).
+measured numbers in docs/results/performance.md).
 """
 
 from __future__ import annotations

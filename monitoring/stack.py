@@ -43,7 +43,7 @@ INSTALL_HINT = (
     "/metrics endpoints and prometheus_targets.json are there for any Prometheus). Install it with "
     "`sudo apt-get install prometheus` (Debian/Ubuntu), `brew install prometheus` (macOS), or download a "
     "release from https://prometheus.io/download/ and put `prometheus` on PATH; or start Prometheus and "
-    "Grafana in Docker with monitoring/docker-compose.yml (docs/monitoring.md).")
+    "Grafana in Docker with monitoring/docker-compose.yml (docs/dashboards.md).")
 
 
 class PortInUseError(RuntimeError):

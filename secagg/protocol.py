@@ -36,7 +36,7 @@ Primitives, all from maintained libraries (nothing hand-rolled):
   1: the holder ranked ``r`` (0-based, by roster index) in a dealer's list of
   holders gets the share at ``x = r + 1``.
 
-See docs/secagg.md for the protocol, the parameters, the quantisation sizing and
+See docs/secagg-protocol.md for the protocol, the parameters, the quantisation sizing and
 what is and is not protected.
 """
 

@@ -22,7 +22,7 @@ run goes on with the next round.
 
 The server never holds an unmasked individual input: masked inputs are added
 into one running sum as they arrive and the masks come off the sum only.
-Primitives, parameters and guarantees: :mod:`fcl_emu.secagg.protocol`, docs/secagg.md.
+Primitives, parameters and guarantees: :mod:`fcl_emu.secagg.protocol`, docs/secagg-protocol.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The user docs name only metrics that exist, and speak to users rather than to the team."""
+"""The user docs name only metrics that exist, speak to users rather than to the team, link only to what exists,
+and stay pages a user can read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fcl_emu.containers.stats import ContainerStats
 from fcl_emu.monitoring.metrics import CoordinatorMetrics, EdgeNodeMetrics, GpuWorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 METRIC = re.compile(r"\bfcl_[a-z0-9_]+\*?")
 # A project's docs are read by its users: no notes from one working session to the next.
 # Services of a Swarm stack deployed under the name `fcl` (fcl_coordinator, fcl_node-0): not metrics.
@@ -40,6 +41,10 @@ def series_names(families) -> set[str]:
     return names
 
 
+def rel(doc: Path) -> str:
+    return doc.relative_to(ROOT).as_posix()
+
+
 def test_every_metric_the_docs_name_exists():
     names = exported_names()
     unknown = []
@@ -47,14 +52,71 @@ def test_every_metric_the_docs_name_exists():
         for token in set(METRIC.findall(doc.read_text())):
             if token.endswith(("*", "_")):  # a family written as a prefix: fcl_gpu_*
                 if not any(n.startswith(token.rstrip("*")) for n in names):
-                    unknown.append(f"{doc.name}: {token}")
+                    unknown.append(f"{rel(doc)}: {token}")
             elif token not in names and token != "fcl_emu" and not STACK_SERVICE.match(token):
-                unknown.append(f"{doc.name}: {token}")
+                unknown.append(f"{rel(doc)}: {token}")
     assert not unknown, f"the docs name metrics no process exports: {sorted(unknown)}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
 def test_docs_speak_to_users(doc):
-    lines = [f"{doc.name}:{i}: {line.strip()}" for i, line in enumerate(doc.read_text().splitlines(), 1)
+    lines = [f"{rel(doc)}:{i}: {line.strip()}" for i, line in enumerate(doc.read_text().splitlines(), 1)
              if TEAM_JARGON.search(line)]
     assert not lines, "\n".join(lines)
+
+
+# A Markdown link or image, [text](target) or ![alt](target), outside code; a path to a page, anywhere in the text.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+PAGE_PATH = re.compile(r"\bdocs/[A-Za-z0-9_./-]*\.md\b")
+
+
+def anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``doc``: lower case, punctuation dropped, spaces as hyphens, and
+    ``-1``, ``-2`` ... after a repeated one."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_link_between_pages_resolves():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(CODE.sub("", doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{rel(doc)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{rel(doc)}: {target} (no heading #{anchor} in {rel(dest)})")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_page_path_the_docs_mention_exists():
+    missing = [f"{rel(doc)}: {path}" for doc in DOCS for path in sorted(set(PAGE_PATH.findall(doc.read_text())))
+               if not (ROOT / path).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_page_is_short_and_listed_in_the_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    long = [f"{rel(doc)}: {len(doc.read_text().splitlines())} lines" for doc in DOCS
+            if len(doc.read_text().splitlines()) > 420]
+    assert not long, f"pages of more than about 400 lines: split them by purpose: {long}"
+    unlisted = [rel(doc) for doc in DOCS if doc.parent != ROOT and doc.name != "README.md"
+                and f"({doc.relative_to(ROOT / 'docs').as_posix()})" not in index]
+    assert not unlisted, f"pages docs/README.md does not list: {unlisted}"
+
+
+def test_the_readme_layout_names_every_top_level_folder():
+    layout = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", (ROOT / "README.md").read_text(), re.S | re.M)[1]
+    folders = [d.name for d in sorted(ROOT.iterdir()) if d.is_dir() and not d.name.startswith(".")
+               and not d.name.endswith(".egg-info") and (any(d.rglob("*.py")) or d.name == "docs")]
+    missing = [f for f in folders if not re.search(rf"^{re.escape(f)}/ ", layout, re.M)]
+    assert not missing, f"README.md's layout does not name these folders: {missing}"

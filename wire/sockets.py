@@ -99,7 +99,7 @@ def receive_frames(sock: zmq.Socket, limits: Limits) -> list[zmq.Frame]:
     Beyond any bound the message is refused (WireError ``frame_count`` or ``too_large``): the frames taken so
     far are let go and the rest of the message is received and dropped frame by frame, so the receiver never
     holds more than the limits whatever the frame count. libzmq delivers a message whole: until it is drained,
-    its frames stay in libzmq's queue (docs/security.md has the numbers)."""
+    its frames stay in libzmq's queue (docs/results/security.md has the numbers)."""
     frames: list[zmq.Frame] = []
     tensor_bytes = 0
     more = True

@@ -22,7 +22,7 @@ Outputs, under ``--out DIR``:
 
 The default scale (MNIST, 60 clients, 3 tasks x 4 rounds, 10 clients per
 round, 1 local epoch, 2 edge nodes) runs a point in 40-120 s on 2 cores, the
-default sweep of 12 points in about 15 minutes (docs/experiments.md). Under the emulated clock the clients are
+default sweep of 12 points in about 15 minutes (docs/results/churn.md). Under the emulated clock the clients are
 phones of one fixed cost (:data:`EMULATED_DEVICE`: a round lasts about 2 s of emulated time); the availability
 slot (1.5 s) is about one round long, so a client selected for a round leaves during it with probability about
 ``c``. Container points run on the real clock (their faults are real). A round

@@ -1,5 +1,5 @@
-"""The feature-space replay tables of docs/experiments.md: FedCBC on its paper's protocol, AF-FCL on the
-limitless task pool with and without noisy clients.
+"""The feature-space replay tables of docs/results/reproduction-glfc-affcl-fedcbc.md: FedCBC on its paper's
+protocol, AF-FCL on the limitless task pool with and without noisy clients.
 
     python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc --out runs/fedcbc
     python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc-cifar10 \
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 
@@ -135,9 +136,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2],
                     help="the runs' seeds (class order, partition, noisy clients, initial weights)")
     add_report_only(ap)
+    add_page_options(ap)
     args = ap.parse_args()
     base, rows_spec, paper = TABLES[args.table]
     out = args.out or Path("runs") / args.table
+    check_page(args, out)
     rows = []
     for seed in args.seeds:
         for name in (args.rows.split(",") if args.rows else rows_spec):
@@ -148,6 +151,7 @@ def main() -> None:
                 rows.append(row(name, seed, summary, paper))
     table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
+    write_page(args, out, table)
     (out / "table.json").write_text(json.dumps({"table": args.table, "rows": rows}, indent=1))
     print(table)
 

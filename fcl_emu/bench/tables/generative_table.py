@@ -1,4 +1,4 @@
-"""The data-free generative replay table of docs/experiments.md and docs/reproduction.md: mfcl, target and lander
+"""The data-free generative replay table of docs/results/reproduction-data-free.md: mfcl, target and lander
 against fedavg, fedlwf2t and fedewc (the baselines of TARGET's tables) over several seeds, each generator at the
 same fraction of its official budget.
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 
@@ -144,11 +145,14 @@ def main() -> None:
     ap.add_argument("--budget", type=fraction, default=0.125, help="fraction of each generator's official budget")
     ap.add_argument("--out", type=Path, default=Path("runs/generative"))
     add_report_only(ap)
+    add_page_options(ap)
     args = ap.parse_args()
+    check_page(args, args.out)
     methods = args.methods.split(",")
     rows = sweep(methods, args.seeds, lambda m, seed: config(m, args.dataset, args.budget, seed), args)
     table = markdown(rows, methods)
     (args.out / "table.md").write_text(table + "\n")
+    write_page(args, args.out, table)
     (args.out / "table.json").write_text(json.dumps(rows, indent=1))
     print(table)
 

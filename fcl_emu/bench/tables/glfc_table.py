@@ -1,5 +1,5 @@
-"""The GLFC table of docs/experiments.md: fedavg, fedlwf2t and glfc from the same scenario, and the proxy's
-reconstruction quality.
+"""The GLFC table of docs/results/reproduction-glfc-affcl-fedcbc.md: fedavg, fedlwf2t and glfc from the same
+scenario, and the proxy's reconstruction quality.
 
     python -m fcl_emu.bench.tables.glfc_table --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
 
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 
@@ -174,7 +175,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
     add_report_only(ap)
+    add_page_options(ap)
     args = ap.parse_args()
+    check_page(args, args.out)
     rows = []
     for seed in args.seeds:
         for name in args.rows.split(","):
@@ -189,6 +192,7 @@ def main() -> None:
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
                for noise in NOISE] if glfc_runs else []
     (args.out / "table.md").write_text(table + "\n")
+    write_page(args, args.out, table)
     (args.out / "table.json").write_text(json.dumps({"rows": rows, "reconstruction": quality}, indent=1))
     print(table)
     for q in quality:

@@ -1,6 +1,6 @@
-"""The many-class table of docs/reproduction.md: Tiny-ImageNet-32 (200 classes) in 10 tasks of 20 classes, the
-data-free methods (mfcl, target, lander) and GLFC against fedavg, fedlwf2t and fedewc, with the papers' own
-numbers beside ours and a verdict per claim computed by :func:`runs.verdict`.
+"""The many-class table of docs/results/reproduction-many-class.md: Tiny-ImageNet-32 (200 classes) in 10 tasks of
+20 classes, the data-free methods (mfcl, target, lander) and GLFC against fedavg, fedlwf2t and fedewc, with the
+papers' own numbers beside ours and a verdict per claim computed by :func:`runs.verdict`.
 
     python -m fcl_emu.bench.tables.many_class_table --data-root ../shared/data --seeds 0,1,2 --out runs/many-class
 
@@ -34,7 +34,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fcl_emu.bench.tables import generative_table
+from fcl_emu.bench.tables import add_page_options, check_page, generative_table, write_page
 from fcl_emu.bench.tables.runs import add_report_only, fraction, pm, seeds, spread, verdict
 
 DATASET = "tiny-imagenet-32"
@@ -156,7 +156,9 @@ def main() -> None:
                     help="training samples per client and task (0: the client's whole share of the task)")
     ap.add_argument("--out", type=Path, default=Path("runs/many-class"))
     add_report_only(ap)
+    add_page_options(ap)
     args = ap.parse_args()
+    check_page(args, args.out)
     methods = args.methods.split(",")
     base = {**BASE, "device": args.device, "model": args.model,
             "scenario": {**BASE["scenario"], "samples_per_client_task": args.samples or None},
@@ -165,6 +167,7 @@ def main() -> None:
     table = markdown(rows, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")
+    write_page(args, args.out, table)
     (args.out / "table.json").write_text(json.dumps(rows, indent=1))
     print(table)
 

@@ -1,11 +1,12 @@
-"""The SecAgg+ cost table of docs/secagg.md: ``fcl-emu bench secagg`` over N, K, D and dropout.
+"""The SecAgg+ cost table of docs/results/secagg.md: ``fcl-emu bench secagg`` over N, K, D and dropout.
 
     python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table            # the whole grid (about 20 min here)
     python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table --quick    # D <= 1M only
 
 Each point is one ``fcl-emu bench secagg`` run in its own process (JSON in ``--out``); the Markdown
 table goes to stdout and to ``--out/table.md``. K is ``log`` (2 ceil(log2 N)) or ``n-1`` (SecAgg);
-Flower's client is timed on the D = 1M points only (it is the slow part of a point).
+Flower's client is timed on the D = 1M points only (it is the slow part of a point). ``--page
+docs/results/secagg.md`` also writes the table into its results page (``fcl_emu.bench.tables.write_table``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from fcl_emu.bench.tables import add_page_options, check_page, write_page
 
 GRID = [  # (N, K, D, dropout, t); K None: logarithmic; t None: floor(K/2) + 1
     *[(10, k, d, p, None) for k in (None, 9) for d in (100_000, 1_000_000, 11_000_000) for p in (0.0, 0.3)],
@@ -62,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="only D <= 1M")
+    add_page_options(parser)
     args = parser.parse_args()
+    check_page(args, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = ["| N | D | K | dropout (dropped) | client ms, median: keys / shares / masked input / unmask "
              "| server ms: keys / shares / masked input / unmask | MB per client up / down "
@@ -74,6 +79,7 @@ def main() -> None:
         lines.append(row(run_point(n, k, d, p, t, args.out)))
         print(lines[-1], flush=True)
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    write_page(args, args.out, "\n".join(lines))
     print("\n".join(lines))
 
 
