@@ -5,6 +5,7 @@ itself, function-level ones included, so a new arrow against the layering or a n
 and line that drew it."""
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -76,8 +77,14 @@ def bare_imports(path: Path) -> list[str]:
     """The imports in ``path`` that name a folder of code by its bare name (``from methods.base import x``)
     instead of the installed package's (``from fcl_emu.methods.base import x``): they work from the repository's
     root only, and load a second copy of the module beside the installed one."""
-    return [f"{path.relative_to(ROOT)}:{i.line}: {i.module}" for i in imports(path)
-            if i.module.split(".")[0] in FOLDERS]
+    found = [f"{path.relative_to(ROOT)}:{i.line}: {i.module}" for i in imports(path)
+             if i.module.split(".")[0] in FOLDERS]
+    snippet = re.compile(rf"(?:^|;)\s*(?:from|import) ({'|'.join(FOLDERS)})\b")  # code run as ``python -c``
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {m.group(1)} (in a string of code)"
+                      for m in snippet.finditer(node.value)]
+    return found
 
 
 def package_of(path: Path, level: int, root: Path) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ def test_bad_hyperparameters_are_refused():
 
 def test_training_with_it_does_not_import_torchs_compiler_stack():
     """The reason it exists: an edge node that trains never loads torch._dynamo (68 MB, about 0.9 s)."""
-    code = ("import sys, torch; from methods.optim import LocalSGD; m = torch.nn.Linear(4, 2); "
+    code = ("import sys, torch; from fcl_emu.methods.optim import LocalSGD; m = torch.nn.Linear(4, 2); "
             "o = LocalSGD(m.parameters(), lr=0.1, momentum=0.9); m(torch.ones(3, 4)).sum().backward(); o.step(); "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -119,7 +119,7 @@ def test_same_spec_same_scenario_in_another_process():
     code = (
         "import sys; sys.path.insert(0, 'tests');"
         "from test_scenario_build import digest, fake_dataset;"
-        "from scenario.scenario import build_scenario; from scenario.spec import ScenarioSpec;"
+        "from fcl_emu.scenario.scenario import build_scenario; from fcl_emu.scenario.spec import ScenarioSpec;"
         f"print(digest(build_scenario(ScenarioSpec(**{spec.model_dump()!r}), fake_dataset())))"
     )
     there = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -87,8 +87,8 @@ def test_deterministic_in_any_process(mnist, mnist_root):
     assert digest(build_scenario(spec, mnist)) == digest(s)
     code = (
         "import sys; sys.path.insert(0, 'tests'); from test_scenario_old_only import digest;"
-        "from scenario.datasets import load_dataset; from scenario.scenario import build_scenario;"
-        f"from scenario.spec import ScenarioSpec; ds = load_dataset('mnist', [{str(mnist_root)!r}]);"
+        "from fcl_emu.scenario.datasets import load_dataset; from fcl_emu.scenario.scenario import build_scenario;"
+        f"from fcl_emu.scenario.spec import ScenarioSpec; ds = load_dataset('mnist', [{str(mnist_root)!r}]);"
         f"print(digest(build_scenario(ScenarioSpec(**{spec.model_dump()!r}), ds)))"
     )
     there = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
