@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, many_class_table, runs
 from fcl_emu.monitoring.results import RunSummary
 
@@ -61,6 +63,7 @@ def test_rows_read_the_summary_record():
     assert generative["old_accuracy"] == [60.0] and generative["server_job_s"] == 3.5
 
 
+@pytest.mark.slow
 def test_every_table_runs_as_a_module():
     for table in ("glfc_table", "feature_replay_table", "generative_table", "secagg_table", "many_class_table"):
         done = subprocess.run([sys.executable, "-m", f"fcl_emu.bench.tables.{table}", "--help"], capture_output=True,

@@ -145,6 +145,7 @@ app(sys.argv[1:], prog_name="fcl-emu")
 """
 
 
+@pytest.mark.slow
 def test_a_method_whose_extra_is_missing_stops_up_in_one_line_before_anything_starts(tmp_path):
     script = tmp_path / "without_text.py"
     script.write_text(textwrap.dedent(_WITHOUT_SENTENCE_TRANSFORMERS))

@@ -111,6 +111,7 @@ def test_the_setup_carries_the_noise_typed_and_without_it_the_bytes_of_before():
 
 
 # ------------------------------------------------------------------------------------------- the accountant
+@pytest.mark.slow
 @needs_accountant
 def test_distributed_dp_charges_what_central_dp_charges_and_more_after_dropouts():
     settings = dict(noise_multiplier=1.0, clip=1.0)

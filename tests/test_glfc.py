@@ -133,6 +133,7 @@ def test_herding_prototype_and_memory_merge():
     assert merge_memory(None, candidates, 100)["y"].tolist() == [1, 2, 2]
 
 
+@pytest.mark.slow
 def test_gradient_labels_and_reconstruction_match_the_prototype():
     encoder = GradientEncoder(SHAPE, 10, seed=3)
     assert torch.equal(GradientEncoder(SHAPE, 10, seed=3).fc.weight, encoder.fc.weight)  # shared from the seed

@@ -125,6 +125,7 @@ def test_matching_losses_are_each_image_s_gradient_matching_loss(shape):
         torch.testing.assert_close(grads[b], torch.autograd.grad(value, one)[0][0], rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_batched_proxy_reconstructs_what_the_sequential_reference_does():
     encoder = GradientEncoder(SHAPE, 10, seed=0)
     names = [n for n, _ in encoder.named_parameters()]
@@ -145,6 +146,7 @@ def test_batched_proxy_reconstructs_what_the_sequential_reference_does():
     np.testing.assert_allclose(batched.arrays["recon/x"], sequential.arrays["recon/x"], rtol=0, atol=0.1)
 
 
+@pytest.mark.slow
 def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
     out = tmp_path / "jobs.csv"
     proc = fcl_emu("bench", "jobs", "--kinds", "fedcbc.fuse,device.matmul,lander.synthesize", "--scale", "0.01",

@@ -437,6 +437,7 @@ def test_real_mnist_family(name):
     assert ds.mean[0] == pytest.approx(expected_mean, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_real_cifar10_tarball_decoded_once(tmp_path, monkeypatch):
     ds = load_real("cifar10")
 

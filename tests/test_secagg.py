@@ -268,6 +268,7 @@ def run_and_check(n, k, t, dim, bits, dropout, seed, max_weight=100):
     return result
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_unmasked_aggregate_equals_plaintext_quantized_aggregate(data):

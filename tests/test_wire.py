@@ -157,6 +157,7 @@ def _valid_messages() -> list[list[bytes]]:
 VALID = _valid_messages()
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None)
 @given(st.sampled_from(range(len(VALID))), st.data())
 def test_mutated_valid_frames_never_crash_the_decoder(which, data):
