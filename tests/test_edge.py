@@ -262,6 +262,7 @@ node.context.term()
 """
 
 
+@pytest.mark.slow  # a process that imports the edge node (torch) and opens 1,200 sockets
 @pytest.mark.parametrize("soft, hard, expected", [(1024, 20000, 0), (1024, 1024, 3)])
 def test_an_edge_node_hosts_more_clients_than_the_default_socket_limits(soft, hard, expected):
     """1,200 clients: past ZeroMQ's default 1,023 sockets per context and a 1,024-file soft limit. The node

@@ -48,8 +48,10 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
     """Random and hand-crafted bad messages, from strangers and from a joined client, to a coordinator without
     authentication (--insecure), where strangers reach the decoder (test_hostile_peers.py: with keys)."""
     port = free_port()
-    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 101},
-                          rounds={"clients_per_round": 8, "rounds_per_task": 2})
+    # what is checked is the coordinator's handling of bad messages, not the learning: 50 samples a client and
+    # one local epoch keep each of the 4 rounds to a second or two
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 101, "samples_per_client_task": 50},
+                          rounds={"clients_per_round": 8, "rounds_per_task": 2}, training={"local_epochs": 1})
     run_dir = tmp_path / "run"
     coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", f"tcp://127.0.0.1:{port}",
                           "--data-root", str(mnist_root), "--run-dir", str(run_dir), "--insecure")
@@ -108,8 +110,11 @@ def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
 
 def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
     port = free_port()
-    config = small_config(tmp_path / "c.yaml", rounds={"clients_per_round": 10, "rounds_per_task": 2,
-                                                       "deadline_s": 300})
+    # 100 samples a client, one epoch: each round still trains 10 clients for about a second, so the kill lands
+    # inside the run (rounds 2-4 and two evaluations are left when it comes), well before its end
+    config = small_config(tmp_path / "c.yaml", scenario={"samples_per_client_task": 100},
+                          rounds={"clients_per_round": 10, "rounds_per_task": 2, "deadline_s": 300},
+                          training={"local_epochs": 1})
     run_dir = tmp_path / "run"
     address = f"tcp://127.0.0.1:{port}"
     keys, node_keys = device_keys(tmp_path / "keys", 100)
@@ -137,9 +142,10 @@ def test_sigkill_of_an_edge_node_does_not_hang_the_round(tmp_path, mnist_root):
 def test_per_task_assets_and_late_joiners(tmp_path, mnist_root):
     """FedLwF-2T with the global old teacher ships the previous model once per client and task;
     clients that join at the task boundary take part from then on."""
-    config = small_config(tmp_path / "c.yaml", scenario={"new_clients_per_task": 20},
+    # message counts and sizes are checked, not accuracy: 50 samples a client, one local epoch
+    config = small_config(tmp_path / "c.yaml", scenario={"new_clients_per_task": 20, "samples_per_client_task": 50},
                           method="fedlwf2t", method_options={"old_teacher": "global"},
-                          rounds={"clients_per_round": 6})
+                          rounds={"clients_per_round": 6}, training={"local_epochs": 1})
     run_dir = tmp_path / "run"
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert proc.wait(timeout=240) == 0
@@ -162,7 +168,9 @@ def test_a_run_that_fails_is_not_recorded_as_completed(tmp_path, mnist_root):
     from fcl_emu.coordinator.lifecycle import Coordinator
     from fcl_emu.runconfig import load_config
 
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8}),
+    # 8 clients would share a task's 30,000 samples (3,750 each, half a minute of training for the round that
+    # fails); 100 each are enough to reach the aggregation
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "samples_per_client_task": 100}),
                          {"data_root": [str(mnist_root)]})
     config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
@@ -195,14 +203,17 @@ def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tm
     from fcl_emu.coordinator.lifecycle import Coordinator
     from fcl_emu.runconfig import load_config
 
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "num_tasks": 1}),
+    # one task of all ten classes among 8 clients would be 7,500 samples each (45 s a round); the wait is what
+    # is checked, and 100 samples each are enough for the two rounds after it
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "num_tasks": 1,
+                                                                     "samples_per_client_task": 100}),
                          {"data_root": [str(mnist_root)]})
     config, node_keys = keyed(config, tmp_path / "keys")
     coordinator = Coordinator(config)
     asked = []
     coordinator.before_rounds = [("a condition that never holds", lambda: False, 3.0),
-                                 ("a condition that holds on its third asking", lambda: len(asked.append(1) or asked) >= 3,
-                                  60.0)]
+                                 ("a condition that holds on its third asking",
+                                  lambda: len(asked.append(1) or asked) >= 3, 60.0)]
     node = fcl_emu("node", "--connect", coordinator.address, "--clients", "0-7", "--data-root", str(mnist_root),
                    *node_keys)
     try:
@@ -240,7 +251,9 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
         return dataclasses.replace(args, key=tmp_path / "stolen.key_secret") if n == 1 else args
 
     monkeypatch.setattr(process, "node_args", node_args)
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+    # 100 samples a client (not 3,750): the whole run then takes seconds, far from the 60 s join timeout that
+    # the time bound below tells apart
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 1}),
                          {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})
     out = io.StringIO()
@@ -266,7 +279,8 @@ def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_ro
     from fcl_emu import run as run_module
     from fcl_emu.runconfig import load_config
 
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 6},
+    # 100 samples a client (not 5,000): the updates only have to exist to be refused
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 6, "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 3, "rounds_per_task": 1},
                                       training={"local_epochs": 1}, security={"max_update_norm": 1e-9}),
                          {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})

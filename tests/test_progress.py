@@ -13,6 +13,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
 from fcl_emu.coordinator.lifecycle import Coordinator
@@ -130,6 +131,7 @@ def test_the_coordinator_records_and_shows_each_warning_once(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- edge node
+@pytest.mark.slow  # a node process: its imports, then the warning 3 s after them
 def test_an_edge_node_at_a_closed_port_says_so_within_seconds(tmp_path):
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))

@@ -303,6 +303,7 @@ def test_compare_warns_when_scenarios_differ(tmp_path):
     ]
 
 
+@pytest.mark.slow  # two reports and three comparisons, each drawing its plots
 def test_report_and_compare_commands(tmp_path):
     from typer.testing import CliRunner
 
@@ -335,6 +336,7 @@ def test_report_and_compare_commands(tmp_path):
     assert result.exit_code == 1 and "error: no run to compare" in result.output, result.output
 
 
+@pytest.mark.slow  # `fcl-emu up` as a process
 def test_a_start_that_fails_leaves_no_run_folder(tmp_path, mnist_root):
     """`up` whose edge nodes cannot start (no Docker engine for --backend docker) removes the keys it wrote and the
     folders made for them: nothing is left in runs/ for report or compare to trip on."""

@@ -248,16 +248,29 @@ def _final_model(run_dir) -> dict[str, np.ndarray]:
     return {k: v for k, v in ckpt.arrays.items() if k.startswith("server/")}
 
 
-@pytest.mark.slow
-def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_root):
-    clients = 40  # ~300 samples each per task: rounds of a second or two
-    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": clients},
+RESUMED_CLIENTS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mnist_root):
+    """The configuration of the runs that are interrupted and resumed below, and its uninterrupted run, made once
+    for the tests that compare a resumed run with it: (the config file, the reference's run directory)."""
+    work = tmp_path_factory.mktemp("reference")
+    # 200 samples a client and task (of the 750 that 40 clients would share): rounds of about a second, so that
+    # an interruption lands mid-run; 3 rounds a task, so that one lands mid-task
+    config = small_config(work / "c.yaml", scenario={"num_clients": RESUMED_CLIENTS, "samples_per_client_task": 200},
                           rounds={"clients_per_round": 4, "rounds_per_task": 3, "eval_every": 3},
                           training={"local_epochs": 1}, nodes=1, method="fedavg", seed=5)
-    reference = tmp_path / "reference"
-    up = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(reference))
+    run_dir = work / "run"
+    up = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir))
     assert up.wait(timeout=180) == 0
+    return config, run_dir
 
+
+@pytest.mark.slow
+def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_root, reference):
+    config, reference = reference
+    clients = RESUMED_CLIENTS
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / "run"
@@ -308,7 +321,8 @@ def test_coordinator_killed_mid_round_resumes_to_the_same_model(tmp_path, mnist_
 def test_nodes_of_a_killed_up_end_with_it_and_up_resume_finishes_the_run(tmp_path, mnist_root):
     import psutil
 
-    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40},
+    # 100 samples a client (not the 750 that 40 clients would share): the run is killed in its first rounds
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40, "samples_per_client_task": 100},
                           rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
                           training={"local_epochs": 1}, nodes=2)
     run_dir = tmp_path / "run"
@@ -355,7 +369,8 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
 
     monkeypatch.setattr(base, "fedavg", failing_fedavg)
     run_dir = tmp_path / "run"
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+    # 100 samples a client, not the 3,750 that 8 clients would share: the failure and the resume are checked
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 2, "eval_every": 2},
                                       training={"local_epochs": 1}),
                          {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
@@ -372,19 +387,16 @@ def test_a_run_that_fails_says_so_keeps_its_checkpoint_and_resumes(tmp_path, mni
 
 
 @pytest.mark.slow
-def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_command(tmp_path, mnist_root):
+def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_command(tmp_path, mnist_root,
+                                                                                        reference):
     """SIGTERM (what `timeout`, Slurm and systemd send) mid-run: the nodes stop, summary.json says
     `interrupted: SIGTERM`, the checkpoint stays, the summary table and the exact resume command are printed,
     exit 143; `up --resume` then finishes the run with the uninterrupted run's accuracy matrix."""
     import psutil
 
-    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 40},
-                          rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
-                          training={"local_epochs": 1}, nodes=2)
+    config, reference = reference
     run_dir = tmp_path / "run"
     common = ["--data-root", str(mnist_root)]
-    reference = tmp_path / "reference"
-    assert fcl_emu("up", "--config", str(config), "--run-dir", str(reference), *common).wait(timeout=180) == 0
     up = fcl_emu("up", "--config", str(config), "--run-dir", str(run_dir), *common,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     resumed = None
@@ -406,7 +418,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
     finally:
         kill_left(up, resumed)
     summary = RunSummary.load(run_dir / "summary.json")
-    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 4
+    assert summary.status == "completed" and summary.resumes == 1 and summary.rounds == 6
     assert summary.accuracy_matrix == RunSummary.load(reference / "summary.json").accuracy_matrix
 
 
@@ -455,7 +467,8 @@ def test_nodes_killed_during_a_tasks_end_abort_the_run_with_their_exits_recorded
 
     monkeypatch.setattr(base.ServerPart, "end_task", end_task_as_the_nodes_die)
     run_dir = tmp_path / "run"
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+    # 100 samples a client, not 3,750: one round has to train before the task ends
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 1},
                                       training={"local_epochs": 1}),
                          {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
@@ -491,7 +504,10 @@ def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
 
     monkeypatch.setattr(checkpoint.np, "savez", savez_on_a_disk_that_fills_up)
     run_dir = tmp_path / "run"
-    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4, "num_tasks": 1},
+    # one task of all ten classes would give each of the 4 clients 15,000 samples (a minute of training); 100
+    # each are enough to reach the checkpoints
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4, "num_tasks": 1,
+                                                                     "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 2, "rounds_per_task": 2, "eval_every": 2},
                                       training={"local_epochs": 1}, nodes=1),
                          {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})

@@ -11,6 +11,7 @@ import textwrap
 import threading
 
 import psutil
+import pytest
 
 from conftest import events, small_config, wait_for
 from fcl_emu.launchers import zygote
@@ -53,6 +54,7 @@ def _script(tmp_path, mnist_root, mode: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # a fresh interpreter forks a zygote, which forks nodes that import the edge node
 def test_forked_nodes_report_their_exit_codes_logs_and_signals(tmp_path, mnist_root):
     proc = _script(tmp_path, mnist_root, "close")
     out = json.loads(proc.communicate(timeout=180)[0])
@@ -64,6 +66,7 @@ def test_forked_nodes_report_their_exit_codes_logs_and_signals(tmp_path, mnist_r
     assert not psutil.pid_exists(out["zygote"])
 
 
+@pytest.mark.slow  # as above
 def test_nodes_die_with_up(tmp_path, mnist_root):
     """``up`` SIGKILLed: the zygote and the nodes it forked end too (their parents' death signals)."""
     proc = _script(tmp_path, mnist_root, "orphan")
@@ -98,6 +101,7 @@ def test_no_zygote_beside_other_threads():
         helper.join()
 
 
+@pytest.mark.slow  # a fresh interpreter that starts a zygote
 def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import os, signal, sys
@@ -114,10 +118,13 @@ def test_spawn_after_the_zygote_is_gone_is_a_clear_error(tmp_path):
     assert "gone: the zygote process" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow  # a whole run
 def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_root):
     """`up`'s path with a zygote: node-1 cannot read its key file and exits; the coordinator reports it with the
     node's own error line (the zygote's exit report) and goes on with node-0's clients."""
-    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 8},
+    # 100 samples a client (not 3,750): the whole run then takes seconds, far from the 60 s join timeout that
+    # the time bound below tells apart
+    config = small_config(tmp_path / "c.yaml", scenario={"num_clients": 8, "samples_per_client_task": 100},
                           rounds={"clients_per_round": 2, "rounds_per_task": 1})
     script = textwrap.dedent("""
         import dataclasses, io, json, sys, time
