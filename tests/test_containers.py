@@ -138,6 +138,7 @@ def test_nodes_group_device_classes_under_containers(tmp_path):
         node_specs(load_config(None, {**overrides, "nodes": 1, "containers": {"backend": "docker"}}))
 
 
+@pytest.mark.slow
 def test_no_engine_is_one_clear_line(tmp_path, mnist_root):
     env_run = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--backend", "docker", "--clients", "4",
                               "--nodes", "2", "--data-root", str(mnist_root), "--run-dir", str(tmp_path / "r")],
@@ -150,6 +151,7 @@ def test_no_engine_is_one_clear_line(tmp_path, mnist_root):
 # -- a real engine -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_image_is_reused_when_nothing_changed(image):
     from fcl_emu.containers.image import build_image
 
@@ -220,13 +222,17 @@ def test_real_cpu_limits_slow_training_and_a_memory_limit_kills_as_a_crash(tmp_p
         {"name": "fast", "share": 1, "container": {"cpus": 1.0}},
         {"name": "slow", "share": 1, "container": {"cpus": 0.25}},
         {"name": "starved", "share": 1, "container": {"memory": "200m"}}]}))
-    # 800 samples per client (MNIST's full shares of 2,500 took the 0.25-CPU class 2.5 minutes)
+    # 12 clients (3 fast, 6 slow, 3 starved), 200 samples each, one round: the 0.25-CPU node trains its clients
+    # one after the other, 5 s of its time here (24 clients of 800 samples in two rounds took it 75 s). Prometheus
+    # scrapes, and the containers' counters are sampled, every second (default 5 s), so the short run still has
+    # the samples every rate() of the dashboard needs; the coordinator evaluates on one thread, beside the nodes.
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"scenario": {"samples_per_client_task": 800}}))
+    config.write_text(yaml.safe_dump({"scenario": {"samples_per_client_task": 200},
+                                      "metrics": {"scrape_interval_s": 1.0}, "coordinator_threads": 1}))
     done, summary, events = up(
         tmp_path, "--config", str(config), "--backend", "docker", "--image", image, "--device-profiles",
-        str(profiles), "--clients", "24",
-        "--clients-per-round", "24", "--tasks", "1", "--rounds-per-task", "2", "--local-epochs", "1",
+        str(profiles), "--clients", "12",
+        "--clients-per-round", "12", "--tasks", "1", "--rounds-per-task", "1", "--local-epochs", "1",
         "--nodes", "3", "--data-root", str(mnist_root), *metrics)
     ended = time.time()
     assert done.returncode == 0, done.stderr[-2000:]
@@ -276,8 +282,12 @@ def _default_route() -> bool:
 
 @pytest.mark.slow
 def test_swarm_backend_runs_to_completion(tmp_path, image, swarm, mnist_root, no_leftovers):
-    args = ["--clients", "20", "--clients-per-round", "5", "--tasks", "2", "--rounds-per-task", "2",
-            "--local-epochs", "1", "--nodes", "2", "--seed", "3", "--data-root", str(mnist_root)]
+    # a round per task, 50 samples per client: the services, their joins and a task boundary are what is tested
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"scenario": {"samples_per_client_task": 50}, "coordinator_threads": 1}))
+    args = ["--clients", "20", "--clients-per-round", "5", "--tasks", "2", "--rounds-per-task", "1",
+            "--local-epochs", "1", "--nodes", "2", "--seed", "3", "--data-root", str(mnist_root), "--config",
+            str(config)]
     done, summary, events = up(tmp_path, *args, "--backend", "swarm", "--image", image)
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary.status == "completed" and summary.clients.joined == 20
@@ -293,10 +303,15 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
     import time
 
     out = tmp_path / "deploy"
+    # a round per task of 50 samples per client; the stack's Prometheus scrapes every second (default 5 s), so
+    # the nodes are scraped while the short run lasts
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"scenario": {"samples_per_client_task": 50},
+                                      "metrics": {"scrape_interval_s": 1.0}}))
     done = subprocess.run([sys.executable, "-m", "fcl_emu", "deploy", str(out), "--clients", "12",
-                           "--clients-per-round", "4", "--tasks", "2", "--rounds-per-task", "3", "--local-epochs",
-                           "1", "--nodes", "2", "--image", image, "--data-root", str(mnist_root)],
-                          capture_output=True, text=True, timeout=300)
+                           "--clients-per-round", "4", "--tasks", "2", "--rounds-per-task", "1", "--local-epochs",
+                           "1", "--nodes", "2", "--image", image, "--data-root", str(mnist_root), "--config",
+                           str(config)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compose = yaml.safe_load((out / "compose.yml").read_text())
     assert set(compose["services"]) == {"coordinator", "prometheus", "grafana", "node-0", "node-1"}
@@ -330,8 +345,11 @@ def test_bench_containers_measures_both_backends(tmp_path, image, mnist_root, no
 
     from fcl_emu.bench.containers import run
 
+    # 200 samples per client: a quarter CPU still trains a client for several of the quota's 100 ms periods, so
+    # the slowdown is the quota's (with 1,500 the 0.25-CPU node trained for about 25 s); the session's image, not
+    # a second build of it
     result = run(clients=8, cohort=8, rounds=1, nodes=2, data_root=[mnist_root], json_path=tmp_path / "c.json",
-                 console=Console(file=open(tmp_path / "out.txt", "w")), samples=1500)
+                 console=Console(file=open(tmp_path / "out.txt", "w")), samples=200, image=image)
     assert json.loads((tmp_path / "c.json").read_text())["workload"]["clients"] == 8
     assert result["process"]["status"] == result["docker"]["status"] == result["classes"]["status"] == "completed"
     assert result["process"]["accuracy"] == result["docker"]["accuracy"]
@@ -354,6 +372,7 @@ def test_gpu_containers_get_a_cuda_device_request(image):
     assert int(out.strip()) >= 1
 
 
+@pytest.mark.slow
 def test_a_class_uplink_cap_really_limits_what_a_container_sends(image):
     """`uplink_mbit`: the kernel's token bucket on the container's egress. 2 MB sent to the host at 8 Mbit/s
     takes about 2 s; uncapped, a fraction of that."""

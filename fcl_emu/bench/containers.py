@@ -27,10 +27,12 @@ from tempfile import TemporaryDirectory
 
 import numpy as np
 import psutil
+import torch
 import yaml
 from rich.console import Console
 from rich.table import Table
 
+from fcl_emu.containers.image import image_ref
 from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import launcher
@@ -38,8 +40,10 @@ from fcl_emu.runconfig import RunConfig
 
 
 def bench_config(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path],
-                 profiles: Path | None = None, backend: str = "process", samples: int | None = None) -> RunConfig:
-    """The workload: MNIST in one task, IID shares (``samples`` per client, or the whole share)."""
+                 profiles: Path | None = None, backend: str = "process", samples: int | None = None,
+                 image: str | None = None) -> RunConfig:
+    """The workload: MNIST in one task, IID shares (``samples`` per client, or the whole share); containers of
+    ``image`` (unset: built or reused)."""
     return RunConfig.model_validate({
         "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients, "samples_per_client_task": samples},
         "rounds": {"clients_per_round": min(cohort, clients), "rounds_per_task": rounds, "eval_every": 10**6,
@@ -47,7 +51,10 @@ def bench_config(clients: int, cohort: int, rounds: int, nodes: int, data_root: 
         "training": {"local_epochs": 1, "batch_size": 32, "momentum": 0.0},
         "network": {"join_timeout_s": 600},
         "edge": {"device_profiles": None if profiles is None else str(profiles)},
-        "containers": {"backend": backend},
+        "containers": {"backend": backend, **({"image": image} if backend != "process" else {})},
+        # the coordinator evaluates beside the edge nodes on this machine's cores: with torch's thread per core
+        # the closing evaluation took 3-10 s on two busy cores, with one thread about 1
+        "coordinator_threads": 1,
         "model": "cnn", "device": "cpu", "nodes": nodes, "seed": 0, "data_root": [str(p) for p in data_root],
     })
 
@@ -102,19 +109,26 @@ def measure(config: RunConfig, run_dir: Path) -> dict:
 
 
 def run(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path], json_path: Path | None,
-        console: Console, samples: int | None = None) -> dict:
-    with TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        process = measure(bench_config(clients, cohort, rounds, nodes, data_root, samples=samples),
-                          tmp_path / "process")
-        docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker", samples=samples),
-                         tmp_path / "docker")
-        profiles = tmp_path / "classes.yaml"
-        profiles.write_text(yaml.safe_dump({"profiles": [
-            {"name": "one_cpu", "share": 1, "container": {"cpus": 1.0}},
-            {"name": "quarter_cpu", "share": 1, "container": {"cpus": 0.25}}]}))
-        classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker",
-                                       samples), tmp_path / "classes")
+        console: Console, samples: int | None = None, image: str | None = None) -> dict:
+    """Measure both backends (and the two CPU classes) on one workload; ``image``: the containers' (unset: built
+    or reused once, before anything runs)."""
+    image = image_ref(image)
+    threads = torch.get_num_threads()  # the coordinators run in this process and set its torch threads
+    try:
+        with TemporaryDirectory() as tmp:
+            tmp_path = Path(tmp)
+            process = measure(bench_config(clients, cohort, rounds, nodes, data_root, samples=samples),
+                              tmp_path / "process")
+            docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker",
+                                          samples=samples, image=image), tmp_path / "docker")
+            profiles = tmp_path / "classes.yaml"
+            profiles.write_text(yaml.safe_dump({"profiles": [
+                {"name": "one_cpu", "share": 1, "container": {"cpus": 1.0}},
+                {"name": "quarter_cpu", "share": 1, "container": {"cpus": 0.25}}]}))
+            classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker",
+                                           samples, image), tmp_path / "classes")
+    finally:
+        torch.set_num_threads(threads)
     train = classes["train_s_by_class"]
     result = {
         "workload": {"clients": clients, "cohort": cohort, "rounds": rounds, "nodes": nodes, "samples": samples},
@@ -130,8 +144,9 @@ def run(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path
                    "accuracy (%)"):
         table.add_column(column, justify="right")
     for row in (process, docker):
-        table.add_row(row["backend"], f"{row['startup_s']:.1f}", f"{row['node_pss_mb']:.0f}", f"{row['mb_per_node']:.0f}",
-                      f"{row['mb_per_idle_client']:.2f}", f"{row['round_s']:.2f}", f"{row['accuracy']:.2f}")
+        table.add_row(row["backend"], f"{row['startup_s']:.1f}", f"{row['node_pss_mb']:.0f}",
+                      f"{row['mb_per_node']:.0f}", f"{row['mb_per_idle_client']:.2f}", f"{row['round_s']:.2f}",
+                      f"{row['accuracy']:.2f}")
     console.print(table)
     console.print(f"container overhead per round: {result['overhead']:+.1%} (target < 10 %); idle memory per "
                   f"client docker/process: {result['memory_ratio']:.2f} (target <= 1.2); start-up ratio "
