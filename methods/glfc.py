@@ -244,7 +244,7 @@ def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], dev
                for group in gradient_groups(inputs, names, encoder)]
     labels = [label_from_gradients(target) for target in targets]
     gen = torch.Generator().manual_seed(int(options.get("seed", 0)))
-    with jobs.single_thread():  # small problems on the CPU (on any worker): threads only cost
+    with jobs.torch_threads(1):  # small problems on the CPU (on any worker): threads only cost
         if options.get("sequential", False):
             done = [reconstruct(encoder, target, label, shape, o.proxy_iterations, o.proxy_lr, o.proxy_keep, gen)
                     for target, label in zip(targets, labels)]

@@ -91,13 +91,13 @@ def get(kind: str) -> JobFunction:
 
 
 @contextmanager
-def single_thread() -> Iterator[None]:
-    """Torch at one intra-op CPU thread while a job works on many tiny tensors (one image at a time):
-    splitting such ops across threads only adds synchronisation, and on a loaded host the threads' spinning
-    makes them many times slower (GLFC's CIFAR-10 reconstruction: 3.5 s with one thread, 260 s with two
-    beside four busy processes on two cores). The worker's thread count is restored after."""
+def torch_threads(threads: int = 1) -> Iterator[None]:
+    """Torch at ``threads`` intra-op CPU threads for the block, the process's count restored after. One thread
+    while a job works on many tiny tensors (one image at a time): splitting such ops across threads only adds
+    synchronisation, and on a loaded host the threads' spinning makes them many times slower (GLFC's CIFAR-10
+    reconstruction: 3.5 s with one thread, 260 s with two beside four busy processes on two cores)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:

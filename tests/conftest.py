@@ -51,12 +51,10 @@ def find_dataset_root(folder: str) -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Keep a module's torch work on one core (the test machine has two, shared with child processes)."""
-    import torch
+    from fcl_emu.methods.jobs import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

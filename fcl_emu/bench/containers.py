@@ -27,7 +27,6 @@ from tempfile import TemporaryDirectory
 
 import numpy as np
 import psutil
-import torch
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -36,6 +35,7 @@ from fcl_emu.containers.image import image_ref
 from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import launcher
+from fcl_emu.methods.jobs import torch_threads
 from fcl_emu.runconfig import RunConfig
 
 
@@ -113,22 +113,19 @@ def run(clients: int, cohort: int, rounds: int, nodes: int, data_root: list[Path
     """Measure both backends (and the two CPU classes) on one workload; ``image``: the containers' (unset: built
     or reused once, before anything runs)."""
     image = image_ref(image)
-    threads = torch.get_num_threads()  # the coordinators run in this process and set its torch threads
-    try:
-        with TemporaryDirectory() as tmp:
-            tmp_path = Path(tmp)
-            process = measure(bench_config(clients, cohort, rounds, nodes, data_root, samples=samples),
-                              tmp_path / "process")
-            docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker",
-                                          samples=samples, image=image), tmp_path / "docker")
-            profiles = tmp_path / "classes.yaml"
-            profiles.write_text(yaml.safe_dump({"profiles": [
-                {"name": "one_cpu", "share": 1, "container": {"cpus": 1.0}},
-                {"name": "quarter_cpu", "share": 1, "container": {"cpus": 0.25}}]}))
-            classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker",
-                                           samples, image), tmp_path / "classes")
-    finally:
-        torch.set_num_threads(threads)
+    # the coordinators run in this process at one torch thread (coordinator_threads): the caller's count after
+    with torch_threads(1), TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        process = measure(bench_config(clients, cohort, rounds, nodes, data_root, samples=samples),
+                          tmp_path / "process")
+        docker = measure(bench_config(clients, cohort, rounds, nodes, data_root, backend="docker",
+                                      samples=samples, image=image), tmp_path / "docker")
+        profiles = tmp_path / "classes.yaml"
+        profiles.write_text(yaml.safe_dump({"profiles": [
+            {"name": "one_cpu", "share": 1, "container": {"cpus": 1.0}},
+            {"name": "quarter_cpu", "share": 1, "container": {"cpus": 0.25}}]}))
+        classes = measure(bench_config(clients, cohort, rounds, max(2, nodes), data_root, profiles, "docker",
+                                       samples, image), tmp_path / "classes")
     train = classes["train_s_by_class"]
     result = {
         "workload": {"clients": clients, "cohort": cohort, "rounds": rounds, "nodes": nodes, "samples": samples},

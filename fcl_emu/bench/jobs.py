@@ -212,10 +212,8 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
     unknown = sorted(set(kinds or []) - set(known))
     if unknown:
         raise ValueError(f"unknown job kind {', '.join(unknown)}; known: {', '.join(known)}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     rows: list[dict[str, Any]] = []
-    try:
+    with jobs.torch_threads(threads):
         for name in devices:
             device = torch.device(name)
             if device.type == "cuda" and not torch.cuda.is_available():
@@ -227,8 +225,6 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
                           f"at {threads} thread(s)")
             for kind in kinds or known:
                 rows += _profile_kind(kind, device, scale, threads, limit, console, repeat, classes)
-    finally:
-        torch.set_num_threads(before)
     for row in rows:
         row["classes"] = classes
     csv_path.parent.mkdir(parents=True, exist_ok=True)
