@@ -299,7 +299,15 @@ def test_losing_a_host_drops_its_clients_and_the_run_completes(cluster, image, t
     after = [e for e in events if e["event"] == "round" and e["time"] > lost["time"]]
     # the round it was lost in closes once its clients there are declared dead: the liveness timeout, and slack
     assert after[0]["time"] - lost["time"] < 4.0 + 3.0
-    assert after[1]["online"] == 40
+    # The host's other clients die at their own liveness timeouts, each within a heartbeat (1 s) and an expiry
+    # scan of the loss plus 4 s: a round that closes later than that, before node-2's kill, sees the 40 left. On a
+    # fast host rounds 3 and 4 may close before it (each heartbeat is the client's own), so none is owed; none
+    # sees fewer than 40, and once node-2's 20 are gone too, the 20 of node-0 are all that stay online.
+    settled = lost["time"] + 4.0 + 1.0 + 1.0
+    before_kill = [e for e in after if e["round"] < 5]
+    assert all(e["online"] >= 40 for e in before_kill)
+    assert all(e["online"] == 40 for e in before_kill if e["time"] > settled)
+    assert summary.clients.online_at_end == 20
     # an update that reached the coordinator before the host was lost may count (on a fast host a client trains
     # in less time than the cut takes); nothing of the lost host counts in a later round, and nothing twice
     on_lost_host = {f"client-{i:04d}" for i in range(1, 60, 3)}  # node-1's clients (striped over 3 nodes)
