@@ -86,6 +86,7 @@ class AsyncRoundRunner:
         self.flight: list[InFlight] = []
         self.waves = 0
         self.last_aggregation_at: float | None = None  # emulated; set at the first round (after a resume's restore)
+        self.energy: dict[str, list[float]] = {}  # joules of the waves dispatched since the last aggregation
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         meter = RoundMeter(self.state)
@@ -112,8 +113,9 @@ class AsyncRoundRunner:
             late=0, failed=waves.failed, skipped=skipped, dropped=waves.lost,
             stale_used=sum(staleness > 0 for _, staleness, _ in applied), train_s_by_class=None,
             emulated_s=now - self.last_aggregation_at, emulated_clock_s=now, host_timeout=waves.host_timeout,
-            bytes_discarded=discarded_bytes, contributors=[] if skipped else sorted(f.client for f in buffer))
-        self.last_aggregation_at = now
+            bytes_discarded=discarded_bytes, contributors=[] if skipped else sorted(f.client for f in buffer),
+            energy_j=self.energy or None, low_battery=len(self.clock.energy.sitting_out))
+        self.last_aggregation_at, self.energy = now, {}
         self.state.event("async_aggregation", task=task, round=number, policy=self.policy.name,
                          version=self.version, clients=[f.client for f in buffer],
                          staleness=[s for _, s, _ in applied], weights=[w for _, _, w in applied],
@@ -167,6 +169,8 @@ class AsyncRoundRunner:
             self.dispatcher.round = None
         waves.host_timeout |= bool(r.pending(self.registry.is_online))
         waves.dispatched += len(chosen)
+        for client, joules in self.clock.energy.spend(r.timeline, now).items():
+            self.energy[client] = [a + b for a, b in zip(self.energy.get(client, [0.0, 0.0]), joules)]
         updates = {u.client: u for u in r.updates}
         for client in chosen:
             took = r.timeline[client].arrival if client in r.timeline else None  # relative to the dispatch

@@ -40,6 +40,7 @@ class ClientRecord:
     profile: DeviceProfile = field(default_factory=DeviceProfile)  # drawn at join
     away: bool = False  # emulated clock: off or crashed in emulated time (its process stays connected)
     restarted: bool = False  # emulated clock: crashed since its last task start (the next one says so)
+    low_battery: bool = False  # emulated clock: below edge.min_battery, it sits rounds out (coordinator/energy.py)
 
     @property
     def online(self) -> bool:
@@ -177,5 +178,6 @@ class ClientRegistry:
         return [r for r in self.records.values() if r.online]
 
     def eligible(self, task: int) -> list[ClientRecord]:
-        """Online clients whose scenario join task has come, in a stable order."""
-        return sorted((r for r in self.online() if r.join_task <= task), key=lambda r: r.index)
+        """Online clients whose scenario join task has come and whose battery lets them take part, in a stable
+        order."""
+        return sorted((r for r in self.online() if r.join_task <= task and not r.low_battery), key=lambda r: r.index)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
+from fcl_emu.coordinator.energy import EnergyLedger
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.secure_round import SecureOutcome, SecureRound
 from fcl_emu.coordinator.secure_timeline import SecureTimeline
@@ -147,14 +148,19 @@ class EmulatedTime(RunClock):
                                    crash_downtime_s=edge.crash_downtime_s, liveness_timeout_s=liveness_timeout_s)
         self._trained = [0.0, 0]  # CPU seconds and samples the clients' trainings took: the host's cost per sample
         self.traces = load_network_trace(edge.network_trace) if edge.network_trace else None
+        self.energy = EnergyLedger(state, availability)
 
     @property
     def emulated_now(self) -> float:
         return self.model.now
 
+    def checkpoint_fields(self) -> dict:
+        return {**super().checkpoint_fields(), "energy": self.energy.checkpoint()}
+
     def restore(self, fields: dict) -> None:
         super().restore(fields)
         self.model.now = fields.get("emulated_clock_s") or 0.0  # crash downtimes in flight are not kept
+        self.energy.restore(fields.get("energy"))
 
     def edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
         """Nothing in host time: availability, crashes and delays are this clock's."""
@@ -163,11 +169,13 @@ class EmulatedTime(RunClock):
     def before_selection(self, task: int, serve: Serve) -> None:
         self._follow_availability(self.model.now)
         cfg, registry = self.state.config.rounds, self.state.registry
+        self.energy.check([r.client_id for r in registry.online()], self.model.now)
         if len(registry.eligible(task)) < cfg.min_participants:
             self._await_quorum(task)
 
     def open_round(self, r: OpenRound) -> None:
         r.started_at = self.model.now
+        r.low_battery = len(self.energy.sitting_out)
 
     def advance(self, t: float) -> None:
         """Move the emulated clock to ``t`` (never back), following availability (asynchronous aggregation: an
@@ -176,6 +184,8 @@ class EmulatedTime(RunClock):
 
     def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
         index = self.state.registry.records[client].index
+        if self.state.devices is not None:
+            profile = self.state.devices.in_task(profile, r.task)
         c = r.timeline[client] = ClientRound(profile, down_bytes=down_bytes,
                                              trace=client_trace(self.traces, index) if self.traces else None)
         if self.skips_late:
@@ -302,6 +312,7 @@ class EmulatedTime(RunClock):
         cpu_s, samples = self._trained  # the cancelled trainings' samples at the host's CPU time per sample
         skipped = r.cancelled - r.answered()  # a cancel may cross an update already sent
         r.host_cpu_saved_s = sum(r.timeline[c].samples_trained for c in skipped) * cpu_s / max(samples, 1)
+        r.energy = self.energy.spend(r.timeline, closing.closed_at)
 
     def collect_secure(self, r: OpenRound, secure: SecureRound, serve: Serve) -> SecureOutcome:
         """Run a secure round's phases, each closed in emulated time (:mod:`fcl_emu.coordinator.secure_timeline`);
@@ -328,6 +339,7 @@ class EmulatedTime(RunClock):
         r.bytes_discarded = sum(r.timeline[c].up_bytes for c in gone - r.masked_in_time)
         r.emulated_s = closed_at - r.started_at
         r.train_s = {c: t.compute_s for c, t in r.timeline.items() if t.compute_s is not None}
+        r.energy = self.energy.spend(r.timeline, closed_at)
         self.model.now = max(self.model.now, closed_at)
         return outcome
 

@@ -30,7 +30,7 @@ from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
 from fcl_emu.coordinator.collection import Collection
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
-from fcl_emu.scenario.devices import DeviceProfile, assign_profile
+from fcl_emu.scenario.devices import DeviceProfile
 from fcl_emu.wire.framing import Message, WireError
 from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
 
@@ -46,16 +46,15 @@ class Dispatcher:
     """Serving the coordinator's socket: receive, validate, handle by type, reject.
 
     ``endpoint``: the ROUTER (:class:`fcl_emu.wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
-    sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome``; ``profiles``: the
-    device profiles clients are assigned at join (None: no profiles); ``on_tick``: called each time the loop
-    wakes (the node watch)."""
+    sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome`` (the device profiles
+    clients are assigned at join: ``state.devices``); ``on_tick``: called each time the loop wakes (the node
+    watch)."""
 
     def __init__(self, state: RunState, endpoint, pool, clock: RunClock, collection: Collection, stale: StaleUpdates,
-                 rate_limiter: RateLimiter, *, welcome: dict[str, Any],
-                 profiles: list[DeviceProfile] | None = None, on_tick: Callable[[], None] = lambda: None):
+                 rate_limiter: RateLimiter, *, welcome: dict[str, Any], on_tick: Callable[[], None] = lambda: None):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.endpoint, self.pool, self.clock, self.collection, self.stale = endpoint, pool, clock, collection, stale
-        self.rate_limiter, self.welcome, self.profiles, self.on_tick = rate_limiter, welcome, profiles, on_tick
+        self.rate_limiter, self.welcome, self.on_tick = rate_limiter, welcome, on_tick
         self.round: OpenRound | None = None  # the open round, set by the round runner
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
@@ -212,7 +211,8 @@ class Dispatcher:
         if r is not None and peer in r.selected and peer not in {u.client for u in r.updates}:
             r.lost.add(peer)  # left or crashed and came back: its work for this round is gone
         record = self.registry.join(peer, index, msg.body.node, join_task, msg.body.assets_task)
-        profile = None if self.profiles is None else assign_profile(self.profiles, index, self.config.seed)
+        devices = self.state.devices
+        profile = None if devices is None else devices.assign(index, self.config.seed)
         record.device_class = None if profile is None else profile.name
         record.profile = profile or DeviceProfile()
         if not known:

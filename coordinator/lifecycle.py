@@ -58,7 +58,9 @@ from fcl_emu.monitoring.results import (RoundRecord, RunRecorder, RunSummary, av
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port
 from fcl_emu.runconfig.adjustments import adjustments
 from fcl_emu.scenario.datasets import load_dataset
-from fcl_emu.scenario.devices import load_profiles
+from fcl_emu.methods.models.flops import training_flops_per_sample
+from fcl_emu.scenario.device_classes import DEFAULT_CLASSES
+from fcl_emu.scenario.devices import DeviceSet, load_profiles
 from fcl_emu.scenario.scenario import build_scenario
 from fcl_emu.wire.auth import Allowlist, KeyFileError, ServerKeys, load_server_keys
 from fcl_emu.wire.framing import Limits
@@ -119,6 +121,7 @@ class Coordinator:
             run_id=(config.metrics.run_id or uuid.uuid4().hex[:12]) if resume is None else resume.state["run_id"],
             rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
             progress=progress or no_progress)
+        state.devices = self._devices(options)
         metrics.watch_online(lambda: state.registry.online_count)
         self.context = context or zmq.Context.instance()
         keys, self.allowlist = self._keys()
@@ -153,7 +156,6 @@ class Coordinator:
                          model=self.model_name,
                          training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
                          heartbeat_interval_s=self.heartbeat_interval_s),
-            profiles=load_profiles(config.edge.device_profiles) if config.edge.device_profiles else None,
             on_tick=self.nodes.check)
         policy = config.aggregation.policy()
         self.rounds = (AsyncRoundRunner(state, self.dispatcher, self.clock, collection, policy) if policy.asynchronous
@@ -222,6 +224,22 @@ class Coordinator:
         keys = load_server_keys(security.keys)
         return keys, Allowlist(self.context, keys, on_refused=on_refused_handshake(self.state.metrics,
                                                                                    self.state.log_once))
+
+    def _devices(self, options) -> DeviceSet | None:
+        """The run's device profiles: its profiles file, or under the emulated clock the default device mix
+        (scenario/device_classes.py); their throughput turned into time by the run's model and method."""
+        config = self.config
+        if config.edge.device_profiles:
+            profiles = load_profiles(config.edge.device_profiles)
+        elif config.emulated_clock:
+            profiles = DEFAULT_CLASSES
+        else:
+            return None
+        plain = training_flops_per_sample(self.model_name, tuple(self.dataset.input_shape),
+                                          self.state.scenario.num_classes)
+        client, batch = self.state.spec.client, config.training.batch_size
+        return DeviceSet(profiles, work=lambda task: plain * client.work_per_sample(options, batch, task),
+                         measured=config.edge.compute == "measured")
 
     def _build_model(self, num_classes: int):
         return build_model(self.model_name, self.dataset.input_shape, num_classes)

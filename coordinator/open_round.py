@@ -47,6 +47,8 @@ class OpenRound:
     kept_late: list[ClientUpdate] = field(default_factory=list)  # late updates for the next round
     bytes_discarded: int = 0  # uploads of clients gone (in emulated time) before they would have arrived
     host_cpu_saved_s: float = 0.0  # what the cancelled trainings saved the host (an estimate)
+    energy: dict[str, list[float]] | None = None  # emulated clock: joules [compute, radio] per dispatched client
+    low_battery: int = 0  # emulated clock: clients that sat the round out for a low battery
 
     def answered(self) -> set[str]:
         return {u.client for u in self.updates} | self.masked | self.failed

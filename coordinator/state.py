@@ -25,6 +25,7 @@ from fcl_emu.methods.registry import MethodSpec
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.monitoring.results import RunRecorder, TimeAccounting
 from fcl_emu.runconfig import RunConfig
+from fcl_emu.scenario.devices import DeviceSet
 from fcl_emu.scenario.scenario import Scenario
 from fcl_emu.wire.sockets import Counters
 
@@ -89,6 +90,7 @@ class RunState:
     run_id: str
     rng: np.random.Generator
     log_once: LogOnce
+    devices: DeviceSet | None = None  # the device profiles clients are assigned at join (None: none)
     counters: Counters = field(default_factory=Counters.empty)
     tally: Tally = field(default_factory=Tally)
     progress: ProgressHook = no_progress

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.coordinator.clock import RunClock
+from fcl_emu.coordinator.energy import energy_to_accuracy
 from fcl_emu.coordinator.gpu_pool import Job
 from fcl_emu.coordinator.privacy import run_privacy
 from fcl_emu.coordinator.resume import Checkpointer
@@ -98,7 +99,17 @@ class SummaryBuilder:
             checkpoints=results.Checkpoints(**self.checkpointer.stats),
             privacy=run_privacy(self.config, rounds),
             edge_node_hosts=dict(node_hosts or {}),
+            energy_joules=self._energy(rounds, [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)]),
         )
+
+    def _energy(self, rounds: list[RoundRecord], task_end_accuracy: list[float]) -> results.EnergyTotals | None:
+        """The clients' energy over the run (emulated clock with device classes that give power figures)."""
+        ledger = getattr(self.clock, "energy", None)
+        totals = None if ledger is None else ledger.summary(self.clock.emulated_now)
+        if totals is None:
+            return None
+        marks = [results.EnergyMark(**m) for m in energy_to_accuracy(rounds, task_end_accuracy)]
+        return results.EnergyTotals(**totals, sat_out_rounds=sum(r.low_battery for r in rounds), to_accuracy=marks)
 
     def _all_accuracy(self, row: list[float | None], task: int) -> float:
         """Accuracy on the test samples of every class of the data set (FedCBC's global accuracy): a class not

@@ -32,7 +32,7 @@ from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from fcl_emu.writable import check_writable
 from fcl_emu.monitoring import stack
-from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, failure_status
+from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, energy_text, failure_status
 from fcl_emu.scenario.datasets import find_dataset
 
 
@@ -151,6 +151,8 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_row("wall clock", f"{summary.wall_clock_s:.1f} s")
     if summary.emulated_s is not None:
         table.add_row("emulated time", f"{summary.emulated_s:.1f} s")
+    if summary.energy_joules is not None:
+        table.add_row("clients' energy (compute share)", energy_text(summary.energy_joules))
     table.add_row("run directory", summary.run_dir)
     return table
 

@@ -298,6 +298,14 @@ class ClientPart:
         """Extra tensors to upload, and the place to update client state (default: none)."""
         return {}
 
+    @classmethod
+    def work_per_sample(cls, options: Options, batch_size: int, task: int) -> float:
+        """The client's work per real sample it trains in ``task``, in plain training steps (a forward and
+        backward pass of the model on one sample; 1 here). Methods that add forward passes (teachers) or
+        synthetic batches say what they add; per-job extras that do not grow with the samples are left out.
+        What the emulated clock turns into compute time and energy (:mod:`fcl_emu.methods.models.flops`)."""
+        return 1.0
+
     def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
         """SGD over the model's parameters."""
         s = ctx.settings

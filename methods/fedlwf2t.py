@@ -162,6 +162,12 @@ class FedLwF2TClient(ClientPart):
     keeps_state = True  # its store outlives the job
     options: FedLwF2TOptions
 
+    @classmethod
+    def work_per_sample(cls, options, batch_size: int, task: int) -> float:
+        """A plain step and the teachers' forward passes (1/3 of a step each): the server teacher always, the old one
+        from task 1."""
+        return 1.0 + (2.0 if task > 0 else 1.0) / 3.0
+
     # --- task life cycle --------------------------------------------------------
     def start_task(self, ctx: ClientContext) -> None:
         """With a local old teacher: the last model of an earlier task becomes this task's teacher."""

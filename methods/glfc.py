@@ -365,6 +365,12 @@ class GLFCClient(ClientPart):
     keeps_state = True  # its store outlives the job
     options: GLFCOptions
 
+    @classmethod
+    def work_per_sample(cls, options, batch_size: int, task: int) -> float:
+        """A plain step, and from task 1 the old model's forward pass for distillation (1/3 of a step); the prototype
+        gradient computed once per job is left out."""
+        return 1.0 + (1.0 / 3.0 if task > 0 else 0.0)
+
     def __init__(self, options: GLFCOptions):
         super().__init__(options)
         self._encoder: GradientEncoder | None = None

@@ -68,6 +68,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
+from fcl_emu.methods.models.flops import synthetic_replay_work
 from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
@@ -217,6 +218,12 @@ class MFCLServer(ServerPart):
 
 class MFCLClient(ClientPart):
     options: MFCLOptions
+
+    @classmethod
+    def work_per_sample(cls, options, batch_size: int, task: int) -> float:
+        """A plain step and, from task 1, ``synthetic_batch`` generated images trained with the old model as teacher
+        (:func:`~fcl_emu.methods.models.flops.synthetic_replay_work`)."""
+        return synthetic_replay_work(options.synthetic_batch, batch_size, task)
 
     def begin_job(self, ctx: ClientContext, model) -> None:
         gen_arrays, old_arrays = strip_prefix(ctx.assets, GEN), strip_prefix(ctx.assets, OLD)

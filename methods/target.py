@@ -86,6 +86,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 
+from fcl_emu.methods.models.flops import synthetic_replay_work
 from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
@@ -251,6 +252,12 @@ class TargetServer(SynthesisServer):
 
 class SyntheticReplayClient(ClientPart):
     """The client side both TARGET and LANDER build on: the old model and the synthetic set of the task."""
+
+    @classmethod
+    def work_per_sample(cls, options, batch_size: int, task: int) -> float:
+        """A plain step and, from task 1, ``synthetic_batch`` synthetic images trained with the old model as teacher
+        (:func:`~fcl_emu.methods.models.flops.synthetic_replay_work`)."""
+        return synthetic_replay_work(options.synthetic_batch, batch_size, task)
 
     def task_ce(self, logits: torch.Tensor, y: torch.Tensor, k_old: int) -> torch.Tensor:
         """The real batch's cross-entropy: over the current task's classes (``ce_scope = "current"``) or over

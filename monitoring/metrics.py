@@ -257,6 +257,13 @@ class CoordinatorMetrics(ProcessMetrics):
                                        ["phase"], registry=r)
         self.secagg_recovered_masks = Counter("fcl_secagg_recovered_masks", "Dropped clients whose pairwise "
                                               "masks were reconstructed from Shamir shares.", registry=r)
+        self.energy_joules = Counter("fcl_energy_joules", "Emulated clock: joules the clients spent, by device "
+                                     "class and kind (compute: training; radio: bytes down and up).",
+                                     ["device_class", "kind"], registry=r)
+        self.battery_levels = Histogram("fcl_battery_level_ratio", "Emulated clock: battery level (a fraction of "
+                                        "capacity) of each client after a round's work.",
+                                        buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                                        registry=r)
         self.privacy_epsilon = Gauge("fcl_privacy_epsilon", "Central differential privacy: epsilon spent so far "
                                      "for the run's delta (+Inf without noise).", registry=r)
         self.gpu_jobs = Counter("fcl_gpu_jobs", "Server-side jobs of the GPU worker pool by kind and outcome "
@@ -323,6 +330,12 @@ class CoordinatorMetrics(ProcessMetrics):
 
     def late_update(self) -> None:
         self.late_updates.inc()
+
+    def energy(self, device_class: str, kind: str, joules: float) -> None:
+        self.energy_joules.labels(device_class, kind).inc(joules)
+
+    def battery_level(self, level: float) -> None:
+        self.battery_levels.observe(level)
 
     def updates_applied(self, staleness: list[int]) -> None:
         """The staleness of each update an asynchronous aggregation applied."""

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from fcl_emu.monitoring.plots import (plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round,
                                       plot_online_clients, plot_round_phases)
 from fcl_emu.monitoring.run_dir import Run, load_run
+from fcl_emu.monitoring.results import energy_text
 
 PLOTS = {
     "accuracy_matrix": "accuracy_matrix.png",
@@ -70,6 +71,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("rounds (skipped)", f"{s.rounds} ({s.rounds_skipped})"),
         ("wall clock (s)", f"{s.wall_clock_s:.1f}"),
         ("emulated time (s)", "– (real clock)" if s.emulated_s is None else f"{s.emulated_s:.1f}"),
+        ("clients' energy (compute share)", "–" if s.energy_joules is None else energy_text(s.energy_joules)),
         ("clients joined / left / dropped",
          "– / – / –" if c is None else f"{c.joined} / {c.left} / {c.dropped}"),
         ("missed deadline / late updates", f"{s.missed_deadline} / {s.late_updates}"),

@@ -206,6 +206,10 @@ class RoundRecord:
     privacy: dict[str, Any] | None = None
     # plain rounds: the clients whose own update of this round was aggregated (skipped round: none; secure: None)
     contributors: list[str] | None = None
+    # emulated clock, device classes with power figures: joules [compute, radio] of each client the round (an
+    # asynchronous aggregation: its dispatch waves) dispatched; clients that sat out for a low battery
+    energy_j: dict[str, list[float]] | None = None
+    low_battery: int = 0
 
 
 # ------------------------------------------------------------------ summary.json
@@ -286,6 +290,33 @@ class Checkpoints(SummaryPart):
     bytes: int = 0
 
 
+class EnergyMark(SummaryPart):
+    """The joules all clients had spent when the accuracy on the seen classes first reached ``accuracy``."""
+
+    accuracy: int  # percent, a multiple of 10
+    joules: float
+    round: int
+
+
+class EnergyTotals(SummaryPart):
+    """The clients' energy over the run (emulated clock, docs/edge.md): joules in all, by kind (compute, radio)
+    and by device class; battery levels (fractions) at the end; energy to each 10-point accuracy mark."""
+
+    total: float
+    by_kind: dict[str, float]
+    by_device_class: dict[str, dict[str, float]]
+    battery_at_end: dict[str, float] | None = None  # min and mean level of the batteries followed
+    sitting_out_at_end: int = 0  # clients below edge.min_battery at the end
+    sat_out_rounds: int = 0  # rounds x clients that sat out for a low battery
+    to_accuracy: list[EnergyMark] = []
+
+
+def energy_text(energy: EnergyTotals) -> str:
+    """``12.3 kJ (18 %)``: the clients' energy and its compute share, as summaries print it."""
+    share = energy.by_kind.get("compute", 0.0) / energy.total if energy.total else 0.0
+    return f"{energy.total / 1000:.1f} kJ ({100 * share:.0f} %)"
+
+
 class Privacy(SummaryPart):
     """Central differential privacy over the run: its settings, the rounds that released a noised mean, and the
     epsilon spent for ``delta`` (None without noise: no guarantee), as the accountant composed them."""
@@ -356,6 +387,7 @@ class RunSummary(SummaryPart, kw_only=True):
     checkpoints: Checkpoints | None = None
     privacy: Privacy | None = None  # None: a run without differential privacy
     edge_node_hosts: dict[str, str] = {}  # edge node -> the host it ran on (nodes started by `up`)
+    energy_joules: EnergyTotals | None = None  # None: no device class with power figures, or the real clock
 
     @property
     def completed(self) -> bool:

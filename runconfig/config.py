@@ -136,6 +136,17 @@ class EdgeConfig(pydantic.BaseModel):
     network_trace: Path | None = pydantic.Field(
         None, description="emulated clock: file of each client's link bandwidth over time, replacing its "
                           "profile's (FedScale-style: client id -> time in s, communication in kbit/s; docs/edge.md)")
+    compute: Literal["modelled", "measured"] = pydantic.Field(
+        "modelled", description="emulated clock: a client's compute time from its device class's throughput and "
+                                "the run's work per sample (modelled: the same on any host), or its measured CPU "
+                                "time (measured: depends on the host)")
+    min_battery: float = pydantic.Field(
+        0.2, ge=0, le=1, description="emulated clock: a client whose battery is below this fraction of its "
+                                     "capacity sits rounds out (0: only an empty battery does)")
+    charging: Literal["never", "available", "away"] = pydantic.Field(
+        "never", description="emulated clock: when batteries charge: never, while the client's availability "
+                             "model has it available (plugged in and on Wi-Fi), or while it has it away")
+    charge_w: float = pydantic.Field(10.0, gt=0, description="watts a charging battery gains")
 
     @pydantic.field_validator("availability")
     @classmethod

@@ -6,13 +6,21 @@ A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
 
     profiles:
       - name: flagship            # a label of the link metrics: keep the set small
-        share: 0.6                # fraction of the clients (shares are normalised)
+        share: 0.4                # fraction of the clients (shares are normalised)
         compute_factor: 1.0       # local training takes this many times its measured CPU time
         uplink_mbps: 20           # megabits per second
         downlink_mbps: 50
         latency_ms: 30            # one way
+      - name: phone
+        share: 0.2
+        gflops: 15                # or a training throughput: the run's work per sample over it
+        radio: lte                # energy (docs/devices.md): wifi, lte, or {up_mw_per_mbps, ...}
+        compute_w: 3.0            # watts while training
+        idle_w: 0.05
+        battery_wh: 17.3
+        initial_charge: {uniform: [0.3, 1.0]}
       - name: budget
-        share: 0.4
+        share: 0.2
         ms_per_sample: {lognormal: {median: 12.0, sigma: 0.5}}   # or a fixed cost per sample trained
         uplink_mbps: {uniform: [1, 5]}
         downlink_mbps: 10
@@ -27,10 +35,14 @@ A profiles file (``edge.device_profiles``, ``--device-profiles``; YAML or JSON):
 Each value is a number or a distribution (``uniform: [low, high]``,
 ``lognormal: {median, sigma}``), drawn once per client. A client's compute
 time in a round (:meth:`DeviceProfile.compute_s`) is either its measured CPU
-time of its own training times ``compute_factor`` (the default: follows what a
-method really does per step), or ``ms_per_sample`` times the samples it
-trained (local samples x local epochs; exact and independent of the host, but
-blind to a method's extra work per step). A profile gives one of the two.
+time of its own training times ``compute_factor`` (measured: depends on the
+host), ``ms_per_sample`` times the samples it trained (local samples x local
+epochs; exact and independent of the host, but blind to a method's extra work
+per step), or, with ``gflops``, the run's training work per sample (model and
+method, :class:`DeviceSet`) over that throughput: exact, host-independent and
+method-aware. A profile gives one of the three (``compute: measured`` or
+``modelled`` may say which). Without a profiles file, the emulated clock uses
+the default device mix (:mod:`fcl_emu.scenario.device_classes`).
 
 FedScale's device-capacity file (``client_device_capacity``: client id ->
 ``{"computation": ms per sample, "communication": kbit/s}``, a pickle, JSON or
@@ -54,15 +66,17 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pydantic
 
 from fcl_emu.scenario.availability import sort_key
+from fcl_emu.scenario.energy import RADIOS, RadioModel
 from fcl_emu.scenario.files import read_data, validate
 
 Value = float | dict[str, Any]
@@ -108,28 +122,54 @@ class _Profile(pydantic.BaseModel):
 
     name: str = pydantic.Field(min_length=1, max_length=40)
     share: float = pydantic.Field(1.0, gt=0)
+    compute: Literal["modelled", "measured"] | None = None  # measured: CPU time x compute_factor (host-dependent)
     compute_factor: Value = 1.0
     ms_per_sample: Value | None = None
+    gflops: Value | None = None
     uplink_mbps: Value | None = None
     downlink_mbps: Value | None = None
     latency_ms: Value = 0.0
+    compute_w: Value = 0.0
+    idle_w: Value = 0.0
+    radio: str | RadioModel | None = None
+    battery_wh: Value | None = None
+    initial_charge: Value = 1.0
     container: ContainerLimits | None = None
 
     @pydantic.model_validator(mode="after")
     def _one_compute_model(self) -> "_Profile":
-        if self.ms_per_sample is not None and self.compute_factor != 1.0:
-            raise ValueError(f"profile {self.name!r}: give compute_factor or ms_per_sample, not both")
+        given = [k for k in ("ms_per_sample", "gflops") if getattr(self, k) is not None]
+        if self.compute_factor != 1.0:
+            given.append("compute_factor")
+        if len(given) > 1:
+            raise ValueError(f"profile {self.name!r}: give one of compute_factor, ms_per_sample and gflops, "
+                             f"not {' and '.join(given)}")
+        if self.compute == "measured" and given and given != ["compute_factor"]:
+            raise ValueError(f"profile {self.name!r}: compute: measured takes compute_factor, not {given[0]}")
+        if self.compute == "modelled" and (not given or given[0] == "compute_factor"):
+            raise ValueError(f"profile {self.name!r}: compute: modelled needs ms_per_sample or gflops")
+        if _support(self.initial_charge, "initial_charge")[1] > 1:
+            raise ValueError(f"profile {self.name!r}: initial_charge is a fraction of the battery, at most 1")
         return self
 
-    @pydantic.field_validator("compute_factor", "ms_per_sample", "uplink_mbps", "downlink_mbps", "latency_ms")
+    @pydantic.field_validator("radio")
+    @classmethod
+    def _radio(cls, value: str | RadioModel | None) -> str | RadioModel | None:
+        if isinstance(value, str) and value not in RADIOS:
+            raise ValueError(f"radio {value!r}: one of {', '.join(RADIOS)}, or a model "
+                             f"{{up_mw_per_mbps, down_mw_per_mbps, base_mw, tail_mw, tail_s}}")
+        return value
+
+    @pydantic.field_validator("compute_factor", "ms_per_sample", "gflops", "uplink_mbps", "downlink_mbps",
+                              "latency_ms", "compute_w", "idle_w", "battery_wh", "initial_charge")
     @classmethod
     def _value(cls, value: Value | None, info) -> Value | None:
         if value is None:
             return value
         low = _support(value, info.field_name)[0]
-        if low < 0 or (info.field_name != "latency_ms" and low == 0):
-            raise ValueError(f"{info.field_name} must be positive" + (" or zero" if info.field_name ==
-                                                                        "latency_ms" else ""))
+        may_be_zero = info.field_name in ("latency_ms", "compute_w", "idle_w", "initial_charge")
+        if low < 0 or (not may_be_zero and low == 0):
+            raise ValueError(f"{info.field_name} must be positive" + (" or zero" if may_be_zero else ""))
         return value
 
 
@@ -200,7 +240,8 @@ def _fedscale_capacities(path: Path, data: dict) -> ProfilesFile:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One client's drawn profile (what its welcome carries)."""
+    """One client's drawn profile. Its compute and link part is what the client's ``welcome`` carries
+    (:meth:`to_wire`); its energy part (power, radio, battery) stays with the coordinator's emulated clock."""
 
     name: str = "default"
     compute_factor: float = 1.0
@@ -208,11 +249,20 @@ class DeviceProfile:
     uplink_bytes_s: float = math.inf
     downlink_bytes_s: float = math.inf
     latency_s: float = 0.0
+    gflops: float | None = None  # a throughput class: ms_per_sample is its work per sample over this
+    compute_w: float = 0.0
+    idle_w: float = 0.0
+    radio: RadioModel | None = None
+    battery_j: float | None = None
+    initial_charge: float = 1.0
+
+    _WIRE = ("name", "compute_factor", "ms_per_sample", "uplink_bytes_s", "downlink_bytes_s", "latency_s")
 
     def to_wire(self) -> dict[str, Any]:
         # JSON has no infinity: an unlimited link travels as null
-        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
-
+        fields = asdict(self)
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in fields.items()
+                if k in self._WIRE}
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "DeviceProfile":
         """Raises ValueError for a malformed profile (it came over the wire)."""
@@ -240,13 +290,39 @@ class DeviceProfile:
         return cpu_s * self.compute_factor
 
 
-def assign_profile(profiles: ProfilesFile | None, index: int, seed: int) -> DeviceProfile:
-    """Client ``index``'s profile: pinned, or drawn by share; its values drawn from their distributions."""
+@dataclass(frozen=True)
+class DeviceSet:
+    """The run's device profiles, and what turns a class's throughput (``gflops``) into time: ``work(task)``,
+    the FLOPs a client trains per real sample in a task (the run's model and method,
+    :mod:`fcl_emu.methods.models.flops`). ``measured`` (``edge.compute: measured``): every client's compute is its
+    measured CPU time instead (host-dependent)."""
+
+    profiles: ProfilesFile
+    work: Callable[[int], float] | None = None
+    measured: bool = False
+
+    def assign(self, index: int, seed: int) -> DeviceProfile:
+        """Client ``index``'s profile, its per-sample cost that of task 0 (:meth:`in_task` gives another's)."""
+        return assign_profile(self.profiles, index, seed, flops_per_sample=None if self.work is None else self.work(0),
+                              measured=self.measured)
+
+    def in_task(self, profile: DeviceProfile, task: int) -> DeviceProfile:
+        """``profile`` with its per-sample cost in ``task`` (a method's work per sample changes with the task)."""
+        if profile.gflops is None or self.work is None:
+            return profile
+        return replace(profile, ms_per_sample=self.work(task) / (profile.gflops * 1e9) * 1000.0)
+
+
+def assign_profile(profiles: ProfilesFile | None, index: int, seed: int, *, flops_per_sample: float | None = None,
+                   measured: bool = False) -> DeviceProfile:
+    """Client ``index``'s profile: pinned, or drawn by share; its values drawn from their distributions.
+    ``gflops`` becomes a cost per sample through ``flops_per_sample`` (without it, only the name is meaningful);
+    ``measured``: every client's compute is its measured CPU time (x ``compute_factor``)."""
     if profiles is None:
         return DeviceProfile()
     if profiles.trace:
         ms, kbit_s = profiles.trace[index % len(profiles.trace)]
-        return DeviceProfile(name=FEDSCALE_CLASS, ms_per_sample=FEDSCALE_TRAINING_FACTOR * ms,
+        return DeviceProfile(name=FEDSCALE_CLASS, ms_per_sample=None if measured else FEDSCALE_TRAINING_FACTOR * ms,
                              uplink_bytes_s=kbit_s * 1000 / 8, downlink_bytes_s=kbit_s * 1000 / 8)
     rng = np.random.default_rng(zlib.crc32(f"{seed}/profile/{index}".encode()))
     by_name = {p.name: p for p in profiles.profiles}
@@ -267,8 +343,17 @@ def assign_profile(profiles: ProfilesFile | None, index: int, seed: int) -> Devi
     def bytes_s(mbps: float | None) -> float:
         return math.inf if mbps is None else mbps * 1e6 / 8
 
-    return DeviceProfile(name=chosen.name, compute_factor=draw(chosen.compute_factor),
-                         ms_per_sample=draw(chosen.ms_per_sample),
-                         uplink_bytes_s=bytes_s(draw(chosen.uplink_mbps)),
-                         downlink_bytes_s=bytes_s(draw(chosen.downlink_mbps)),
-                         latency_s=draw(chosen.latency_ms) / 1000.0)
+    # every value is drawn, used or not, so that one setting never shifts the draws of the others
+    factor, ms, gflops = draw(chosen.compute_factor), draw(chosen.ms_per_sample), draw(chosen.gflops)
+    up, down, latency = draw(chosen.uplink_mbps), draw(chosen.downlink_mbps), draw(chosen.latency_ms)
+    compute_w, idle_w, battery_wh = draw(chosen.compute_w), draw(chosen.idle_w), draw(chosen.battery_wh)
+    charge = draw(chosen.initial_charge)
+    if gflops is not None and flops_per_sample is not None:
+        ms = flops_per_sample / (gflops * 1e9) * 1000.0
+    if measured or chosen.compute == "measured":
+        ms = gflops = None
+    radio = RADIOS[chosen.radio] if isinstance(chosen.radio, str) else chosen.radio
+    return DeviceProfile(name=chosen.name, compute_factor=factor, ms_per_sample=ms,
+                         uplink_bytes_s=bytes_s(up), downlink_bytes_s=bytes_s(down), latency_s=latency / 1000.0,
+                         gflops=gflops, compute_w=compute_w, idle_w=idle_w, radio=radio,
+                         battery_j=None if battery_wh is None else battery_wh * 3600.0, initial_charge=charge)

@@ -115,11 +115,12 @@ def _device_profiles(tmp_path, slow_share: float = 0.0):
     return path
 
 
-def _run(tmp_path, name: str, mnist_root, aggregation: dict, *flags: str, slow_share: float = 0.0):
+def _run(tmp_path, name: str, mnist_root, aggregation: dict, *flags: str, slow_share: float | None = 0.0):
+    """``slow_share`` None: no profiles file, the default device mix."""
+    edge = {} if slow_share is None else {"device_profiles": str(_device_profiles(tmp_path, slow_share))}
     config = small_config(tmp_path / f"{name}.yaml", scenario={"num_clients": 12, "samples_per_client_task": 40},
                           rounds={"clients_per_round": 4, "rounds_per_task": 2, "eval_every": 2},
-                          training={"local_epochs": 1, "batch_size": 32}, aggregation=aggregation,
-                          edge={"device_profiles": str(_device_profiles(tmp_path, slow_share))})
+                          training={"local_epochs": 1, "batch_size": 32}, aggregation=aggregation, edge=edge)
     run_dir = tmp_path / name
     proc = fcl_emu("up", "--config", str(config), "--data-root", str(mnist_root), "--run-dir", str(run_dir),
                    "--insecure", "--seed", "5", *flags, stdout=open(tmp_path / f"{name}.log", "w"), stderr=-2)
@@ -129,15 +130,20 @@ def _run(tmp_path, name: str, mnist_root, aggregation: dict, *flags: str, slow_s
 
 @pytest.mark.slow
 def test_a_fedbuff_run_is_bit_identical_across_edge_node_counts(tmp_path, mnist_root):
+    """With no profiles file (the default device mix: compute from each class's throughput), one edge node and
+    three give the same aggregations, the same energy and the same accuracy matrix."""
     aggregation = {"kind": "fedbuff", "buffer": 2, "concurrency": 4}
-    runs = [_run(tmp_path, f"nodes{n}", mnist_root, aggregation, "--nodes", str(n), slow_share=0.3)
+    runs = [_run(tmp_path, f"nodes{n}", mnist_root, aggregation, "--nodes", str(n), slow_share=None)
             for n in (1, 3)]
     (one, one_events), (three, three_events) = runs
     assert one.status == three.status == "completed"
     assert one.accuracy_matrix == three.accuracy_matrix
+    assert one.energy_joules == three.energy_joules and one.energy_joules.total > 0
+    assert set(one.energy_joules.by_device_class) == {"phone-high", "phone-mid", "phone-low"}
 
     def per_aggregation(evs):
-        return ([(e["round"], e["contributors"], e["emulated_clock_s"]) for e in evs if e["event"] == "round"],
+        return ([(e["round"], e["contributors"], e["emulated_clock_s"], e["energy_j"]) for e in evs
+                 if e["event"] == "round"],
                 [(e["clients"], e["staleness"]) for e in evs if e["event"] == "async_aggregation"])
 
     assert per_aggregation(one_events) == per_aggregation(three_events)

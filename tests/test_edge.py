@@ -148,7 +148,7 @@ def test_profiles_are_drawn_by_share_and_pinned(tmp_path):
     ({"profiles": [{"name": "a"}, {"name": "a"}]}, "unique"),
     ({"profiles": [{"name": "a"}], "clients": {1: "b"}}, "unknown profile"),
     ({"profiles": [{"name": "a", "speed": 2}]}, "Extra inputs"),
-    ({"profiles": [{"name": "x", "compute_factor": 2, "ms_per_sample": 3}]}, "not both"),
+    ({"profiles": [{"name": "x", "compute_factor": 2, "ms_per_sample": 3}]}, "not ms_per_sample and compute_factor"),
     ({1: {"computation": 10.0}}, "computation .ms per sample. and communication"),  # FedScale capacities
     ({1: {"computation": -1.0, "communication": 5.0}}, "greater than 0"),
 ])

@@ -45,6 +45,37 @@ def bench_round(
     run(clients, rounds, json_path, data_root, console)
 
 
+@bench_app.command("energy")
+def bench_energy(
+    cases: Annotated[str, typer.Option(help="Comma-separated cases (fedavg is always run, as the baseline): "
+                                            "fedavg, fedbuff, mfcl, glfc, fedavg-low-battery.")] =
+        "fedavg,fedbuff,mfcl,glfc,fedavg-low-battery",
+    clients: Annotated[int, typer.Option(min=2, help="Emulated clients.")] = 20,
+    clients_per_round: Annotated[int, typer.Option(min=1, help="Clients a round (and FedBuff's buffer).")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per task (two tasks).")] = 4,
+    samples: Annotated[int, typer.Option(min=1, help="Training samples of each client per task.")] = 200,
+    seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
+    target_accuracy: Annotated[float, typer.Option(min=0, max=100, help="Accuracy (%) whose energy is "
+                                                                         "reported.")] = 50.0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the energy bar chart (PNG) here.")] =
+        None,
+    data_root: DataRootOpt = None,
+) -> None:
+    """Clients' energy per method on the default device mix: compute vs radio, energy to a target accuracy, the
+    class that pays most, low-battery dropouts; ratios against FedAvg in the same run."""
+    from fcl_emu.bench.energy import parse_cases, run
+
+    writable(folder(json_path))
+    writable(folder(plot_path))
+    try:
+        run(parse_cases(cases), clients, clients_per_round, rounds, samples, seed, target_accuracy, json_path,
+            plot_path, data_root, console)
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
 @bench_app.command("overcommit")
 def bench_overcommit(
     clients: Annotated[int, typer.Option(min=2, help="Emulated clients.")] = 24,

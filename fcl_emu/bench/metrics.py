@@ -76,6 +76,9 @@ def simulate(clients: int = 300, nodes: int = 2, tasks: int = 5, rounds_per_task
                 node.count_message("update", "sent", 1_100_000)
                 coordinator.count_message("update", "received", 1_100_000)
                 coordinator.handled("update", 3e-3)
+                for kind, joules in (("compute", 3.0), ("radio", 18.0)):  # the default device mix's classes
+                    coordinator.energy(("phone-high", "phone-mid", "phone-low")[k % 3], kind, joules)
+                coordinator.battery_level(0.6)
             coordinator.round_closed(duration_s=3.0, phases_s={p: 0.1 for p in ROUND_PHASES}, selected=per_round,
                                      participants=per_round - 1, missed_deadline=1, failed=0, skipped=False,
                                      mean_loss=0.5, accuracy_seen_percent=90.0)

@@ -1,0 +1,180 @@
+"""The clients' energy and batteries on the emulated clock (docs/devices.md).
+
+Each round, every client the round dispatched spends the energy of its work (:func:`fcl_emu.scenario.energy.
+round_energy`: computing for its emulated compute time, its radio for the bytes it received and sent), charged to
+its battery and to the run's totals by device class and kind. Between rounds a battery drains at its class's idle
+power and, if ``edge.charging`` says so, charges at ``edge.charge_w`` while the client's availability model has it
+available (``available``: plugged in and on Wi-Fi, as production federated learning asks of a phone) or away
+(``away``: on the charger while it is off the network). A battery is followed lazily, from its last update to the
+emulated now, so a round costs only its clients and the ones it checks.
+
+A client below ``edge.min_battery`` of its capacity sits rounds out: the registry does not offer it for selection
+until it is back above (a ``battery`` event each time it changes). Profiles without a battery never sit out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+from fcl_emu.coordinator.emulated import ClientRound
+from fcl_emu.coordinator.state import RunState
+from fcl_emu.scenario.availability import AvailabilitySpec, client_availability, transitions
+from fcl_emu.scenario.devices import DeviceProfile
+from fcl_emu.scenario.energy import round_energy
+
+
+class _Windows:
+    """A client's on/off transitions (its availability model), read forward: seconds on within an interval."""
+
+    def __init__(self, stream: Iterator[tuple[float, bool]]):
+        self._stream = stream
+        self._on, self._next = True, next(stream, None)
+
+    def seconds_on(self, t0: float, t1: float) -> float:
+        """Seconds in ``[t0, t1]`` the client is available (calls move forward: ``t0`` is the last ``t1``)."""
+        total, t = 0.0, t0
+        while self._next is not None and self._next[0] <= t1:
+            at, on = self._next
+            if at > t and self._on:
+                total += at - t
+            t, self._on = max(t, at), on
+            self._next = next(self._stream, None)
+        return total + (t1 - t if self._on else 0.0)
+
+
+class Battery:
+    """One client's battery: joules left, followed from ``updated_at`` to any later emulated time."""
+
+    def __init__(self, profile: DeviceProfile, windows: _Windows | None, charging: str, charge_w: float):
+        self.capacity = profile.battery_j
+        self.joules = profile.battery_j * profile.initial_charge
+        self.idle_w, self.windows, self.charging, self.charge_w = profile.idle_w, windows, charging, charge_w
+        self.updated_at = 0.0
+
+    def at(self, t: float) -> float:
+        """The level (a fraction of the capacity) at emulated time ``t``, after the idle drain and charging since
+        the last update."""
+        if t > self.updated_at:
+            span = t - self.updated_at
+            charged = 0.0
+            if self.windows is not None:
+                on = self.windows.seconds_on(self.updated_at, t)
+                charged = on if self.charging == "available" else span - on
+            self.joules = min(self.capacity, max(0.0, self.joules - self.idle_w * span + self.charge_w * charged))
+            self.updated_at = t
+        return self.joules / self.capacity
+
+    def spend(self, joules: float, t: float) -> None:
+        self.at(t)
+        self.joules = max(0.0, self.joules - joules)
+
+
+class EnergyLedger:
+    """What the run's clients spent, by device class and kind, and their batteries."""
+
+    def __init__(self, state: RunState, availability: AvailabilitySpec):
+        self.state = state
+        self._availability = availability
+        self.spent: dict[tuple[str, str], float] = defaultdict(float)  # (device class, kind) -> joules
+        self.batteries: dict[str, Battery] = {}
+        self.sitting_out: set[str] = set()
+        self._restored: dict[str, list[float]] = {}  # a resumed run's battery states, taken up at first use
+
+    def checkpoint(self) -> dict:
+        """What a resumed run needs to go on as this one would: the totals, the batteries and who sits out."""
+        return {"spent": [[name, kind, joules] for (name, kind), joules in sorted(self.spent.items())],
+                "batteries": {c: [b.joules, b.updated_at] for c, b in sorted(self.batteries.items())},
+                "sitting_out": sorted(self.sitting_out)}
+
+    def restore(self, saved: dict | None) -> None:
+        if not saved:
+            return
+        self.spent.update({(name, kind): joules for name, kind, joules in saved["spent"]})
+        self._restored = dict(saved["batteries"])
+        self.sitting_out = set(saved["sitting_out"])
+
+    def battery(self, client: str) -> Battery | None:
+        """The client's battery (made at first use from its profile), or None if its profile has none."""
+        battery = self.batteries.get(client)
+        if battery is None:
+            record = self.state.registry.records[client]
+            if record.profile.battery_j is None:
+                return None
+            edge = self.state.config.edge
+            windows = None
+            if edge.charging != "never":
+                windows = _Windows(transitions(client_availability(
+                    self._availability, record.index, self.state.config.seed, slot_s=edge.availability_slot_s,
+                    trace_time_scale=edge.trace_time_scale)))
+            battery = self.batteries[client] = Battery(record.profile, windows, edge.charging, edge.charge_w)
+            if client in self._restored:
+                battery.joules, battery.updated_at = self._restored.pop(client)
+                if windows is not None:
+                    windows.seconds_on(0.0, battery.updated_at)  # its availability up to where it was followed
+        return battery
+
+    def check(self, clients: list[str], now: float) -> None:
+        """Mark which of ``clients`` sit out for a low battery at ``now`` (the registry leaves them out of
+        selection); a ``battery`` event for each that starts or stops sitting out."""
+        threshold, registry = self.state.config.edge.min_battery, self.state.registry
+        for client in clients:
+            battery = self.battery(client)
+            if battery is None:
+                continue
+            level = battery.at(now)
+            low = level < threshold or level <= 0.0
+            if low != (client in self.sitting_out):
+                (self.sitting_out.add if low else self.sitting_out.discard)(client)
+                self.state.event("battery", client=client, level=round(level, 6), sitting_out=low)
+            registry.records[client].low_battery = low
+
+    def spend(self, timeline: dict[str, ClientRound], now: float) -> dict[str, list[float]]:
+        """Charge each dispatched client of a round (or an asynchronous wave) the energy of its work at ``now``;
+        returns ``{client: [compute J, radio J]}``."""
+        out = {}
+        metrics = self.state.metrics
+        for client, c in sorted(timeline.items()):
+            energy = round_energy(c.profile, c.down_bytes, c.up_bytes, c.compute_s)
+            if not energy.total:
+                continue
+            out[client] = [energy.compute, energy.radio]
+            for kind, joules in (("compute", energy.compute), ("radio", energy.radio)):
+                self.spent[c.profile.name, kind] += joules
+                metrics.energy(c.profile.name, kind, joules)
+            battery = self.battery(client)
+            if battery is not None:
+                battery.spend(energy.total, now)
+                metrics.battery_level(battery.joules / battery.capacity)
+        return out
+
+    def summary(self, now: float) -> dict | None:
+        """summary.json's ``energy_joules``: total, by kind, by device class; battery levels at the end."""
+        if not self.spent:
+            return None
+        by_class: dict[str, dict[str, float]] = {}
+        for (name, kind), joules in sorted(self.spent.items()):
+            by_class.setdefault(name, {"compute": 0.0, "radio": 0.0})[kind] += joules
+        by_kind = {kind: sum(v[kind] for v in by_class.values()) for kind in ("compute", "radio")}
+        levels = [b.at(now) for b in self.batteries.values()]
+        return {"total": sum(by_kind.values()), "by_kind": by_kind, "by_device_class": by_class,
+                "battery_at_end": None if not levels else {"min": min(levels), "mean": math.fsum(levels) / len(levels)},
+                "sitting_out_at_end": len(self.sitting_out)}
+
+
+def energy_to_accuracy(rounds: list, task_end_accuracy: list[float]) -> list[dict]:
+    """The joules every client together had spent when the run's accuracy on the seen classes (percent) first
+    reached each 10-point mark: the round records' ``energy_j`` and ``accuracy_seen``, a task's last round taking
+    the task's end-of-task accuracy."""
+    out, spent, reached = [], 0.0, 0
+    last_round = {r.task: r.round for r in rounds}
+    for r in rounds:
+        spent += sum(sum(v) for v in (r.energy_j or {}).values())
+        accuracy = r.accuracy_seen
+        if r.round == last_round[r.task] and r.task < len(task_end_accuracy):
+            accuracy = task_end_accuracy[r.task]
+        while accuracy is not None and accuracy >= reached + 10:
+            reached += 10
+            out.append({"accuracy": reached, "joules": spent, "round": r.round})
+    return out
