@@ -56,7 +56,7 @@ from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy, failure_status)
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port
-from fcl_emu.runconfig.adjustments import adjustments
+from fcl_emu.runconfig.adjustments import Adjustment, adjustments
 from fcl_emu.scenario.datasets import load_dataset
 from fcl_emu.methods.models.flops import training_flops_per_sample
 from fcl_emu.scenario.device_classes import DEFAULT_CLASSES
@@ -354,10 +354,41 @@ class Coordinator:
         """Tell once, at the session's start, each setting that another setting changes
         (:mod:`fcl_emu.runconfig.adjustments`): a ``config_warning`` event and a ``warning`` for the progress
         display."""
-        for adjusted in adjustments(self.config):
+        for adjusted in [*adjustments(self.config), *self._slow_classes()]:
             self.state.event("config_warning", setting=adjusted.setting, value=adjusted.value,
                              message=adjusted.message)
             self.progress("warning", {"setting": adjusted.setting, "message": adjusted.message})
+
+    def _slow_classes(self) -> list[Adjustment]:  # an Adjustment in form: told like one, changes nothing
+        """Device classes whose clients cannot make the round deadline even alone on their link: the model
+        each way and the training of a typical share, at the task with the most work per sample (synchronous
+        rounds on the emulated clock, modelled compute)."""
+        config, state = self.config, self.state
+        if state.devices is None or not config.emulated_clock or config.aggregation.asynchronous:
+            return []
+        model_bytes = sum(a.nbytes for a in state.server.global_state.values())
+        tasks = range(state.scenario.num_tasks)
+        slow: dict[str, int] = {}
+        sample = range(min(config.scenario.num_clients, 500))
+        for index in sample:
+            profile = state.devices.assign(index, config.seed)
+            samples = len(state.scenario.client_indices(index, state.scenario.join_task(index)))
+            for task in tasks:
+                p = state.devices.in_task(profile, task)
+                if p.ms_per_sample is None:
+                    break
+                need = (model_bytes / p.downlink_bytes_s + model_bytes / p.uplink_bytes_s + 2 * p.latency_s
+                        + p.ms_per_sample * samples * config.training.local_epochs / 1000)
+                if need > config.rounds.deadline_s:
+                    slow[p.name] = slow.get(p.name, 0) + 1
+                    break
+        if not slow:
+            return []
+        share = 100 * sum(slow.values()) / len(sample)
+        return [Adjustment("rounds.deadline_s", config.rounds.deadline_s, (
+            f"{share:.0f} % of the clients ({', '.join(sorted(slow))}) need more than the "
+            f"{config.rounds.deadline_s:g} s round deadline for a round's work ({model_bytes / 1e6:.1f} MB model "
+            f"each way and their training, docs/devices.md): they will be late; --round-deadline sets it"))]
 
     def _end_task(self, task: int, matrix: list[list[float | None]]):
         """The method's task-end work, then the accuracy row (appended to ``matrix``), its event and metrics.

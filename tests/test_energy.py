@@ -159,3 +159,25 @@ def test_bench_energy_refuses_an_unknown_case():
                    text=True)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "--cases: give some of fedavg, fedbuff" in output, output
+
+
+def test_a_run_warns_of_device_classes_that_cannot_make_the_deadline(tmp_path, mnist_root):
+    """The MNIST CNN's round takes every class a few seconds; a 2 s deadline is too short for the LTE phones
+    (a 1.1 MB update at 2 or 6 Mbit/s), not for Wi-Fi's."""
+    from fcl_emu.coordinator.lifecycle import Coordinator
+
+    def slow(deadline_s: float, **rounds) -> list:
+        config = RunConfig.model_validate({
+            "scenario": {"num_clients": 20, "samples_per_client_task": 50}, "model": "cnn", "device": "cpu",
+            "rounds": {"deadline_s": deadline_s, **rounds}, "security": {"transport": "plain"},
+            "network": {"bind": "tcp://127.0.0.1:0"}, "data_root": [str(mnist_root)]})
+        coordinator = Coordinator(config)
+        try:
+            return coordinator._slow_classes()
+        finally:
+            coordinator.close()
+
+    warning, = slow(2.0)
+    assert warning.setting == "rounds.deadline_s" and "(phone-low, phone-mid)" in warning.message
+    assert "--round-deadline" in warning.message
+    assert slow(120.0) == []
