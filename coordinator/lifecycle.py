@@ -359,10 +359,10 @@ class Coordinator:
                              message=adjusted.message)
             self.progress("warning", {"setting": adjusted.setting, "message": adjusted.message})
 
-    def _slow_classes(self) -> list[Adjustment]:  # an Adjustment in form: told like one, changes nothing
+    def _slow_classes(self) -> list[Adjustment]:
         """Device classes whose clients cannot make the round deadline even alone on their link: the model
-        each way and the training of a typical share, at the task with the most work per sample (synchronous
-        rounds on the emulated clock, modelled compute)."""
+        each way and the training of its share, in the task with the most work per sample (synchronous rounds
+        on the emulated clock, modelled compute). Told as an adjustment is, though it changes no setting."""
         config, state = self.config, self.state
         if state.devices is None or not config.emulated_clock or config.aggregation.asynchronous:
             return []
