@@ -121,7 +121,8 @@ def test_the_coordinator_records_and_shows_each_warning_once(tmp_path):
     heard = []
     coordinator = SimpleNamespace(config=load_config(None, {"scenario": {"num_clients": 20}}),
                                   state=SimpleNamespace(event=recorder.event),
-                                  progress=lambda kind, info: heard.append((kind, info)))
+                                  progress=lambda kind, info: heard.append((kind, info)),
+                                  _slow_classes=lambda: [])  # tests/test_energy.py has its own test
     Coordinator._warn_adjustments(coordinator)
     recorder.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
