@@ -1,12 +1,12 @@
 """``fcl-emu bench energy``: what each method costs the clients' batteries, on the default device mix.
 
 One seeded scenario (MNIST in two tasks, the small CNN (MFCL: its BatchNorm variant), two edge-node processes,
-the emulated clock, every round evaluated), one run per case: FedAvg (the baseline), FedAvg under FedBuff (``buffer`` and ``concurrency`` the
-cohort), MFCL, GLFC, and FedAvg with ``edge.min_battery: 0.6`` (about 40 % of the clients start below it and
-sit out). For each: the final average accuracy, the clients' energy in all and its compute and radio shares, the
-energy until the accuracy on the seen classes first reached ``--target-accuracy``, the device class that paid
-most per client dispatched, and the ratios of energy against FedAvg's in the same run. The energy model is
-docs/devices.md.
+the emulated clock, every round evaluated), one run per case: FedAvg (the baseline), FedAvg under FedBuff
+(``buffer`` and ``concurrency`` the cohort), MFCL, GLFC, and FedAvg with ``edge.min_battery: 0.6`` (about 40 %
+of the clients start below it and sit out). For each: the final average accuracy, the clients' energy in all
+and its compute share, the energy until the accuracy on the seen classes first reached ``--target-accuracy``,
+the device class that paid most per client dispatched, and the ratios of energy against FedAvg's in the same
+run. The energy model: docs/devices.md.
 """
 
 from __future__ import annotations
