@@ -40,6 +40,7 @@ class RunClock(ABC):
     """What the coordinator's rounds ask of time (see the module docstring)."""
 
     kind: str  # "real" or "emulated": the summary's ``clock``
+    energy: EnergyLedger | None = None  # the clients' energy and batteries (the emulated clock's)
 
     def __init__(self, state: RunState, availability: AvailabilitySpec):
         self.state = state

@@ -22,7 +22,7 @@ from fcl_emu.coordinator.emulated import ClientRound
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.scenario.availability import AvailabilitySpec, client_availability, transitions
 from fcl_emu.scenario.devices import DeviceProfile
-from fcl_emu.scenario.energy import round_energy
+from fcl_emu.scenario.energy import KINDS, round_energy
 
 
 class _Windows:
@@ -140,7 +140,8 @@ class EnergyLedger:
             if not energy.total:
                 continue
             out[client] = [energy.compute, energy.radio]
-            for kind, joules in (("compute", energy.compute), ("radio", energy.radio)):
+            for kind in KINDS:
+                joules = getattr(energy, kind)
                 self.spent[c.profile.name, kind] += joules
                 metrics.energy(c.profile.name, kind, joules)
             battery = self.battery(client)
@@ -155,8 +156,8 @@ class EnergyLedger:
             return None
         by_class: dict[str, dict[str, float]] = {}
         for (name, kind), joules in sorted(self.spent.items()):
-            by_class.setdefault(name, {"compute": 0.0, "radio": 0.0})[kind] += joules
-        by_kind = {kind: sum(v[kind] for v in by_class.values()) for kind in ("compute", "radio")}
+            by_class.setdefault(name, dict.fromkeys(KINDS, 0.0))[kind] += joules
+        by_kind = {kind: sum(v[kind] for v in by_class.values()) for kind in KINDS}
         levels = [b.at(now) for b in self.batteries.values()]
         return {"total": sum(by_kind.values()), "by_kind": by_kind, "by_device_class": by_class,
                 "battery_at_end": None if not levels else {"min": min(levels), "mean": math.fsum(levels) / len(levels)},

@@ -41,6 +41,7 @@ class SummaryBuilder:
         phases = Counter()
         for r in rounds:
             phases.update(r.phases_s)
+        seen = [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)]
         return results.RunSummary(
             status=status,
             run_id=st.run_id,
@@ -52,7 +53,7 @@ class SummaryBuilder:
             scenario=self.config.scenario.model_dump(mode="json"),
             seed=self.config.seed,
             accuracy_matrix=matrix,
-            accuracy_seen=[st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
+            accuracy_seen=seen,
             accuracy_all=[self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],
             accuracy_clients=list(st.client_accuracy),
             average_accuracy=average_accuracy(matrix) if complete else None,
@@ -99,12 +100,12 @@ class SummaryBuilder:
             checkpoints=results.Checkpoints(**self.checkpointer.stats),
             privacy=run_privacy(self.config, rounds),
             edge_node_hosts=dict(node_hosts or {}),
-            energy_joules=self._energy(rounds, [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)]),
+            energy_joules=self._energy(rounds, seen),
         )
 
     def _energy(self, rounds: list[RoundRecord], task_end_accuracy: list[float]) -> results.EnergyTotals | None:
         """The clients' energy over the run (emulated clock with device classes that give power figures)."""
-        ledger = getattr(self.clock, "energy", None)
+        ledger = self.clock.energy
         totals = None if ledger is None else ledger.summary(self.clock.emulated_now)
         if totals is None:
             return None

@@ -299,7 +299,7 @@ class EnergyMark(SummaryPart):
 
 
 class EnergyTotals(SummaryPart):
-    """The clients' energy over the run (emulated clock, docs/edge.md): joules in all, by kind (compute, radio)
+    """The clients' energy over the run (emulated clock, docs/devices.md): joules in all, by kind (compute, radio)
     and by device class; battery levels (fractions) at the end; energy to each 10-point accuracy mark."""
 
     total: float

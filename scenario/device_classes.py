@@ -3,7 +3,7 @@
 Every value is a cited measurement or a stated assumption (docs/devices.md lists them with their sources); a run
 that needs other devices gives ``--device-profiles``. Compute is a throughput (``gflops``: sustained training
 GFLOP/s), turned into seconds by the run's training work per sample (model and method,
-:func:`fcl_emu.methods.models.flops.work_per_sample`), so the default emulated clock depends on nothing the host
+:mod:`fcl_emu.methods.models.flops`), so the default emulated clock depends on nothing the host
 measures.
 
 - ``gflops``: Das et al., "Enabling On-Device Smartphone GPU based Training: Lessons Learned" (2022), measure

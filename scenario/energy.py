@@ -9,12 +9,12 @@ transfers (the download of its requests and model, the upload of its update), ea
 
 Coefficients (Huang et al., their power model fitted on commercial networks):
 
-========  ==============  ================  =======  ======================
+========  ================  ==================  =======  =======================
 radio     alpha up mW/Mbps  alpha down mW/Mbps  beta mW  tail
-========  ==============  ================  =======  ======================
-``wifi``  283.17          137.01            132.86   left out (under 0.25 s)
-``lte``   438.39          51.97             1288.04  1060 mW for 11.576 s
-========  ==============  ================  =======  ======================
+========  ================  ==================  =======  =======================
+``wifi``  283.17            137.01              132.86   left out (under 0.25 s)
+``lte``   438.39            51.97               1288.04  1060 mW for 11.576 s
+========  ================  ==================  =======  =======================
 
 No study here gives a 5G model in this form; a profile may give its own coefficients
 (``radio: {up_mw_per_mbps, down_mw_per_mbps, base_mw, tail_mw, tail_s}``) for 5G or anything else. A profile
@@ -59,7 +59,7 @@ RADIOS: dict[str, RadioModel] = {
                       tail_s=11.576),
 }
 
-KINDS = ("compute", "radio")
+KINDS = ("compute", "radio")  # the fields of Energy: the kinds the run's totals and metrics break energy into
 
 
 @dataclass(frozen=True)
