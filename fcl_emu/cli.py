@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import click
 import pydantic
 import typer
 from rich.console import Console
@@ -21,6 +22,7 @@ from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, writable
 from fcl_emu.runconfig import RunConfig, load_config
+from fcl_emu.runconfig.config import error_lines
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -40,14 +42,13 @@ def _process_setup() -> None:
 
 
 def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
-    """Resolve file + flags, turning validation errors into messages that name the flag."""
+    """Resolve file + flags; a validation error exits 2, a line per error naming the flag or config key."""
     try:
         return load_config(config_file, options.overrides(flags))
     except pydantic.ValidationError as exc:
-        lines = [f"Invalid value for {options.flag_for(tuple(e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise typer.BadParameter("\n".join(lines)) from None
+        raise click.UsageError("\n".join(error_lines(exc, options.flag_for))) from None
     except (ValueError, KeyError) as exc:
-        raise typer.BadParameter(str(exc).strip("'\"")) from None
+        raise click.UsageError(str(exc).strip("'\"")) from None
 
 
 def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
