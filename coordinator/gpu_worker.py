@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import zmq
 
+from fcl_emu.coordinator.devices import check_cuda
 from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
 from fcl_emu.methods import jobs
 from fcl_emu.monitoring.metrics import GpuWorkerMetrics
@@ -45,8 +46,7 @@ def worker_device(choice: str, index: int) -> torch.device:
     """``cuda``: device ``index`` modulo the visible CUDA devices; ``auto``: that, or the CPU without CUDA."""
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--gpu-device cuda was asked for, but torch sees no CUDA device")
+    check_cuda("--gpu-device")
     return torch.device("cuda", index % torch.cuda.device_count())
 
 

@@ -41,6 +41,7 @@ from fcl_emu.coordinator.errors import BindError, Interrupted, JobFailed, RunAbo
 from fcl_emu.coordinator.evaluation import Evaluator
 from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
 from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, on_refused_handshake, RateLimiter
+from fcl_emu.coordinator.devices import check_cuda, no_cuda
 from fcl_emu.coordinator.nodes import NodeExit, NodeWatch
 from fcl_emu.coordinator.privacy import run_privacy_part
 from fcl_emu.coordinator.open_round import StaleUpdates
@@ -86,8 +87,10 @@ def _trained_status(rounds: list[RoundRecord]) -> str:
 
 
 def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    """The coordinator's device for ``--device``: ``auto`` is CUDA where torch sees it; ``cuda`` without it
+    raises :class:`~fcl_emu.coordinator.devices.DeviceError`."""
+    if choice == "cuda":
+        check_cuda("--device")
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
@@ -417,10 +420,10 @@ class Coordinator:
 
     def _start_pool(self, run_dir: Path) -> None:
         """Start the GPU worker pool and check every worker's device before the run depends on it."""
-        try:
-            self.pool.start(run_dir / "logs")
-        except RuntimeError as exc:  # --gpu-device cuda without CUDA here
-            raise RunAborted(f"the GPU worker pool cannot start: {exc}") from None
+        reason = no_cuda("--gpu-device") if self.config.gpu.device == "cuda" else None
+        if reason:  # before any worker starts: it would fail the same way, and be started again
+            raise RunAborted(f"the GPU worker pool cannot start: {reason}")
+        self.pool.start(run_dir / "logs")
         if self.config.gpu.workers:
             self.run_jobs([("device.matmul", {}, {"seconds": 0.2, "size": 256})] * self.config.gpu.workers)
 

@@ -68,6 +68,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     from fcl_emu.writable import NotWritableError
 
     _check_extras(cfg)
+    _check_devices(cfg)
     forks = zygote.start() if fork_nodes and cfg.containers.backend == "process" else None
     try:
         summary = runner(cfg, console)
@@ -96,6 +97,18 @@ def _check_extras(cfg: RunConfig) -> None:
         console.print(f"error: method {spec.name} needs the {', '.join(missing)} extra, which is not installed: "
                       f"{pip_install(missing)}", style="red", markup=False, highlight=False)
         raise typer.Exit(2)
+
+
+def _check_devices(cfg: RunConfig) -> None:
+    """Exit 2 with one line naming what torch found where the run asks for a CUDA device that is not here: for
+    training and evaluation (--device) or the GPU workers (--gpu-device); before the run starts anything."""
+    from fcl_emu.coordinator.devices import no_cuda
+
+    for flag, choice in (("--device", cfg.device), ("--gpu-device", cfg.gpu.device)):
+        reason = no_cuda(flag) if choice == "cuda" else None
+        if reason:
+            console.print(f"error: {reason}", style="red", markup=False, highlight=False)
+            raise typer.Exit(2)
 
 
 def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],

@@ -119,6 +119,36 @@ def test_validation_errors_speak_the_projects_words(args, expected):
         assert pydantic_words not in output, output
 
 
+@pytest.mark.parametrize("args,flag", [(["--device", "cuda"], "--device"),
+                                       (["--gpu-workers", "1", "--gpu-device", "cuda"], "--gpu-device")])
+def test_a_cuda_device_that_is_not_here_is_refused_in_one_line_before_anything_starts(tmp_path, monkeypatch, args,
+                                                                                      flag):
+    import torch
+
+    monkeypatch.chdir(tmp_path)  # where the run directory would go
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(app, ["up", "--clients", "4", "--nodes", "1", *args])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: {flag} cuda: torch {torch.__version__} sees no CUDA device (CUDA build: ")
+    assert lines[0].endswith(f"use {flag} cpu or auto") and list(tmp_path.iterdir()) == []
+
+
+def test_the_coordinator_and_the_gpu_workers_make_the_same_device_check(monkeypatch):
+    import torch
+
+    from fcl_emu.coordinator.devices import DeviceError
+    from fcl_emu.coordinator.gpu_worker import worker_device
+    from fcl_emu.coordinator.lifecycle import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="^--device cuda: torch .* sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceError, match="^--gpu-device cuda: torch .* sees no CUDA device"):
+        worker_device("cuda", 0)
+    assert resolve_device("auto").type == worker_device("auto", 3).type == "cpu"
+
+
 def test_flags_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"scenario": {"num_clients": 50, "num_tasks": 2}, "seed": 4}))

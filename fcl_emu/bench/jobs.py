@@ -38,6 +38,7 @@ from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcl_emu.bench.report import emit
+from fcl_emu.coordinator.devices import no_cuda
 from fcl_emu.methods import jobs, registry
 
 SHAPE = (1, 28, 28)
@@ -216,9 +217,9 @@ def run(devices: list[str], scale: float, kinds: list[str] | None, threads: int,
     with jobs.torch_threads(threads):
         for name in devices:
             device = torch.device(name)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                rows += [_row(k, "", name, threads, 0, "", note="skipped: CUDA is not available here")
-                         for k in kinds or known]
+            missing = no_cuda("--device", "cpu") if device.type == "cuda" else None
+            if missing:
+                rows += [_row(k, "", name, threads, 0, "", note=f"skipped: {missing}") for k in kinds or known]
                 continue
             limit = peaks(device)
             console.print(f"{name}: peak matmul {limit['matmul']:.1f} GFLOP/s, conv2d {limit['conv2d']:.1f} GFLOP/s "
