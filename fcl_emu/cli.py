@@ -175,7 +175,8 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
     edit yourself (docs/containers.md). With --image no Docker engine is needed here."""
     from fcl_emu.containers.docker_client import EngineError
     from fcl_emu.containers.image import ImageError
-    from fcl_emu.deploy import GRAFANA_PORT, PROMETHEUS_PORT, deployment_image, write_deployment
+    from fcl_emu.deploy import (GRAFANA_PORT, PROMETHEUS_PORT, MountError, check_mounts, deployment_image,
+                                write_deployment)
 
     if resume is not None:
         raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")
@@ -183,6 +184,11 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
     cfg = build_config(config, **flags)
     if not cfg.data_root:
         raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
+    try:
+        check_mounts(cfg, given=bool(flags.get("data_root")))
+    except MountError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     writable(out)
     try:
         image = deployment_image(cfg.containers.image)

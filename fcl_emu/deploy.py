@@ -37,6 +37,7 @@ from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
 from fcl_emu.monitoring import stack
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
+from fcl_emu.scenario.datasets import default_data_roots, roots_from_env
 from fcl_emu.wire.auth import ROSTER_FILE, SERVER_NAME, SIGNERS_FILE
 
 COORDINATOR_PORT = 5555
@@ -46,6 +47,24 @@ GRAFANA_PORT = 3000
 GRAFANA_IMAGE = "grafana/grafana:11.2.0"  # as monitoring/docker-compose.yml; from a registry, or `docker load`
 DATA = "/data"
 SECRETS = "/run/secrets"
+
+
+class MountError(ValueError):
+    """A host path the deployment's services would mount is not there."""
+
+
+def check_mounts(config: RunConfig, given: bool) -> None:
+    """Raise :class:`MountError`, in one line naming the flag that sets it, unless the host path the services
+    mount exists: the data root (read-only at ``/data``; ``given``: by ``--data-root``). The run folder that the
+    coordinator mounts, ``runs/`` beside the files, is made with them."""
+    root = config.data_root[0]
+    if root.is_dir():
+        return
+    origin = ("" if given else " (from $FCL_EMU_DATA_ROOT)" if config.data_root == roots_from_env()
+              else " (the default)" if config.data_root == default_data_roots() else " (from --config's data_root)")
+    what = "is not a folder" if root.exists() else "does not exist"
+    raise MountError(f"--data-root: {root.absolute()}{origin} {what}; the coordinator and the edge nodes mount it "
+                     f"read-only at {DATA}: give the folder of the datasets")
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,8 @@ NODE_SHARED_SECRETS = [f"{SERVER_NAME}.key", SIGNERS_FILE]
 
 
 def _secret_names(config: RunConfig) -> list[str]:
-    return [*COORDINATOR_SECRETS, SIGNERS_FILE, *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
+    return [*COORDINATOR_SECRETS, SIGNERS_FILE,
+            *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
 def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) -> Deployment:

@@ -107,6 +107,28 @@ def test_grafana_is_provisioned_with_prometheus_and_every_dashboard(deployed, fi
         assert grafana["ports"] == ["3000:3000"]
 
 
+@pytest.mark.parametrize("data_root,env,expected", [
+    (None, None, "(the default) does not exist"),
+    (None, "{tmp}/env-data", "env-data (from $FCL_EMU_DATA_ROOT) does not exist"),
+    ("{tmp}/missing", None, "missing does not exist"),
+    ("{tmp}/file", None, "file is not a folder"),
+])
+def test_a_data_root_that_is_not_there_is_refused_in_one_line_before_any_file_is_written(
+        tmp_path, monkeypatch, data_root, env, expected):
+    monkeypatch.chdir(tmp_path)  # the default ./data is not there
+    (tmp_path / "file").write_text("")
+    if env:
+        monkeypatch.setenv("FCL_EMU_DATA_ROOT", env.format(tmp=tmp_path))
+    else:
+        monkeypatch.delenv("FCL_EMU_DATA_ROOT", raising=False)
+    flags = ["--data-root", data_root.format(tmp=tmp_path)] if data_root else []
+    result = CliRunner().invoke(app, ["deploy", str(tmp_path / "out"), "--image", "fcl-emu:x", *flags])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --data-root: "), result.output
+    assert expected in lines[0] and "mount it read-only at /data" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_coordinator_takes_the_run_id_it_is_given(tmp_path, mnist_root):
     """The run_id label Prometheus puts on every target is the coordinator's own (fcl_run_info, summary.json)."""
     from fcl_emu.coordinator.lifecycle import Coordinator
