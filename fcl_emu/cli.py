@@ -309,12 +309,13 @@ def report(
     """Plot a run (accuracy matrix, seen-class accuracy, bytes, round phases, online clients) and write report.md."""
     from fcl_emu.monitoring.report import write_report
     from fcl_emu.monitoring.run_dir import RunDirError, load_run
+    from fcl_emu.runconfig.defaults import defaults_for
 
     out = run_dir / "report" if out is None else out
     writable(out)
     try:
         run = load_run(run_dir)
-        path = write_report(run, out)
+        path = write_report(run, out, defaults_for)
     except RunDirError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -330,16 +331,17 @@ def compare(
         "--include-incomplete", help="Also compare runs not completed (failed, interrupted, still running), "
                                      "marked with * and hatched bars.")] = False,
 ) -> None:
-    """Average accuracy, forgetting, total bytes and wall-clock of several runs: a table and compare.png. Folders
-    that hold no run are skipped; runs not completed are left out unless --include-incomplete; differing scenarios
-    are warned about."""
+    """Average accuracy, forgetting, total bytes, wall-clock and emulated time of several runs, and the settings
+    each changed: a table and compare.png. Folders that hold no run are skipped; runs not completed are left out
+    unless --include-incomplete; differing scenario and system settings are warned about."""
     from fcl_emu.monitoring.compare import NothingToCompare, compare_runs, format_table
     from fcl_emu.monitoring.run_dir import RunDirError
+    from fcl_emu.runconfig.defaults import defaults_for
 
     writable(out)
     stdout = Console()
     try:
-        found = compare_runs(run_dirs, out, include_incomplete)
+        found = compare_runs(run_dirs, out, include_incomplete, defaults_for)
     except NothingToCompare as exc:
         for note in exc.notes:
             stdout.print(note, markup=False, highlight=False, soft_wrap=True)

@@ -32,7 +32,9 @@ from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from fcl_emu.writable import check_writable
 from fcl_emu.monitoring import stack
-from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, energy_text, failure_status
+from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, energy_text, epsilon_text, failure_status
+from fcl_emu.monitoring.settings_diff import non_default_settings, settings_text
+from fcl_emu.runconfig.defaults import defaults_for
 from fcl_emu.scenario.datasets import find_dataset
 
 
@@ -129,7 +131,8 @@ def _hours(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def summary_table(summary: RunSummary) -> Table:
+def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table:
+    """The closing table of a run; with its ``config``, the settings it did not leave at their defaults."""
     table = Table(title=f"fcl-emu run: {summary.method} on {summary.dataset}", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -153,6 +156,12 @@ def summary_table(summary: RunSummary) -> Table:
         table.add_row("emulated time", f"{summary.emulated_s:.1f} s")
     if summary.energy_joules is not None:
         table.add_row("clients' energy (compute share)", energy_text(summary.energy_joules))
+    if summary.privacy is not None:
+        table.add_row("epsilon (delta)", epsilon_text(summary.privacy))
+    if config is not None:
+        settings = config.model_dump(mode="json")
+        changed = non_default_settings(settings, defaults_for(settings))
+        table.add_row("settings (not default)", escape(settings_text(changed, separator="\n")))
     table.add_row("run directory", summary.run_dir)
     return table
 
@@ -366,7 +375,7 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
             nodes.stop()
         coordinator.close()
         _stop_prometheus(prometheus, config.metrics.keep_prometheus and finished, console)
-    console.print(summary_table(summary))
+    console.print(summary_table(summary, config))
     return summary
 
 

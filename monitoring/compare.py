@@ -16,7 +16,14 @@ What is compared, and what is said about it:
   plot hatched and starred, its metrics over the tasks it finished;
 - runs whose scenarios differ (dataset, tasks, classes, partition, clients,
   ...) get one warning per differing setting; different seeds are listed in a
-  note, as comparing seeds is what repeated runs are for.
+  note, as comparing seeds is what repeated runs are for;
+- runs whose system settings differ (rounds and aggregation, churn and
+  devices, security and privacy, deployment: config.yaml's, through
+  :mod:`fcl_emu.monitoring.settings_diff`) get one warning per setting, as
+  then the comparison is not of the method alone; methods and their options
+  are what a comparison varies, and are not warned about;
+- given the defaults, each run's row names the settings it did not leave at
+  their default.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from typing import Optional, Sequence
 
 from rich.table import Table
 
-from fcl_emu.monitoring.plots import new_figure, save_figure
+from fcl_emu.monitoring.plots import emulated, new_figure, no_data, save_figure, task_end_times
 from fcl_emu.monitoring.run_dir import NotARunError, Run, load_run
+from fcl_emu.monitoring.settings_diff import Defaults, non_default_settings, settings_text, system_differences
 
 COMPARE_PNG = "compare.png"
 SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",
@@ -55,6 +63,10 @@ class RunRow:
     bytes_total: int
     wall_clock_s: float
     emulated_s: Optional[float] = None  # emulated clock (None: a --clock real run, or a run before clocks)
+    settings: Optional[str] = None  # the settings not at their default (None: no defaults given)
+    # (seconds since the start, accuracy on seen classes) at each evaluation, on the host's and the emulated clock
+    host_curve: tuple[tuple[float, float], ...] = ()
+    emulated_curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def completed(self) -> bool:
@@ -98,7 +110,7 @@ class Comparison:
     rows: list[RunRow]
     png: Path
     notes: list[str]  # folders skipped, incomplete runs left out, the seeds compared
-    warnings: list[str]  # scenario settings that differ between the runs compared
+    warnings: list[str]  # scenario and system settings that differ between the runs compared
 
 
 def _load_comparable(run_dirs: Sequence[Path | str], include_incomplete: bool) -> tuple[list[Run], list[str]]:
@@ -133,15 +145,48 @@ def scenario_warnings(runs: Sequence[Run]) -> list[str]:
     return warnings
 
 
+def system_warnings(runs: Sequence[Run]) -> list[str]:
+    """One line per system setting (config.yaml's rounds and aggregation, churn and devices, security and
+    privacy, deployment) on which the runs with a config.yaml differ, naming the values."""
+    found = system_differences([(run.run_dir.name, run.config) for run in runs if run.config is not None])
+    warnings = []
+    for setting, values in found:
+        listed = "; ".join(f"{v} ({', '.join(names)})" for v, names in values.items())
+        warnings.append(f"the runs differ in {setting.group}: {setting.name}: {listed}")
+    return warnings
+
+
+def accuracy_over_time(run: Run) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(seconds since the start, accuracy on seen classes) at each evaluation (the rounds that evaluated, the task
+    ends), on the host's clock and on the emulated one (a task end at the close of its last round; none for a run
+    on the real clock)."""
+    def points(clock: str, ends: list[tuple[int, float]]) -> list[tuple[float, float]]:
+        seen = {e["task"]: e["accuracy_seen"] for e in run.task_ends if e["accuracy_seen"] is not None}
+        found = [(r[clock], r["accuracy_seen"]) for r in run.rounds if r["accuracy_seen"] is not None]
+        return sorted(found + [(t, seen[task]) for task, t in ends if task in seen])
+
+    host = points("time", task_end_times(run, "time"))
+    return host, (points("emulated_clock_s", task_end_times(run, "emulated_clock_s")) if emulated(run) else [])
+
+
+def _settings(run: Run, defaults: Optional[Defaults]) -> Optional[str]:
+    if defaults is None:
+        return None
+    return "- (no config.yaml)" if run.config is None else settings_text(
+        non_default_settings(run.config, defaults(run.config)))
+
+
 def _seed_note(runs: Sequence[Run]) -> list[str]:
     seeds = list(dict.fromkeys(run.summary.seed for run in runs))
     return [f"seeds: {', '.join('?' if s is None else str(s) for s in seeds)}"] if len(seeds) > 1 else []
 
 
-def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str,
-                 include_incomplete: bool = False) -> Comparison:
-    """One row per run (in the order given) and ``out_dir/compare.png`` with four side-by-side bar charts.
-    Raises :class:`NothingToCompare` when no directory holds a run to compare."""
+def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str, include_incomplete: bool = False,
+                 defaults: Optional[Defaults] = None) -> Comparison:
+    """One row per run (in the order given) and ``out_dir/compare.png`` (:func:`plot_comparison`). With
+    ``defaults`` (a run's config.yaml -> its defaults: :func:`fcl_emu.runconfig.defaults.defaults_for`) each row
+    names the settings the run did not leave at their default. Raises :class:`NothingToCompare` when no directory
+    holds a run to compare."""
     if not run_dirs:
         raise ValueError("compare_runs needs at least one run directory")
     runs, notes = _load_comparable(run_dirs, include_incomplete)
@@ -165,13 +210,16 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str,
             bytes_total=run.summary.bytes_total,
             wall_clock_s=run.summary.wall_clock_s,
             emulated_s=run.summary.emulated_s,
+            settings=_settings(run, defaults),
+            host_curve=tuple(host),
+            emulated_curve=tuple(emulated_curve),
         )
-        for run, label in zip(runs, labels)
+        for run, label, (host, emulated_curve) in zip(runs, labels, map(accuracy_over_time, runs))
     ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return Comparison(rows, plot_comparison(rows, out / COMPARE_PNG), notes + _seed_note(runs),
-                      scenario_warnings(runs))
+                      scenario_warnings(runs) + system_warnings(runs))
 
 
 QUANTITIES = [  # (title, value, format, percent scale)
@@ -179,19 +227,27 @@ QUANTITIES = [  # (title, value, format, percent scale)
     ("average forgetting (%)", lambda r: r.average_forgetting, "{:.1f}", True),
     ("total bytes (MB)", lambda r: r.megabytes, "{:.1f}", False),
     ("wall clock (s)", lambda r: r.wall_clock_s, "{:.1f}", False),
+    ("emulated time (s)", lambda r: r.emulated_s, "{:.1f}", False),
+]
+CLOCKS = [  # (curve, x-axis label, title, what a figure without such a run says)
+    ("host_curve", "host time since start (s, wall clock)", "over the host's time", "no evaluation recorded"),
+    ("emulated_curve", "emulated time since start (s)", "over the federation's (emulated) time",
+     "no run on the emulated clock"),
 ]
 
 
 def plot_comparison(rows: list[RunRow], path: Path) -> Path:
-    """Four horizontal bar charts sharing the run axis (one colour per run); runs not completed are
-    hatched and starred."""
+    """Five horizontal bar charts sharing the run axis (one colour per run; runs not completed hatched and
+    starred) over two line charts of the accuracy on seen classes against the host's clock and the emulated one."""
     from matplotlib import colormaps
 
     n = len(rows)
     palette = colormaps["tab10" if n <= 10 else "tab20"]
     colors = [palette(k % palette.N) for k in range(n)]
-    fig = new_figure(15, 1.6 + 0.45 * n)
-    axes = fig.subplots(1, len(QUANTITIES), sharey=True)
+    bars_height = 1.6 + 0.45 * n
+    fig = new_figure(15, bars_height + 3.6)
+    top, bottom = fig.subfigures(2, 1, height_ratios=[bars_height, 3.6])
+    axes = top.subplots(1, len(QUANTITIES), sharey=True)
     ys = list(range(n))
     names = [r.label + ("" if r.completed else " *") for r in rows]
     for ax, (title, value, fmt, percent) in zip(axes, QUANTITIES):
@@ -205,14 +261,28 @@ def plot_comparison(rows: list[RunRow], path: Path) -> Path:
             ax.annotate("n/a" if v is None else fmt.format(v), (bar.get_width(), bar.get_y() + bar.get_height() / 2),
                         xytext=(3 if right else -3, 0), textcoords="offset points", va="center",
                         ha="left" if right else "right", fontsize=8)
-        top = max([v for v in values if v is not None] + [100.0 if percent else 0.0])
-        ax.set_xlim(min([v for v in values if v is not None] + [0.0]) * 1.25, top * 1.2 if top > 0 else 1.0)
+        top_value = max([v for v in values if v is not None] + [100.0 if percent else 0.0])
+        ax.set_xlim(min([v for v in values if v is not None] + [0.0]) * 1.25,
+                    top_value * 1.2 if top_value > 0 else 1.0)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(ys, names, fontsize=8)
     axes[0].invert_yaxis()  # first run on top
     if not all(r.completed for r in rows):
-        fig.supxlabel("* run not completed (hatched): metrics over the tasks it finished", fontsize=8)
+        top.supxlabel("* run not completed (hatched): metrics over the tasks it finished", fontsize=8)
+    for ax, (curve, xlabel, title, empty) in zip(bottom.subplots(1, len(CLOCKS)), CLOCKS):
+        drawn = [(row, color) for row, color in zip(rows, colors) if getattr(row, curve)]
+        if not drawn:
+            no_data(ax, empty)
+        for row, color in drawn:
+            xs, accuracies = zip(*getattr(row, curve))
+            ax.plot(xs, accuracies, marker="o", color=color, markersize=3, linestyle="-" if row.completed else "--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("accuracy on seen classes (%)")
+        ax.set_title(f"accuracy {title} (colours: the runs above)", fontsize=10)
+        if drawn:
+            ax.set_ylim(0, 105)
+            ax.grid(alpha=0.3)
     fig.suptitle("fcl-emu runs compared")
     return save_figure(fig, path)
 
@@ -228,6 +298,9 @@ def format_table(rows: Sequence[RunRow]) -> Table:
     table.add_column("MB", justify="right", no_wrap=True)
     table.add_column("wall s", justify="right", no_wrap=True)
     table.add_column("emulated s", justify="right", no_wrap=True)
+    named = any(r.settings is not None for r in rows)
+    if named:
+        table.add_column("settings (not default)", overflow="fold")
     table.caption = ("acc.: average accuracy, forget.: average forgetting (docs/metrics.md); MB: total bytes / 1e6; "
                      "wall: the host's clock, emulated: the federation's (docs/edge.md; - under --clock real)")
 
@@ -239,5 +312,6 @@ def format_table(rows: Sequence[RunRow]) -> Table:
     for r in rows:
         table.add_row(r.label + ("" if r.completed else " *"), r.status, f"{r.tasks_finished}/{r.num_tasks}",
                       pct(r.average_accuracy), pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
-                      "-" if r.emulated_s is None else f"{r.emulated_s:.1f}")
+                      "-" if r.emulated_s is None else f"{r.emulated_s:.1f}",
+                      *([r.settings or "-"] if named else []))
     return table

@@ -31,7 +31,7 @@ def save_figure(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _no_data(ax, text: str) -> None:
+def no_data(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
     ax.set_xticks([])
     ax.set_yticks([])
@@ -56,6 +56,11 @@ def _mark_tasks(ax, rounds: list[dict]) -> None:
             text = f"task {task + 1}" if len(spans) <= 8 else f"{task + 1}"
             ax.text((first + last) / 2, 1.0, text, transform=ax.get_xaxis_transform(),
                     ha="center", va="bottom", fontsize=8 if len(spans) <= 15 else 6, color="0.35")
+
+
+def emulated(run: Run) -> bool:
+    """Whether the run's rounds ran on the emulated clock (each records the emulated time at its close)."""
+    return bool(run.rounds) and all(r.get("emulated_clock_s") is not None for r in run.rounds)
 
 
 def _round_axis(ax, rounds: list[dict]) -> None:
@@ -136,7 +141,7 @@ def plot_accuracy_seen(run: Run, path: Path) -> Path:
     ends = _task_end_points(run)
     per_round = [(r["round"], r["accuracy_seen"]) for r in run.rounds if r["accuracy_seen"] is not None]
     if not ends and not per_round:
-        _no_data(ax, "no accuracy recorded (no task finished, no round evaluated)")
+        no_data(ax, "no accuracy recorded (no task finished, no round evaluated)")
     else:
         if per_round:
             xs, ys = zip(*per_round)
@@ -163,7 +168,7 @@ def plot_bytes_per_round(run: Run, path: Path) -> Path:
     types = sorted({t for r in run.rounds for t in r["bytes_by_type"]})
     if not run.rounds:
         for ax in axes:
-            _no_data(ax, "no rounds recorded")
+            no_data(ax, "no rounds recorded")
     else:
         palette = _cmap("tab10" if len(types) <= 10 else "tab20")
         colors = {t: palette(k % palette.N) for k, t in enumerate(types)}
@@ -224,7 +229,7 @@ def plot_round_phases(run: Run, path: Path) -> Path:
     fig = new_figure(9, 4.5)
     ax = fig.add_subplot()
     if not run.rounds:
-        _no_data(ax, "no rounds recorded")
+        no_data(ax, "no rounds recorded")
     else:
         xs = np.array([r["round"] for r in run.rounds])
         parts = [round_phase_parts(r) for r in run.rounds]
@@ -236,7 +241,7 @@ def plot_round_phases(run: Run, path: Path) -> Path:
                 ax.bar(xs, ys, width, bottom=bottom, color=color, label=name, linewidth=0)
                 bottom += ys
         ax.set_xlabel("round")
-        ax.set_ylabel("wall clock (s)")
+        ax.set_ylabel("host seconds (the run's clock: emulated)" if emulated(run) else "wall clock (s)")
         _round_axis(ax, run.rounds)
         ax.grid(axis="y", alpha=0.3)
         fig.legend(loc="outside right upper", fontsize=8, title="phase")
@@ -245,20 +250,22 @@ def plot_round_phases(run: Run, path: Path) -> Path:
 
 
 def plot_online_clients(run: Run, path: Path) -> Path:
-    """Online clients (at the start and each round's end) and selected / participating clients per round."""
+    """Online clients (at the start and each round's end) and selected / participating clients per round, over
+    the run's clock: emulated seconds where its rounds ran on the emulated clock, else host seconds."""
     fig = new_figure(9, 4.2)
     ax = fig.add_subplot()
     if not run.rounds:
-        _no_data(ax, "no rounds recorded")
+        no_data(ax, "no rounds recorded")
     else:
-        times = [r["time"] for r in run.rounds]
-        online = [r["online"] for r in run.rounds]
+        clock = "emulated_clock_s" if emulated(run) else "time"
+        rt = [r[clock] for r in run.rounds]
+        times, online = list(rt), [r["online"] for r in run.rounds]
         if run.start is not None and isinstance(run.start.get("online"), int) and isinstance(
                 run.start.get("time"), (int, float)):
-            times, online = [run.start["time"], *times], [run.start["online"], *online]
+            start = 0.0 if clock == "emulated_clock_s" else run.start["time"]
+            times, online = [start, *times], [run.start["online"], *online]
         dense = len(run.rounds) > 60  # lines instead of one marker per round
         ax.step(times, online, where="post", color="tab:blue", label="online clients")
-        rt = [r["time"] for r in run.rounds]
         selected = [r["selected"] for r in run.rounds]
         participants = [r["participants"] for r in run.rounds]
         if dense:
@@ -271,19 +278,30 @@ def plot_online_clients(run: Run, path: Path) -> Path:
             ax.plot(rt, participants, "^", color="tab:green", markersize=5, label="participants (usable updates)")
         skipped = [r for r in run.rounds if r["skipped"]]
         if skipped:
-            ax.plot([r["time"] for r in skipped], [r["participants"] for r in skipped], "x", color="tab:red",
+            ax.plot([r[clock] for r in skipped], [r["participants"] for r in skipped], "x", color="tab:red",
                     markersize=7, label="skipped round")
-        every = max(1, math.ceil(len(run.task_ends) / 30))
-        for k, e in enumerate(run.task_ends):
-            ax.axvline(e["time"], color="0.6", linestyle=":", linewidth=1)
+        ends = task_end_times(run, clock)
+        every = max(1, math.ceil(len(ends) / 30))
+        for k, (task, t) in enumerate(ends):
+            ax.axvline(t, color="0.6", linestyle=":", linewidth=1)
             if k % every == 0:
-                text = f"end of task {e['task'] + 1}" if len(run.task_ends) <= 6 else f"{e['task'] + 1}"
-                ax.text(e["time"], 1.0, text, transform=ax.get_xaxis_transform(), ha="right", va="bottom",
-                        fontsize=7 if len(run.task_ends) <= 15 else 6, color="0.35")
+                text = f"end of task {task + 1}" if len(ends) <= 6 else f"{task + 1}"
+                ax.text(t, 1.0, text, transform=ax.get_xaxis_transform(), ha="right", va="bottom",
+                        fontsize=7 if len(ends) <= 15 else 6, color="0.35")
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("time since start (s); round values at the round's end; dotted: task ends")
+        what = "emulated time" if clock == "emulated_clock_s" else "host time"
+        ax.set_xlabel(f"{what} since start (s); round values at the round's end; dotted: task ends")
         ax.set_ylabel("clients")
         ax.grid(alpha=0.3)
         fig.legend(loc="outside right upper", fontsize=8)
     ax.set_title("Online clients and participants over time", pad=16)
     return save_figure(fig, path)
+
+
+def task_end_times(run: Run, clock: str) -> list[tuple[int, float]]:
+    """(task, time) of each task end on ``clock`` (a round record's key): host seconds of the task_end event,
+    or the emulated time at the close of the task's last round."""
+    if clock == "time":
+        return [(e["task"], e["time"]) for e in run.task_ends]
+    last = {r["task"]: r[clock] for r in run.rounds}
+    return [(e["task"], last[e["task"]]) for e in run.task_ends if e["task"] in last]

@@ -11,10 +11,11 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from fcl_emu.monitoring.plots import (plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round,
+from fcl_emu.monitoring.plots import (emulated, plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round,
                                       plot_online_clients, plot_round_phases)
 from fcl_emu.monitoring.run_dir import Run, load_run
-from fcl_emu.monitoring.results import energy_text
+from fcl_emu.monitoring.results import energy_text, epsilon_text
+from fcl_emu.monitoring.settings_diff import Defaults, non_default_settings, settings_text
 
 PLOTS = {
     "accuracy_matrix": "accuracy_matrix.png",
@@ -53,7 +54,18 @@ def _scenario_text(run: Run) -> str:
     return ", ".join(parts) or "–"
 
 
-def summary_rows(run: Run) -> list[tuple[str, str]]:
+def _settings_rows(run: Run, defaults: Optional[Defaults]) -> list[tuple[str, str]]:
+    """The run's epsilon (DP runs) and, given the defaults, the settings it changed."""
+    rows = [] if run.summary.privacy is None else [("epsilon (delta)", epsilon_text(run.summary.privacy))]
+    if defaults is not None:
+        changed = ("– (no config.yaml)" if run.config is None
+                   else settings_text(non_default_settings(run.config, defaults(run.config))))
+        rows.append(("settings (not default)", changed))
+    return rows
+
+
+def summary_rows(run: Run, defaults: Optional[Defaults] = None) -> list[tuple[str, str]]:
+    """The report's table; ``defaults`` (a run's config.yaml -> its defaults) adds the settings not default."""
     s = run.summary
     c = s.clients
     model = f" ({s.model})" if s.model and s.model != "auto" else ""
@@ -76,13 +88,16 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
          "– / – / –" if c is None else f"{c.joined} / {c.left} / {c.dropped}"),
         ("missed deadline / late updates", f"{s.missed_deadline} / {s.late_updates}"),
         ("rejected messages", str(sum(s.rejected_messages.values()))),
+        *_settings_rows(run, defaults),
     ]
 
 
-def write_report(run: Run | Path | str, out_dir: Path | str | None = None) -> Path:
+def write_report(run: Run | Path | str, out_dir: Path | str | None = None,
+                 defaults: Optional[Defaults] = None) -> Path:
     """Write the five PNG plots and ``report.md`` of a run (loaded, or its directory) into ``out_dir`` (default
-    ``<run_dir>/report/``); return the path of ``report.md``. Raises ``RunDirError`` for a directory that is not a
-    readable run."""
+    ``<run_dir>/report/``); return the path of ``report.md``. With ``defaults`` (a run's config.yaml -> its
+    defaults: :func:`fcl_emu.runconfig.defaults.defaults_for`) the table lists the settings not at their default.
+    Raises ``RunDirError`` for a directory that is not a readable run."""
     run = run if isinstance(run, Run) else load_run(run)
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -92,11 +107,11 @@ def write_report(run: Run | Path | str, out_dir: Path | str | None = None) -> Pa
     plot_round_phases(run, out / PLOTS["round_phases"])
     plot_online_clients(run, out / PLOTS["online_clients"])
     path = out / REPORT
-    path.write_text(_markdown(run))
+    path.write_text(_markdown(run, defaults))
     return path
 
 
-def _markdown(run: Run) -> str:
+def _markdown(run: Run, defaults: Optional[Defaults]) -> str:
     s = run.summary
     lines = [f"# fcl-emu run: {s.method} on {s.dataset}", "", f"Run directory: `{run.run_dir}`", ""]
     if not run.completed:
@@ -104,8 +119,9 @@ def _markdown(run: Run) -> str:
                   f"{run.num_tasks} tasks finished, {len(run.rounds)} rounds recorded. The metrics below "
                   f"cover the finished tasks only.", ""]
     lines += ["| metric | value |", "| --- | --- |"]
-    lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in summary_rows(run)]
+    lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in summary_rows(run, defaults)]
     per_round = sum(r["bytes_sent"] + r["bytes_received"] for r in run.rounds)
+    on_emulated = emulated(run)
     lines += [
         "",
         "Metric definitions: `docs/metrics.md` in the fcl-emu repository.",
@@ -138,13 +154,16 @@ def _markdown(run: Run) -> str:
         "",
         "Each bar is one round's duration split by phase. `receive_updates` (receiving, validating and "
         "decoding updates) happens inside `collect`, so collect is drawn as *waiting* = collect − "
-        "receive_updates plus receive_updates, not counted twice; *other* is what no phase covers.",
+        "receive_updates plus receive_updates, not counted twice; *other* is what no phase covers. "
+        + ("The run's clock is emulated: these are the host's seconds, the work it did, not the federation's "
+           "time (the emulated time above)." if on_emulated else "Host seconds, the run's clock."),
         "",
         "## Online clients",
         "",
         f"![online clients]({PLOTS['online_clients']})",
         "",
-        "Online clients over time, with the clients selected for each round and those whose update was used.",
+        f"Online clients over {'emulated' if on_emulated else 'host'} time (the run's clock), with the clients "
+        f"selected for each round and those whose update was used.",
         "",
     ]
     return "\n".join(lines)

@@ -332,6 +332,12 @@ class Privacy(SummaryPart):
     accountant: str = "rdp"
 
 
+def epsilon_text(privacy: Privacy) -> str:
+    """``2.31 (1e-05)``: the epsilon a DP run spent for its delta, as summaries print it; ``inf`` without noise."""
+    epsilon = "inf (no noise: no guarantee)" if privacy.epsilon is None else f"{privacy.epsilon:.2f}"
+    return f"{epsilon} ({privacy.delta:g})"
+
+
 class RunSummary(SummaryPart, kw_only=True):
     """``summary.json``: results, costs and counts of a finished or ended run (keys: docs/metrics.md).
 

@@ -1,0 +1,28 @@
+"""The defaults a run's settings are told apart from (:mod:`fcl_emu.monitoring.settings_diff`)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import pydantic
+
+from fcl_emu.runconfig.config import RunConfig
+
+
+def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.yaml with every setting at the default a run like ``config`` (a run's config.yaml) has: RunConfig's
+    defaults, with the training values of its method (a method may bring its own, ``fcl-emu methods``) and the
+    clients per round capped at a smaller population. An unknown method or population: RunConfig's defaults."""
+    defaults = RunConfig().model_dump(mode="json")
+    scenario = config.get("scenario")
+    clients = scenario.get("num_clients") if isinstance(scenario, Mapping) else None
+    like = {"method": config.get("method", defaults["method"]), "nodes": 1}
+    if clients is not None:
+        like["scenario"] = {"num_clients": clients}
+    try:
+        run = RunConfig.model_validate(like)
+    except pydantic.ValidationError:
+        return defaults
+    defaults["training"] = run.training.model_dump(mode="json")
+    defaults["rounds"]["clients_per_round"] = run.rounds.clients_per_round
+    return defaults
