@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import zmq
 
+from fcl_emu.aggregation.update import DeltaLayout
 from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
 from fcl_emu.coordinator.checkpoint import Checkpoint
 from fcl_emu.coordinator.clients import ClientRegistry, Status
@@ -43,9 +44,10 @@ from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
 from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, on_refused_handshake, RateLimiter
 from fcl_emu.coordinator.devices import check_cuda, no_cuda
 from fcl_emu.coordinator.nodes import NodeExit, NodeWatch
-from fcl_emu.coordinator.privacy import run_privacy_part
+from fcl_emu.coordinator.privacy import cohort_for_noise, noise_to_update, round_noise_multiplier, run_privacy_part
 from fcl_emu.coordinator.open_round import StaleUpdates
 from fcl_emu.coordinator.resume import CHECKPOINT_DIR, Checkpointer, Resumed, run_fingerprint
+from fcl_emu.coordinator.round_record import divergence
 from fcl_emu.coordinator.rounds import RoundRunner
 from fcl_emu.coordinator.server_jobs import JobSpec, ServerJobs
 from fcl_emu.coordinator.state import ProgressHook, RunState, TimeAccount, no_progress
@@ -58,6 +60,7 @@ from fcl_emu.monitoring.results import (RoundRecord, RunRecorder, RunSummary, av
                                 average_incremental_accuracy, failure_status)
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port
 from fcl_emu.runconfig.adjustments import Adjustment, adjustments
+from fcl_emu.runtime.run_log import LOG_NAME, run_log
 from fcl_emu.scenario.datasets import load_dataset
 from fcl_emu.methods.models.flops import training_flops_per_sample
 from fcl_emu.scenario.device_classes import DEFAULT_CLASSES
@@ -72,12 +75,17 @@ __all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "Interrupted", "JobFail
            "run_fingerprint"]
 
 
-def _trained_status(rounds: list[RoundRecord]) -> str:
-    """A finished run's status: ``completed`` only if every task trained; a task whose every round was skipped
-    (no client update, or fewer than ``min_participants``) makes it ``degraded``, and no trained round at all
-    ``failed``."""
+def _trained_status(rounds: list[RoundRecord], task_end_accuracy: Sequence[float] = (),
+                    chance: Sequence[float] = ()) -> str:
+    """A finished run's status: ``completed`` only if every task trained and the model did not diverge; a model
+    that diverged (:func:`~fcl_emu.coordinator.round_record.divergence`, with the accuracy on the seen classes at
+    each task's end and chance on them) or a task whose every round was skipped (no client update, or fewer than
+    ``min_participants``) makes it ``degraded``, and no trained round at all ``failed``."""
     if rounds and all(r.skipped for r in rounds):
         return "failed: every round was skipped (no usable client update arrived)"
+    diverged = divergence(rounds, task_end_accuracy, chance)
+    if diverged is not None:
+        return f"degraded: diverged at round {diverged[0]} ({diverged[1]})"
     tasks = sorted({r.task for r in rounds})
     idle = [t for t in tasks if all(r.skipped for r in rounds if r.task == t)]
     if idle:
@@ -272,7 +280,17 @@ class Coordinator:
                     "starting the rounds without %s (waited %.0f s)", what, timeout_s)
 
     def run(self, run_dir: Path) -> RunSummary:
-        """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round."""
+        """Run (or, built with ``resume``, continue) the emulation; checkpoint after every round. The process's
+        log goes to ``RUN_DIR/logs/coordinator.log`` meanwhile, and the library warnings and the clients' reports
+        of a non-finite loss only there, counted in one line at the end (:mod:`fcl_emu.runtime.run_log`)."""
+        with run_log(run_dir / "logs" / LOG_NAME) as log:
+            try:
+                return self._run(run_dir)
+            finally:
+                if (kept := log.summary()) is not None:
+                    logging.getLogger("fcl_emu.coordinator").warning("%s", kept)
+
+    def _run(self, run_dir: Path) -> RunSummary:
         state, config, scenario = self.state, self.config, self.state.scenario
         resumed, self._resumed = self._resumed, None
         recorder = RunRecorder(run_dir, config.to_yaml() if resumed is None else None,
@@ -333,7 +351,8 @@ class Coordinator:
                         save(task, task_round + 1)
                 class_hits = self._end_task(task, matrix)
                 save(task + 1, 0)
-            status = _trained_status(rounds)
+            status = _trained_status(rounds, [state.seen_accuracy(row, t) for t, row in enumerate(matrix)],
+                                     self._chance())
         except KeyboardInterrupt as exc:
             status = f"interrupted: {exc.signal_name if isinstance(exc, Interrupted) else 'SIGINT'}"
             raise
@@ -357,10 +376,32 @@ class Coordinator:
         """Tell once, at the session's start, each setting that another setting changes
         (:mod:`fcl_emu.runconfig.adjustments`): a ``config_warning`` event and a ``warning`` for the progress
         display."""
-        for adjusted in [*adjustments(self.config), *self._slow_classes()]:
+        for adjusted in [*adjustments(self.config), *self._slow_classes(), *self._noisy_privacy()]:
             self.state.event("config_warning", setting=adjusted.setting, value=adjusted.value,
                              message=adjusted.message)
             self.progress("warning", {"setting": adjusted.setting, "message": adjusted.message})
+
+    def _noisy_privacy(self) -> list[Adjustment]:
+        """Differential privacy whose noise on a round's mean is larger than the clipped mean can be
+        (:func:`~fcl_emu.coordinator.privacy.noise_to_update`), with the cohort that would bring it under. Told as
+        an adjustment is, though it changes no setting."""
+        settings, cohort = self.config.privacy, self.config.rounds.clients_per_round
+        if self.privacy is None or not settings.noise_multiplier:
+            return []
+        dim = DeltaLayout.of(self.state.server.global_state).dim
+        ratio = noise_to_update(settings, cohort, dim)
+        if ratio <= 1:
+            return []
+        sigma = round_noise_multiplier(settings, cohort) * settings.clip / cohort
+        needed = cohort_for_noise(settings, dim)
+        clients = self.config.scenario.num_clients
+        bring = (f"{needed} clients a round would bring it under C" if needed <= clients else
+                 f"{needed} clients a round, more than the {clients} clients, would bring it under C")
+        return [Adjustment("privacy.noise_multiplier", settings.noise_multiplier, (
+            f"the DP noise on each round's mean ({sigma:.3g} on each of the model's {dim:,} values, a norm of about "
+            f"{sigma * dim ** 0.5:.3g}) is {ratio:.1f} times the clipped mean's largest norm (C = {settings.clip:g}):"
+            f" the model learns only what the rounds average out, and may diverge; {bring} (--clients-per-round, "
+            f"docs/security.md)"))]
 
     def _slow_classes(self) -> list[Adjustment]:
         """Device classes whose clients cannot make the round deadline even alone on their link: the model
@@ -392,6 +433,17 @@ class Coordinator:
             f"{share:.0f} % of the clients ({', '.join(sorted(slow))}) need more than the "
             f"{config.rounds.deadline_s:g} s round deadline for a round's work ({model_bytes / 1e6:.1f} MB model "
             f"each way and their training, docs/devices.md): they will be late; --round-deadline sets it"))]
+
+    def _chance(self) -> list[float]:
+        """Chance on the seen classes after each task (percent): always answering the seen class with the most
+        test samples."""
+        scenario = self.state.scenario
+        labels = scenario.test_labels
+        out = []
+        for task in range(scenario.num_tasks):
+            counts = np.bincount(labels[scenario.test_indices(scenario.seen_classes(task))])
+            out.append(100.0 * counts.max() / counts.sum() if counts.size else 0.0)
+        return out
 
     def _end_task(self, task: int, matrix: list[list[float | None]]):
         """The method's task-end work, then the accuracy row (appended to ``matrix``), its event and metrics.

@@ -64,6 +64,31 @@ def delta_noise_multiplier(z: float, count_stddev: float) -> float:
     return (z ** -2 - (2 * count_stddev) ** -2) ** -0.5
 
 
+def round_noise_multiplier(settings: PrivacyConfig, cohort: int) -> float:
+    """The multiplier of the noise on a round's delta for a cohort of K = ``cohort``: z_D with adaptive clipping
+    (:func:`delta_noise_multiplier`), else z (distributed DP's noise too, in the ring)."""
+    z, adaptive = settings.noise_multiplier, settings.adaptive
+    if settings.central and adaptive.enabled and z:
+        return delta_noise_multiplier(z, adaptive.count_noise(cohort))
+    return z
+
+
+def noise_to_update(settings: PrivacyConfig, cohort: int, dim: int) -> float:
+    """How many times the noise on a round's mean outweighs the mean itself at most: the noise's expected norm,
+    sigma sqrt(d) with sigma = z_D C / K on each of the model's d values, over C, the largest norm of a mean of K
+    deltas clipped to C; so z_D sqrt(d) / K. Distributed DP's noise is the same up to its rounding (at most 1 %,
+    :mod:`fcl_emu.secagg.noise`)."""
+    return round_noise_multiplier(settings, cohort) * math.sqrt(dim) / cohort
+
+
+def cohort_for_noise(settings: PrivacyConfig, dim: int) -> int:
+    """The smallest cohort K at which :func:`noise_to_update` is at most 1."""
+    cohort = max(1, math.ceil(settings.noise_multiplier * math.sqrt(dim)))
+    while noise_to_update(settings, cohort, dim) > 1:  # adaptive clipping's z_D falls towards z as K grows
+        cohort += 1
+    return cohort
+
+
 class PrivacyAccountant:
     """Epsilon of the sampled Gaussian mechanism composed over rounds (dp-accounting's RDP accountant)."""
 
@@ -99,8 +124,7 @@ class CentralPrivacy:
         self.settings, self.cohort = settings, cohort
         adaptive = settings.adaptive
         self.count_stddev = adaptive.count_noise(cohort) if adaptive.enabled and settings.noise_multiplier else 0.0
-        self.delta_multiplier = (delta_noise_multiplier(settings.noise_multiplier, self.count_stddev)
-                                 if adaptive.enabled else settings.noise_multiplier)
+        self.delta_multiplier = round_noise_multiplier(settings, cohort)
         self.clip = settings.clip  # the norm the next round clips to
         self.last_clip = settings.clip  # the norm the last noised round clipped to
         self.accountant = PrivacyAccountant(settings.noise_multiplier, sampling_rate)

@@ -210,6 +210,9 @@ class RoundRecord:
     # asynchronous aggregation: its dispatch waves) dispatched; clients that sat out for a low battery
     energy_j: dict[str, list[float]] | None = None
     low_battery: int = 0
+    # why this round's model looks diverged (NaN or infinite values in it, or the clients' median training loss
+    # non-finite or exploded; coordinator/round_record.py), else None
+    diverged: str | None = None
 
 
 # ------------------------------------------------------------------ summary.json

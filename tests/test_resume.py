@@ -428,7 +428,8 @@ def test_a_task_that_trained_nothing_is_never_reported_completed():
     from fcl_emu.coordinator.lifecycle import _trained_status
 
     def rounds(*skipped_by_task):
-        return [SimpleNamespace(task=t, skipped=s) for t, flags in enumerate(skipped_by_task) for s in flags]
+        return [SimpleNamespace(task=t, skipped=s, diverged=None, accuracy_seen=None)
+                for t, flags in enumerate(skipped_by_task) for s in flags]
 
     assert _trained_status(rounds([False, True], [True, False])) == "completed"
     assert _trained_status(rounds([False], [True, True], [True])).startswith("degraded: tasks 1, 2 trained nothing")
