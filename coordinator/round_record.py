@@ -29,7 +29,8 @@ AT_CHANCE_TO_THE_END = 2  # ... in the run's last (at least) 2 evaluations, afte
 def round_divergence(model: Mapping[str, np.ndarray], losses: Sequence[float], seen_classes: int) -> str | None:
     """Why a round's outcome shows a diverged model, in a few words, or None: the aggregated model holds NaN or
     infinite values, or the median of the training losses the clients reported is NaN or infinite or above
-    :data:`LOSS_LIMIT` times ln(seen classes). The median, so that a minority of clients cannot decide it."""
+    :data:`LOSS_LIMIT` times ln(seen classes). The median, so that a minority of the losses cannot decide
+    it."""
     bad = [name for name, array in model.items() if array.dtype.kind == "f" and not all_finite(array)]
     if bad:
         return f"the model holds NaN or infinite values after aggregation ({bad[0]})"
