@@ -104,6 +104,7 @@ class Trainer:
         self._results: queue.Queue[TrainResult] = queue.Queue()
         self._cancelled: set[tuple[str, int]] = set()  # (client, round): jobs the coordinator cancelled
         self._cancel_lock = threading.Lock()
+        self._stopping = threading.Event()  # the node is ending: every job counts as cancelled
         self._wake_addr = f"inproc://wake-{id(self)}"
         self.wake = context.socket(zmq.PAIR)
         self.wake.bind(self._wake_addr)
@@ -114,7 +115,9 @@ class Trainer:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the thread after the jobs already queued."""
+        """End the thread: the jobs still queued are dropped and the one training stops at its next batch (the
+        node is ending: no result would be sent)."""
+        self._stopping.set()
         self._jobs.put(((math.inf, 0.0, next(self._arrivals)), None))
         self._thread.join(timeout=30)
 
@@ -131,7 +134,7 @@ class Trainer:
             self._cancelled.add((client, round))
 
     def _is_cancelled(self, job: TrainJob) -> bool:
-        return (job.client.id, job.round) in self._cancelled
+        return self._stopping.is_set() or (job.client.id, job.round) in self._cancelled
 
     def _forget_cancels(self, job: TrainJob) -> None:
         """Cancels of the job's client up to its round are spent (a cancel may come after its job is done)."""
@@ -237,7 +240,8 @@ class Trainer:
                 result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
             return result
         except TrainingCancelled:
-            log.info("%s: round %d cancelled by the coordinator", client.id, job.round)
+            log.info("%s: round %d %s", client.id, job.round,
+                     "dropped: the node is ending" if self._stopping.is_set() else "cancelled by the coordinator")
             return TrainResult(client, job.round, job.task, None, cancelled=True)
         except Exception as exc:  # reported to the coordinator, never kills the node
             log.exception("%s: training failed", client.id)

@@ -350,7 +350,7 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
                 summary = coordinator.run(run_dir)
         except KeyboardInterrupt as exc:  # the coordinator wrote the summary and keeps its last checkpoint
             how = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
-            console.print(f"run interrupted by {how}", style="yellow", markup=False, highlight=False)
+            console.print(_interrupted(how, config, nodes), style="yellow", markup=False, highlight=False)
             summary = _read_summary(run_dir)
             _how_to_resume(run_dir, start_nodes, console)
         except RunAborted as exc:
@@ -439,6 +439,16 @@ def _failed(exc: Exception, run_dir: Path, console: Console) -> RunSummary | Non
     where = "" if failure is None else f" (traceback: {failure})"
     console.print(f"run {status}{where}", style="red", markup=False, highlight=False)
     return summary
+
+
+def _interrupted(how: str, config: RunConfig, nodes: NodeLauncher | None) -> str:
+    """What an interrupted run does before its summary, said at once: what is stopped and what is waited for."""
+    stopping = [f"{n} edge node{'s' * (n != 1)}" for n in [nodes.count if nodes else 0] if n]
+    stopping += [f"{n} GPU worker{'s' * (n != 1)}" for n in [config.gpu.workers] if n]
+    waits = [f"a last metrics scrape ({config.metrics.linger:g} s)"] if config.metrics.enabled else []
+    return (f"run interrupted by {how}: the round in progress is dropped and the summary written"
+            + (f"; stopping {' and '.join(stopping)}" if stopping else "")
+            + (f"; waiting for {waits[0]}" if waits else "") + " ...")
 
 
 def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:

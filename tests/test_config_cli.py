@@ -149,6 +149,19 @@ def test_the_coordinator_and_the_gpu_workers_make_the_same_device_check(monkeypa
     assert resolve_device("auto").type == worker_device("auto", 3).type == "cpu"
 
 
+def test_an_interrupted_run_says_at_once_what_it_stops_and_waits_for():
+    from types import SimpleNamespace
+
+    from fcl_emu.run import _interrupted
+
+    config = load_config(None, {"gpu": {"workers": 1}, "metrics": {"port": 9100, "linger_s": 2}})
+    assert _interrupted("SIGINT", config, SimpleNamespace(count=2)) == (
+        "run interrupted by SIGINT: the round in progress is dropped and the summary written; stopping 2 edge nodes "
+        "and 1 GPU worker; waiting for a last metrics scrape (2 s) ...")
+    assert _interrupted("SIGTERM", load_config(None, {}), None) == (
+        "run interrupted by SIGTERM: the round in progress is dropped and the summary written ...")
+
+
 def test_flags_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"scenario": {"num_clients": 50, "num_tasks": 2}, "seed": 4}))

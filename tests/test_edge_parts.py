@@ -248,6 +248,38 @@ def test_a_job_the_coordinator_cancelled_is_dropped_and_nothing_is_sent():
     trainer.close()
 
 
+def test_a_node_that_ends_drops_the_jobs_still_queued_instead_of_training_them():
+    """Their results would go nowhere: before, an interrupted `up` waited for every node to train its queue."""
+    import threading
+    import time
+
+    import zmq
+
+    from fcl_emu.wire.messages import TrainRequest
+
+    payloads, metrics = RoundPayloads(), EdgeNodeMetrics()
+    trainer = Trainer(zmq.Context.instance(), threads=1, payloads=payloads, metrics=metrics, setup=lambda: None)
+    training, trained = threading.Event(), []
+
+    def train(job, cache):
+        training.set()
+        time.sleep(0.2)
+        trained.append(job.client.index)
+        return TrainResult(job.client, job.round, job.task, {}, 0)
+
+    trainer._warm_up, trainer._train = lambda: None, train
+    for index in range(1, 6):
+        c = client(index)
+        trainer.submit(TrainJob(c, 3, 0, payloads.acquire(3, {}), c.generation, 0.0, TrainRequest(local_epochs=1,
+                                                                                                   lr=0.1)))
+    trainer.start()
+    assert training.wait(5)
+    trainer.stop()
+    assert trained == [1]
+    assert metrics.registry.get_sample_value("fcl_client_train_jobs_total", {"outcome": "cancelled"}) == 4
+    trainer.close()
+
+
 def test_jobs_train_round_by_round_in_the_nodes_order_then_first_come_first_served():
     import zmq
 
