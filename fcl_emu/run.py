@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 from rich.table import Table
 
 import pydantic
@@ -161,7 +162,7 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
     if config is not None:
         settings = config.model_dump(mode="json")
         changed = non_default_settings(settings, defaults_for(settings))
-        table.add_row("settings (not default)", escape(settings_text(changed, separator="\n")))
+        table.add_row("settings (not default)", Text(settings_text(changed, separator="\n"), justify="left"))
     table.add_row("run directory", summary.run_dir)
     return table
 
