@@ -8,6 +8,11 @@ sockets to poll, takes what arrives on them and is ticked: the coordinator's
 serve loop stays the one place that waits, so joins and heartbeats go on
 being answered while a job runs.
 
+A job reports its steps as it goes (``jobs.step``): a worker sends each
+report as a ``job_progress`` message on the same socket as its result, the
+in-process runner writes it straight into the job; either way the job's
+``steps`` holds the latest, for the coordinator to show while it waits.
+
 A job that raises, outlives ``gpu.job_timeout_s`` (its worker is killed) or
 loses its worker (the process died; it is started again) is retried
 ``gpu.retries`` times, then reported failed with every attempt's error.
@@ -66,6 +71,7 @@ class Job:
     metrics: dict[str, float] = field(default_factory=dict)
     queue_s: float = 0.0  # waiting for a worker, summed over attempts
     run_s: float = 0.0  # on the device (the successful attempt, or the last one)
+    steps: tuple[int, int] | None = None  # (done, total): the attempt's latest step report
 
     @property
     def error(self) -> str:
@@ -219,6 +225,9 @@ class WorkerPool:
             elif msg.type == "worker_hello":
                 worker.ready, worker.device = True, msg.body.device
                 log.info("gpu worker %d ready on %s", worker.index, worker.device)
+            elif msg.type == "job_progress":  # one of a job already over is dropped
+                if worker.job is not None and msg.body.job_id == worker.job.id:
+                    worker.job.steps = (msg.body.done, msg.body.total)
             elif msg.type == "error" and worker.job is not None:  # it rejected the job message
                 job, worker.job = worker.job, None
                 self._attempt_failed(job, msg.body.detail)
@@ -282,6 +291,7 @@ class WorkerPool:
     def _take(self) -> Job:
         job = self._queue.popleft()
         job.attempts += 1
+        job.steps = None
         job.started = time.monotonic()
         job.queue_s += job.started - job.submitted
         return job
@@ -340,7 +350,8 @@ class _LocalRunner:
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
         try:
-            result = (job, True, jobs.run(job.kind, job.inputs, job.options, self.device))
+            result = (job, True, jobs.run(job.kind, job.inputs, job.options, self.device,
+                                          lambda done, total: setattr(job, "steps", (done, total))))
         except Exception as exc:  # reported as the job's error
             log.exception("job %d (%s) failed", job.id, job.kind)
             result = (job, False, f"{type(exc).__name__}: {exc}"[:1000])

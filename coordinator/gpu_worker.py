@@ -3,7 +3,8 @@
 It connects a DEALER (identity ``gpu-worker-<index>``) to the pool's ROUTER,
 says which device it owns (``worker_hello``), then runs ``job`` messages one
 at a time and answers each with a ``job_result``: the output arrays, or the
-error. Everything travels in the project's wire framing; nothing received is
+error. While a job runs, its step reports go out as ``job_progress`` (at most
+four a second). Everything travels in the project's wire framing; nothing received is
 unpickled. A ``shutdown`` ends it; so does its parent's death (the pool starts
 it with ``--parent-pid``).
 
@@ -28,7 +29,7 @@ from fcl_emu.methods import jobs
 from fcl_emu.monitoring.metrics import GpuWorkerMetrics
 from fcl_emu.runtime.process import exit_with_parent, fail, setup_logging, setup_process, warn_insecure
 from fcl_emu.wire.framing import Limits, WireError
-from fcl_emu.wire.messages import Error, JobResult, WorkerHello
+from fcl_emu.wire.messages import Error, JobProgress, JobResult, WorkerHello
 from fcl_emu.wire.auth import ClientKeyring, KeyFileError
 from fcl_emu.wire.sockets import ClientEndpoint
 
@@ -77,20 +78,23 @@ def serve(connect: str, index: int, device: str = "auto", max_message_bytes: int
                 log.warning("gpu worker %d: ignoring unexpected %s", index, msg.type)
                 continue
             metrics.busy.set(1)
-            result, arrays = _run(msg.body, msg.tensors, dev)
+            job_id = msg.body.job_id
+            result, arrays = _run(msg.body, msg.tensors, dev, lambda done, total: endpoint.send(
+                "job_progress", JobProgress(job_id=job_id, done=done, total=total)))
             metrics.busy.set(0)
             endpoint.send("job_result", result, tensors=arrays)
     finally:
         endpoint.close(linger_ms=1000)
 
 
-def _run(request, inputs, device: torch.device) -> tuple[JobResult, dict]:
-    """The result message of one job (body, output tensors); never raises for a failing job."""
+def _run(request, inputs, device: torch.device, on_step: jobs.StepHook) -> tuple[JobResult, dict]:
+    """The result message of one job (body, output tensors); never raises for a failing job. ``on_step`` hears
+    its step reports."""
     start = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        out = jobs.run(request.kind, inputs, request.options, device)
+        out = jobs.run(request.kind, inputs, request.options, device, on_step)
     except Exception as exc:  # reported to the coordinator with its type and message
         log.exception("job %d (%s) failed", request.job_id, request.kind)
         return JobResult(job_id=request.job_id, ok=False, error=f"{type(exc).__name__}: {exc}"[:1000],

@@ -1,7 +1,8 @@
 """Server-side jobs (generator training, proxy inversion, VAE fusion...) run on the GPU worker pool while the
 coordinator keeps serving its clients. Each finished job is a ``job`` event and counts in the summary; each call
 (one or several jobs side by side) is a ``server_job`` event, and the progress display hears when it starts and
-ends (``server_job_start``, ``server_job_end``)."""
+ends (``server_job_start``, ``server_job_end``) and, in between, each new step count the jobs report
+(``server_job_step``: their steps done and in all, summed over the jobs side by side)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,17 @@ class ServerJobs:
         t0 = time.perf_counter()
         state.progress("server_job_start", about)
         submitted = [self.pool.submit(kind, inputs, options) for kind, inputs, options in specs]
-        self.serve(lambda: all(j.done for j in submitted), time.monotonic() + 10**9)  # the pool's timeouts end them
+        shown: tuple[int, int] | None = None
+
+        def over() -> bool:  # asked each time the serve loop wakes (at least 5 times a second)
+            nonlocal shown
+            steps = _steps(submitted)
+            if steps is not None and steps != shown:
+                shown = steps
+                state.progress("server_job_step", {**about, "step": steps[0], "steps": steps[1]})
+            return all(j.done for j in submitted)
+
+        self.serve(over, time.monotonic() + 10**9)  # the pool's timeouts end them
         duration_s = round(time.perf_counter() - t0, 4)
         for job in submitted:
             self.finished.append(job)
@@ -52,3 +63,12 @@ class ServerJobs:
         if failed:
             raise JobFailed("; ".join(f"server-side job {j.kind!r} failed: {j.error}" for j in failed))
         return submitted
+
+
+def _steps(submitted: list[Job]) -> tuple[int, int] | None:
+    """The steps done and in all of the jobs that reported any (a finished job's all done); None before any
+    did."""
+    reported = [(job.done, job.steps) for job in submitted if job.steps is not None]  # read once: a thread writes it
+    if not reported:
+        return None
+    return sum(total if over else done for over, (done, total) in reported), sum(t for _, (_, t) in reported)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fcl_emu.methods import jobs
 from fcl_emu.methods.models.classifier import IncrementalClassifier, build_model
 from fcl_emu.methods.models.state import load_arrays
 from fcl_emu.scenario.transforms import random_crop_flip
@@ -258,6 +259,7 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
     device = next(teacher.parameters()).device
     kept: list[torch.Tensor] = []
     metrics: dict[str, float] = {}
+    done, total = 0, s.rounds * s.steps + max(0, s.rounds - s.warmup) * s.student_steps  # the job's steps
     with BatchNormStatistics(teacher, "l2", s.bn_momentum) as bn:
         for r in range(s.rounds):
             inputs, targets, extra_groups = problem.begin_round(r)
@@ -267,6 +269,8 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
             student.eval().requires_grad_(False)  # the generator's steps need gradients through it, not its own
             best, best_loss = None, math.inf
             for _ in range(s.steps):
+                jobs.step(done, total)
+                done += 1
                 images = problem.generator(inputs)
                 seen = problem.normalize(random_crop_flip(images, gen, flip=s.flip))
                 t_feat = teacher.backbone(seen)
@@ -292,6 +296,8 @@ def synthesize(teacher: IncrementalClassifier, student: IncrementalClassifier, p
                 student.requires_grad_(True)
                 metrics["student_kd"] = _train_student(teacher, student, problem, torch.cat(kept), s,
                                                        data_normalize, gen, device)
+                done += s.student_steps
+                jobs.step(done, total)
                 bn.active = True
     if not kept:
         raise ValueError(f"synthesis kept no images: rounds ({s.rounds}) must exceed warmup ({s.warmup}) when "

@@ -297,9 +297,11 @@ def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, A
     opt = torch.optim.SGD(model.parameters(), lr=o.pretrain_lr, momentum=0.9, weight_decay=5e-4)
     gen = torch.Generator().manual_seed(seed)
     loss = torch.zeros(())
-    for _ in range(o.pretrain_epochs):
+    per_epoch = -(-len(y) // o.pretrain_batch)
+    for epoch in range(o.pretrain_epochs):
         order = torch.randperm(len(y), generator=gen)
         for i in range(0, len(y), o.pretrain_batch):
+            jobs.step(epoch * per_epoch + i // o.pretrain_batch, o.pretrain_epochs * per_epoch)
             idx = order[i:i + o.pretrain_batch]
             loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
             opt.zero_grad(set_to_none=True)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fcl_emu.methods import jobs
 from fcl_emu.methods.models.vae import VAE, gaussian_kl, vae_loss_per_sample
 
 Draw = Callable[[int, torch.Generator], torch.Tensor]  # (count, generator) -> latents (count, k)
@@ -165,6 +166,7 @@ def _fit(students: list[VAE], data: torch.Tensor, mean_t: torch.Tensor, log_var_
     sums = torch.zeros((2, count), dtype=torch.float64)
     active = count
     for t in range(epochs * per_epoch[0]):
+        jobs.step(t, epochs * per_epoch[0])
         while epochs * per_epoch[active - 1] <= t:
             active -= 1
         if active < len(stacked.vaes):

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fcl_emu.methods import jobs
+
 
 class GradientEncoder(nn.Module):
     """The LeNet of DLG (Zhu et al., NeurIPS 2019) that GLFC encodes prototypes with: three 5x5 convolutions
@@ -351,6 +353,7 @@ def reconstruct_batch(encoder: GradientEncoder, targets: list[Mapping[str, torch
     losses = torch.full((len(targets),), math.nan, dtype=torch.float64)
     kept: list[list[torch.Tensor]] = [[] for _ in targets]
     for i in range(iterations):
+        jobs.step(i, iterations)
         step = opt.step(closure, active)
         losses[active] = step[active]
         active &= torch.isfinite(step)

@@ -11,7 +11,9 @@ It must not keep state between calls: a job may be retried on another worker.
 Bad inputs raise an exception; its type and message go back to the
 coordinator as the job's error.
 
-A server part runs a job with ``ctx.run_job(kind, inputs, options)``
+A job's loop says how far it is with :func:`step` (``jobs.step(done, total)``, rate-limited here): the
+coordinator's progress display shows it (``server job: generator 120/200``). A server part runs a job with
+``ctx.run_job(kind, inputs, options)``
 (:class:`fcl_emu.methods.base.ServerContext`); the coordinator keeps serving its
 clients meanwhile. The job modules are imported by kind prefix, so a worker
 process knows every kind the method modules define.
@@ -19,7 +21,9 @@ process knows every kind the method modules define.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -39,6 +43,9 @@ class JobOutput:
 
 
 JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.device], JobOutput]
+StepHook = Callable[[int, int], None]  # (steps done, steps in all), as a job reports them
+
+STEP_INTERVAL_S = 0.25  # a job's steps are passed on at most this often
 
 _JOBS: dict[str, JobFunction] = {}
 _LABELS: dict[str, str] = {}  # kind -> what the job makes, in a word or two (the progress display, events)
@@ -104,9 +111,39 @@ def torch_threads(threads: int = 1) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run(kind: str, inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> JobOutput:
-    """Run one job here (a worker's loop, or the coordinator itself without workers)."""
-    out = get(kind)(inputs, options, device)
+class _Steps:
+    """Passes a running job's steps to its hook, at most every :data:`STEP_INTERVAL_S`."""
+
+    def __init__(self, hook: StepHook):
+        self.hook, self.last = hook, -math.inf
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= STEP_INTERVAL_S:
+            self.last = now
+            self.hook(done, total)
+
+
+_steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar("job_steps", default=None)
+
+
+def step(done: int, total: int) -> None:
+    """A job's loop has done ``done`` of its ``total`` steps: passed on (rate-limited) to whoever runs the job,
+    :func:`run`'s ``on_step``; nothing happens when nobody listens."""
+    steps = _steps.get()
+    if steps is not None:
+        steps(int(done), int(total))
+
+
+def run(kind: str, inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device,
+        on_step: StepHook | None = None) -> JobOutput:
+    """Run one job here (a worker's loop, or the coordinator itself without workers); ``on_step`` hears the
+    job's :func:`step` reports, at most every :data:`STEP_INTERVAL_S`."""
+    token = _steps.set(None if on_step is None else _Steps(on_step))
+    try:
+        out = get(kind)(inputs, options, device)
+    finally:
+        _steps.reset(token)
     if not isinstance(out, JobOutput):
         raise TypeError(f"job {kind!r} returned {type(out).__name__}, not a JobOutput")
     return out
@@ -124,7 +161,8 @@ def matmul_burn(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], de
     a = torch.randn(size, size, generator=gen).to(device)
     b = a.clone()
     count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while (elapsed := time.perf_counter() - start) < seconds:
+        step(int(100 * elapsed / seconds), 100)  # percent of its time
         b = torch.tanh(a @ b)  # tanh keeps the values bounded over many products
         count += 1
         if device.type == "cuda":

@@ -147,7 +147,8 @@ def train_generator(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any]
     opt = torch.optim.Adam(gen.parameters(), lr=o.generator_lr)
     terms: dict[str, float] = {}
     with BatchNormStatistics(teacher, "kl") as bn:
-        for _ in range(o.generator_iterations):
+        for i in range(o.generator_iterations):
+            jobs.step(i, o.generator_iterations)
             z = torch.randn(o.generator_batch, o.z_dim, device=device)
             images = gen(z)
             logits = teacher(images)

@@ -58,6 +58,26 @@ def test_clients_stay_alive_while_a_long_job_runs(tmp_path, mnist_root, workers,
         coordinator.close()
 
 
+@pytest.mark.parametrize("workers", [1, 0])
+def test_a_job_s_steps_reach_the_coordinator_s_progress_while_it_runs(tmp_path, mnist_root, workers):
+    """A 1.5 s device check reports the percent of its time done (``jobs.step``): from a worker process as
+    ``job_progress`` messages, or from the coordinator's thread; the coordinator shows each new count while it
+    waits, as ``server_job_step``."""
+    coordinator = coordinator_with(tmp_path, mnist_root, workers=workers)
+    heard = []
+    coordinator.progress = lambda kind, info: heard.append((kind, info))
+    try:
+        job = coordinator.run_job("device.matmul", {}, {"seconds": 1.5, "size": 64})
+        assert job.ok and job.worker == ("gpu-worker-0" if workers else "coordinator")
+    finally:
+        coordinator.close()
+    steps = [(info["step"], info["steps"]) for kind, info in heard if kind == "server_job_step"]
+    assert [kind for kind, _ in heard][0] == "server_job_start" and [kind for kind, _ in heard][-1] == "server_job_end"
+    assert len(steps) >= 3 and all(total == 100 for _, total in steps), steps  # 4 reports a second at most
+    assert [done for done, _ in steps] == sorted(done for done, _ in steps) and steps[-1][0] > 50
+    assert all(info["kind"] == "device check" for kind, info in heard if kind == "server_job_step")
+
+
 def test_a_failing_job_reports_its_error_after_its_retries(tmp_path, mnist_root):
     coordinator = coordinator_with(tmp_path, mnist_root, workers=1, retries=1)
     try:

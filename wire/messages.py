@@ -283,6 +283,14 @@ class JobRequest(Body):
     options: dict[str, Any] = {}
 
 
+class JobProgress(Body):
+    """Worker -> coordinator, while a job runs (a few times a second at most): how many of its steps are done."""
+
+    job_id: int
+    done: int
+    total: int
+
+
 class JobResult(Body):
     """Worker -> coordinator: a job's outcome. Output arrays ride in the tensor frames (none on failure)."""
 
@@ -317,6 +325,7 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "secagg_abort": SecAggAbort,
     "worker_hello": WorkerHello,
     "job": JobRequest,
+    "job_progress": JobProgress,
     "job_result": JobResult,
 }
 
