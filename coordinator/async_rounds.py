@@ -96,7 +96,7 @@ class AsyncRoundRunner:
         self.state.global_round += 1
         number = self.state.global_round
         self.metrics.round_started(task, task_round, number)
-        self.state.progress("round_start", {"task": task, "round": number})
+        self.state.progress("round_start", {"task": task, "round": number, "task_round": task_round})
         with meter.phase("collect"):
             buffer, waves = self._collect(task, task_round, meter)
         with meter.phase("aggregate"):

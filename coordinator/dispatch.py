@@ -9,7 +9,9 @@ the open round, or late), the secure-aggregation replies (to the run's collectio
 under its reason, logged once per reason, answered with an ``error`` where the peer is online; it never stops the
 loop.
 
-The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`); which answers a
+The round runner opens and closes the round the dispatcher fills in (:attr:`Dispatcher.round`); every answer of
+every kind of round (plain, secure, an asynchronous wave) passes through here, so after each batch of messages the
+dispatcher tells the progress display how many of the round's clients have answered (``answered``). Which answers a
 round takes is its collection's; where a client's answer lands in time is the clock's
 (:mod:`fcl_emu.coordinator.clock`).
 """
@@ -59,6 +61,7 @@ class Dispatcher:
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
         self._listened_at = time.monotonic()  # when the waiting messages were last all handled
+        self._answers_shown: tuple[int, int, int] | None = None  # (round, answered, selected) last told
 
     # ------------------------------------------------------------------ the loop
     def serve(self, until: Callable[[], bool], deadline: float) -> None:
@@ -89,6 +92,18 @@ class Dispatcher:
             while self.endpoint.sock.poll(0):
                 self._receive_one()
         self._listened_at = time.monotonic()
+        self._show_answers()
+
+    def _show_answers(self) -> None:
+        """An ``answered`` progress event when the open round's count of answers (updates, masked inputs,
+        errors) has changed since the last one."""
+        r = self.round
+        if r is None:
+            return
+        shown = (r.number, len(r.answered()), len(r.selected))
+        if shown != self._answers_shown:
+            self._answers_shown = shown
+            self.state.progress("answered", {"task": r.task, "answered": shown[1], "selected": shown[2]})
 
     def _receive_one(self) -> None:
         """Receive, validate and handle one message; time it by message type."""

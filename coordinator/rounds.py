@@ -102,7 +102,7 @@ class RoundRunner:
         self.clock.open_round(r)
         self.dispatcher.round = r
         self.metrics.round_started(task, task_round, r.number)
-        self.state.progress("round_start", {"task": task, "round": r.number})
+        self.state.progress("round_start", {"task": task, "round": r.number, "task_round": task_round})
         return r
 
     def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:

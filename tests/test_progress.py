@@ -1,5 +1,6 @@
-"""What a user sees of a run while it runs: the progress display (join bar, time left, the accuracy after the last
-evaluation, server-job and warning lines), the settings that change others, and an edge node's connection lines."""
+"""What a user sees of a run while it runs: the progress display (join bar, the round running and its answers, a
+server job's steps, time left, the accuracy after the last evaluation, epsilon, server-job and warning lines), the
+settings that change others, and an edge node's connection lines."""
 
 from __future__ import annotations
 
@@ -38,8 +39,18 @@ def view(**rounds) -> tuple[ProgressView, io.StringIO, FakeClock]:
     return ProgressView(config, Console(file=out, width=200), clock=clock), out, clock
 
 
-def round_info(task: int, task_round: int, accuracy: float | None = None) -> dict:
-    return {"task": task, "task_round": task_round, "participants": 4, "selected": 4, "accuracy_seen": accuracy}
+def round_info(task: int, task_round: int, accuracy: float | None = None, privacy: dict | None = None) -> dict:
+    return {"task": task, "task_round": task_round, "participants": 4, "selected": 4, "accuracy_seen": accuracy,
+            "privacy": privacy}
+
+
+def label(v: ProgressView) -> str:
+    return v.progress.tasks[v.bar].description
+
+
+def shown_left(v: ProgressView) -> str:
+    """The time-left column as the display renders it."""
+    return str(v.progress.columns[-1].render(v.progress.tasks[v.bar]))
 
 
 def test_the_join_bar_counts_clients_out_of_the_population():
@@ -59,7 +70,84 @@ def test_time_left_is_the_rounds_left_times_the_mean_round_time():
     v("round", round_info(0, 0))
     clock.now += 20
     v("round", round_info(0, 1))  # 2 rounds in 30 s: 4 rounds left at 15 s
-    assert v.progress.tasks[v.bar].fields["left"] == "time left: ~0:01:00"
+    assert shown_left(v) == "time left: ~0:01:00"
+
+
+def test_the_label_counts_the_answers_of_the_round_running_as_they_arrive():
+    v, _, _ = view()
+    v("task_start", {"task": 0, "classes": 2})
+    v("round_start", {"task": 0, "round": 1, "task_round": 0})
+    v("dispatched", {"task": 0, "round": 1, "selected": 4})
+    assert label(v) == "task 1/2 round 1/3 | 0/4 answered"
+    v("answered", {"task": 0, "answered": 1, "selected": 4})
+    assert label(v) == "task 1/2 round 1/3 | 1/4 answered"
+    v("answered", {"task": 0, "answered": 3, "selected": 4})
+    assert label(v) == "task 1/2 round 1/3 | 3/4 answered"
+
+
+def test_after_a_task_ends_the_label_names_the_next_task_s_first_round_even_during_a_server_job():
+    v, _, _ = view()
+    v("ready", {"online": 4, "expected": 4})
+    v("task_start", {"task": 0, "classes": 2})
+    for task_round in range(3):
+        v("round_start", {"task": 0, "round": task_round + 1, "task_round": task_round})
+        v("round", round_info(0, task_round))
+    assert label(v) == "task 2/2 round 1/3"  # the task's last round is over: task 2 comes next
+    about = {"kind": "generator", "jobs": ["mfcl.generator"], "task": 0, "round": 3, "device": "cpu"}
+    v("server_job_start", about)  # MFCL's generator, at task 1's end
+    assert label(v) == "task 2/2 round 1/3 | server job: generator"
+    v("server_job_end", {**about, "duration_s": 5.0, "ok": True})
+    v("task_end", {"task": 0, "accuracy": [90.0, None], "accuracy_seen": 90.0})
+    v("task_start", {"task": 1, "classes": 2})
+    assert label(v) == "task 2/2 round 1/3 | acc(seen) 90.0%"
+    v("round_start", {"task": 1, "round": 4, "task_round": 0})
+    v("dispatched", {"task": 1, "round": 4, "selected": 4})
+    assert label(v) == "task 2/2 round 1/3 | 0/4 answered | acc(seen) 90.0%"
+
+
+def test_a_server_job_step_shows_in_the_label_and_sets_the_time_left_by_its_pace():
+    v, out, clock = view()
+    v("ready", {"online": 4, "expected": 4})
+    v("task_start", {"task": 0, "classes": 2})
+    clock.now += 10
+    v("round", round_info(0, 0))  # 10 s a round: 5 rounds left
+    about = {"kind": "generator", "jobs": ["mfcl.generator"], "task": 0, "round": 1, "device": "cpu"}
+    v("server_job_start", about)
+    assert shown_left(v) == "time left: waiting for the server job (generator)"
+    clock.now += 60
+    v("server_job_step", {**about, "step": 120, "steps": 200})
+    assert label(v) == "task 1/2 round 2/3 | server job: generator 120/200"
+    assert shown_left(v) == "time left: ~0:01:30"  # 80 steps at 2 a second, then 5 rounds of 10 s
+    v("server_job_end", {**about, "duration_s": 100.0, "ok": True})
+    assert "server job" not in label(v)
+    assert shown_left(v) == "time left: ~0:00:50"
+
+
+def test_the_time_left_moves_within_a_round_with_its_answers_and_its_time():
+    v, _, clock = view()
+    v("task_start", {"task": 0, "classes": 2})
+    clock.now += 20
+    v("round", round_info(0, 0))  # 20 s a round; 5 rounds left
+    v("round_start", {"task": 0, "round": 2, "task_round": 1})
+    v("dispatched", {"task": 0, "round": 2, "selected": 4})
+    assert shown_left(v) == "time left: ~0:01:40"
+    clock.now += 5
+    assert shown_left(v) == "time left: ~0:01:35"  # no answer yet: the clock alone moves it
+    v("answered", {"task": 0, "answered": 2, "selected": 4})
+    assert shown_left(v) == "time left: ~0:01:28"  # half of the 15 s left of a mean round, then 4 rounds
+    clock.now += 55  # a round 3 times slower than the mean: as long again as it ran, for the half left
+    assert shown_left(v) == "time left: ~0:01:50"
+    v("answered", {"task": 0, "answered": 4, "selected": 4})
+    assert shown_left(v) == "time left: ~0:01:20"
+
+
+def test_under_differential_privacy_the_label_shows_the_epsilon_spent():
+    v, _, _ = view()
+    v("task_start", {"task": 0, "classes": 2})
+    v("round", round_info(0, 0))
+    assert "epsilon" not in label(v)
+    v("round", round_info(0, 1, privacy={"epsilon": 1.234, "delta": 1e-5, "steps": 2}))
+    assert label(v).endswith("| epsilon 1.23")
 
 
 def test_the_bar_shows_the_accuracy_of_the_last_evaluation_not_a_stale_one():
@@ -69,15 +157,15 @@ def test_the_bar_shows_the_accuracy_of_the_last_evaluation_not_a_stale_one():
     v("round", round_info(0, 1))
     v("round", round_info(0, 2))
     v("task_end", {"task": 0, "accuracy": [20.2, None], "accuracy_seen": 20.2})
-    description = v.progress.tasks[v.bar].description
+    description = label(v)
     assert "acc(seen) 20.2%" in description and "11.3" not in description
     assert "task 1 done: accuracy per task [20.2 -]" in out.getvalue()
     for task_round in range(3):
         v("round", round_info(1, task_round))
-    assert v.progress.tasks[v.bar].fields["left"] == "time left: final evaluation"
+    assert shown_left(v) == "time left: final evaluation"
     v("task_end", {"task": 1, "accuracy": [15.0, 25.0], "accuracy_seen": 20.0})
-    assert v.progress.tasks[v.bar].fields["left"] == "done"
-    assert "acc(seen) 20.0%" in v.progress.tasks[v.bar].description
+    assert shown_left(v) == "done"
+    assert label(v) == "task 2/2 done | acc(seen) 20.0%"
 
 
 def test_server_jobs_and_warnings_print_one_line_each():
@@ -122,7 +210,8 @@ def test_the_coordinator_records_and_shows_each_warning_once(tmp_path):
     coordinator = SimpleNamespace(config=load_config(None, {"scenario": {"num_clients": 20}}),
                                   state=SimpleNamespace(event=recorder.event),
                                   progress=lambda kind, info: heard.append((kind, info)),
-                                  _slow_classes=lambda: [])  # tests/test_energy.py has its own test
+                                  _slow_classes=lambda: [],  # tests/test_energy.py has its own test
+                                  _noisy_privacy=lambda: [])  # and tests/test_divergence.py
     Coordinator._warn_adjustments(coordinator)
     recorder.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
