@@ -20,7 +20,7 @@ from rich.console import Console
 from fcl_emu import options
 from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
-from fcl_emu.command_line import console, writable
+from fcl_emu.command_line import console, unwrap_help, writable
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.config import error_lines
 
@@ -357,6 +357,8 @@ def compare(
     stdout.print(format_table(found.rows))
     stdout.print(f"plot: {found.png}", markup=False, highlight=False)
 
+
+unwrap_help(app)  # last: every command is registered
 
 if __name__ == "__main__":
     app()

@@ -1,8 +1,9 @@
-"""What every ``fcl-emu`` command shares: the error console and the check that its output folders can be
-written."""
+"""What every ``fcl-emu`` command shares: the error console, the check that its output folders can be
+written, and its help as prose (:func:`unwrap_help`)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -28,3 +29,18 @@ def writable(*directories: Optional[Path]) -> None:
 def folder(file: Optional[Path]) -> Optional[Path]:
     """The directory ``file`` goes into (None: no file)."""
     return None if file is None else file.parent
+
+
+def unwrapped(text: str) -> str:
+    """``text`` (a docstring) with the source's line breaks inside each paragraph undone."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(text).split("\n\n"))
+
+
+def unwrap_help(app: typer.Typer) -> None:
+    """Give every command of ``app`` and of its sub-apps its docstring unwrapped as its help: typer's rich help keeps
+    a docstring's single newlines as hard breaks (in a group's command list, in later paragraphs)."""
+    for info in app.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            info.help = unwrapped(info.callback.__doc__)
+    for group in app.registered_groups:
+        unwrap_help(group.typer_instance)

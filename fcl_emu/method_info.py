@@ -6,6 +6,7 @@ Every fact is read from the method's registry entry and code; text is escaped fo
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic.fields import FieldInfo
@@ -25,9 +26,26 @@ from fcl_emu.runconfig import RunConfig
 _TRAINING_KEYS = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size")
 
 
+def _role(match: re.Match) -> str:
+    """A reStructuredText role's text: ``:func:`~a.b.c``` is ``c``, ``:class:`words <target>``` is ``words``."""
+    body = match.group(1)
+    if "<" in body:
+        return body.partition("<")[0].strip()
+    return body[1:].rpartition(".")[2] if body.startswith("~") else body
+
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText markup: roles, literals, interpreted text, emphasis, directives."""
+    text = re.sub(r"\.\. [\w-]+::\s*", "", text)
+    text = re.sub(r":[\w:]+:`([^`]+)`", _role, text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    text = re.sub(r"`([^`]+)`_{0,2}", r"\1", text)
+    return re.sub(r"\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*", lambda m: m.group(1) or m.group(2), text)
+
+
 def _summary(obj: Any) -> str:
-    """The first paragraph of ``obj``'s docstring, on one line."""
-    return " ".join((obj.__doc__ or "").strip().split("\n\n")[0].split())
+    """The first paragraph of ``obj``'s docstring, on one line, as plain text."""
+    return plain(" ".join((obj.__doc__ or "").strip().split("\n\n")[0].split()))
 
 
 def _value(value: Any) -> str:

@@ -19,6 +19,7 @@ import pydantic
 import yaml
 
 from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
+from fcl_emu.methods.models.names import MODELS as MODEL_NAMES, one_of
 from fcl_emu.runconfig.aggregation import check_aggregation
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
@@ -332,13 +333,16 @@ class ContainersConfig(pydantic.BaseModel):
         return value if value is None else memory_limit(value)
 
 
+_MODEL_CHOICES = one_of(sorted(MODEL_NAMES, key=lambda m: m != "auto"))  # auto first
+
+
 class RunConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     method: str = pydantic.Field("fedavg", description="learning method (see `fcl-emu methods`)")
     method_options: dict[str, Any] = pydantic.Field(
         {}, description="hyper-parameters of the method by name (its Options: `fcl-emu methods`, methods/<name>.py)")
-    model: str = pydantic.Field("auto", description="backbone: auto, cnn, cnn_bn, resnet18 or resnet32")
+    model: str = pydantic.Field("auto", description=f"backbone: {_MODEL_CHOICES}")
     scenario: ScenarioSpec = ScenarioSpec()
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
@@ -446,7 +450,8 @@ class RunConfig(pydantic.BaseModel):
 
         if spec.server.needs_batchnorm and self.model in NO_BATCHNORM:
             raise ValueError(f"method {spec.name!r} trains its generator on the model's BatchNorm statistics; "
-                             f"model {self.model!r} has none: use cnn_bn, resnet32, resnet18 or auto")
+                             f"model {self.model!r} has none: use "
+                             f"{one_of([m for m in MODEL_NAMES if m not in NO_BATCHNORM])}")
         if self.secagg.enabled:
             self._check_secagg(spec)
         if self.privacy.central:

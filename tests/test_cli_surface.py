@@ -171,3 +171,43 @@ def test_keys_prints_a_complete_command_for_every_host(tmp_path):
     assert "--bind tcp://0.0.0.0:5555" in output and "--connect tcp://10.0.0.5:5555 --clients 2-3" in output
     code, output = invoke("keys", str(tmp_path / "any"), "--clients", "4", "--bind", "tcp://0.0.0.0:0")
     assert code == 2 and "fixed port" in output and not (tmp_path / "any").exists()
+
+
+def _every_command(command: click.Command, path: tuple[str, ...] = ()):
+    """``command`` and every command under it, as the argument paths that reach them (hidden ones aside)."""
+    if not getattr(command, "hidden", False):
+        yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _every_command(sub, (*path, name))
+
+
+RST = re.compile(r"``|:(?:func|class|meth|mod|data|attr|math):`|\.\. \w+::")
+
+
+@pytest.mark.parametrize("path", [p for p in _every_command(typer.main.get_command(app)) if p != ("node",)],
+                         ids=lambda path: " ".join(path) or "fcl-emu")
+def test_every_commands_help_is_prose_without_hard_breaks_placeholders_or_markup(path):
+    """Rendered wide, no help text wraps: a line that continues the one above (in a box, its first column blank;
+    outside, a second line of a paragraph) is a hard break from the source."""
+    output = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "1000"}).output
+    lines = output.splitlines()
+    for above, line in zip(lines, lines[1:]):
+        assert not re.match(r"│\s{6,}\S", line), f"{' '.join(path)}: a hard break before {line.strip('│ ')[:60]!r}"
+        outside = [text for text in (above, line) if text.strip() and not re.match(r"[│╭╰]", text)]
+        assert len(outside) < 2, f"{' '.join(path)}: a hard break before {line.strip()[:60]!r}"
+    assert "<bool>" not in output and not RST.search(output), output
+
+
+def test_the_model_option_lists_every_model_the_classifier_builds():
+    from fcl_emu.methods.models import classifier, names
+
+    assert names.MODELS == classifier.MODELS
+    code, output = invoke("up", "--help")
+    listed = re.search(r"--model TEXT Backbone: ([^;.]*)", output).group(1)
+    assert sorted(re.split(r", | or ", listed)) == sorted(classifier.MODELS), listed
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_methods_name_renders_its_docstrings_as_plain_text(name):
+    code, output = invoke("methods", name)
+    assert code == 0 and not RST.search(output), output
