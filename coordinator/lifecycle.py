@@ -395,12 +395,13 @@ class Coordinator:
         sigma = round_noise_multiplier(settings, cohort) * settings.clip / cohort
         needed = cohort_for_noise(settings, dim)
         clients = self.config.scenario.num_clients
+        clip = f"C, adapting from {settings.clip:g}" if settings.adaptive.enabled else f"C = {settings.clip:g}"
         bring = (f"{needed} clients a round would bring it under C" if needed <= clients else
                  f"{needed} clients a round, more than the {clients} clients, would bring it under C")
         return [Adjustment("privacy.noise_multiplier", settings.noise_multiplier, (
             f"the DP noise on each round's mean ({sigma:.3g} on each of the model's {dim:,} values, a norm of about "
-            f"{sigma * dim ** 0.5:.3g}) is {ratio:.1f} times the clipped mean's largest norm (C = {settings.clip:g}):"
-            f" the model learns only what the rounds average out, and may diverge; {bring} (--clients-per-round, "
+            f"{sigma * dim ** 0.5:.3g}) is {ratio:.1f} times the clipped mean's largest norm ({clip}): the "
+            f"model learns only what the rounds average out, and may diverge; {bring} (--clients-per-round, "
             f"docs/security.md)"))]
 
     def _slow_classes(self) -> list[Adjustment]:

@@ -135,6 +135,9 @@ def test_the_coordinator_warns_before_the_start_when_the_noise_outweighs_the_cli
     assert warned({"mode": "central", "noise_multiplier": 0.0}, 8) == []
     few, = warned({"mode": "central", "noise_multiplier": 4.0}, 8)
     assert "400 clients a round, more than the 300 clients, would bring it under C" in few.message
+    # adaptive clipping at K = 50: z_D = (1 - (2 x 2.5)^-2)^(-1/2) = 1.0206, the ratio 100 x 1.0206 / 50
+    adaptive, = warned({"mode": "central", "noise_multiplier": 1.0, "adaptive": {"enabled": True}}, 50)
+    assert "is 2.0 times the clipped mean's largest norm (C, adapting from 1)" in adaptive.message
 
 
 # -------------------------------------------------------------------------------------- the run's log
