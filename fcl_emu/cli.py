@@ -22,7 +22,7 @@ from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, unwrap_help, writable
 from fcl_emu.runconfig import RunConfig, load_config
-from fcl_emu.runconfig.config import error_lines
+from fcl_emu.runconfig.errors import error_lines
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -46,7 +46,7 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     try:
         return load_config(config_file, options.overrides(flags))
     except pydantic.ValidationError as exc:
-        raise click.UsageError("\n".join(error_lines(exc, options.flag_for))) from None
+        raise click.UsageError("\n".join(error_lines(exc, RunConfig, options.flag_for))) from None
     except (ValueError, KeyError) as exc:
         raise click.UsageError(str(exc).strip("'\"")) from None
 

@@ -531,12 +531,11 @@ def _failed(exc: Exception, run_dir: Path, console: Console) -> RunSummary | Non
 
 def _interrupted(how: str, config: RunConfig, nodes: NodeLauncher | None) -> str:
     """What an interrupted run does before its summary, said at once: what is stopped and what is waited for."""
-    stopping = [f"{n} edge node{'s' * (n != 1)}" for n in [nodes.count if nodes else 0] if n]
-    stopping += [f"{n} GPU worker{'s' * (n != 1)}" for n in [config.gpu.workers] if n]
-    waits = [f"a last metrics scrape ({config.metrics.linger:g} s)"] if config.metrics.enabled else []
+    stopping = [f"{n} {what}{'s' * (n != 1)}" for n, what in ((nodes.count if nodes else 0, "edge node"),
+                                                              (config.gpu.workers, "GPU worker")) if n]
+    scrape = f"; waiting for a last metrics scrape ({config.metrics.linger:g} s)" if config.metrics.enabled else ""
     return (f"run interrupted by {how}: the round in progress is dropped and the summary written"
-            + (f"; stopping {' and '.join(stopping)}" if stopping else "")
-            + (f"; waiting for {waits[0]}" if waits else "") + " ...")
+            f"{'; stopping ' + ' and '.join(stopping) if stopping else ''}{scrape} ...")
 
 
 def _how_to_resume(run_dir: Path, start_nodes: bool, console: Console) -> None:

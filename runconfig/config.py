@@ -7,11 +7,9 @@ naming the option. The resolved config is written into the run directory.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import re
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,8 +17,9 @@ import pydantic
 import yaml
 
 from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
-from fcl_emu.methods.models.names import MODELS as MODEL_NAMES, one_of
+from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MODEL_NAMES, one_of
 from fcl_emu.runconfig.aggregation import check_aggregation
+from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.scenario.devices import load_profiles, memory_limit
@@ -333,16 +332,13 @@ class ContainersConfig(pydantic.BaseModel):
         return value if value is None else memory_limit(value)
 
 
-_MODEL_CHOICES = one_of(sorted(MODEL_NAMES, key=lambda m: m != "auto"))  # auto first
-
-
 class RunConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     method: str = pydantic.Field("fedavg", description="learning method (see `fcl-emu methods`)")
     method_options: dict[str, Any] = pydantic.Field(
         {}, description="hyper-parameters of the method by name (its Options: `fcl-emu methods`, methods/<name>.py)")
-    model: str = pydantic.Field("auto", description=f"backbone: {_MODEL_CHOICES}")
+    model: str = pydantic.Field("auto", description=f"backbone: {MODEL_CHOICES}")
     scenario: ScenarioSpec = ScenarioSpec()
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
@@ -420,12 +416,7 @@ class RunConfig(pydantic.BaseModel):
     @pydantic.field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        from fcl_emu.methods import registry
-
-        try:
-            return registry.get(value).name
-        except KeyError as exc:
-            raise ValueError(f"{exc.args[0]}{did_you_mean(value, registry.names())}") from None
+        return method_spec(value).name
 
     @pydantic.field_validator("model")
     @classmethod
@@ -441,11 +432,7 @@ class RunConfig(pydantic.BaseModel):
         from fcl_emu.methods import registry
 
         spec = registry.get(self.method)
-        try:
-            spec.options(**self.method_options)
-        except pydantic.ValidationError as exc:
-            raise ValueError("; ".join(error_lines(exc, lambda loc: "method option " + _dotted(loc), spec.options,
-                                                   unknown=f"{spec.name} has no such option"))) from None
+        check_method_options(spec, self.method_options)
         from fcl_emu.methods.models.classifier import NO_BATCHNORM
 
         if spec.server.needs_batchnorm and self.model in NO_BATCHNORM:
@@ -574,77 +561,6 @@ class RunConfig(pydantic.BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """``"; did you mean X?"`` for the known name closest to a mistyped ``word`` (``""`` where none is close)."""
-    close = difflib.get_close_matches(word, list(known), n=1)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
-def _dotted(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc)
-
-
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
-
-
-def _keys_at(model: Any, path: tuple) -> list[str]:
-    """The keys the pydantic model ``model`` takes at ``path`` (through its nested models; [] past them)."""
-    for key in path:
-        field = model.model_fields.get(key) if _is_model(model) else None
-        if field is None:
-            return []
-        model = field.annotation
-    return list(model.model_fields) if _is_model(model) else []
-
-
-def _all_keys(model: Any, prefix: str = "") -> dict[str, str]:
-    """Every key of ``model`` and its nested models: its name -> its dotted path."""
-    out: dict[str, str] = {}
-    for name, field in model.model_fields.items():
-        out.setdefault(name, prefix + name)
-        if _is_model(field.annotation):
-            out.update({k: v for k, v in _all_keys(field.annotation, f"{prefix}{name}.").items() if k not in out})
-    return out
-
-
-_WORDS = {"greater_than_equal": "must be at least {ge}", "greater_than": "must be more than {gt}",
-          "less_than_equal": "must be at most {le}", "less_than": "must be less than {lt}",
-          "literal_error": "must be one of {expected}"}
-_PREFIXES = (("Value error, ", ""), ("Assertion failed, ", ""), ("Input should be", "must be"))  # pydantic's
-
-
-def _value(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def error_lines(exc: pydantic.ValidationError, where: Callable[[tuple], str] = _dotted, model: Any = None,
-                unknown: str = "unknown key") -> list[str]:
-    """Each error of ``exc`` as one line in the project's words, ``where: what``: ``where(loc)`` names the flag
-    or key; a mistyped key of ``model`` (default :class:`RunConfig`) or a mistyped choice gets the closest known
-    one ("did you mean"); a bound says the value given."""
-    lines = []
-    for error in exc.errors():
-        loc, kind, given = tuple(error["loc"]), error["type"], error.get("input")
-        ctx = {key: _value(value) for key, value in (error.get("ctx") or {}).items()}
-        if kind == "extra_forbidden":
-            known, anywhere = _keys_at(model or RunConfig, loc[:-1]), _all_keys(model or RunConfig)
-            close = difflib.get_close_matches(str(loc[-1]), list(anywhere), n=1, cutoff=0.8)  # at the wrong level
-            hint = (did_you_mean(str(loc[-1]), known) or (f"; did you mean {anywhere[close[0]]}?" if close else "")
-                    or (f" (known: {', '.join(known)})" if known else ""))
-            what = unknown + hint
-        elif kind in _WORDS:
-            what = _WORDS[kind].format(**ctx) + (f" (got {given!r})" if isinstance(given, (int, float, str)) else "")
-            if kind == "literal_error" and isinstance(given, str):
-                what += did_you_mean(given, re.findall(r"'([^']*)'", ctx["expected"]))
-        else:
-            what = error["msg"]
-            for prefix, words in _PREFIXES:
-                what = words + what[len(prefix):] if what.startswith(prefix) else what
-        lines.append(f"{where(loc)}: {what}" if loc else what)
-    return lines
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

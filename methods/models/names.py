@@ -8,3 +8,7 @@ MODELS: tuple[str, ...] = ("cnn", "cnn_bn", "resnet18", "resnet32", "cnn_leaky",
 def one_of(names: tuple[str, ...] | list[str]) -> str:
     """``a, b or c``."""
     return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else list(names))
+
+
+#: The names as the help lists them, ``auto`` first.
+CHOICES: str = one_of(("auto", *(m for m in MODELS if m != "auto")))
