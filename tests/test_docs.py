@@ -112,11 +112,3 @@ def test_every_page_is_short_and_listed_in_the_index():
     unlisted = [rel(doc) for doc in DOCS if doc.parent != ROOT and doc.name != "README.md"
                 and f"({doc.relative_to(ROOT / 'docs').as_posix()})" not in index]
     assert not unlisted, f"pages docs/README.md does not list: {unlisted}"
-
-
-def test_the_readme_layout_names_every_top_level_folder():
-    layout = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", (ROOT / "README.md").read_text(), re.S | re.M)[1]
-    folders = [d.name for d in sorted(ROOT.iterdir()) if d.is_dir() and not d.name.startswith(".")
-               and not d.name.endswith(".egg-info") and (any(d.rglob("*.py")) or d.name == "docs")]
-    missing = [f for f in folders if not re.search(rf"^{re.escape(f)}/ ", layout, re.M)]
-    assert not missing, f"README.md's layout does not name these folders: {missing}"
