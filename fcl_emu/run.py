@@ -65,7 +65,7 @@ class ProgressView:
         self.running: tuple[int, int] | None = None  # (task, task round) running, or next to run
         self.round_began: float | None = None  # while a round runs
         self.answers: tuple[int, int] | None = None  # (answered, selected) of the round running
-        self.job: tuple[str, float, tuple[int, int] | None] | None = None  # (what it makes, start, steps)
+        self.job: _ServerJob | None = None  # replaced, never changed: the display's thread reads it
         self.accuracy: float | None = None
         self.epsilon: float | None = None
         self.finished = False
@@ -96,11 +96,11 @@ class ProgressView:
             self._task_over(info)
         else:
             if kind == "server_job_start" and self.ready:
-                self.job = (info["kind"], self.clock(), None)
+                self.job = _ServerJob(info["kind"], began=self.clock())
                 self.running = self.running or (info["task"], 0)
                 self._show_bar()
             elif kind == "server_job_step" and self.job is not None:
-                self.job = (self.job[0], self.job[1], (info["step"], info["steps"]))
+                self.job = dataclasses.replace(self.job, steps=(info["step"], info["steps"]), reported=self.clock())
             elif kind == "server_job_end":
                 self.job = None
             self._line(kind, info)
@@ -143,8 +143,8 @@ class ProgressView:
             task, task_round = self.running
             parts = [f"task {task + 1}/{self.tasks} round {task_round + 1}/{self.rounds_per_task}"]
         if self.job is not None:
-            label, _, steps = self.job
-            parts.append(f"server job: {label}" + ("" if steps is None else f" {steps[0]}/{steps[1]}"))
+            steps = self.job.steps
+            parts.append(f"server job: {self.job.label}" + ("" if steps is None else f" {steps[0]}/{steps[1]}"))
         elif self.answers is not None:
             parts.append(f"{self.answers[0]}/{self.answers[1]} answered")
         if self.accuracy is not None:
@@ -157,8 +157,8 @@ class ProgressView:
         """The rounds left times the mean wall time of this session's rounds (task ends and server jobs
         included), the round running counted by its share of answers: of the mean round time, what is left of
         it, or once the round has run past half of it, as long again as it has run (a slow round stays slow).
-        A server job running counts at its own pace of steps; before its first step the text says it waits for
-        it. ``estimating`` until a round has finished."""
+        A server job running counts its steps left at its pace so far, counted down from its last report; before
+        its first step the text says it waits for it. ``estimating`` until a round has finished."""
         if self.finished:
             return "done"
         job = self.job
@@ -169,10 +169,12 @@ class ProgressView:
         now, mean = self.clock(), (self.last_round_end - self.rounds_started) / self.rounds_done
         rounds_left = self.total - self.completed
         if job is not None:
-            label, began, steps = job
+            steps = job.steps
             if steps is None or steps[0] <= 0:
-                return f"time left: waiting for the server job ({label})"
-            return f"time left: ~{_hours((now - began) * (steps[1] - steps[0]) / steps[0] + rounds_left * mean)}"
+                return f"time left: waiting for the server job ({job.label})"
+            pace = (job.reported - job.began) / steps[0]
+            job_left = max(pace * (steps[1] - steps[0]) - (now - job.reported), 0.0)
+            return f"time left: ~{_hours(job_left + rounds_left * mean)}"
         if self.round_began is None:
             return f"time left: ~{_hours(rounds_left * mean)}"
         ran = now - self.round_began
@@ -200,6 +202,16 @@ class ProgressView:
             text, style = f"fault: {info['action']} {info.get('node') or ''}{applied}", "yellow"
         if text is not None:
             self.progress.console.print(text, style=style, markup=False, highlight=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServerJob:
+    """A server job running, as the progress view knows it."""
+
+    label: str  # what it makes
+    began: float
+    steps: tuple[int, int] | None = None  # (done, total) as last reported
+    reported: float = 0.0  # when
 
 
 class _TimeLeftColumn(ProgressColumn):

@@ -118,6 +118,8 @@ def test_a_server_job_step_shows_in_the_label_and_sets_the_time_left_by_its_pace
     v("server_job_step", {**about, "step": 120, "steps": 200})
     assert label(v) == "task 1/2 round 2/3 | server job: generator 120/200"
     assert shown_left(v) == "time left: ~0:01:30"  # 80 steps at 2 a second, then 5 rounds of 10 s
+    clock.now += 10
+    assert shown_left(v) == "time left: ~0:01:20"  # counted down between two reports
     v("server_job_end", {**about, "duration_s": 100.0, "ok": True})
     assert "server job" not in label(v)
     assert shown_left(v) == "time left: ~0:00:50"
