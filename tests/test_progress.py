@@ -17,7 +17,10 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from fcl_emu.aggregation.update import ClientUpdate
+from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.run import ProgressView
 from fcl_emu.monitoring.results import RunRecorder
 from fcl_emu.runconfig import load_config
@@ -83,6 +86,24 @@ def test_the_label_counts_the_answers_of_the_round_running_as_they_arrive():
     assert label(v) == "task 1/2 round 1/3 | 1/4 answered"
     v("answered", {"task": 0, "answered": 3, "selected": 4})
     assert label(v) == "task 1/2 round 1/3 | 3/4 answered"
+
+
+def test_the_dispatcher_tells_each_new_count_of_answers_of_the_open_round_once():
+    heard = []
+    r = OpenRound(task=1, number=7, chosen=["a", "b", "c"], selected={"a", "b", "c"}, wanted=3)
+    dispatcher = SimpleNamespace(round=r, _answers_shown=None,
+                                 state=SimpleNamespace(progress=lambda kind, info: heard.append((kind, info))))
+    Dispatcher._show_answers(dispatcher)
+    Dispatcher._show_answers(dispatcher)  # nothing new: nothing told
+    r.updates.append(ClientUpdate("a", 10, {}))
+    r.failed.add("b")  # an error answers too
+    Dispatcher._show_answers(dispatcher)
+    r.masked.add("c")  # as a masked input does under secure aggregation
+    Dispatcher._show_answers(dispatcher)
+    assert heard == [("answered", {"task": 1, "answered": n, "selected": 3}) for n in (0, 2, 3)]
+    dispatcher.round = None  # between rounds: nothing to tell
+    Dispatcher._show_answers(dispatcher)
+    assert len(heard) == 3
 
 
 def test_after_a_task_ends_the_label_names_the_next_task_s_first_round_even_during_a_server_job():
