@@ -73,7 +73,7 @@ def test_resnet32_shortcuts_are_parameter_free():
 # --- classifier and build_model ---------------------------------------------
 
 @pytest.mark.parametrize("name,shape,concrete", [
-    ("auto", (1, 28, 28), "cnn"), ("auto", (3, 32, 32), "resnet18"), ("auto", (3, 64, 64), "resnet18"),
+    ("auto", (1, 28, 28), "cnn"), ("auto", (3, 32, 32), "cnn_bn"), ("auto", (3, 64, 64), "cnn_bn"),
     ("cnn", (3, 32, 32), "cnn"), ("resnet32", (3, 32, 32), "resnet32"),
 ])
 def test_resolve_model(name, shape, concrete):

@@ -33,7 +33,7 @@ BACKBONES: dict[str, type[Backbone]] = {
 #: Every name :func:`build_model` accepts ("auto" picks one from the input shape).
 MODELS: tuple[str, ...] = (*BACKBONES, "auto")
 
-#: ``auto`` picks ``cnn`` when both sides of the input are at most this many pixels.
+#: ``auto`` picks ``cnn`` when both sides of the input are at most this many pixels, ``cnn_bn`` above.
 AUTO_CNN_MAX_SIZE = 28
 
 
@@ -163,18 +163,18 @@ def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False
 
     ``auto`` is ``small`` (default ``cnn``; a method may name its own, such as
     AF-FCL's ``cnn_leaky``) when height and width are both at most 28 pixels
-    (MNIST, Fashion-MNIST, EMNIST: small images, CPU-friendly), ``cnn_bn``
-    there when the method needs BatchNorm statistics (``batchnorm``), and
-    ``resnet18`` otherwise (CIFAR, Tiny-ImageNet), the backbone most FCIL
-    papers use there. ``resnet32`` is never picked automatically; it is the
-    cheaper choice for CIFAR on a CPU (about 0.07 vs 0.56 GFLOPs per 32x32
-    image).
+    (MNIST, Fashion-MNIST, EMNIST), ``cnn_bn`` there when the method needs
+    BatchNorm statistics (``batchnorm``), and ``cnn_bn`` on larger images
+    (CIFAR, Tiny-ImageNet): on colour images BatchNorm learns a first task
+    faster than the plain CNN, and ``resnet18``, the backbone most FCIL
+    papers use there, trains over 30 times slower on a CPU (docs/scenarios.md
+    has the pilot runs). The ResNets are never picked automatically.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     _, h, w = _check_input_shape(input_shape)
     if name == "auto":
-        name = ("cnn_bn" if batchnorm else small) if max(h, w) <= AUTO_CNN_MAX_SIZE else "resnet18"
+        name = small if max(h, w) <= AUTO_CNN_MAX_SIZE and not batchnorm else "cnn_bn"
     if batchnorm and name in NO_BATCHNORM:
         raise ValueError(f"model {name!r} has no BatchNorm layers, which this method needs; use cnn_bn, "
                          f"resnet32 or resnet18")
