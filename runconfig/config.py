@@ -19,6 +19,7 @@ import yaml
 from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
 from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MODEL_NAMES, one_of
 from fcl_emu.runconfig.aggregation import check_aggregation
+from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
@@ -37,8 +38,9 @@ class TrainingConfig(pydantic.BaseModel):
     # 10 rounds of 30 clients. Override for larger local datasets.
     local_epochs: int = pydantic.Field(
         2, ge=1, description="local epochs per round (a method may bring its own, `fcl-emu methods`)")
-    lr: float = pydantic.Field(0.05, gt=0, description="local learning rate (a method may bring its own, "
-                                                       "`fcl-emu methods`)")
+    lr: float = pydantic.Field(0.05, gt=0, description=(
+        "local learning rate: 0.01 on CIFAR-10, CIFAR-100 and Tiny-ImageNet (both sizes), the default on MNIST, "
+        "Fashion-MNIST and EMNIST (a method may bring its own, `fcl-emu methods`)"))
     batch_size: int = pydantic.Field(16, ge=1)
     momentum: float = pydantic.Field(0.9, ge=0, lt=1)
     weight_decay: float = pydantic.Field(0.0, ge=0)
@@ -338,7 +340,10 @@ class RunConfig(pydantic.BaseModel):
     method: str = pydantic.Field("fedavg", description="learning method (see `fcl-emu methods`)")
     method_options: dict[str, Any] = pydantic.Field(
         {}, description="hyper-parameters of the method by name (its Options: `fcl-emu methods`, methods/<name>.py)")
-    model: str = pydantic.Field("auto", description=f"backbone: {MODEL_CHOICES}")
+    model: str = pydantic.Field("auto", description=(
+        f"backbone: {MODEL_CHOICES}; auto is cnn on MNIST, Fashion-MNIST and EMNIST, cnn_bn "
+        "on CIFAR and Tiny-ImageNet and for the methods that need BatchNorm (AF-FCL on MNIST-sized images: "
+        "cnn_leaky)"))
     scenario: ScenarioSpec = ScenarioSpec()
     training: TrainingConfig = TrainingConfig()
     rounds: RoundConfig = RoundConfig()
@@ -400,7 +405,8 @@ class RunConfig(pydantic.BaseModel):
     @classmethod
     def _method_training(cls, data: Any) -> Any:
         """``training`` keys the config leaves unset take the method's own values (its official code's local
-        optimiser, ``MethodSpec.training``) before the project's defaults."""
+        optimiser, ``MethodSpec.training``), then the data set's (:mod:`~fcl_emu.runconfig.dataset_defaults`),
+        before the project's defaults."""
         if not isinstance(data, dict) or not isinstance(data.get("training", {}), dict):
             return data
         from fcl_emu.methods import registry
@@ -410,7 +416,8 @@ class RunConfig(pydantic.BaseModel):
         except KeyError:
             return data  # the method validator says why
         training = data.get("training", {})
-        missing = {k: v for k, v in spec.training.items() if k not in training}
+        unset = {**dataset_training(data.get("scenario", {})), **spec.training}
+        missing = {k: v for k, v in unset.items() if k not in training}
         return {**data, "training": {**missing, **training}} if missing else data
 
     @pydantic.field_validator("method")

@@ -30,6 +30,7 @@ import numpy as np
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
+from fcl_emu.methods import registry
 from fcl_emu.monitoring.results import RunSummary
 
 BASE = {
@@ -75,8 +76,11 @@ def config(method: str, dataset: str, fraction: float, seed: int, base: dict = B
     budget, with ``cpu[method]``'s options (default: the generators at half width, ``CPU``)."""
     cpu = {m: CPU for m in GENERATIVE} if cpu is None else cpu
     options = {**cpu.get(method, {}), **budget(method, fraction)}
+    # a method without its code's lr keeps the 0.05 these tables ran with (CIFAR's and Tiny-ImageNet's default is now
+    # 0.01: runconfig.dataset_defaults)
+    training = base["training"] if "lr" in registry.get(method).training else {"lr": 0.05, **base["training"]}
     return seeded({**base, "scenario": {**base["scenario"], "dataset": dataset}, "method": method,
-                   "method_options": options}, seed)
+                   "method_options": options, "training": training}, seed)
 
 
 def run_row(method: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
