@@ -21,7 +21,7 @@ from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.coordinator.open_round import OpenRound
-from fcl_emu.run import ProgressView
+from fcl_emu.progress import ProgressView
 from fcl_emu.monitoring.results import RunRecorder
 from fcl_emu.runconfig import load_config
 from fcl_emu.runconfig.adjustments import adjustments
