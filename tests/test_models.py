@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fcl_emu.methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN
+from fcl_emu.methods.models.backbones import Backbone, ResNet18Cifar, ResNet32, SmallCNN, SmallCNNBN
 from fcl_emu.methods.models.classifier import MODELS, IncrementalClassifier, build_model, resolve_model
 from fcl_emu.methods.models.state import StateError, apply_delta, delta_arrays, load_arrays, state_to_arrays
 
@@ -102,8 +102,10 @@ def test_build_model_logits(name, shape, backbone):
     assert all(k.startswith(("backbone.", "head.")) for k in model.state_dict())
 
 
-def test_build_model_auto_resnet18():
+def test_build_model_auto_on_colour_images_and_resnet18():
     model = build_model("auto", (3, 32, 32), 3)
+    assert type(model.backbone) is SmallCNNBN and model.feature_dim == 256
+    model = build_model("resnet18", (3, 32, 32), 3)
     assert isinstance(model.backbone, ResNet18Cifar) and model.feature_dim == 512
 
 
