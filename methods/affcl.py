@@ -19,7 +19,8 @@ code's kind of feature space: LeakyReLU, a 512-d embedding, then a 512-d
 the whole backbone and ``c`` the head. ``model: auto`` gives ``cnn_leaky``
 for AF-FCL on small images (``AFFCLServer.small_model``; other methods get
 ``cnn``, whose ReLU features hold exact zeros, over which a density is
-ill-posed); colour images get ``cnn_bn`` as for every method. A class-conditional
+ill-posed); colour images get ``cnn_bn`` as for every method, whose ReLU features
+hold exact zeros too (``--model resnet18`` pools them, slowly on a CPU). A class-conditional
 normalizing flow ``u = g(h; y)`` (:class:`~fcl_emu.methods.models.flows.ConditionalFlow`:
 the code's affine couplings with residual conditioners and its bounded
 scale; conditioned on the one-hot class over the data set's label space)
