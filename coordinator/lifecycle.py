@@ -118,7 +118,7 @@ class Coordinator:
         spec = methods.get(config.method)
         options = config.method_options_model()
         self.model_name = resolve_model(config.model, self.dataset.input_shape, spec.server.needs_batchnorm,
-                                        spec.server.small_model)
+                                        spec.server.small_model, spec.server.large_model)
         torch.manual_seed(config.seed)
         server = spec.server(ServerContext(
             options=options, scenario=scenario, build_model=self._build_model, seed=config.seed,

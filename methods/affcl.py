@@ -19,8 +19,8 @@ code's kind of feature space: LeakyReLU, a 512-d embedding, then a 512-d
 the whole backbone and ``c`` the head. ``model: auto`` gives ``cnn_leaky``
 for AF-FCL on small images (``AFFCLServer.small_model``; other methods get
 ``cnn``, whose ReLU features hold exact zeros, over which a density is
-ill-posed); colour images get ``cnn_bn`` as for every method, whose ReLU features
-hold exact zeros too (``--model resnet18`` pools them, slowly on a CPU). A class-conditional
+ill-posed); colour images get ``resnet18`` (``AFFCLServer.large_model``; other methods
+get ``cnn_bn``, whose ReLU features hold exact zeros too), slow on a CPU. A class-conditional
 normalizing flow ``u = g(h; y)`` (:class:`~fcl_emu.methods.models.flows.ConditionalFlow`:
 the code's affine couplings with residual conditioners and its bounded
 scale; conditioned on the one-hot class over the data set's label space)
@@ -321,6 +321,7 @@ class AFFCLServer(ServerPart):
     options: AFFCLOptions
     summable = (DELTA, FLOW)  # the flow's deltas are averaged like the model's
     small_model = "cnn_leaky"  # the code's kind of feature space under model "auto"
+    large_model = "resnet18"  # pooled features: a density over them is well-posed (the paper's backbone)
 
     def __init__(self, ctx):
         super().__init__(ctx)

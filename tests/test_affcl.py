@@ -408,7 +408,9 @@ def test_cnn_leaky_is_the_codes_feature_space_and_what_auto_gives_affcl():
     assert resolve_model("auto", SHAPE) == "cnn" and flow_dim(build_model("cnn", SHAPE, 3)) == 256
     small = methods.get("affcl").server.small_model
     assert resolve_model("auto", SHAPE, small=small) == "cnn_leaky"  # AF-FCL's own choice on small images
-    assert resolve_model("auto", (3, 32, 32), small=small) == "cnn_bn"
+    large = methods.get("affcl").server.large_model
+    assert resolve_model("auto", (3, 32, 32), small=small, large=large) == "resnet18"  # pooled features
+    assert resolve_model("auto", (3, 32, 32), small=small) == "cnn_bn"  # every other method's
     torch.manual_seed(0)
     x = torch.randn(4, *SHAPE)
     with torch.no_grad():

@@ -48,7 +48,8 @@ def first_task(dataset: str, folder: str, tasks: int, **settings) -> FirstTask:
     data = load_dataset(dataset, config.data_root)
     scenario = build_scenario(config.scenario, data)
     spec = registry.get(config.method)
-    name = resolve_model(config.model, data.input_shape, spec.server.needs_batchnorm, spec.server.small_model)
+    name = resolve_model(config.model, data.input_shape, spec.server.needs_batchnorm, spec.server.small_model,
+                         spec.server.large_model)
     rng = np.random.default_rng(config.seed)
     train = np.sort(rng.permutation(scenario.client_indices(0, 0))[:SAMPLES])
     test = np.sort(rng.permutation(scenario.test_indices(scenario.task_classes(0)))[:TEST_SAMPLES])

@@ -158,23 +158,25 @@ def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
 NO_BATCHNORM = frozenset({"cnn", "cnn_leaky"})
 
 
-def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False, small: str = "cnn") -> str:
+def resolve_model(name: str, input_shape: Sequence[int], batchnorm: bool = False, small: str = "cnn",
+                  large: str = "cnn_bn") -> str:
     """The concrete model ``name`` stands for with these inputs (resolves ``auto``).
 
     ``auto`` is ``small`` (default ``cnn``; a method may name its own, such as
     AF-FCL's ``cnn_leaky``) when height and width are both at most 28 pixels
     (MNIST, Fashion-MNIST, EMNIST), ``cnn_bn`` there when the method needs
-    BatchNorm statistics (``batchnorm``), and ``cnn_bn`` on larger images
-    (CIFAR, Tiny-ImageNet): on colour images BatchNorm learns a first task
-    faster than the plain CNN, and ``resnet18``, the backbone most FCIL
-    papers use there, trains over 30 times slower on a CPU (docs/scenarios.md
-    has the pilot runs). The ResNets are never picked automatically.
+    BatchNorm statistics (``batchnorm``), and ``large`` (default ``cnn_bn``;
+    AF-FCL names ``resnet18``) on larger images (CIFAR, Tiny-ImageNet): on
+    colour images BatchNorm learns a first task faster than the plain CNN,
+    and ``resnet18``, the backbone most FCIL papers use there, trains over 30
+    times slower on a CPU (docs/scenarios.md has the pilot runs).
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     _, h, w = _check_input_shape(input_shape)
     if name == "auto":
-        name = small if max(h, w) <= AUTO_CNN_MAX_SIZE and not batchnorm else "cnn_bn"
+        name = small if max(h, w) <= AUTO_CNN_MAX_SIZE else large
+        name = "cnn_bn" if batchnorm and name in NO_BATCHNORM else name
     if batchnorm and name in NO_BATCHNORM:
         raise ValueError(f"model {name!r} has no BatchNorm layers, which this method needs; use cnn_bn, "
                          f"resnet32 or resnet18")
