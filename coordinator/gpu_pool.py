@@ -329,7 +329,11 @@ class WorkerPool:
 
 class _LocalRunner:
     """``gpu.workers = 0``: one job at a time in a thread of the coordinator; an inproc socket says when it
-    ended, so the serve loop wakes at once."""
+    ended, so the serve loop wakes at once. Closed while a job runs (the run is ending), it cancels the job at
+    the job's next step report (:class:`~fcl_emu.methods.jobs.Cancelled`) and waits for its thread: torch
+    work left running in a thread while the interpreter exits aborts the process."""
+
+    JOIN_S = 10.0  # the longest close waits for a cancelled job's thread
 
     def __init__(self, context: zmq.Context, device: torch.device):
         self.device = device
@@ -341,17 +345,27 @@ class _LocalRunner:
         self._signal = context.socket(zmq.PAIR)
         self._signal.connect(address)
         self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self, job: Job) -> None:
         self.job = job
         job.worker = "coordinator"
-        threading.Thread(target=self._run, args=(job,), name=f"job-{job.id}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"job-{job.id}", daemon=True)
+        self._thread.start()
+
+    def _step(self, job: Job, done: int, total: int) -> None:
+        if self._cancel.is_set():
+            raise jobs.Cancelled(f"job {job.id} ({job.kind}) cancelled: the run is ending")
+        job.steps = (done, total)
 
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
         try:
             result = (job, True, jobs.run(job.kind, job.inputs, job.options, self.device,
-                                          lambda done, total: setattr(job, "steps", (done, total))))
+                                          lambda done, total: self._step(job, done, total)))
+        except jobs.Cancelled as exc:
+            result = (job, False, str(exc))
         except Exception as exc:  # reported as the job's error
             log.exception("job %d (%s) failed", job.id, job.kind)
             result = (job, False, f"{type(exc).__name__}: {exc}"[:1000])
@@ -371,5 +385,11 @@ class _LocalRunner:
         return result
 
     def close(self) -> None:
+        self._cancel.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(self.JOIN_S)
+            if self._thread.is_alive():
+                log.warning("server job %s still runs after %.0f s (it reports no steps to be cancelled at)",
+                            self._thread.name, self.JOIN_S)
         self.wake.close(linger=0)
         self._signal.close(linger=0)

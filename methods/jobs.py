@@ -111,6 +111,10 @@ def torch_threads(threads: int = 1) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class Cancelled(Exception):
+    """Raised by :func:`step` in a job whose runner has given up on it (the run is ending)."""
+
+
 class _Steps:
     """Passes a running job's steps to its hook, at most every :data:`STEP_INTERVAL_S`."""
 
@@ -129,7 +133,8 @@ _steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar("job_step
 
 def step(done: int, total: int) -> None:
     """A job's loop has done ``done`` of its ``total`` steps: passed on (rate-limited) to whoever runs the job,
-    :func:`run`'s ``on_step``; nothing happens when nobody listens."""
+    :func:`run`'s ``on_step``; nothing happens when nobody listens. The hook may raise :class:`Cancelled` to end
+    the job at this step."""
     steps = _steps.get()
     if steps is not None:
         steps(int(done), int(total))

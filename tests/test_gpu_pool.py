@@ -15,7 +15,9 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import zmq
 
+from fcl_emu.coordinator.gpu_pool import Job, _LocalRunner
 from fcl_emu.coordinator.lifecycle import Coordinator, JobFailed
 from fcl_emu.runconfig import load_config
 from fcl_emu.methods import jobs
@@ -165,3 +167,21 @@ def test_a_failed_job_ends_the_run_cleanly(tmp_path, mnist_root):
 def test_cuda_worker_runs_on_the_gpu():
     out = jobs.run("device.matmul", {}, {"seconds": 0.5}, torch.device("cuda", 0))
     assert out.metrics["gflops"] > 0
+
+
+def test_closing_the_in_process_runner_cancels_its_job_at_the_next_step():
+    """An interrupted run closes the pool while a job runs in the coordinator's thread: the job ends at its next
+    step report and the thread is joined (torch left running in a thread at interpreter exit aborts)."""
+    context = zmq.Context()
+    runner = _LocalRunner(context, torch.device("cpu"))
+    job = Job(id=1, kind="device.matmul", inputs={}, options={"seconds": 60, "size": 64})
+    runner.start(job)
+    deadline = time.monotonic() + 30
+    while job.steps is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 5 and not runner._thread.is_alive()
+    _, ok, error, _ = runner._result
+    assert not ok and "cancelled" in error
+    context.term()
