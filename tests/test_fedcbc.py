@@ -398,11 +398,12 @@ def test_restored_server_behaves_identically(feature_vaes):
 
 # ------------------------------------------------------------- real processes
 @pytest.mark.slow
-@pytest.mark.parametrize("features", ["pixels", "pretrained"])
+@pytest.mark.parametrize("features", ["pretrained"])
 def test_fedcbc_end_to_end(tmp_path, mnist_root, features):
-    """Two tasks on MNIST with private classes: real edge nodes train VAEs without a classifier (on pixels, or
-    on an extractor pretrained on a GPU-worker process that travels once per task and client), the fusion
-    runs on the worker."""
+    """Two tasks on MNIST with private classes: real edge nodes train VAEs without a classifier on an extractor
+    pretrained on a GPU-worker process that travels once per task and client, the fusion runs on the worker.
+    ``features: pixels`` passes here too (no pretraining job, no extractor sent); it is left out of the suite
+    for time, its client and server paths tested above without processes."""
     options = {"features": features, "pretrain_epochs": 3, "fusion_epochs": 2, "pseudo_samples": 50}
     config = small_config(tmp_path / "c.yaml", method="fedcbc", method_options=options,
                           scenario={"num_clients": 4, "partition": "private_classes"},
