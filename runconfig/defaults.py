@@ -12,13 +12,13 @@ from fcl_emu.runconfig.config import RunConfig
 def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config.yaml with every setting at the default a run like ``config`` (a run's config.yaml) has: RunConfig's
     defaults, with the training values of its method (a method may bring its own, ``fcl-emu methods``) and the
-    clients per round capped at a smaller population. An unknown method or population: RunConfig's defaults."""
+    data set's (``runconfig.dataset_defaults``) and the clients per round capped at a smaller population. An
+    unknown method, data set or population: RunConfig's defaults."""
     defaults = RunConfig().model_dump(mode="json")
     scenario = config.get("scenario")
-    clients = scenario.get("num_clients") if isinstance(scenario, Mapping) else None
     like = {"method": config.get("method", defaults["method"]), "nodes": 1}
-    if clients is not None:
-        like["scenario"] = {"num_clients": clients}
+    if isinstance(scenario, Mapping):
+        like["scenario"] = {key: scenario[key] for key in ("num_clients", "dataset") if key in scenario}
     try:
         run = RunConfig.model_validate(like)
     except pydantic.ValidationError:

@@ -61,6 +61,8 @@ def test_the_settings_not_default_are_listed_by_group():
     assert settings_text([]) == "none"
     glfc = config_dict(method="glfc")  # its own local optimiser is its default
     assert [str(s) for s in non_default_settings(glfc, defaults_for(glfc))] == ["method=glfc"]
+    cifar = config_dict(scenario={"dataset": "cifar10"})  # its data set's lr (0.01) is its default
+    assert [str(s) for s in non_default_settings(cifar, defaults_for(cifar))] == ["scenario.dataset=cifar10"]
     # a partial or older config.yaml: only the keys both sides have
     assert [str(s) for s in non_default_settings({"rounds": {"rounds_per_task": 2}, "gone": 1}, default)] == [
         "rounds.rounds_per_task=2"]
