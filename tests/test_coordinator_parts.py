@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
-from fcl_emu.coordinator.clients import ClientRegistry
+from fcl_emu.coordinator.clients import SETUP_GRACE_S, ClientRegistry
 from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock
 from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.dispatch import Dispatcher
@@ -550,3 +550,17 @@ def test_every_field_of_the_open_round_has_one_writer():
     assert {name for name, files in writers.items() if files == {"clock.py"}} == {
         "started_at", "timeline", "side", "cancelled", "counted", "masked_in_time", "late", "dropped", "train_s",
         "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s", "energy", "low_battery"}
+
+
+def test_a_client_is_silent_only_after_the_setup_grace_until_it_is_first_heard():
+    """A node loads the run's data set on its first welcome and sends nothing meanwhile: its clients get the
+    liveness timeout plus the setup grace before their first message, the timeout alone after it."""
+    registry = ClientRegistry(liveness_timeout_s=10.0)
+    registry.join("client-0000", 0, "node-0", 0)
+    joined = registry.records["client-0000"].last_seen
+    assert registry.expire(joined + 10.0 + SETUP_GRACE_S - 1) == []
+    registry.touch("client-0000")
+    heard = registry.records["client-0000"].last_seen
+    assert registry.expire(heard + 9.0) == [] and registry.expire(heard + 11.0) == ["client-0000"]
+    registry.join("client-0000", 0, "node-0", 0)  # back: the grace again until it is heard
+    assert registry.expire(registry.records["client-0000"].last_seen + 11.0) == []
