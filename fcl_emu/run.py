@@ -36,6 +36,7 @@ from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, energy_tex
 from fcl_emu.monitoring.settings_diff import non_default_settings, settings_text
 from fcl_emu.progress import ProgressView
 from fcl_emu.runconfig.defaults import defaults_for
+from fcl_emu.runconfig.nodes import CLIENTS_PER_NODE, nodes_chosen
 from fcl_emu.scenario.datasets import find_dataset
 
 
@@ -215,12 +216,24 @@ def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpo
         keys.discard()  # unless the run started
 
 
+def chosen_nodes_line(config: RunConfig) -> str | None:
+    """The start line of ``up`` saying how many edge nodes it chose for the population; None where the user set
+    ``nodes``."""
+    if not nodes_chosen(config):
+        return None
+    clients = config.scenario.num_clients
+    return (f"edge nodes: {config.nodes} (chosen for {clients:,} client{'s' * (clients != 1)}, at most "
+            f"{CLIENTS_PER_NODE:,} per node; --nodes sets it)")
+
+
 def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nodes: bool,
                    resume: Checkpoint | None, started: Callable[[], None]) -> dict:
     """Start the coordinator, the nodes and the metrics; call ``started`` and run; stop them all."""
     nodes: NodeLauncher | None = None
     if start_nodes:
         nodes = launcher(config.containers.backend, config.containers.cluster)
+        if (chosen := chosen_nodes_line(config)) is not None:
+            console.print(chosen, markup=False, highlight=False)
         if config.containers.backend != "process":
             console.print(f"{config.containers.backend} backend: image {config.containers.image or '(build or reuse)'}",
                           markup=False, highlight=False)

@@ -21,6 +21,7 @@ from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MOD
 from fcl_emu.runconfig.aggregation import check_aggregation
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
+from fcl_emu.runconfig.nodes import NODES_HELP, Nodes, unset_null_nodes
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.scenario.devices import load_profiles, memory_limit
@@ -356,7 +357,7 @@ class RunConfig(pydantic.BaseModel):
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     containers: ContainersConfig = ContainersConfig()
-    nodes: int = pydantic.Field(2, ge=1, description="edge nodes `up` starts")
+    nodes: Nodes = pydantic.Field(None, ge=1, validate_default=True, description=NODES_HELP)
     device: Literal["auto", "cpu", "cuda"] = pydantic.Field(
         "auto", description="device of training and evaluation: auto (CUDA if present), cpu or cuda")
     coordinator_threads: int | None = pydantic.Field(
@@ -376,8 +377,8 @@ class RunConfig(pydantic.BaseModel):
     @classmethod
     def _default_cohort(cls, data: Any, handler: pydantic.ModelWrapValidatorHandler) -> "RunConfig":
         """Unset ``rounds.clients_per_round`` is the default cohort, or every client where there are fewer
-        (:attr:`capped_cohort` then says so)."""
-        capped = None
+        (:attr:`capped_cohort` then says so); ``nodes: null`` is unset ``nodes`` (runconfig/nodes.py)."""
+        capped, data = None, unset_null_nodes(data)
         rounds = data.get("rounds", {}) if isinstance(data, dict) else None
         scenario = data.get("scenario", {}) if isinstance(data, dict) else None
         if isinstance(rounds, dict) and "clients_per_round" not in rounds and isinstance(scenario, dict):
@@ -456,8 +457,6 @@ class RunConfig(pydantic.BaseModel):
             self._check_aggregator(spec)
         if self.aggregation.asynchronous:
             check_aggregation(self, spec.refusals)
-        if self.nodes > self.scenario.num_clients:
-            raise ValueError(f"nodes ({self.nodes}) exceeds the number of clients ({self.scenario.num_clients})")
         if self.rounds.clients_per_round > self.scenario.num_clients:
             raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
                              f"clients ({self.scenario.num_clients})")

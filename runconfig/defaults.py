@@ -12,11 +12,12 @@ from fcl_emu.runconfig.config import RunConfig
 def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config.yaml with every setting at the default a run like ``config`` (a run's config.yaml) has: RunConfig's
     defaults, with the training values of its method (a method may bring its own, ``fcl-emu methods``) and the
-    data set's (``runconfig.dataset_defaults``) and the clients per round capped at a smaller population. An
-    unknown method, data set or population: RunConfig's defaults."""
+    data set's (``runconfig.dataset_defaults``), the clients per round capped at a smaller population and the edge
+    nodes an unset ``nodes`` chooses for it (``runconfig.nodes``). An unknown method, data set or population:
+    RunConfig's defaults."""
     defaults = RunConfig().model_dump(mode="json")
     scenario = config.get("scenario")
-    like = {"method": config.get("method", defaults["method"]), "nodes": 1}
+    like = {"method": config.get("method", defaults["method"])}
     if isinstance(scenario, Mapping):
         like["scenario"] = {key: scenario[key] for key in ("num_clients", "dataset") if key in scenario}
     try:
@@ -25,4 +26,5 @@ def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
         return defaults
     defaults["training"] = run.training.model_dump(mode="json")
     defaults["rounds"]["clients_per_round"] = run.rounds.clients_per_round
+    defaults["nodes"] = run.nodes
     return defaults
