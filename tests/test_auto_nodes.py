@@ -8,8 +8,11 @@ import io
 import pytest
 import yaml
 from rich.console import Console
+from typer.testing import CliRunner
 
 from fcl_emu import options, run
+from fcl_emu.cli import app
+from fcl_emu.coordinator.resume import run_fingerprint
 from fcl_emu.coordinator.errors import BindError
 from fcl_emu.monitoring.settings_diff import non_default_settings, settings_text
 from fcl_emu.runconfig import RunConfig, load_config
@@ -47,7 +50,18 @@ def test_a_written_config_keeps_the_nodes_chosen_when_read_again(tmp_path, monke
     monkeypatch.setattr(nodes_module, "CLIENTS_PER_NODE", 10 * CLIENTS_PER_NODE)
     assert population(LARGE).nodes == 2
     again = RunConfig.model_validate(yaml.safe_load(written.to_yaml()))
-    assert again.nodes == 3 and again == written
+    assert again.nodes == 3 and again == written and run_fingerprint(again) == run_fingerprint(written)
+
+
+def test_deploy_writes_the_nodes_it_chose(tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["deploy", str(out), "--image", "fcl-emu:somewhere-else", "--data-root",
+                                      str(tmp_path), "--clients", "3"],
+                                env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((out / "config.yaml").read_text())["nodes"] == 2
+    assert [s for s in yaml.safe_load((out / "compose.yml").read_text())["services"] if s.startswith("node")] == [
+        "node-0", "node-1"]
 
 
 def test_the_checks_on_nodes_take_the_chosen_count():
