@@ -4,8 +4,9 @@ Every function is pure: it reads the incremental training ``labels``, the
 task's ``classes`` and the number of active clients, draws only from the
 numpy ``Generator`` it is given, and returns one sorted int64 array of
 training-set indices per client (position ``i`` = the task's ``i``-th active
-client). Apart from ``task_pool`` with a per-client sample count, clients'
-arrays are disjoint.
+client; equal shares come as the rows of one 2-D array). Apart from
+``task_pool`` with a per-client sample count and ``iid`` shares that outnumber
+the task's samples, clients' arrays are disjoint.
 
 Sources for the FCIL splits:
 
@@ -36,17 +37,45 @@ import numpy as np
 
 
 def iid(labels: np.ndarray, classes: np.ndarray, num_clients: int, rng: np.random.Generator,
-        per_client: int | None = None) -> list[np.ndarray]:
+        per_client: int | None = None) -> list[np.ndarray] | np.ndarray:
     """All of the task's samples, shuffled and dealt in equal shares (sizes differ by at most one); with
-    ``per_client``, exactly that many each (a fixed share whatever the population; the rest is unused)."""
+    ``per_client``, exactly that many each, a fixed share whatever the population, drawn by :func:`shares`
+    (one row per client; the rest unused, or samples shared by clients where the shares outnumber them)."""
     indices = np.flatnonzero(np.isin(labels, classes))
     if per_client is None:
         return _deal(indices, num_clients, rng)
-    if num_clients * per_client > len(indices):
-        raise ValueError(f"samples_per_client_task={per_client} x {num_clients} clients exceeds the task's "
-                         f"{len(indices)} samples")
-    chosen = rng.permutation(indices)[:num_clients * per_client]
-    return [np.sort(part) for part in chosen.reshape(num_clients, per_client)]
+    if per_client > len(indices):
+        raise ValueError(f"samples_per_client_task={per_client} exceeds the task's {len(indices)} samples "
+                         "(a client's samples are distinct)")
+    return shares(indices, num_clients, per_client, rng)
+
+
+def iid_share(samples: int, num_clients: int, per_client: int | None, min_share: int | None) -> int | None:
+    """Each client's share of a task's ``samples`` under ``iid``: ``per_client`` if set; else ``min_share``
+    (at most ``samples``) where an equal deal would give a client fewer; else None (the equal deal)."""
+    if per_client is not None:
+        return per_client
+    floor = min(min_share or 0, samples)
+    return floor if samples // num_clients < floor else None
+
+
+def shares(indices: np.ndarray, num_clients: int, per_client: int, rng: np.random.Generator) -> np.ndarray:
+    """``per_client`` distinct samples of ``indices`` for every client: row ``i`` (sorted) is client ``i``'s.
+
+    The samples are shuffled and dealt in whole shares; while clients remain, they are shuffled again on their
+    own and dealt again. So no share repeats a sample, clients share samples only when ``num_clients x
+    per_client`` exceeds ``len(indices)``, and then every sample is held by about ``num_clients x per_client /
+    len(indices)`` clients (one per shuffle it was dealt in). Where all shares fit, one shuffle deals them.
+    """
+    per_shuffle = len(indices) // per_client
+    shuffles = -(-num_clients // per_shuffle)
+    if shuffles == 1:
+        chosen = rng.permutation(indices)
+    else:
+        chosen = rng.permuted(np.broadcast_to(indices, (shuffles, len(indices))), axis=1)
+        chosen = chosen[:, : per_shuffle * per_client]
+    return np.sort(chosen.ravel()[: num_clients * per_client].astype(np.int64).reshape(num_clients, per_client),
+                   axis=1)
 
 
 def dirichlet(

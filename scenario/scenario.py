@@ -8,6 +8,9 @@ A :class:`Scenario` holds index arrays into the dataset, never image copies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from fcl_emu.scenario import partitions, tasks
@@ -20,6 +23,52 @@ _ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM, _NOISE_STREAM = 0,
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, *stream])
+
+
+@dataclass(frozen=True)
+class OverlappingShares:
+    """Task ``task``'s ``iid`` shares that outnumber its samples: ``per_client`` distinct samples for each of
+    ``clients`` clients out of ``samples``, so drawn with replacement across clients; ``minimum``: the share is
+    ``min_samples_per_client_task`` (an equal split would have given a client fewer)."""
+
+    task: int
+    per_client: int
+    clients: int
+    samples: int
+    minimum: bool
+
+    @property
+    def holders(self) -> float:
+        """About how many clients hold each of the task's samples."""
+        return self.clients * self.per_client / self.samples
+
+
+def overlapping_shares_text(shares: Sequence[OverlappingShares]) -> str | None:
+    """One line for a run's summary (tasks numbered from 1), or None when no client shares a sample:
+    ``tasks 1-5: 10 samples per client (the minimum share), drawn with replacement, ~17 clients per sample``."""
+    if not shares:
+        return None
+    groups: dict[tuple[int, bool], list[OverlappingShares]] = {}
+    for share in shares:
+        groups.setdefault((share.per_client, share.minimum), []).append(share)
+    parts = []
+    for (per_client, minimum), group in groups.items():
+        tasks = [g.task + 1 for g in group]
+        if len(tasks) == 1:
+            numbers = f"task {tasks[0]}"
+        elif tasks == list(range(tasks[0], tasks[-1] + 1)):
+            numbers = f"tasks {tasks[0]}-{tasks[-1]}"
+        else:
+            numbers = f"tasks {', '.join(map(str, tasks))}"
+        low, high = (_about(f(g.holders for g in group)) for f in (min, max))
+        holders = f"~{low}" if low == high else f"~{low}-{high}"
+        parts.append(f"{numbers}: {per_client} samples per client{' (the minimum share)' * minimum}, drawn with "
+                     f"replacement, {holders} clients per sample")
+    return "; ".join(parts)
+
+
+def _about(x: float) -> str:
+    return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
 
 class Scenario:
@@ -41,6 +90,9 @@ class Scenario:
     order of first use: ``task_classes(t)`` are the classes some client meets
     for the first time at step ``t`` (possibly none) and ``seen_classes(t)``
     everything any client has met so far.
+
+    ``overlapping_shares`` names the ``iid`` tasks whose clients share samples
+    (their shares outnumber the task's samples, see :func:`partitions.shares`).
     """
 
     def __init__(
@@ -49,9 +101,10 @@ class Scenario:
         dataset: ImageDataset,
         class_order: np.ndarray,
         task_bounds: np.ndarray,
-        client_data: list[list[np.ndarray]],
+        client_data: list[Sequence[np.ndarray]],
         old_only: list[np.ndarray],
         noisy_labels: dict[tuple[int, int], np.ndarray] | None = None,
+        overlapping_shares: Sequence[OverlappingShares] = (),
     ):
         self.spec = spec
         self.dataset = dataset
@@ -59,9 +112,12 @@ class Scenario:
         self.train_labels = _frozen(tasks.to_incremental(dataset.train_y, class_order))
         self.test_labels = _frozen(tasks.to_incremental(dataset.test_y, class_order))
         self._bounds = task_bounds
-        # Per task, all clients' indices back to back and where each client's start.
-        self._offsets = [np.concatenate([[0], np.cumsum([len(p) for p in parts])]) for parts in client_data]
-        self._indices = [_frozen(np.concatenate(parts)) for parts in client_data]
+        # Per task, all clients' indices back to back and where each client's start (equal shares: one 2-D array).
+        self._offsets = [np.arange(len(parts) + 1) * parts.shape[1] if isinstance(parts, np.ndarray)
+                         else np.concatenate([[0], np.cumsum([len(p) for p in parts])]) for parts in client_data]
+        self._indices = [_frozen(np.ravel(parts) if isinstance(parts, np.ndarray) else np.concatenate(parts))
+                         for parts in client_data]
+        self.overlapping_shares = tuple(overlapping_shares)
         self._old_only = [_frozen(kept) for kept in old_only]
         self._noisy_labels = {key: _frozen(y) for key, y in (noisy_labels or {}).items()}
 
@@ -171,7 +227,7 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         bounds = tasks.bounds(tasks.task_sizes(dataset.num_classes, spec.num_tasks, spec.classes_first_task))
     labels = tasks.to_incremental(dataset.train_y, order)
 
-    client_data, old_only = [], []
+    client_data, old_only, overlapping = [], [], []
     if spec.partition == "accessible_classes":
         client_data = partitions.accessible_classes(labels, steps, active, _rng(spec.seed, _PARTITION_STREAM))
         old_only = [np.empty(0, dtype=np.int64)] * spec.num_tasks
@@ -182,7 +238,11 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         receivers = np.setdiff1d(np.arange(active[t]), kept)  # the task's data goes to these only
         n = len(receivers)
         if spec.partition == "iid":
-            parts = partitions.iid(labels, classes, n, rng, spec.samples_per_client_task)
+            samples = int(np.isin(labels, classes).sum())
+            share = partitions.iid_share(samples, n, spec.samples_per_client_task, spec.min_samples_per_client_task)
+            parts = partitions.iid(labels, classes, n, rng, share)
+            if share is not None and n * share > samples:
+                overlapping.append(OverlappingShares(t, share, n, samples, spec.samples_per_client_task is None))
         elif spec.partition == "dirichlet":
             parts = partitions.dirichlet(labels, classes, n, rng, spec.dirichlet_beta)
         elif spec.partition == "class_fraction":
@@ -198,7 +258,7 @@ def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
         client_data.append(parts)
         old_only.append(kept)
     noisy = _noisy_labels(spec, labels, active, client_data)
-    return Scenario(spec, dataset, order, bounds, client_data, old_only, noisy)
+    return Scenario(spec, dataset, order, bounds, client_data, old_only, noisy, overlapping)
 
 
 def _noisy_labels(spec: ScenarioSpec, labels: np.ndarray, active: list[int],

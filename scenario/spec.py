@@ -31,7 +31,10 @@ class ScenarioSpec(BaseModel):
       active clients (see :mod:`fcl_emu.scenario.partitions`):
 
       - ``iid``: uniformly at random, equal sizes (with ``samples_per_client_task``:
-        exactly that many per client and task, the rest unused);
+        exactly that many per client and task, the rest unused); where equal
+        sizes would leave a client fewer than ``min_samples_per_client_task``,
+        each client gets that many instead; shares that outnumber the task's
+        samples are drawn with replacement across clients (never within one);
       - ``dirichlet``: per class, Dirichlet(``dirichlet_beta``) shares over
         clients (smaller beta, more skew);
       - ``class_fraction``: GLFC's setting, each client holds a random
@@ -81,6 +84,10 @@ class ScenarioSpec(BaseModel):
     private_fraction: float = Field(0.5, ge=0, le=1)
     task_pool_size: int | None = Field(None, ge=1)
     samples_per_client_task: int | None = Field(None, ge=1)
+    min_samples_per_client_task: int | None = Field(
+        10, ge=0, description="partition iid without samples_per_client_task: when an equal split of a task's "
+        "samples would give a client fewer than this, every client of the task gets this many instead, drawn with "
+        "replacement across clients, so a round trains as much at any population (0 or null: always split)")
     classes_per_client: int | None = Field(None, ge=1)
     private_per_client: int | None = Field(None, ge=0)
     classes_per_task: int | None = Field(None, ge=1)

@@ -191,5 +191,7 @@ def test_iid_with_a_fixed_share_per_client():
     parts = partitions.iid(labels, np.arange(4), 10, np.random.default_rng(0), per_client=6)
     assert [len(p) for p in parts] == [6] * 10
     assert len(np.unique(np.concatenate(parts))) == 60  # disjoint
+    shared = partitions.iid(labels, np.arange(4), 20, np.random.default_rng(0), per_client=6)  # 120 > 100
+    assert shared.shape == (20, 6) and all(len(np.unique(p)) == 6 for p in shared)
     with pytest.raises(ValueError, match="exceeds the task's 100 samples"):
-        partitions.iid(labels, np.arange(4), 20, np.random.default_rng(0), per_client=6)
+        partitions.iid(labels, np.arange(4), 2, np.random.default_rng(0), per_client=101)
