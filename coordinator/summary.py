@@ -22,6 +22,7 @@ from fcl_emu.coordinator.state import RunState, TimeAccount
 from fcl_emu.monitoring import results
 from fcl_emu.monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
                                 spatial_retention, temporal_retention)
+from fcl_emu.scenario.scenario import overlapping_shares_text
 
 
 class SummaryBuilder:
@@ -52,6 +53,7 @@ class SummaryBuilder:
             model=self.config.model,
             scenario=self.config.scenario.model_dump(mode="json"),
             seed=self.config.seed,
+            overlapping_shares=overlapping_shares_text(self.scenario.overlapping_shares),
             accuracy_matrix=matrix,
             accuracy_seen=seen,
             accuracy_all=[self._all_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)],

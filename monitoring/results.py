@@ -357,6 +357,7 @@ class RunSummary(SummaryPart, kw_only=True):
     model: str | None = None
     scenario: dict[str, Any] = {}
     seed: int | None = None
+    overlapping_shares: str | None = None  # clients sharing samples (scenario.overlapping_shares_text); None: none
     accuracy_matrix: list[list[float | None]]
     accuracy_seen: list[float] = []
     accuracy_all: list[float] = []
