@@ -34,6 +34,7 @@ traces span days: 0.001 turns a day into 86 s).
 
 from __future__ import annotations
 
+import gc
 import math
 import zlib
 from collections.abc import Iterator
@@ -105,11 +106,17 @@ class TraceEntry:
 @lru_cache(maxsize=4)
 def load_trace(path: Path) -> tuple[TraceEntry, ...]:
     """Read a FedScale-format availability trace (pickle, JSON or YAML); entries in sorted client-id order."""
-    data = read_data(path, "availability trace")
-    if not isinstance(data, dict) or not data:
-        raise ValueError(f"availability trace {path}: expected a non-empty mapping of client id to "
-                         f"{{active, inactive, finish_time}}")
-    return tuple(_entry(path, key, data[key]) for key in sorted(data, key=sort_key))
+    enabled = gc.isenabled()
+    gc.disable()  # millions of small lists and tuples, no cycles: the collector's passes over them cost most
+    try:
+        data = read_data(path, "availability trace")
+        if not isinstance(data, dict) or not data:
+            raise ValueError(f"availability trace {path}: expected a non-empty mapping of client id to "
+                             f"{{active, inactive, finish_time}}")
+        return tuple(_entry(path, key, data[key]) for key in sorted(data, key=sort_key))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def sort_key(key: Any):
@@ -161,7 +168,7 @@ def client_availability(spec: AvailabilitySpec, index: int, seed: int, *, slot_s
         return {"kind": "onoff", "mean_on_s": spec.mean_on_s, "mean_off_s": spec.mean_off_s, "seed": client_seed}
     entries = load_trace(spec.path)
     entry = entries[index % len(entries)]
-    return {"kind": "trace", "intervals": [list(iv) for iv in entry.intervals], "period": entry.period,
+    return {"kind": "trace", "intervals": entry.intervals, "period": entry.period,  # shared, read-only: no copy
             "scale": trace_time_scale}
 
 
