@@ -56,7 +56,7 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
     kr = summary.knowledge_retention
     table.add_row("knowledge retention KR_t / KR_s (%)", f"{pct(kr.temporal)} / {pct(kr.spatial)}")
     if summary.overlapping_shares:
-        table.add_row("clients sharing samples", summary.overlapping_shares)
+        table.add_row("clients sharing samples", Text(summary.overlapping_shares, justify="left"))
     table.add_row("rounds (skipped)", f"{summary.rounds} ({summary.rounds_skipped})")
     table.add_row("bytes on the wire", f"{summary.bytes_total / 1e6:.1f} MB")
     c = summary.clients
