@@ -4,7 +4,7 @@
 run the two halves separately (other hosts); ``methods`` lists the learning
 methods; ``report`` and ``compare`` plot finished runs; ``bench`` holds the
 benchmarks; ``cluster`` makes a local multi-host Swarm; ``image`` builds the
-container image.
+container image; ``trace`` writes and measures population behaviour traces.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fcl_emu.cluster_commands import cluster_app
 from fcl_emu.command_line import console, unwrap_help, writable
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.errors import error_lines
+from fcl_emu.trace_commands import trace_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
@@ -31,6 +32,7 @@ image_app = typer.Typer(no_args_is_help=True, help="The container image of edge 
                                                    "Prometheus (docs/containers.md).")
 app.add_typer(image_app, name="image")
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(trace_app, name="trace")
 
 
 @app.callback()
