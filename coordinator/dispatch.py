@@ -110,7 +110,10 @@ class Dispatcher:
         started = time.perf_counter()
         msg_type = "rejected"
         try:
-            peer, msg = self.endpoint.recv()
+            received = self.endpoint.recv()
+            if received is None:  # a close notice on a shared connection, taken by the endpoint
+                return
+            peer, msg = received
             msg_type = msg.type
             try:
                 self._handle(peer, msg)
@@ -249,7 +252,7 @@ class Dispatcher:
                     and msg.task == self.state.task and (r is None or msg.round < r.number)):
                 self._keep_stale(peer, msg)
             return
-        if peer in {u.client for u in r.updates} | r.failed:
+        if peer in r.answered() and peer not in r.masked:
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
         try:
             self._check_update(peer, msg, r.task)

@@ -212,13 +212,16 @@ class WorkerPool:
             return
         while self._endpoint.sock.poll(0):
             try:
-                peer, msg = self._endpoint.recv()
+                received = self._endpoint.recv()
             except WireError as exc:
                 self.rejected[exc.reason] += 1
                 if self.metrics is not None:
                     self.metrics.rejected(exc.reason)
                 self._log_once(exc.peer, exc.reason, f"gpu pool: rejected a message from {exc.peer!r} ({exc})")
                 continue
+            if received is None:  # a shared connection's close notice: workers have connections of their own
+                continue
+            peer, msg = received
             worker = next((w for w in self._workers if w.identity == peer), None)
             if worker is None:
                 self._log_once(peer, "unknown peer", f"gpu pool: a message from unknown peer {peer!r}")

@@ -75,6 +75,8 @@ class NodeArgs(Flags, prog="python -m fcl_emu.edge_node",
                             "per-device keys (<client>.key_secret).", default=None)
     insecure: bool = flag("Connect over plain TCP without keys (a coordinator started with --insecure).",
                           default=False)
+    own_connections: bool = flag("Give each client a connection of its own (a socket and a CurveZMQ handshake per "
+                                 "client) instead of one connection shared by the node's clients.", default=False)
     verbose: bool = flag("Log progress (INFO and up).", default=False, alias="-v")
 
     def __post_init__(self) -> None:
@@ -127,7 +129,7 @@ def run_node(args: NodeArgs) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         edge = EdgeNode(args.connect, list(args.clients), name=args.name, data_roots=roots, threads=args.threads,
-                        keys=keys)
+                        keys=keys, own_connections=args.own_connections)
     except SocketCapacityError as exc:
         return fail(str(exc))
     serving = args.metrics_port is not None and edge.metrics.serve_as_aid(args.metrics_port, args.metrics_host, log)

@@ -1,10 +1,14 @@
-"""The edge-node process: many emulated clients, each with its own DEALER socket.
+"""The edge-node process: many emulated clients over one shared connection (or each over its own).
 
 :class:`EdgeNode` is the node's composition root. Its main thread owns every
 socket: it polls them, hands each message of the coordinator to the client
-it is for, and sends each client's heartbeats on time. An idle client
-(edge_node/client.py) holds its socket, a few counters and the references to
-its task assets; no model copy. The node's collaborators:
+it is for, and sends each client's heartbeats on time. By default the node's
+clients speak over one shared connection, each client its own session on it
+(wire/sockets.py, :class:`~fcl_emu.wire.sockets.SharedConnection`: one socket
+and one CurveZMQ handshake per node, however many clients); with
+``own_connections``, or keys per device, each client has a DEALER of its own.
+An idle client (edge_node/client.py) holds its session, a few counters and the
+references to its task assets; no model copy. The node's collaborators:
 
 - :class:`~fcl_emu.edge_node.training.Trainer`: local training on one trainer thread;
   finished uploads come back through a queue and a wake-up socket;
@@ -60,10 +64,11 @@ from fcl_emu.scenario.spec import ScenarioSpec
 from fcl_emu.wire.auth import ClientKeyring
 from fcl_emu.wire.framing import Message, WireError, frames_nbytes
 from fcl_emu.wire.messages import ASSET_TYPES, Error, Heartbeat, Join, Leave, SideChannel, Update, client_id
-from fcl_emu.wire.sockets import ClientEndpoint, Counters, ensure_socket_capacity, tee
+from fcl_emu.wire.sockets import ClientEndpoint, Counters, SharedConnection, ensure_socket_capacity, tee
 
 log = logging.getLogger("fcl_emu.edge_node")
 
+HEARTBEAT_SCAN_MAX_S = 1.0  # the heartbeat scan's period at most (a quarter of the interval below 4 s)
 DATA_DOWN = frozenset({"task_start", *ASSET_TYPES, "train_request"})  # what the emulated downlink delays
 
 
@@ -74,15 +79,18 @@ class NodeSetupError(RuntimeError):
 class EdgeNode:
     def __init__(self, connect: str, client_indices: list[int], *, name: str | None = None,
                  data_roots: list[Path] | None = None, state_dir: Path | None = None,
-                 threads: int = 1, context: zmq.Context | None = None, keys: ClientKeyring | None = None):
-        """``keys``: the clients connect over CurveZMQ with these keys (docs/security.md); None: plain TCP."""
+                 threads: int = 1, context: zmq.Context | None = None, keys: ClientKeyring | None = None,
+                 own_connections: bool = False):
+        """``keys``: the clients connect over CurveZMQ with these keys (docs/security.md); None: plain TCP.
+        ``own_connections``: a connection per client rather than one shared by all (keys per device imply it)."""
         self.connect = connect
         self.keys = keys
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
         self.context = context or zmq.Context.instance()
-        # the clients' DEALERs, the wake pair and the socket monitor's pair while the clients join
-        ensure_socket_capacity(self.context, len(client_indices) + 3)
+        shared = not own_connections and (keys is None or not keys.per_device)
+        # the clients' DEALERs (or the shared one), the wake pair and the socket monitor's pair while they join
+        ensure_socket_capacity(self.context, (1 if shared else len(client_indices)) + 3)
         self.counters = Counters.empty()
         # Prometheus metrics (served only when asked: ``metrics.serve``, see ``fcl-emu node --metrics-port``)
         self.metrics = EdgeNodeMetrics()
@@ -97,19 +105,27 @@ class EdgeNode:
                                 setup=lambda: self.setup)
         self._poller = zmq.Poller()
         self._poller.register(self._trainer.wake, zmq.POLLIN)
-        self._by_socket: dict[zmq.Socket, EmulatedClient] = {}
+        self._by_socket: dict[zmq.Socket, EmulatedClient] = {}  # own connections: the client behind each socket
+        self._attached: dict[str, EmulatedClient] = {}  # a shared connection: the clients with a session on it
+        self._shared: SharedConnection | None = None
+        if shared:
+            self._shared = SharedConnection(self.context, connect, count=self._count,
+                                            keys=None if keys is None else keys.for_identity(self.name))
+            self._poller.register(self._shared.sock, zmq.POLLIN)
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self.clients = [self._new_client(i) for i in client_indices]
         self.heartbeat_interval_s = 1.0
+        self._next_heartbeat_scan = 0.0
+        self._open = len(self.clients)  # clients not closed: the node serves while there are any
         self._secure = SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed,
                                       metrics=self.metrics, keys=keys)
-        self._churn = Churn(self.clients, join=self._join, send=self._send, detach=self._detach,
+        self._churn = Churn(join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
         self._joins = JoinWatch(self.name, connect, len(self.clients))
         if self.clients:
-            self._joins.watch(self.clients[0].endpoint.sock)
+            self._joins.watch(self.clients[0].endpoint.sock)  # the shared connection, where there is one
 
     def _new_client(self, index: int) -> EmulatedClient:
         cid = client_id(index)
@@ -118,22 +134,30 @@ class EdgeNode:
         return client
 
     def _open_endpoint(self, cid: str) -> ClientEndpoint:
+        if self._shared is not None:
+            return self._shared.channel(cid)
         return ClientEndpoint(self.context, self.connect, cid, count=self._count,
                               keys=None if self.keys is None else self.keys.for_identity(cid))
 
     def _attach(self, client: EmulatedClient) -> None:
-        """Poll the client's socket."""
+        """Take the client's messages: poll its socket, or deliver its share of the shared connection's."""
+        if self._shared is not None:
+            self._attached[client.id] = client
+            return
         self._by_socket[client.endpoint.sock] = client
         self._poller.register(client.endpoint.sock, zmq.POLLIN)
 
     def _detach(self, client: EmulatedClient) -> None:
-        """Stop polling the client's socket and close it without a goodbye (a crash)."""
-        self._poller.unregister(client.endpoint.sock)
-        del self._by_socket[client.endpoint.sock]
+        """Stop taking the client's messages and close its connection or session without a goodbye (a crash)."""
+        if self._shared is not None:
+            del self._attached[client.id]
+        else:
+            self._poller.unregister(client.endpoint.sock)
+            del self._by_socket[client.endpoint.sock]
         client.endpoint.close(linger_ms=0)
 
     def _reconnect(self, client: EmulatedClient) -> None:
-        """A new socket for the client (a restart after a crash), polled."""
+        """A new connection or session for the client (a restart after a crash), attached."""
         client.endpoint = self._open_endpoint(client.id)
         self._attach(client)
 
@@ -206,6 +230,7 @@ class EdgeNode:
         elif msg.type == "shutdown":  # the run is over for every client of this node
             for c in self.clients:
                 c.closed = True
+            self._open = 0
         elif msg.type == "error":
             if msg.body.code == "not_joined":  # a restarted (resumed) coordinator does not know this client
                 if client.active:
@@ -291,6 +316,11 @@ class EdgeNode:
             self._at(due, send)
 
     def _heartbeats(self, now: float) -> None:
+        """Send the heartbeats due: a scan over the clients, a quarter of an interval apart at most (a heartbeat
+        is then at most that late, well inside the liveness timeout of more than two intervals)."""
+        if now < self._next_heartbeat_scan:
+            return
+        self._next_heartbeat_scan = now + min(self.heartbeat_interval_s / 4, HEARTBEAT_SCAN_MAX_S)
         for client in self.clients:
             if client.active and now - client.last_sent >= self.heartbeat_interval_s:
                 self._send(client, "heartbeat", Heartbeat())
@@ -303,7 +333,7 @@ class EdgeNode:
         for client in self.clients:
             self._join(client)
         try:
-            while not stop.is_set() and not all(c.closed for c in self.clients):
+            while not stop.is_set() and self._open:
                 wait_s = min(0.25, self.heartbeat_interval_s / 2)  # the welcome may change the interval
                 if self._timers:
                     wait_s = min(wait_s, max(0.0, self._timers[0][0] - time.monotonic()))
@@ -312,6 +342,9 @@ class EdgeNode:
                     if sock is self._trainer.wake:
                         for result in self._trainer.finished():
                             self._deliver(result)
+                        continue
+                    if self._shared is not None and sock is self._shared.sock:
+                        self._receive_shared()
                         continue
                     client = self._by_socket.get(sock)
                     while client is not None and sock in self._by_socket and sock.poll(0):
@@ -333,21 +366,34 @@ class EdgeNode:
             self._trainer.stop()
             self.close()
 
-    def _rejected(self, client: EmulatedClient, exc: WireError) -> None:
+    def _receive_shared(self) -> None:
+        """Hand each message waiting on the shared connection to the client it is for; one for a client without a
+        session (crashed, or not hosted here) is dropped, as a closed socket of its own would drop it."""
+        sock = self._shared.sock
+        while sock.poll(0):
+            try:
+                identity, msg = self._shared.recv()
+            except WireError as exc:
+                self._rejected(exc.peer, exc)
+                continue
+            client = self._attached.get(identity)
+            if client is not None:
+                self._receive(client, msg, time.monotonic())
+
+    def _rejected(self, client: EmulatedClient | str | None, exc: WireError) -> None:
         """Count a bad message from the coordinator; log the first of each reason."""
         self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
         self.metrics.rejected(exc.reason)
         if self.rejected[exc.reason] == 1:
             log.warning("%s: rejected a message from the coordinator (%s); further ones are only counted",
-                        client.id, exc)
-
-    def leave(self, client: EmulatedClient, reason: str = "leaving") -> None:
-        self._send(client, "leave", Leave(reason=reason))
-        client.closed = True
+                        getattr(client, "id", client), exc)
 
     def close(self) -> None:
         """Close the sockets. The metrics endpoint stays up (``metrics.close()`` ends it)."""
         self._joins.close()
-        for client in self.clients:
-            client.endpoint.close()
+        if self._shared is not None:
+            self._shared.close()
+        else:
+            for client in self.clients:
+                client.endpoint.close()
         self._trainer.close()

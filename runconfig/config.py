@@ -93,6 +93,10 @@ class NetworkConfig(pydantic.BaseModel):
         120.0, gt=0, description="seconds the coordinator waits for the clients to join before the first round (and "
                                  "to come back on --resume): longer for edge nodes that start on other hosts")
     max_message_bytes: int = pydantic.Field(1 << 30, ge=1 << 16)
+    client_connections: Literal["shared", "own"] = pydantic.Field(
+        "shared", description="how an edge node's clients reach the coordinator: shared (one connection per node, "
+                              "each client its own session on it) or own (a socket and a CurveZMQ handshake per "
+                              "client; needed for keys per device, which imply it); docs/edge.md")
     heartbeat_budget_per_s: float = pydantic.Field(
         1000.0, gt=0, description="heartbeats per second the coordinator takes from all clients together: with more "
                                   "clients than budget x interval, the interval and the liveness timeout are "

@@ -252,7 +252,8 @@ from fcl_emu.wire.sockets import SocketCapacityError
 soft, hard = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 try:
-    node = EdgeNode(sys.argv[3], list(range(int(sys.argv[4]))), context=zmq.Context(), state_dir=tempfile.mkdtemp())
+    node = EdgeNode(sys.argv[3], list(range(int(sys.argv[4]))), context=zmq.Context(), state_dir=tempfile.mkdtemp(),
+                    own_connections=sys.argv[5] == "own")
 except SocketCapacityError as exc:
     print("refused:", exc)
     sys.exit(3)
@@ -263,17 +264,22 @@ node.context.term()
 
 
 @pytest.mark.slow  # a process that imports the edge node (torch) and opens 1,200 sockets
-@pytest.mark.parametrize("soft, hard, expected", [(1024, 20000, 0), (1024, 1024, 3)])
-def test_an_edge_node_hosts_more_clients_than_the_default_socket_limits(soft, hard, expected):
-    """1,200 clients: past ZeroMQ's default 1,023 sockets per context and a 1,024-file soft limit. The node
-    raises both; with a hard limit too low it refuses at once with the limit and what to do."""
+@pytest.mark.parametrize("soft, hard, connections, expected",
+                         [(1024, 20000, "own", 0), (1024, 1024, "own", 3), (1024, 1024, "shared", 0)])
+def test_an_edge_node_hosts_more_clients_than_the_default_socket_limits(soft, hard, connections, expected):
+    """1,200 clients with connections of their own: past ZeroMQ's default 1,023 sockets per context and a
+    1,024-file soft limit. The node raises both; with a hard limit too low it refuses at once with the limit and
+    what to do. Over a shared connection the same clients need no more than the defaults."""
     machine_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if machine_hard != resource.RLIM_INFINITY and machine_hard < hard:
         pytest.skip(f"this machine's hard open-file limit ({machine_hard}) is below {hard}")
     out = subprocess.run([sys.executable, "-c", EDGE_NODE_WITH_LIMIT, str(soft), str(hard),
-                          f"tcp://127.0.0.1:{free_port()}", "1200"], capture_output=True, text=True, timeout=120)
+                          f"tcp://127.0.0.1:{free_port()}", "1200", connections], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == expected, out.stdout + out.stderr
-    if expected == 0:
+    if connections == "shared":
+        assert out.stdout.split() == ["clients", "1200", "nofile", "1024"]
+    elif expected == 0:
         assert out.stdout.split()[:2] == ["clients", "1200"] and int(out.stdout.split()[3]) >= 2 * 1200
     else:
         assert "open at most 1024" in out.stdout and "more edge nodes" in out.stdout

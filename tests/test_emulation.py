@@ -42,6 +42,17 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds.count("round") == 4 and kinds.count("task_end") == 2
     assert (run_dir / "config.yaml").exists()
+    # the same run with a connection per client: the same results and the same bytes of every message but the
+    # heartbeats (their count follows the host's timing)
+    own_dir = tmp_path / "own"
+    own_config = small_config(tmp_path / "own.yaml", network={"client_connections": "own"})
+    own = fcl_emu("up", "--config", str(own_config), "--data-root", str(mnist_root), "--run-dir", str(own_dir),
+                  "--method", "fedavg", "--seed", "3")
+    assert own.wait(timeout=240) == 0
+    alike = RunSummary.load(own_dir / "summary.json")
+    assert alike.accuracy_matrix == matrix and alike.clients == summary.clients
+    assert {k: v for k, v in alike.bytes.items() if k != "heartbeat"} == \
+        {k: v for k, v in summary.bytes.items() if k != "heartbeat"}
 
 
 def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):

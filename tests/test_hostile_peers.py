@@ -488,11 +488,12 @@ def test_a_message_of_a_million_empty_frames_is_refused_in_bounded_memory_and_ti
     assert seconds < 60e-6 * frames, seconds
 
 
-def _whole_message(sock: zmq.Socket, limits) -> list:
+def _whole_message(sock: zmq.Socket, limits, first=None) -> list:
     """The former receive path (the audit below): the message taken whole, then its frames counted."""
     from fcl_emu.wire.framing import refused_unread
 
-    frames = sock.recv_multipart(copy=False)
+    frames = ([] if first is None else [first]) + (sock.recv_multipart(copy=False) if first is None or first.more
+                                                   else [])
     if len(frames) > limits.max_tensors + 1:
         raise refused_unread("frame_count", f"{len(frames)} frames", frames[0], limits)
     return frames

@@ -13,7 +13,7 @@ from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, 
 from tests.conftest import raw_header
 from fcl_emu.wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from fcl_emu.wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
-from fcl_emu.wire.sockets import ClientEndpoint, Counters, ServerEndpoint
+from fcl_emu.wire.sockets import ClientEndpoint, Counters, ServerEndpoint, SharedConnection
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
 
@@ -225,6 +225,48 @@ def test_endpoints_count_bytes_and_route_by_the_latest_connection():
     finally:
         for c in (client, again):
             c.close(0)
+        server.close()
+        ctx.term()
+
+
+def test_a_shared_connection_carries_many_clients_as_their_own_connections_would():
+    """Two clients on one shared connection: each message routed to the client it is for, the same bytes counted
+    as on connections of their own; an envelope naming another identity than the header is refused; a client's
+    close notice makes sends to it fail until it speaks again, which counts as a new connection (a restart)."""
+    ctx = zmq.Context()
+    counts, own_counts = Counters.empty(), Counters.empty()
+    server = ServerEndpoint(ctx, "tcp://127.0.0.1:0", count=counts)
+    shared = SharedConnection(ctx, server.address)
+    a, b = shared.channel("client-0001"), shared.channel("client-0002")
+    own = ClientEndpoint(ctx, server.address, "client-0003", count=own_counts)
+    try:
+        joins = [c.send("join", Join(node="n", pid=1, client_index=i)) for i, c in enumerate((a, b, own), 1)]
+        assert len(set(joins)) == 1  # the envelope is transport: not counted
+        assert sorted(server.recv()[0] for _ in range(3)) == ["client-0001", "client-0002", "client-0003"]
+        assert not server.switched
+        for peer in ("client-0002", "client-0001", "client-0003"):
+            server.send(peer, "heartbeat", Heartbeat())
+        assert [shared.recv()[0] for _ in range(2)] == ["client-0002", "client-0001"]
+        assert own.recv().type == "heartbeat" and not shared.sock.poll(100)
+        shared.sock.send_multipart([b"client-0002", *encode("heartbeat", Heartbeat(), sender="client-0001", seq=5)])
+        with pytest.raises(WireError) as info:
+            server.recv()
+        assert (info.value.reason, info.value.peer) == ("not_authorized", "client-0002")
+        a.close()  # its session ends (a crash): the server takes the notice and returns nothing
+        assert server.sock.poll(2000) and server.recv() is None
+        with pytest.raises(zmq.ZMQError):
+            server.send("client-0001", "heartbeat", Heartbeat())
+        server.send("client-0002", "heartbeat", Heartbeat())  # the other client's session is untouched
+        assert shared.recv()[0] == "client-0002"
+        again = shared.channel("client-0001")  # restarted: a new session, sequence numbers from 1
+        again.send("join", Join(node="n", pid=1, client_index=1))
+        peer, msg = server.recv()
+        assert (peer, msg.seq) == ("client-0001", 1) and server.switched
+        server.send("client-0001", "heartbeat", Heartbeat())
+        assert shared.recv()[0] == "client-0001"
+    finally:
+        own.close(0)
+        shared.close(0)
         server.close()
         ctx.term()
 

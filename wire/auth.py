@@ -186,6 +186,11 @@ class ClientKeyring:
         public, secret = _load(path, secret=True)
         return ClientKeys(self.server_public, public, secret, _signing_key(path))
 
+    @property
+    def per_device(self) -> bool:
+        """One key per identity (a directory of them), rather than one for all of this side's sockets."""
+        return self._shared is None
+
     def for_identity(self, identity: str) -> ClientKeys:
         return self._shared or self._read(_secret_file(self.key, identity))
 

@@ -21,6 +21,21 @@ and the endpoint routes an identity to the connection its latest accepted
 message came on. A connection therefore cannot take over another's route by
 claiming its routing id; with keys, a message is accepted only from a key whose
 grant holds the identity it names.
+
+A client either has a connection of its own (:class:`ClientEndpoint`, one DEALER
+and one CurveZMQ session per client) or speaks over its edge node's *shared
+connection* (:class:`SharedConnection`, one DEALER for all the node's clients,
+each client a :class:`SharedChannel` on it). A shared connection says so in its
+handshake (ZeroMQ metadata ``X-Fcl-Link: shared``) and puts an envelope frame,
+the client's identity, before every message in both directions: up, it must
+equal the identity the header names; down, it says which client the message is
+for. An envelope alone (no message after it) is a *close notice*: the client's
+session ended as a closed socket of its own would end it (a crash), so the
+coordinator's sends to it fail (EHOSTUNREACH) until it speaks again, and its next
+message counts as a new connection. Envelopes are transport: the byte counts
+leave them out, as they leave out a ROUTER's routing id. Everything else a
+client does (join, welcome, heartbeats, sequence numbers, grants, limits) is the
+same on both (docs/edge.md, "Shared connections").
 """
 
 from __future__ import annotations
@@ -39,6 +54,8 @@ from fcl_emu.wire.messages import Body
 
 LINGER_MS = 5000
 SEND_HWM = 16
+LINK_PROPERTY = "X-Fcl-Link"  # the handshake metadata that tells a shared connection from a client's own
+SHARED, OWN = "shared", "own"
 
 #: Called with (message type, direction "sent"/"received", bytes) for every message.
 ByteCounter = Callable[[str, str, int], None]
@@ -91,8 +108,9 @@ def _configure(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_total_bytes, limits.max_header_bytes) + CURVE_FRAME_OVERHEAD)
 
 
-def receive_frames(sock: zmq.Socket, limits: Limits) -> list[zmq.Frame]:
-    """The frames of the message being received (after a ROUTER's routing id), zero-copy, within ``limits``:
+def receive_frames(sock: zmq.Socket, limits: Limits, first: zmq.Frame | None = None) -> list[zmq.Frame]:
+    """The frames of the message being received (after a ROUTER's routing id and any envelope; ``first``: its
+    first frame where the caller has read it already), zero-copy, within ``limits``:
     a header of at most ``max_header_bytes``, then at most ``max_tensors`` tensor frames of ``max_total_bytes``
     in all.
 
@@ -104,7 +122,7 @@ def receive_frames(sock: zmq.Socket, limits: Limits) -> list[zmq.Frame]:
     tensor_bytes = 0
     more = True
     while more:
-        frame = sock.recv(copy=False)
+        frame, first = (sock.recv(copy=False) if first is None else first), None
         more = frame.more
         frames.append(frame)
         if len(frames) == 1:
@@ -135,7 +153,8 @@ def _drop_rest(sock: zmq.Socket, more: bool) -> int:
     return dropped
 
 
-MAX_ROUTES = 100_000  # identities remembered; the least recently heard from is forgotten first
+MAX_ENVELOPE_BYTES = 256  # a shared connection's envelope holds one identity
+MAX_ROUTES = 1_000_000  # identities remembered; the least recently heard from is forgotten first
 
 
 class ServerEndpoint:
@@ -149,6 +168,9 @@ class ServerEndpoint:
                  limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ServerKeys | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock, limits)
+        # no send high-water mark: a shared connection carries thousands of clients' messages, and the protocol
+        # itself bounds what waits for any one client (a round's request and assets)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if keys is not None:
             serve_curve(self.sock, keys)
@@ -163,7 +185,9 @@ class ServerEndpoint:
         self.count = count
         self.grants = None if keys is None else keys.grants
         self._routes: dict[str, bytes] = {}  # identity -> routing id of its latest connection
-        self._identities: dict[bytes, str] = {}  # and back
+        self._identities: dict[bytes, str] = {}  # and back, for connections of one client's own
+        self._shared: dict[bytes, bool] = {}  # routing id -> whether it is a shared connection
+        self._closed: set[str] = set()  # identities whose session on a shared connection ended (a close notice)
         self._seq = 0
         self.switched = False  # the last message received moved its sender to another connection
 
@@ -172,56 +196,103 @@ class ServerEndpoint:
         """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone.
         An unsequenced message carries seq 0 and leaves the others' numbers, and so their sizes, as they were."""
         route = self._routes.get(peer)
-        if route is None:
+        if route is None or peer in self._closed:
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
         self._seq += sequenced
         frames = encode(msg_type, body, sender=self.name, seq=self._seq if sequenced else 0, round=round, task=task,
                         tensors=tensors)
-        self.sock.send_multipart([route] + frames, copy=False)
+        envelope = [route, peer.encode()] if self._shared.get(route) else [route]
+        self.sock.send_multipart(envelope + frames, copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
         return nbytes
 
-    def recv(self) -> tuple[str, Message]:
-        """Receive one message (blocking); returns its sender's identity. A bad one raises WireError with
-        ``.peer`` set to the identity it claimed (or, for a key speaking for another, the key's name).
+    def recv(self) -> tuple[str, Message] | None:
+        """Receive one message (blocking); returns its sender's identity, or None for a close notice on a shared
+        connection (handled here). A bad one raises WireError with ``.peer`` set to the identity it claimed (or,
+        for a key speaking for another, the key's name).
 
         Messages to an identity go over the connection it last spoke on: after it spoke on another one (a
         restart, a reconnect after a network break, or a second holder of its key), :attr:`switched` is True
         until the next message, and what was sent over the old connection may never arrive."""
         self.switched = False
         route = self.sock.recv(copy=False).bytes
+        first = self.sock.recv(copy=False)
+        shared = self._is_shared(route, first)
+        if shared and len(first) > MAX_ENVELOPE_BYTES:
+            dropped = _drop_rest(self.sock, first.more)
+            raise WireError("bad_header", f"an envelope of {len(first)} bytes ({dropped} frames dropped unread)")
+        claimed = first.bytes.decode("utf-8", "replace") if shared else self._identities.get(route)
+        if shared and not first.more:
+            self._close_notice(claimed, route, first)
+            return None
         try:
-            frames = receive_frames(self.sock, self.limits)
+            frames = receive_frames(self.sock, self.limits, first=None if shared else first)
             msg = decode(frames, self.limits)
+            if shared and msg.sender != claimed:
+                raise WireError("not_authorized", f"a message naming {msg.sender!r} in an envelope for {claimed!r}")
         except WireError as exc:
-            exc.peer = self._identities.get(route)  # to answer on that connection
+            exc.peer = claimed  # to answer on that connection
             raise
-        if self.grants is not None:
-            grant = self.grants.get(frames[0].get("User-Id"))
-            if grant is None or msg.sender not in grant.identities:
-                exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for "
-                                                  f"{msg.sender!r}")
-                exc.peer = grant.name if grant else None
-                raise exc
+        self._check_grant(frames[0], msg.sender)
         self._route(msg.sender, route)
         self.count(msg.type, "received", msg.nbytes)
         return msg.sender, msg
 
+    def _is_shared(self, route: bytes, frame: zmq.Frame) -> bool:
+        """Whether the connection ``route`` is a shared one (its handshake metadata, read once per connection)."""
+        shared = self._shared.get(route)
+        if shared is None:
+            try:
+                shared = frame.get(LINK_PROPERTY) == SHARED
+            except zmq.ZMQError:  # a peer that sent no such property: a connection of its own
+                shared = False
+            if len(self._shared) >= MAX_ROUTES:
+                del self._shared[next(iter(self._shared))]
+            self._shared[route] = shared
+        return shared
+
+    def _check_grant(self, frame: zmq.Frame, identity: str) -> None:
+        """With keys: refuse a message whose connection's key may not speak for ``identity``."""
+        if self.grants is None:
+            return
+        grant = self.grants.get(frame.get("User-Id"))
+        if grant is None or identity not in grant.identities:
+            exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for "
+                                              f"{identity!r}")
+            exc.peer = grant.name if grant else None
+            raise exc
+
+    def _close_notice(self, identity: str, route: bytes, frame: zmq.Frame) -> None:
+        """A client's session on the shared connection ``route`` ended: sends to it fail until it speaks again.
+        Only its own connection (and key) may say so; another's notice is ignored."""
+        if self._routes.get(identity) != route:
+            return
+        try:
+            self._check_grant(frame, identity)
+        except WireError:
+            return
+        self._closed.add(identity)
+
     def _route(self, identity: str, routing_id: bytes) -> None:
         routes, identities = self._routes, self._identities
         old = routes.get(identity)
-        if old == routing_id:
+        if identity in self._closed:  # back after its session on a shared connection closed: a new connection
+            self._closed.discard(identity)
+        elif old == routing_id:
             return
         if old is not None:
             del routes[identity]
-            identities.pop(old, None)
+            if identities.get(old) == identity:
+                del identities[old]
             self.switched = True
         if len(routes) >= MAX_ROUTES:
             forgotten = next(iter(routes))
             identities.pop(routes.pop(forgotten), None)
+            self._closed.discard(forgotten)
         routes[identity] = routing_id
-        identities[routing_id] = identity
+        if not self._shared.get(routing_id):
+            identities[routing_id] = identity
 
     def close(self) -> None:
         self.sock.close()
@@ -281,6 +352,7 @@ class ClientEndpoint:
         self.limits = limits
         self.count = count
         self._seq = 0
+        self._envelope: list[bytes] = []  # what precedes each message: nothing on a connection of its own
 
     def send(self, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
              tensors: Mapping[str, Any] | None = None) -> int:
@@ -294,7 +366,7 @@ class ClientEndpoint:
 
     def send_frames(self, msg_type: str, frames: list) -> int:
         """Send frames from :meth:`encode`; returns bytes sent."""
-        self.sock.send_multipart(frames, copy=False)
+        self.sock.send_multipart(self._envelope + frames, copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
         return nbytes
@@ -306,3 +378,66 @@ class ClientEndpoint:
 
     def close(self, linger_ms: int | None = None) -> None:
         self.sock.close(linger=linger_ms)
+
+
+class SharedConnection:
+    """One DEALER to the coordinator that carries the messages of many identities (an edge node's clients, each a
+    :meth:`channel`), with an envelope frame naming the identity before each message (module docstring).
+
+    No high-water marks: the node's main thread must never block on a send while the coordinator, busy sending
+    to the same connection, does not read (each side's queue holds what the protocol bounds: a round's messages).
+    """
+
+    def __init__(self, ctx: zmq.Context, connect: str, *, limits: Limits = Limits(), count: ByteCounter = _no_count,
+                 keys: ClientKeys | None = None):
+        self.sock = ctx.socket(zmq.DEALER)
+        _configure(self.sock, limits)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())
+        if keys is not None:
+            connect_curve(self.sock, keys)
+        self.sock.connect(connect)
+        self.limits, self.count = limits, count
+
+    def channel(self, identity: str) -> "SharedChannel":
+        """A new session of ``identity`` on this connection (its sequence numbers start again)."""
+        return SharedChannel(self, identity)
+
+    def recv(self) -> tuple[str, Message]:
+        """Receive one message (blocking); returns the identity it is for. A bad one raises WireError with
+        ``.peer`` set to that identity."""
+        envelope = self.sock.recv(copy=False)
+        identity = envelope.bytes.decode("utf-8", "replace")
+        try:
+            if len(envelope) > MAX_ENVELOPE_BYTES or not envelope.more:
+                _drop_rest(self.sock, envelope.more)
+                raise WireError("bad_header", f"an envelope of {len(envelope)} bytes without a message")
+            msg = decode(receive_frames(self.sock, self.limits), self.limits)
+        except WireError as exc:
+            exc.peer = identity
+            raise
+        self.count(msg.type, "received", msg.nbytes)
+        return identity, msg
+
+    def close(self, linger_ms: int | None = None) -> None:
+        self.sock.close(linger=linger_ms)
+
+
+class SharedChannel(ClientEndpoint):
+    """One identity's session on a :class:`SharedConnection`: what a :class:`ClientEndpoint` offers for sending;
+    the connection receives for all its channels. Closing it sends the close notice."""
+
+    def __init__(self, connection: SharedConnection, identity: str):
+        self.sock = connection.sock
+        self.identity, self.limits, self.count = identity, connection.limits, connection.count
+        self._seq = 0
+        self._envelope = [identity.encode()]
+
+    def recv(self) -> Message:
+        raise TypeError("a shared connection receives for all its channels: SharedConnection.recv")
+
+    def close(self, linger_ms: int | None = None) -> None:
+        """End this session as a closed socket of its own would: the close notice (the connection stays)."""
+        if not self.sock.closed:
+            self.sock.send(self._envelope[0])

@@ -134,7 +134,7 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
     metrics = {} if port is None else {"metrics_port": port, "metrics_host": metrics_host or config.metrics.host,
                                        "metrics_linger": config.metrics.linger}
     return NodeArgs(address, indices, data_roots=config.data_root, name=name, parent_pid=parent_pid, **keys,
-                    **metrics)
+                    own_connections=config.network.client_connections == "own", **metrics)
 
 
 class NodeLauncher(abc.ABC):
