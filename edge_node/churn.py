@@ -19,6 +19,8 @@ coordinator places availability and crashes on its own clock
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -39,12 +41,14 @@ class Churn:
 
     ``join`` sends a client's ``join``; ``send(client, msg_type, body)`` any other message; ``detach`` stops
     polling a client's socket and closes it at once; ``reconnect`` gives it a new socket and polls that;
-    ``retain_assets`` lets go of the task assets that no client holds any longer."""
+    ``retain_assets`` lets go of the task assets that no client holds any longer.
 
-    def __init__(self, clients: list[EmulatedClient], *, join: ClientAction, send: Callable[..., None],
+    Each client's next event (an availability transition, a crash, a restart) waits in a heap by its monotonic
+    time, so a tick costs the events due, not the node's population."""
+
+    def __init__(self, *, join: ClientAction, send: Callable[..., None],
                  detach: ClientAction, reconnect: ClientAction, retain_assets: Callable[[], None],
                  metrics: EdgeNodeMetrics):
-        self._clients = clients
         self._join = join
         self._send = send
         self._detach = detach
@@ -53,6 +57,9 @@ class Churn:
         self._metrics = metrics
         self.edge = EdgeSettings()  # the run's crash rate and downtime (from its first welcome)
         self._clock_origin: float | None = None  # local monotonic time of the coordinator's run clock 0
+        self._due: list[tuple[float, int, EmulatedClient]] = []  # (monotonic time, tie-break, client)
+        self._next_event: dict[int, float] = {}  # client index -> the time of its entry in the heap that counts
+        self._seq = itertools.count()
 
     def start(self, client: EmulatedClient, edge: EdgeSettings, now: float) -> None:
         """On a welcome: start the run clock, the client's availability model and its link (first time only)."""
@@ -70,19 +77,26 @@ class Churn:
                 client.transitions = iter(())
             client.next_transition = next(client.transitions, None)
         self._follow_availability(client, now - self._clock_origin)
+        self._schedule(client)
 
     def draw_crash(self, client: EmulatedClient, round: int, seed: int, now: float) -> None:
         """On a train request: whether the client crashes in this round, and when."""
         if self.edge.crash_rate > 0 and client_draw(seed, "crash", client.index, round) < self.edge.crash_rate:
             # dies somewhere between now and when its update would go out (judged by its last round)
             client.crash_at = now + client_draw(seed, "crash-at", client.index, round) * client.round_s
+            self._schedule(client)
 
     def tick(self, now: float) -> None:
-        """Follow availability; crash and restart clients."""
+        """Follow availability; crash and restart clients: those whose next event is due."""
         if self._clock_origin is None:
             return
         t = now - self._clock_origin
-        for client in self._clients:
+        due = self._due
+        while due and due[0][0] <= now:
+            when, _, client = heapq.heappop(due)
+            if self._next_event.get(client.index) != when:  # superseded by an earlier or later event
+                continue
+            del self._next_event[client.index]
             if client.closed:
                 continue
             if client.next_transition is not None and client.next_transition[0] <= t:
@@ -91,6 +105,18 @@ class Churn:
                 self._crash(client, now)
             elif client.down_until is not None and now >= client.down_until:
                 self._restart(client)
+            self._schedule(client)
+
+    def _schedule(self, client: EmulatedClient) -> None:
+        """Put the client's next event in the heap; its earlier entry, if any, no longer counts."""
+        times = [t for t in (client.crash_at, client.down_until) if t is not None]
+        if client.next_transition is not None:
+            times.append(self._clock_origin + client.next_transition[0])
+        if not times:
+            self._next_event.pop(client.index, None)
+        elif self._next_event.get(client.index) != min(times):
+            self._next_event[client.index] = min(times)
+            heapq.heappush(self._due, (min(times), next(self._seq), client))
 
     def _follow_availability(self, client: EmulatedClient, t: float) -> None:
         state = client.available
