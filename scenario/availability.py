@@ -188,7 +188,9 @@ def transitions(model: dict[str, Any]) -> Iterator[tuple[float, bool]]:
         if kind == "onoff":
             return _onoff(float(model["mean_on_s"]), float(model["mean_off_s"]), int(model["seed"]))
         if kind == "trace":
-            intervals = [(float(a), float(b)) for a, b in model["intervals"]]
+            intervals = model["intervals"]
+            if not isinstance(intervals, tuple):  # from the wire; a tuple is a loaded entry's, already numbers
+                intervals = [(float(a), float(b)) for a, b in intervals]
             return _trace(intervals, float(model["period"]), float(model["scale"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed availability model {model!r}: {exc}") from None

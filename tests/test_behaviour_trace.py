@@ -99,8 +99,12 @@ def test_each_client_resolves_to_its_entry_shared_not_copied_and_the_reader_leav
     models = [client_availability(spec, i, seed=0, slot_s=1, trace_time_scale=0.5) for i in range(60)]
     assert models[7]["intervals"] is entries[7].intervals and models[57]["intervals"] is entries[7].intervals
     (start, end), *_ = entries[7].intervals
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(models[7]))["intervals"][0] == [start, end]  # the welcome
+    welcome = msgspec.msgpack.decode(msgspec.msgpack.encode(models[7]))  # as its node reads it: lists
+    assert welcome["intervals"][0] == [start, end]
     assert (start * 0.5, True) in list(islice(transitions(models[7]), 2))  # on at its start, scaled
+    assert list(islice(transitions(models[7]), 40)) == list(islice(transitions(welcome), 40))
+    with pytest.raises(ValueError, match="malformed"):
+        transitions({**welcome, "intervals": [["a", 1]]})
     bad = tmp_path / "bad.json"
     bad.write_text('{"1": {"active": [5, 1], "inactive": [6, 2], "finish_time": 10}}')
     assert gc.isenabled()
