@@ -29,7 +29,8 @@ with an unpickler that only builds dicts, lists, strings and numbers) or the
 same structure in JSON or YAML. Emulated client ``i`` replays the ``i``-th
 entry in sorted id order (wrapping around when the trace has fewer clients);
 ``edge.trace_time_scale`` converts trace seconds into run seconds (FedScale's
-traces span days: 0.001 turns a day into 86 s).
+traces span days: 0.001 turns a day into 86 s). ``fcl-emu trace behaviour``
+writes a synthetic one for any population (:mod:`.behaviour_trace`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from fcl_emu.scenario.availability import TraceEntry
 
 DAY_S = 86_400
 HOUR_S = 3_600
-DAYS = 6  # finish_time 518,400 s, as in FedScale's published entry
+DAYS = 6  # finish_time 518,400 s, as in the quoted entry of FedScale's file
 
 NIGHT_P_MEAN = 0.7  # per-client probability of an overnight session each day: Beta(2.8, 1.2)
 NIGHT_START_H, NIGHT_START_SD_H = 23.0, 1.5
@@ -130,6 +130,8 @@ def write_trace(trace: dict, path: Path) -> None:
 # ------------------------------------------------------------------ statistics
 @dataclass(frozen=True)
 class TraceStats:
+    """What :func:`trace_stats` measures of a trace."""
+
     clients: int
     days: float  # the mean period, in days
     online: float  # the fraction of client-time online
