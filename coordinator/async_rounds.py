@@ -164,7 +164,7 @@ class AsyncRoundRunner:
             with meter.phase("dispatch"):
                 self.requests.send(r, task_round, progress_round=self.state.global_round)
             online = self.registry.is_online
-            self.dispatcher.serve(lambda: not r.pending(online), time.monotonic() + self.config.rounds.host_timeout_s)
+            self.dispatcher.serve(lambda: not r.awaiting(online), time.monotonic() + self.config.rounds.host_timeout_s)
         finally:
             self.dispatcher.round = None
         waves.host_timeout |= bool(r.pending(self.registry.is_online))

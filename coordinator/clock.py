@@ -218,9 +218,10 @@ class EmulatedTime(RunClock):
     def hopeless(self, r: OpenRound) -> list[str]:
         """The clients the emulated clock knows are late whatever happens (EmulatedClock.beyond_close), where
         late trainings are cancelled. Their compute time is known: the round records it as if they trained."""
-        if not self.skips_late:
-            return []
         registry, cfg = self.state.registry, self.state.config.rounds
+        if not self.skips_late or (r.hopeless_checked and r.useful() < r.wanted):
+            return []  # with fewer useful updates than wanted the round closes at its deadline: known at dispatch
+        r.hopeless_checked = True
         useful = {u.client for u in r.updates if u.num_samples > 0}
         indices = {c: registry.records[c].index for c in r.timeline}
         late = self.model.beyond_close(r.started_at, cfg.deadline_s, r.wanted, r.timeline, indices, useful,
@@ -246,7 +247,7 @@ class EmulatedTime(RunClock):
         """Serve until every selected client answered or is gone (or the host-side safety timeout), then close
         the round in emulated time."""
         online = self.state.registry.is_online
-        serve(lambda: not r.pending(online), time.monotonic() + self.state.config.rounds.host_timeout_s)
+        serve(lambda: not r.awaiting(online), time.monotonic() + self.state.config.rounds.host_timeout_s)
         self._close(r, side_channel)
         return None
 

@@ -36,6 +36,7 @@ class OpenRound:
     timeline: dict[str, ClientRound] = field(default_factory=dict)
     side: list[tuple[str, str, dict[str, np.ndarray]]] = field(default_factory=list)
     cancelled: set[str] = field(default_factory=set)
+    hopeless_checked: bool = False  # the cancellations at dispatch are done (later ones need wanted updates in)
     # the clock, at the close
     counted: list[ClientUpdate] = field(default_factory=list)  # the updates that arrived in time
     masked_in_time: set[str] = field(default_factory=set)  # secure aggregation: the masked inputs that did
@@ -52,6 +53,8 @@ class OpenRound:
 
     _answered: tuple[tuple[int, int, int], set[str]] = field(  # answered() as of these sizes
         default=((-1, -1, -1), frozenset()), init=False, repr=False, compare=False)
+    _waited_for: str | None = field(default=None, init=False, repr=False, compare=False)  # awaiting() found it
+    _useful: tuple[int, int] = field(default=(0, 0), init=False, repr=False, compare=False)  # (updates, useful)
 
     def answered(self) -> set[str]:
         """The clients that sent an update, a masked input or an error (kept between calls while the three only
@@ -65,9 +68,27 @@ class OpenRound:
         done = self.answered() | self.lost | self.cancelled
         return {c for c in self.selected - done if online(c)}
 
+    def awaiting(self, online: Callable[[str], bool]) -> bool:
+        """Whether ``pending`` is not empty; in O(1) while the client it found last time is still pending (the
+        serving loop asks after every message)."""
+        if self._waited_for is not None and self._may_answer(self._waited_for, online):
+            return True
+        self._waited_for = next((c for c in self.selected if self._may_answer(c, online)), None)
+        return self._waited_for is not None
+
+    def _may_answer(self, client: str, online: Callable[[str], bool]) -> bool:
+        return (client not in self.answered() and client not in self.lost and client not in self.cancelled
+                and online(client))
+
+    def useful(self) -> int:
+        """Updates that carry samples (counted on from the last call: updates are only appended)."""
+        counted, useful = self._useful
+        if counted != len(self.updates):
+            self._useful = (len(self.updates), useful + sum(u.num_samples > 0 for u in self.updates[counted:]))
+        return self._useful[1]
+
     def done(self, online: Callable[[str], bool]) -> bool:
-        useful = sum(u.num_samples > 0 for u in self.updates)
-        return useful >= self.wanted or not self.pending(online)
+        return not self.awaiting(online) or self.useful() >= self.wanted
 
     def is_current(self, peer: str, number: int) -> bool:
         """Whether a message of round ``number`` from ``peer`` belongs to this round."""

@@ -3,13 +3,12 @@ asynchronous policy send their selected clients."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from fcl_emu.coordinator.clock import RunClock
 from fcl_emu.coordinator.collection import Collection
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.state import RunState
+from fcl_emu.wire.framing import WireTensors, wire_tensors
 from fcl_emu.wire.messages import ASSET_TYPES, TaskAsset, TaskStart, TrainRequest
 
 
@@ -34,7 +33,8 @@ class RoundRequests:
         if unknown:
             raise ValueError(f"method {state.spec.name!r} returned task assets of unknown kinds "
                              f"{sorted(unknown)}; the wire knows {', '.join(ASSET_TYPES)}")
-        payload = state.server.round_tensors(task, r.number)
+        assets = {kind: wire_tensors(tensors) for kind, tensors in assets.items()}  # made ready once, sent to many
+        payload = wire_tensors(state.server.round_tensors(task, r.number))
         seen = [int(c) for c in state.scenario.seen_classes(task)]
         classes = [int(c) for c in state.scenario.task_classes(task)]
         lr = state.server.learning_rate(task, task_round, state.config.training.lr)
@@ -60,7 +60,7 @@ class RoundRequests:
         state.progress("dispatched", {"task": task, "round": progress_round or r.number, "selected": len(chosen)})
 
     def _send_task_start(self, client_id: str, task: int, number: int, classes: list[int], seen: list[int],
-                         assets: dict[str, dict[str, np.ndarray]], restart: bool) -> int:
+                         assets: dict[str, WireTensors], restart: bool) -> int:
         """``task_start``, then one message per kind of the method's per-task assets (wire.ASSET_TYPES). Returns
         the bytes sent, 0 if the client is gone."""
         sent = self.dispatcher.send(client_id, "task_start",

@@ -549,7 +549,8 @@ def test_every_field_of_the_open_round_has_one_writer():
         "updates", "failed", "lost", "masked", "reported_s"}
     assert {name for name, files in writers.items() if files == {"clock.py"}} == {
         "started_at", "timeline", "side", "cancelled", "counted", "masked_in_time", "late", "dropped", "train_s",
-        "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s", "energy", "low_battery"}
+        "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s", "energy", "low_battery",
+        "hopeless_checked"}
 
 
 def test_a_client_is_silent_only_after_the_setup_grace_until_it_is_first_heard():

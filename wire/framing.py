@@ -111,6 +111,23 @@ def _as_wire_array(name: str, value: Any) -> np.ndarray:
     return array.astype(ALLOWED_DTYPES[dtype.name], copy=False)
 
 
+@dataclass(frozen=True)
+class WireTensors:
+    """Tensors made ready for the wire once, to go out in many messages (a round's model, to each client)."""
+
+    table: list[TensorSpec]
+    buffers: list[Any]
+
+
+def wire_tensors(tensors: Mapping[str, Any] | None) -> WireTensors:
+    """``tensors`` as the wire carries them: little-endian, C-contiguous, of an allowed dtype (not copied where
+    they are already)."""
+    arrays = [(name, _as_wire_array(name, value)) for name, value in (tensors or {}).items()]
+    # 0-d and empty arrays have no useful buffer export for zmq; send bytes for those.
+    return WireTensors([TensorSpec(name, a.dtype.name, list(a.shape), a.nbytes) for name, a in arrays],
+                       [a if a.ndim and a.size else a.tobytes() for _, a in arrays])
+
+
 def encode(
     msg_type: str,
     body: Body,
@@ -119,14 +136,13 @@ def encode(
     seq: int,
     round: int = 0,
     task: int = 0,
-    tensors: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, Any] | WireTensors | None = None,
 ) -> list[Any]:
     """Frames for one message: header bytes, then one buffer per tensor (not copied)."""
     schema = BODY_SCHEMAS.get(msg_type)
     if schema is None or not isinstance(body, schema):
         raise TypeError(f"message type {msg_type!r} needs a {schema.__name__ if schema else '?'} body")
-    arrays = [(name, _as_wire_array(name, value)) for name, value in (tensors or {}).items()]
-    table = [TensorSpec(name, a.dtype.name, list(a.shape), a.nbytes) for name, a in arrays]
+    ready = tensors if isinstance(tensors, WireTensors) else wire_tensors(tensors)
     header = Header(
         v=PROTOCOL_VERSION,
         type=msg_type,
@@ -135,10 +151,9 @@ def encode(
         round=round,
         task=task,
         body=msgspec.Raw(_header_encoder.encode(body)),
-        tensors=table,
+        tensors=ready.table,
     )
-    # 0-d and empty arrays have no useful buffer export for zmq; send bytes for those.
-    return [_header_encoder.encode(header)] + [a if a.ndim and a.size else a.tobytes() for _, a in arrays]
+    return [_header_encoder.encode(header), *ready.buffers]
 
 
 def _buffer(frame: Any) -> memoryview:

@@ -49,7 +49,7 @@ from typing import Any
 import zmq
 
 from fcl_emu.wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
-from fcl_emu.wire.framing import Limits, Message, WireError, decode, encode, frames_nbytes, refused_unread
+from fcl_emu.wire.framing import Limits, Message, WireError, WireTensors, decode, encode, frames_nbytes, refused_unread
 from fcl_emu.wire.messages import Body
 
 LINGER_MS = 5000
@@ -192,7 +192,7 @@ class ServerEndpoint:
         self.switched = False  # the last message received moved its sender to another connection
 
     def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
-             tensors: Mapping[str, Any] | None = None, sequenced: bool = True) -> int:
+             tensors: Mapping[str, Any] | WireTensors | None = None, sequenced: bool = True) -> int:
         """Send to ``peer``; returns bytes sent. Raises ``zmq.ZMQError`` (EHOSTUNREACH) if the peer is gone.
         An unsequenced message carries seq 0 and leaves the others' numbers, and so their sizes, as they were."""
         route = self._routes.get(peer)
