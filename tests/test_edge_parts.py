@@ -45,9 +45,9 @@ def events(metrics: EdgeNodeMetrics, event: str) -> float:
     return metrics.registry.get_sample_value("fcl_node_client_events_total", {"event": event})
 
 
-def churn_of(clients: list[EmulatedClient], **edge) -> tuple[Churn, Recorder, EdgeNodeMetrics]:
+def churn_of(**edge) -> tuple[Churn, Recorder, EdgeNodeMetrics]:
     node, metrics = Recorder(), EdgeNodeMetrics()
-    churn = Churn(clients, join=node.join, send=node.send, detach=node.detach, reconnect=node.reconnect,
+    churn = Churn(join=node.join, send=node.send, detach=node.detach, reconnect=node.reconnect,
                   retain_assets=node.retain_assets, metrics=metrics)
     churn.edge = EdgeSettings(**edge)
     return churn, node, metrics
@@ -56,7 +56,7 @@ def churn_of(clients: list[EmulatedClient], **edge) -> tuple[Churn, Recorder, Ed
 def test_churn_crashes_a_selected_client_within_its_round_and_restarts_it_after_the_downtime():
     c = client()
     c.task, c.assets, c.state, c.round_s = 2, {"old": np.zeros(1)}, {"local": 1}, 4.0
-    churn, node, metrics = churn_of([c], crash_rate=1.0, crash_downtime_s=5.0)
+    churn, node, metrics = churn_of(crash_rate=1.0, crash_downtime_s=5.0)
     churn.start(c, EdgeSettings(clock_s=10.0), now=100.0)  # the run clock read 10 s at the welcome
     assert node.calls == [] and c.active
     churn.draw_crash(c, round=7, seed=3, now=100.0)
@@ -79,11 +79,11 @@ def test_churn_crashes_a_selected_client_within_its_round_and_restarts_it_after_
 
 def test_churn_draws_each_clients_crash_from_the_seed_and_round():
     clients = [client(i) for i in range(20)]
-    never, _, _ = churn_of(clients)  # no crash rate: no crash
+    never, _, _ = churn_of()  # no crash rate: no crash
     for c in clients:
         never.draw_crash(c, round=1, seed=0, now=0.0)
     assert all(c.crash_at is None for c in clients)
-    churn, _, _ = churn_of(clients, crash_rate=0.5)
+    churn, _, _ = churn_of(crash_rate=0.5)
     for c in clients:
         churn.draw_crash(c, round=1, seed=2, now=50.0)
     crashing = [c.index for c in clients if c.crash_at is not None]
@@ -94,7 +94,7 @@ def test_churn_draws_each_clients_crash_from_the_seed_and_round():
 
 def test_churn_follows_availability_leaving_and_joining_again_on_the_run_clock():
     c = client()
-    churn, node, metrics = churn_of([c])
+    churn, node, metrics = churn_of()
     trace = {"kind": "trace", "intervals": [[0, 10], [20, 30]], "period": 100, "scale": 1.0}
     churn.start(c, EdgeSettings(availability=trace, clock_s=5.0), now=1000.0)  # run clock 0 = 995
     assert c.active and node.calls == []
@@ -111,7 +111,7 @@ def test_churn_follows_availability_leaving_and_joining_again_on_the_run_clock()
 
 def test_a_bad_availability_model_leaves_the_client_always_available_on_an_ideal_link():
     c = client()
-    churn, node, _ = churn_of([c])
+    churn, node, _ = churn_of()
     churn.start(c, EdgeSettings(availability={"kind": "sometimes"}), now=0.0)
     churn.tick(1e6)
     assert c.active and node.calls == []
