@@ -67,7 +67,7 @@ import math
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -260,9 +260,8 @@ class DeviceProfile:
 
     def to_wire(self) -> dict[str, Any]:
         # JSON has no infinity: an unlimited link travels as null
-        fields = asdict(self)
-        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in fields.items()
-                if k in self._WIRE}
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v)
+                for k, v in ((k, getattr(self, k)) for k in self._WIRE)}
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "DeviceProfile":
         """Raises ValueError for a malformed profile (it came over the wire)."""
@@ -325,10 +324,12 @@ def assign_profile(profiles: ProfilesFile | None, index: int, seed: int, *, flop
         return DeviceProfile(name=FEDSCALE_CLASS, ms_per_sample=None if measured else FEDSCALE_TRAINING_FACTOR * ms,
                              uplink_bytes_s=kbit_s * 1000 / 8, downlink_bytes_s=kbit_s * 1000 / 8)
     rng = np.random.default_rng(zlib.crc32(f"{seed}/profile/{index}".encode()))
-    by_name = {p.name: p for p in profiles.profiles}
     shares = np.array([p.share for p in profiles.profiles])
-    pick = rng.choice(len(shares), p=shares / shares.sum())
-    chosen = by_name[profiles.clients[index]] if index in profiles.clients else profiles.profiles[pick]
+    cdf = (shares / shares.sum()).cumsum()  # Generator.choice(p=...)'s own draw, without its checks: 20 us a client
+    cdf /= cdf[-1]
+    pick = int(cdf.searchsorted(rng.random(), side="right"))
+    chosen = next(p for p in profiles.profiles if p.name == profiles.clients[index]) if index in profiles.clients \
+        else profiles.profiles[pick]
 
     def draw(value: Value | None) -> float | None:
         if value is None:
