@@ -114,7 +114,9 @@ def mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
 
 class RoundMeter:
     """Started when a round starts: the host seconds of each phase (``collect`` also gives ``receive_updates``,
-    the part of it spent handling updates), the coordinator's CPU seconds up to evaluation, the bytes on the wire."""
+    the part of it spent handling updates), the coordinator's CPU seconds up to evaluation (its process's, and its
+    main thread's in select, dispatch, aggregate and handling the updates: ``work_cpu_s``), the bytes on the
+    wire."""
 
     def __init__(self, state: RunState):
         self.state = state
@@ -122,17 +124,21 @@ class RoundMeter:
         self.bytes_before = dict(state.counters.bytes)
         self.phases_s = dict.fromkeys(PHASES, 0.0)
         self.cpu_s: float | None = None
+        self.work_cpu_s = 0.0  # the main thread's CPU seconds in the phases before evaluation
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase ``name`` (added up when a phase runs several times)."""
-        t0, handled = time.perf_counter(), self._update_handling_s()
+        t0, cpu0, handled = time.perf_counter(), time.thread_time(), self._update_handling()
         try:
             yield
         finally:
             self.phases_s[name] += time.perf_counter() - t0
-            if name == "collect":
-                self.phases_s["receive_updates"] += self._update_handling_s() - handled
+            if name == "collect":  # the work is the updates' (heartbeats and joins meanwhile are the idle cost)
+                self.phases_s["receive_updates"] += self._update_handling()[0] - handled[0]
+                self.work_cpu_s += self._update_handling()[1] - handled[1]
+            elif name != "evaluate":
+                self.work_cpu_s += time.thread_time() - cpu0
 
     def evaluate(self, task: int, task_round: int) -> float | None:
         """Accuracy on the seen classes every ``eval_every`` rounds (a task's last round: at task end), timed as
@@ -159,7 +165,7 @@ class RoundMeter:
             mean_loss=float(np.mean(finite)) if finite else None,
             duration_s=time.perf_counter() - self.started,
             coordinator_cpu_s=self.cpu_s if self.cpu_s is not None else time.process_time() - self.cpu_started,
-            phases_s=dict(self.phases_s), bytes_by_type=by_type,
+            phases_s=dict(self.phases_s), work_cpu_s=self.work_cpu_s, bytes_by_type=by_type,
             bytes_sent=sum(d.get("sent", 0) for d in by_type.values()),
             bytes_received=sum(d.get("received", 0) for d in by_type.values()),
             online=len(state.registry.online()))
@@ -175,10 +181,11 @@ class RoundMeter:
                                               else record.privacy["epsilon"])
         return record
 
-    def _update_handling_s(self) -> float:
-        """Seconds spent so far receiving and handling updates, plain and masked."""
-        handling_s = self.state.tally.handling_s
-        return handling_s["update"] + handling_s["secagg_masked"]
+    def _update_handling(self) -> tuple[float, float]:
+        """Seconds, and main-thread CPU seconds, spent so far receiving and handling updates, plain and masked."""
+        tally = self.state.tally
+        return (tally.handling_s["update"] + tally.handling_s["secagg_masked"],
+                tally.handling_cpu_s["update"] + tally.handling_cpu_s["secagg_masked"])
 
     def _bytes_since(self) -> dict[str, dict[str, int]]:
         """Bytes on the wire since the round started, as ``{type: {direction: bytes}}``."""

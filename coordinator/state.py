@@ -42,6 +42,7 @@ class Tally:
 
     rejected: Counter[str] = field(default_factory=Counter)  # refused messages by reason
     handling_s: Counter[str] = field(default_factory=Counter)  # time spent receiving+handling, by message type
+    handling_cpu_s: Counter[str] = field(default_factory=Counter)  # and the main thread's CPU time in it
     late_updates: int = 0
     late_side_channel: int = 0  # side-channel messages from outside the open round, dropped
     connection_switches: int = 0  # messages from a client over another connection than its last one

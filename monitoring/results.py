@@ -185,6 +185,10 @@ class RoundRecord:
     bytes_by_type: dict[str, dict[str, int]]  # {message type: {"sent"/"received": bytes}} in this round
     online: int
     dropped: int = 0  # selected clients that left, died or restarted before answering
+    # CPU time of the coordinator's main thread in select, dispatch and aggregate and in receiving and handling the
+    # round's updates: its own work in the round (selecting, encoding, sending, receiving, decoding, checking,
+    # aggregating), without ZeroMQ's I/O threads and the heartbeats and joins served meanwhile
+    work_cpu_s: float = 0.0
     overcommitted: int = 0  # clients selected beyond clients_per_round (rounds.overcommit)
     stale_used: int = 0  # late updates of earlier rounds aggregated in this one (rounds.late_updates)
     secagg: dict[str, Any] | None = None  # secure aggregation: outcome, parameters, phase times, dropouts

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from fcl_emu import options
 from fcl_emu.command_line import console, folder, writable
+from fcl_emu.runconfig.nodes import CLIENTS_PER_NODE
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
 ClientsOpt = options.elsewhere("clients")
@@ -138,12 +139,16 @@ def bench_metrics(
 
 @bench_app.command("scale")
 def bench_scale(
-    populations: Annotated[str, typer.Option(help="Comma-separated client populations.")] = "100,300,1000,3000,10000",
-    cohort: Annotated[int, typer.Option(min=1, help="Clients per round at every point (fewer if N is smaller).")]
-        = 100,
+    populations: Annotated[str, typer.Option(help="Comma-separated client populations.")]
+        = "100,300,1000,3000,10000,30000,100000",
+    cohort: Annotated[int, typer.Option(min=1, help="Clients per round at every point but the largest (fewer if N "
+                                                    "is smaller).")] = 100,
+    largest_cohort: Annotated[int, typer.Option(min=1, help="Clients per round at the largest population.")] = 1000,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per point.")] = 3,
-    share: Annotated[int, typer.Option(min=1, help="Training samples per client (MNIST: N x share <= 60,000).")] = 6,
-    clients_per_node: Annotated[int, typer.Option(min=1, help="Clients per edge-node process.")] = 5000,
+    share: Annotated[int, typer.Option(min=1, help="Training samples per client (drawn with replacement across "
+                                                   "clients where N x share exceeds MNIST's 60,000).")] = 10,
+    clients_per_node: Annotated[int, typer.Option(min=1, help="Clients per edge-node process (at least two nodes).")]
+        = CLIENTS_PER_NODE,
     idle_s: Annotated[float, typer.Option(min=1, help="Seconds of idle serving measured at each point.")] = 5.0,
     data_root: DataRootOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Writes scale.csv and scale.png here.")] = Path("runs/scale"),
@@ -160,7 +165,8 @@ def bench_scale(
         raise typer.BadParameter("every population needs at least 2 clients", param_hint="--populations")
     writable(out, folder(json_path))
     try:
-        run(sizes, cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root, console)
+        run(sizes, cohort, largest_cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root,
+            console)
     except RuntimeError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
