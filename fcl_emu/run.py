@@ -247,7 +247,8 @@ def _start_and_run(config: RunConfig, run_dir: Path, console: Console, start_nod
         if nodes is not None:
             nodes.stop(grace_s=0)
         raise
-    resumed = "" if resume is None else f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
+    resumed = "" if resume is None else \
+        f" (resuming run {coordinator.run_id} after round {resume.state['global_round']})"
     console.print(f"coordinator listening on {coordinator.address}; run directory {run_dir}{resumed}")
     prometheus = None
     faults: FaultInjector | None = None

@@ -213,7 +213,8 @@ def accessible_classes(
         for client in range(active[t]):
             for c in steps[client, t].tolist():
                 occurrences.setdefault(c, []).append((t, client))
-    indices, owners = [[np.empty(0, np.int64)] for _ in range(num_tasks)], [[np.empty(0, np.int64)] for _ in range(num_tasks)]
+    indices = [[np.empty(0, np.int64)] for _ in range(num_tasks)]
+    owners = [[np.empty(0, np.int64)] for _ in range(num_tasks)]
     for c, where in sorted(occurrences.items()):
         for (t, client), part in zip(where, _deal(np.flatnonzero(labels == c), len(where), rng)):
             indices[t].append(part)

@@ -257,7 +257,8 @@ def bench_churn(
         help="emulated (the nodes tell clients to leave and crash), containers (edge nodes in Docker: nodes "
              "paused and restarted at the same per-round rates), or both, comma-separated.")] = "emulated",
     data_root: DataRootOpt = None,
-    out: Annotated[Path, typer.Option("--out", help="Writes churn.csv, churn.png and runs/ here.")] = Path("runs/churn"),
+    out: Annotated[Path, typer.Option("--out", help="Writes churn.csv, churn.png and runs/ here.")]
+        = Path("runs/churn"),
     config: Annotated[Optional[Path], typer.Option(
         "--config", help="Base YAML config (over the bench's defaults; the flags above override it).")] = None,
 ) -> None:
