@@ -25,29 +25,40 @@ log = logging.getLogger("fcl_emu.edge_node")
 
 
 def parse_client_set(text: str) -> list[int]:
-    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10]; ArgsError (``--clients``) for anything else."""
+    """'0-3,7,9-10,20-28/4' -> [0, 1, 2, 3, 7, 9, 10, 20, 24, 28] (``/N``: every N-th of the range); ArgsError
+    (``--clients``) for anything else."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, sep, hi = part.partition("-")
+        span, slash, step_text = part.partition("/")
+        lo, sep, hi = span.partition("-")
         try:
             first, last = int(lo), int(hi) if sep else int(lo)
+            step = int(step_text) if slash else 1
         except ValueError:
-            raise ArgsError("--clients", f"bad client set {text!r}: use forms like '0-149' or '0,5,7-9'") from None
-        check(0 <= first <= last, "--clients", f"bad client range {part!r}")
-        out.extend(range(first, last + 1))
+            raise ArgsError("--clients", f"bad client set {text!r}: use forms like '0-149', '0,5,7-9' or "
+                                         f"'0-98/2'") from None
+        check(0 <= first <= last and step >= 1, "--clients", f"bad client range {part!r}")
+        out.extend(range(first, last + 1, step))
     check(bool(out), "--clients", "the client set is empty")
     return sorted(set(out))
 
 
 def format_client_set(indices: Sequence[int]) -> str:
-    """Inverse of :func:`parse_client_set`, compact."""
-    parts, start = [], None
-    for i, value in enumerate(indices):
-        if start is None:
-            start = value
-        if i + 1 == len(indices) or indices[i + 1] != value + 1:
-            parts.append(f"{start}-{value}" if value != start else str(value))
-            start = None
+    """Inverse of :func:`parse_client_set`, compact: runs of consecutive clients as 'a-b', evenly spaced runs of
+    three or more as 'a-b/step' (a node's striped clients: 50,000 of them in a few characters, within the
+    operating system's limit on one argument)."""
+    parts, i = [], 0
+    while i < len(indices):
+        j = i + 1
+        step = indices[j] - indices[i] if j < len(indices) else 1
+        while j + 1 < len(indices) and indices[j + 1] - indices[j] == step:
+            j += 1
+        if j < len(indices) and (step == 1 or j - i >= 2):
+            parts.append(f"{indices[i]}-{indices[j]}" + (f"/{step}" if step > 1 else ""))
+            i = j + 1
+        else:
+            parts.append(str(indices[i]))
+            i += 1
     return ",".join(parts)
 
 
@@ -58,8 +69,8 @@ class NodeArgs(Flags, prog="python -m fcl_emu.edge_node",
     (:class:`ArgsError` naming the flag)."""
 
     connect: str = flag("Coordinator endpoint, e.g. tcp://HOST:5555.")
-    clients: tuple[int, ...] = flag("Client indices hosted here, e.g. 0-149 or 0,5,7-9.", parse=parse_client_set,
-                                    format=format_client_set)
+    clients: tuple[int, ...] = flag("Client indices hosted here, e.g. 0-149, 0,5,7-9 or 1-99/2 (every second).",
+                                    parse=parse_client_set, format=format_client_set)
     data_roots: tuple[Path, ...] = flag("Where datasets are looked for (repeatable; default $FCL_EMU_DATA_ROOT or "
                                         "./data).", default=(), repeat="--data-root")
     name: str | None = flag("Node name (default node-<pid>).", default=None)

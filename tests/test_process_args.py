@@ -35,6 +35,18 @@ def test_node_args_come_back_from_their_flags(args):
     assert NodeArgs.from_argv(args.to_argv()) == args
 
 
+def test_a_striped_client_set_stays_short_on_the_command_line():
+    """A node's striped half of 100,000 clients in a few characters (one argument may hold at most 128 KiB), and
+    back; runs of consecutive clients keep their old form."""
+    args = NodeArgs("tcp://h:1", range(1, 100_000, 2), own_connections=True, insecure=True)
+    argv = args.to_argv()
+    assert argv[argv.index("--clients") + 1] == "1-99999/2" and NodeArgs.from_argv(argv) == args
+    mixed = [0, 2, 4, 5, 6, 7, 10, 13, 16, 17]
+    assert NodeArgs("tcp://h:1", mixed, insecure=True).to_argv()[3] == "0-4/2,5-7,10-16/3,17"
+    assert NodeArgs.from_argv(["--connect", "tcp://h:1", "--clients", "0-4/2,5-7,10-16/3,17", "--insecure"]
+                              ).clients == tuple(mixed)
+
+
 def test_node_args_normalise_what_they_are_given():
     args = NodeArgs("tcp://h:1", [9, 3, 3, 4], data_roots=["/d"], server_key="/k/s", key="/k/n")
     assert args.clients == (3, 4, 9) and args.data_roots == (Path("/d"),) and args.key == Path("/k/n")
@@ -80,6 +92,7 @@ def test_client_sets_round_trip():
 @pytest.mark.parametrize("argv, expected", [
     (["--connect", "nowhere", "--clients", "0", "--insecure"], "argument --connect: 'nowhere' is not a ZeroMQ"),
     (["--connect", "tcp://h:1", "--clients", "3-1", "--insecure"], "argument --clients: bad client range"),
+    (["--connect", "tcp://h:1", "--clients", "1-9/0", "--insecure"], "argument --clients: bad client range"),
     (["--connect", "tcp://h:1", "--clients", "0", "--insecure", "--metrics-port", "99999"], "not a TCP port"),
     (["--connect", "tcp://h:1", "--clients", "0", "--insecure", "--threads", "x"], "invalid int value"),
     (["--clients", "0", "--insecure"], "the following arguments are required: --connect"),
