@@ -254,7 +254,7 @@ class Dispatcher:
                     and msg.task == self.state.task and (r is None or msg.round < r.number)):
                 self._keep_stale(peer, msg)
             return
-        if peer in r.answered() and peer not in r.masked:
+        if peer in r.answered():  # its update or error (a plain collection takes no masked inputs)
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
         try:
             self._check_update(peer, msg, r.task)

@@ -135,8 +135,9 @@ class RoundMeter:
         finally:
             self.phases_s[name] += time.perf_counter() - t0
             if name == "collect":  # the work is the updates' (heartbeats and joins meanwhile are the idle cost)
-                self.phases_s["receive_updates"] += self._update_handling()[0] - handled[0]
-                self.work_cpu_s += self._update_handling()[1] - handled[1]
+                now_handled = self._update_handling()
+                self.phases_s["receive_updates"] += now_handled[0] - handled[0]
+                self.work_cpu_s += now_handled[1] - handled[1]
             elif name != "evaluate":
                 self.work_cpu_s += time.thread_time() - cpu0
 

@@ -35,7 +35,7 @@ coordinator's sends to it fail (EHOSTUNREACH) until it speaks again, and its nex
 message counts as a new connection. Envelopes are transport: the byte counts
 leave them out, as they leave out a ROUTER's routing id. Everything else a
 client does (join, welcome, heartbeats, sequence numbers, grants, limits) is the
-same on both (docs/edge.md, "Shared connections").
+same on both (docs/wire.md, "Shared connections").
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from fcl_emu.wire.messages import Body
 LINGER_MS = 5000
 SEND_HWM = 16
 LINK_PROPERTY = "X-Fcl-Link"  # the handshake metadata that tells a shared connection from a client's own
-SHARED, OWN = "shared", "own"
+SHARED = "shared"  # its value on a shared connection
 
 #: Called with (message type, direction "sent"/"received", bytes) for every message.
 ByteCounter = Callable[[str, str, int], None]
