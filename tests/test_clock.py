@@ -244,14 +244,17 @@ def test_a_4x_slower_device_misses_the_deadline_the_others_make_on_a_quiet_and_a
                   edge={"device_profiles": profiles_file(tmp_path, {"compute_factor": 4}, slow_clients=2, clients=6)},
                   network={"liveness_timeout_s": 10})  # a starved node's heartbeats are host time, not emulated
     every_client = {"clients_per_round": 6, "eval_every": 3}
-    # calibrate: the ideal class's emulated compute time on this machine, with no deadline pressure; the largest
-    # mean of 3 rounds, whose spread (15 % on a busy host) the deadline must allow for
+    # calibrate: each class's emulated compute time on this machine, with no deadline pressure, over 3 rounds. A
+    # client's CPU time for the same work varies between rounds (by up to 40 % on the 2-core CI host, where nodes
+    # and coordinator share the cores), so the factor is checked on the means and the deadline sits geometrically
+    # halfway between the slowest ideal round and the fastest slow one
     _, calibration = seeded_run(tmp_path, mnist_root, "calibrate",
                                 rounds={**every_client, "rounds_per_task": 3, "deadline_s": 1000}, **common)
-    ok = max(r["train_s_by_class"]["ok"] for r in calibration)
-    slow = min(r["train_s_by_class"]["slow"] for r in calibration)
-    assert slow > 3 * ok  # compute_factor 4 on the CPU time of the same work
-    deadline = 2 * ok  # halfway (geometrically) between the classes
+    ok = [r["train_s_by_class"]["ok"] for r in calibration]
+    slow = [r["train_s_by_class"]["slow"] for r in calibration]
+    assert sum(slow) / sum(ok) > 3  # compute_factor 4 on the CPU time of the same work
+    assert min(slow) > 1.5 * max(ok)  # room for a deadline between the classes
+    deadline = (max(ok) * min(slow)) ** 0.5
     rounds_per_task = 2  # each round checks all 6 clients against the deadline
     for name, hogs in (("quiet", 0), ("loaded", 1)):
         summary, rounds = seeded_run(tmp_path, mnist_root, name, hogs=hogs,
