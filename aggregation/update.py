@@ -26,12 +26,16 @@ class ClientUpdate:
     tensors: Mapping[str, np.ndarray]
     loss: float = float("nan")
     metrics: Mapping[str, float] = field(default_factory=dict)  # the method's own terms, as reported
+    # the sum of the squares of each float tensor where known (the wire's finite check computes it on receipt):
+    # what the norm bounds read instead of another pass over the tensors
+    square_sums: Mapping[str, float] = field(default_factory=dict)
 
     def delta(self) -> Arrays:
         return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
 
     def with_tensors(self, tensors: Mapping[str, np.ndarray]) -> ClientUpdate:
-        """The same client's update carrying ``tensors`` instead (clipped, weighted, mixed)."""
+        """The same client's update carrying ``tensors`` instead (clipped, weighted, mixed; their square sums are
+        not known)."""
         return ClientUpdate(self.client, self.num_samples, tensors, self.loss, self.metrics)
 
 

@@ -263,7 +263,7 @@ class Dispatcher:
             self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             raise
         body = msg.body
-        r.updates.append(ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics))
+        r.updates.append(_client_update(peer, msg))
         r.reported_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
         self.clock.answered(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
@@ -275,7 +275,7 @@ class Dispatcher:
             raise WireError("late_cap", f"late update from {peer} beyond the {self.stale.cap} kept for the next "
                                         f"round (one per client)")
         self._check_update(peer, msg, msg.task)
-        self.stale.keep(ClientUpdate(peer, msg.body.num_samples, msg.tensors, msg.body.loss, msg.body.metrics))
+        self.stale.keep(_client_update(peer, msg))
 
     def _on_side_channel(self, peer: str, msg: Message) -> None:
         """A method's side-channel message (GLFC's prototype gradients): from a client of the open round, it goes
@@ -329,7 +329,7 @@ class Dispatcher:
                                            f"task {task}")
         bound = self.config.security.max_update_norm
         if bound is not None and msg.body.num_samples > 0:
-            norm = delta_norm(ClientUpdate(peer, msg.body.num_samples, msg.tensors))
+            norm = delta_norm(_client_update(peer, msg))
             if not norm <= bound:
                 raise WireError("norm_bound", f"{peer}'s model delta has L2 norm {norm:.4g} > {bound:g}")
         try:
@@ -393,3 +393,9 @@ class Dispatcher:
         if not sent and self.registry.drop(client_id):
             self.metrics.client_dropped("unreachable")
         return sent
+
+
+def _client_update(peer: str, msg: Message) -> ClientUpdate:
+    """An update message as the server part sees it, with the square sums its finite check computed."""
+    body = msg.body
+    return ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)

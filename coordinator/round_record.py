@@ -17,7 +17,7 @@ import numpy as np
 from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.monitoring.results import RoundRecord
-from fcl_emu.wire.framing import all_finite
+from fcl_emu.wire.framing import square_sum
 
 PHASES = ("select", "dispatch", "collect", "receive_updates", "aggregate", "evaluate")  # RoundRecord.phases_s
 
@@ -31,7 +31,7 @@ def round_divergence(model: Mapping[str, np.ndarray], losses: Sequence[float], s
     infinite values, or the median of the training losses the clients reported is NaN or infinite or above
     :data:`LOSS_LIMIT` times ln(seen classes). The median, so that a minority of the losses cannot decide
     it."""
-    bad = [name for name, array in model.items() if array.dtype.kind == "f" and not all_finite(array)]
+    bad = [name for name, array in model.items() if array.dtype.kind == "f" and square_sum(array) is None]
     if bad:
         return f"the model holds NaN or infinite values after aggregation ({bad[0]})"
     if not losses:

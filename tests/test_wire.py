@@ -1,5 +1,6 @@
 """Framing: round trips, zero-copy decoding, and every rejection reason."""
 
+import math
 from typing import Literal
 
 import msgspec
@@ -9,7 +10,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, all_finite, decode, encode
+from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, decode, encode, square_sum
 from tests.conftest import raw_header
 from fcl_emu.wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from fcl_emu.wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
@@ -104,11 +105,34 @@ def test_non_finite_updates_are_rejected(bad):
     assert decode(frames, Limits(check_finite=False)).type == "update"
 
 
-def test_all_finite_scans_every_chunk():
-    a = np.zeros(300_001, np.float64)
-    assert all_finite(a) and all_finite(a[:0])
-    a[-1] = np.nan
-    assert not all_finite(a)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_square_sum_is_the_finite_check_and_the_squared_norm(dtype):
+    a = np.zeros(3 * 1024 + 5, dtype)  # whole rows and a tail
+    assert square_sum(a) == 0.0 and square_sum(a[:0]) == 0.0
+    a[[0, 2000, 3 * 1024 + 4]] = [3, 4, 12]
+    assert square_sum(a) == pytest.approx(169.0, rel=1e-7)  # 9 + 16 + 144, by hand
+    for at in (7, 3 * 1024 + 1):  # in a row, in the tail
+        for bad in (np.nan, np.inf, -np.inf):
+            b = a.copy()
+            b[at] = bad
+            assert square_sum(b) is None
+    if dtype is not np.float16:  # finite values whose squares overflow the array's own precision
+        big = np.finfo(dtype).max / 2
+        c = np.zeros(2048, dtype)
+        c[[5, 1500]] = [big, 1.0]
+        if dtype is np.float64:
+            assert square_sum(c) == math.inf  # finite values, an infinite norm: what a norm bound refuses
+        else:
+            assert square_sum(c) == pytest.approx(float(big) ** 2 + 1.0, rel=1e-12)
+    rng = np.random.default_rng(0)
+    r = rng.standard_normal(285_000).astype(dtype)
+    assert square_sum(r) == pytest.approx(float(np.sum(r.astype(np.float64) ** 2)), rel=1e-6)
+
+
+def test_a_decoded_update_carries_the_square_sums_of_its_float_tensors():
+    w = np.array([[3.0, 4.0]], np.float32)
+    msg = decode(encode("update", UPDATE, sender="c", seq=1, tensors={"delta/w": w, "delta/n": np.array(7)}))
+    assert msg.square_sums == {"delta/w": 25.0}  # integers are not checked
 
 
 def test_every_message_type_has_a_schema_and_round_trips():
