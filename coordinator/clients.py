@@ -70,6 +70,8 @@ class ClientRegistry:
         # kept up to date on every change, so a metrics scrape (another thread) reads it without iterating
         self.online_count = 0
         self.awaiting_rejoin = 0  # records in Status.RESUMED
+        self._changes = 0  # counts every change of who is eligible: the eligible list is kept until the next one
+        self._eligible: tuple[int, int, list[ClientRecord]] | None = None  # (task, changes, list)
 
     def join(self, client_id: str, index: int, node: str, join_task: int, assets_task: int = -1) -> ClientRecord:
         """``assets_task``: the task whose assets the client says it still holds (-1: none; they are resent)."""
@@ -79,6 +81,7 @@ class ClientRegistry:
             self.records[client_id] = record
             self.counts.joined += 1
             self.online_count += 1
+            self._changes += 1
             return record
         was_online = record.online
         if record.status is Status.RESUMED:  # back after a coordinator restart: not a rejoin of its own
@@ -90,6 +93,7 @@ class ClientRegistry:
         record.node = node
         record.last_seen, record.heard = time.monotonic(), False
         self.online_count += record.online - was_online
+        self._changes += 1
         return record
 
     def is_online(self, client_id: str) -> bool:
@@ -104,6 +108,7 @@ class ClientRegistry:
     def _set_status(self, record: ClientRecord, status: Status) -> None:
         self.online_count -= record.online
         record.status = status
+        self._changes += 1
 
     def leave(self, client_id: str) -> bool:
         """Mark a connected client as left; False if it was not connected."""
@@ -131,6 +136,7 @@ class ClientRegistry:
             return False
         was_online = record.online
         record.away = away
+        self._changes += 1
         if record.status is Status.ONLINE:
             if away:
                 self.counts.dropped += crashed
@@ -170,6 +176,7 @@ class ClientRegistry:
             record = ClientRecord(**values, status=Status.RESUMED if status is Status.ONLINE else status)
             self.records[record.client_id] = record
             self.awaiting_rejoin += record.status is Status.RESUMED
+        self._changes += 1
 
     def drop_resumed(self) -> list[str]:
         """Declare dead the clients that did not join the resumed coordinator."""
@@ -178,6 +185,7 @@ class ClientRegistry:
             record.status = Status.DEAD
             self.counts.dropped += 1
         self.awaiting_rejoin = 0
+        self._changes += 1
         return [r.client_id for r in gone]
 
     def connected(self) -> list[ClientRecord]:
@@ -186,7 +194,20 @@ class ClientRegistry:
     def online(self) -> list[ClientRecord]:
         return [r for r in self.records.values() if r.online]
 
+    def set_low_battery(self, client_id: str, low: bool) -> None:
+        """Emulated clock: the client's battery is below ``edge.min_battery`` (it sits rounds out) or back above."""
+        record = self.records[client_id]
+        if record.low_battery != low:
+            record.low_battery = low
+            self._changes += 1
+
     def eligible(self, task: int) -> list[ClientRecord]:
-        """Online clients whose scenario join task has come and whose battery lets them take part, in a stable
-        order."""
-        return sorted((r for r in self.online() if r.join_task <= task and not r.low_battery), key=lambda r: r.index)
+        """Online clients whose scenario join task has come and whose battery lets them take part, in index order
+        (not to be changed: the list is kept until the registry changes, as a round at 100,000 clients cannot
+        afford to sort them all again)."""
+        cached = self._eligible
+        if cached is None or cached[:2] != (task, self._changes):
+            chosen = sorted((r for r in self.online() if r.join_task <= task and not r.low_battery),
+                            key=lambda r: r.index)
+            cached = self._eligible = (task, self._changes, chosen)
+        return cached[2]

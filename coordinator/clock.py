@@ -170,7 +170,7 @@ class EmulatedTime(RunClock):
     def before_selection(self, task: int, serve: Serve) -> None:
         self._follow_availability(self.model.now)
         cfg, registry = self.state.config.rounds, self.state.registry
-        self.energy.check([r.client_id for r in registry.online()], self.model.now)
+        self.energy.check(self.model.now)
         if len(registry.eligible(task)) < cfg.min_participants:
             self._await_quorum(task)
 

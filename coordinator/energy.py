@@ -14,6 +14,8 @@ until it is back above (a ``battery`` event each time it changes). Profiles with
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -80,6 +82,10 @@ class EnergyLedger:
         self.spent: dict[tuple[str, str], float] = defaultdict(float)  # (device class, kind) -> joules
         self.batteries: dict[str, Battery] = {}
         self.sitting_out: set[str] = set()
+        self._threshold = state.config.edge.min_battery
+        self._tracked = 0  # clients of the registry (in join order) looked at once
+        self._due: list[tuple[float, str]] = []  # heap of (emulated time a battery is due for a look, client)
+        self._due_at: dict[str, float] = {}  # each client's current entry in it
         self._restored: dict[str, list[float]] = {}  # a resumed run's battery states, taken up at first use
 
     def checkpoint(self) -> dict:
@@ -115,20 +121,66 @@ class EnergyLedger:
                     windows.seconds_on(0.0, battery.updated_at)  # its availability up to where it was followed
         return battery
 
-    def check(self, clients: list[str], now: float) -> None:
-        """Mark which of ``clients`` sit out for a low battery at ``now`` (the registry leaves them out of
-        selection); a ``battery`` event for each that starts or stops sitting out."""
-        threshold, registry = self.state.config.edge.min_battery, self.state.registry
-        for client in clients:
+    def check(self, now: float) -> None:
+        """Mark which clients sit out for a low battery at ``now`` (the registry leaves them out of selection); a
+        ``battery`` event for each that starts or stops sitting out.
+
+        Only the batteries that may have crossed ``edge.min_battery`` are looked at: the clients joined since the
+        last check, and those due. A battery is due again at the earliest time it could cross: above the
+        threshold, when its idle drain alone would take it there; below it, when charging with no drain could
+        bring it back (never, without charging); a client that spent energy in a round is due at once. A round of
+        100,000 clients so looks at a few of them, not at every one."""
+        registry = self.state.registry
+        due = []
+        for client in itertools.islice(registry.records, self._tracked, None):  # dicts keep their join order
+            self._tracked += 1
+            first = self._first_due(client)
+            if first is not None and first <= now:
+                due.append(client)
+            elif first is not None and first < math.inf:
+                self._due_at[client] = first
+                heapq.heappush(self._due, (first, client))
+        while self._due and self._due[0][0] <= now:
+            at, client = heapq.heappop(self._due)
+            if self._due_at.get(client) == at:  # not rescheduled since
+                del self._due_at[client]
+                due.append(client)
+        for client in due:
             battery = self.battery(client)
-            if battery is None:
-                continue
             level = battery.at(now)
-            low = level < threshold or level <= 0.0
+            low = level < self._threshold or level <= 0.0
             if low != (client in self.sitting_out):
                 (self.sitting_out.add if low else self.sitting_out.discard)(client)
                 self.state.event("battery", client=client, level=round(level, 6), sitting_out=low)
-            registry.records[client].low_battery = low
+            registry.set_low_battery(client, low)
+            self._schedule(client, battery)
+
+    def _first_due(self, client: str) -> float | None:
+        """When a client not looked at yet is first due: at once if its battery starts below the threshold or was
+        restored from a checkpoint, else when its idle drain from its initial charge would reach the threshold
+        (its battery is made then); None without a battery."""
+        profile = self.state.registry.records[client].profile
+        if profile.battery_j is None:
+            return None
+        margin = profile.battery_j * (profile.initial_charge - self._threshold)
+        if client in self._restored or margin < 0 or (margin == 0 and self._threshold == 0):
+            return -math.inf
+        return margin / profile.idle_w if profile.idle_w > 0 else math.inf
+
+    def _schedule(self, client: str, battery: Battery) -> None:
+        """When ``client``'s battery is next due for a look (:meth:`check`), from its level when last updated."""
+        margin = battery.joules - self._threshold * battery.capacity
+        if client not in self.sitting_out:
+            rate = battery.idle_w
+        else:
+            margin = -margin
+            rate = battery.charge_w - battery.idle_w if battery.charging != "never" else 0.0
+        at = battery.updated_at + max(0.0, margin) / rate if rate > 0 else math.inf
+        if math.isfinite(at):
+            self._due_at[client] = at
+            heapq.heappush(self._due, (at, client))
+        else:
+            self._due_at.pop(client, None)
 
     def spend(self, timeline: dict[str, ClientRound], now: float) -> dict[str, list[float]]:
         """Charge each dispatched client of a round (or an asynchronous wave) the energy of its work at ``now``;
@@ -148,6 +200,8 @@ class EnergyLedger:
             if battery is not None:
                 battery.spend(energy.total, now)
                 metrics.battery_level(battery.joules / battery.capacity)
+                self._due_at[client] = now  # due at the next check
+                heapq.heappush(self._due, (now, client))
         return out
 
     def summary(self, now: float) -> dict | None:
@@ -158,7 +212,7 @@ class EnergyLedger:
         for (name, kind), joules in sorted(self.spent.items()):
             by_class.setdefault(name, dict.fromkeys(KINDS, 0.0))[kind] += joules
         by_kind = {kind: sum(v[kind] for v in by_class.values()) for kind in KINDS}
-        levels = [b.at(now) for b in self.batteries.values()]
+        levels = [b.at(now) for b in map(self.battery, self.state.registry.records) if b is not None]
         return {"total": sum(by_kind.values()), "by_kind": by_kind, "by_device_class": by_class,
                 "battery_at_end": None if not levels else {"min": min(levels), "mean": math.fsum(levels) / len(levels)},
                 "sitting_out_at_end": len(self.sitting_out)}

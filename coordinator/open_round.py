@@ -52,17 +52,24 @@ class OpenRound:
     low_battery: int = 0  # emulated clock: clients that sat the round out for a low battery
 
     _answered: tuple[tuple[int, int, int], set[str]] = field(  # answered() as of these sizes
-        default=((-1, -1, -1), frozenset()), init=False, repr=False, compare=False)
+        default_factory=lambda: ((0, 0, 0), set()), init=False, repr=False, compare=False)
     _waited_for: str | None = field(default=None, init=False, repr=False, compare=False)  # awaiting() found it
     _useful: tuple[int, int] = field(default=(0, 0), init=False, repr=False, compare=False)  # (updates, useful)
 
     def answered(self) -> set[str]:
-        """The clients that sent an update, a masked input or an error (kept between calls while the three only
-        grow: a round of 1,000 clients asks after every message)."""
+        """The clients that sent an update, a masked input or an error (one set, not to be changed: the three
+        only grow, so it is grown by what each added since the last call, as a round of 1,000 clients asks after
+        every message)."""
+        (updates, masked, failed), answered = self._answered
         sizes = (len(self.updates), len(self.masked), len(self.failed))
-        if sizes != self._answered[0]:
-            self._answered = (sizes, {u.client for u in self.updates} | self.masked | self.failed)
-        return self._answered[1]
+        if sizes != (updates, masked, failed):
+            answered.update(u.client for u in self.updates[updates:])
+            if sizes[1] != masked:
+                answered |= self.masked
+            if sizes[2] != failed:
+                answered |= self.failed
+            self._answered = (sizes, answered)
+        return answered
 
     def pending(self, online: Callable[[str], bool]) -> set[str]:
         done = self.answered() | self.lost | self.cancelled

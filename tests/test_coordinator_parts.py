@@ -565,3 +565,32 @@ def test_a_client_is_silent_only_after_the_setup_grace_until_it_is_first_heard()
     assert registry.expire(heard + 9.0) == [] and registry.expire(heard + 11.0) == ["client-0000"]
     registry.join("client-0000", 0, "node-0", 0)  # back: the grace again until it is heard
     assert registry.expire(registry.records["client-0000"].last_seen + 11.0) == []
+
+
+def test_a_rounds_answers_grow_with_its_updates_masked_inputs_and_errors():
+    r = OpenRound(task=0, number=1, chosen=["a", "b", "c", "d"], selected={"a", "b", "c", "d"}, wanted=4)
+    assert r.answered() == set()
+    r.updates.append(ClientUpdate("b", 1, {}))
+    assert r.answered() == {"b"}
+    r.failed.add("d")
+    r.updates.append(ClientUpdate("a", 1, {}))
+    assert r.answered() == {"a", "b", "d"}
+    r.masked.add("c")
+    assert r.answered() == {"a", "b", "c", "d"} and not r.awaiting(lambda c: True)
+
+
+def test_the_eligible_clients_are_kept_until_the_registry_changes():
+    registry = ClientRegistry(liveness_timeout_s=10.0)
+    for i in (2, 0, 1):
+        registry.join(f"c{i}", i, "n", 0 if i < 2 else 1)
+    first = registry.eligible(0)
+    assert [r.client_id for r in first] == ["c0", "c1"] and registry.eligible(0) is first
+    assert [r.client_id for r in registry.eligible(1)] == ["c0", "c1", "c2"]  # another task: its own list
+    for change, expected in ((lambda: registry.set_low_battery("c0", True), ["c1", "c2"]),
+                             (lambda: registry.set_away("c1", True), ["c2"]),
+                             (lambda: registry.set_low_battery("c0", False), ["c0", "c2"]),
+                             (lambda: registry.leave("c2"), ["c0"]),
+                             (lambda: registry.join("c2", 2, "n", 1), ["c0", "c2"]),
+                             (lambda: registry.drop("c0"), ["c2"])):
+        change()
+        assert [r.client_id for r in registry.eligible(1)] == expected

@@ -115,6 +115,47 @@ def test_energy_is_exported_by_device_class_and_kind():
     assert "fcl_battery_level_ratio_bucket" in text and ledger.batteries["client-0001"].joules < 50_000
 
 
+@pytest.mark.parametrize("charging", ["never", "available"])
+def test_the_ledger_looks_only_at_due_batteries_and_finds_who_sits_out_as_a_look_at_every_one_would(
+        charging, monkeypatch):
+    """The ledger's check looks at a battery only when it may have crossed the threshold; at every round start
+    the clients sitting out are those a look at every battery finds, while some spend energy in rounds."""
+    import random
+
+    from fcl_emu.coordinator.clients import ClientRegistry
+    from fcl_emu.scenario.availability import parse_availability
+
+    config = RunConfig.model_validate({"edge": {"min_battery": 0.2, "charging": charging, "charge_w": 0.04}})
+    registry = ClientRegistry(liveness_timeout_s=10.0)
+    state = SimpleNamespace(config=config, registry=registry, metrics=CoordinatorMetrics(),
+                            event=lambda kind, **fields: None)
+    rng = random.Random(1)
+    for i in range(60):
+        registry.join(f"c{i}", i, "n", 0)  # batteries about the threshold, draining at 0.001-0.02 W
+        registry.records[f"c{i}"].profile = DeviceProfile(battery_j=100.0, initial_charge=rng.uniform(0.15, 0.3),
+                                                          idle_w=rng.uniform(0.001, 0.02), compute_w=1.0)
+    ledger = EnergyLedger(state, availability=parse_availability("onoff:30:30"))
+    full = EnergyLedger(state, availability=parse_availability("onoff:30:30"))  # every battery looked at below
+    looks, counting = [], [False]
+    at = Battery.at
+    monkeypatch.setattr(Battery, "at", lambda self, t: (looks.append(1) if counting[0] else None, at(self, t))[1])
+    checks = 0
+    for now in range(0, 400, 7):
+        counting[0] = True
+        ledger.check(float(now))
+        counting[0], checks = False, checks + 1
+        expected = {c for c in registry.records if full.battery(c).at(now) < 0.2}
+        assert ledger.sitting_out == expected, now
+        assert {r.client_id for r in registry.eligible(0)} == set(registry.records) - expected
+        working = sorted(set(registry.records) - expected)
+        timeline = {c: ClientRound(registry.records[c].profile, compute_s=2.0)
+                    for c in rng.sample(working, min(1, len(working)))}
+        ledger.spend(timeline, float(now))
+        full.spend(timeline, float(now))
+    assert 0 < len(ledger.sitting_out) < 60
+    assert len(looks) < checks * 60 / 4  # far fewer looks than one per battery per round
+
+
 @pytest.mark.slow
 def test_clients_with_a_low_battery_sit_rounds_out_and_a_run_reports_its_energy(tmp_path, mnist_root):
     """The default device mix draws initial charges of 30-100 %: with ``min_battery`` 0.6 about 40 % of the
