@@ -168,8 +168,8 @@ _SQUARE_ROW = 1024
 
 def square_sum(array: np.ndarray) -> float | None:
     """The sum of the squares of a float array's values, or None if it holds a NaN or an infinity: the finite
-    check and the L2 norm (:func:`fcl_emu.aggregation.clipping.delta_norm`) in one pass over memory, made while a
-    received tensor is still in cache.
+    check and the squared L2 norm (which :func:`fcl_emu.aggregation.clipping.delta_norm` reads) in one pass over
+    memory, made while a received tensor is still in cache.
 
     Rows of 1,024 values are summed in the array's own precision (numpy's SIMD loops, no BLAS threads to compete
     with the edge nodes for the cores), the row sums in float64: within 1e-7 of the float64 sum for float32. A
