@@ -68,6 +68,9 @@ class RunClock(ABC):
         """Bring the registry's view of who is online up to the round's start; with fewer than
         ``min_participants`` eligible, wait (in this clock's time) for clients to come back, within a deadline."""
 
+    def joined(self, client: str) -> None:
+        """``client`` joined, or joined again, its device profile drawn."""
+
     def open_round(self, r: OpenRound) -> None:
         """The round ``r`` opens now."""
 
@@ -173,6 +176,9 @@ class EmulatedTime(RunClock):
         self.energy.check(self.model.now)
         if len(registry.eligible(task)) < cfg.min_participants:
             self._await_quorum(task)
+
+    def joined(self, client: str) -> None:
+        self.energy.joined(client)
 
     def open_round(self, r: OpenRound) -> None:
         r.started_at = self.model.now

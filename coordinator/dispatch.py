@@ -235,6 +235,7 @@ class Dispatcher:
         profile = None if devices is None else devices.assign(index, self.config.seed)
         record.device_class = None if profile is None else profile.name
         record.profile = profile or DeviceProfile()
+        self.clock.joined(peer)
         if not known:
             self.metrics.client_joined()
         elif not was_online:

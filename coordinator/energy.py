@@ -15,7 +15,6 @@ until it is back above (a ``battery`` event each time it changes). Profiles with
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -83,7 +82,7 @@ class EnergyLedger:
         self.batteries: dict[str, Battery] = {}
         self.sitting_out: set[str] = set()
         self._threshold = state.config.edge.min_battery
-        self._tracked = 0  # clients of the registry (in join order) looked at once
+        self._joined: list[str] = []  # clients that joined since the last check
         self._due: list[tuple[float, str]] = []  # heap of (emulated time a battery is due for a look, client)
         self._due_at: dict[str, float] = {}  # each client's current entry in it
         self._restored: dict[str, list[float]] = {}  # a resumed run's battery states, taken up at first use
@@ -125,15 +124,15 @@ class EnergyLedger:
         """Mark which clients sit out for a low battery at ``now`` (the registry leaves them out of selection); a
         ``battery`` event for each that starts or stops sitting out.
 
-        Only the batteries that may have crossed ``edge.min_battery`` are looked at: the clients joined since the
-        last check, and those due. A battery is due again at the earliest time it could cross: above the
-        threshold, when its idle drain alone would take it there; below it, when charging with no drain could
-        bring it back (never, without charging); a client that spent energy in a round is due at once. A round of
-        100,000 clients so looks at a few of them, not at every one."""
+        Only the batteries that may have crossed ``edge.min_battery`` are looked at: the clients that joined (or
+        joined again) since the last check, and those due. A battery is due again at the earliest time it could
+        cross: above the threshold, when its idle drain alone would take it there; below it, when charging with
+        no drain could bring it back (never, without charging); a client that spent energy in a round is due at
+        once. A round of 100,000 clients so looks at a few of them, not at every one."""
         registry = self.state.registry
         due = []
-        for client in itertools.islice(registry.records, self._tracked, None):  # dicts keep their join order
-            self._tracked += 1
+        joined, self._joined = self._joined, []
+        for client in joined:
             first = self._first_due(client)
             if first is not None and first <= now:
                 due.append(client)
@@ -155,13 +154,19 @@ class EnergyLedger:
             registry.set_low_battery(client, low)
             self._schedule(client, battery)
 
+    def joined(self, client: str) -> None:
+        """``client`` joined or joined again (its profile drawn): looked at, or scheduled, at the next check."""
+        self._joined.append(client)
+
     def _first_due(self, client: str) -> float | None:
-        """When a client not looked at yet is first due: at once if its battery starts below the threshold or was
-        restored from a checkpoint, else when its idle drain from its initial charge would reach the threshold
-        (its battery is made then); None without a battery."""
+        """When a client that joined is first due: at once if it has a battery already (it joined again) or one
+        restored from a checkpoint, or if its battery starts below the threshold; else when its idle drain from
+        its initial charge would reach the threshold (its battery is made then); None without a battery."""
         profile = self.state.registry.records[client].profile
         if profile.battery_j is None:
             return None
+        if client in self.batteries:
+            return -math.inf
         margin = profile.battery_j * (profile.initial_charge - self._threshold)
         if client in self._restored or margin < 0 or (margin == 0 and self._threshold == 0):
             return -math.inf

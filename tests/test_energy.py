@@ -136,11 +136,19 @@ def test_the_ledger_looks_only_at_due_batteries_and_finds_who_sits_out_as_a_look
                                                           idle_w=rng.uniform(0.001, 0.02), compute_w=1.0)
     ledger = EnergyLedger(state, availability=parse_availability("onoff:30:30"))
     full = EnergyLedger(state, availability=parse_availability("onoff:30:30"))  # every battery looked at below
+    for client in registry.records:
+        ledger.joined(client)
     looks, counting = [], [False]
     at = Battery.at
     monkeypatch.setattr(Battery, "at", lambda self, t: (looks.append(1) if counting[0] else None, at(self, t))[1])
     checks = 0
     for now in range(0, 400, 7):
+        if now == 203:  # ten more join late: looked at from their join on
+            for i in range(60, 70):
+                registry.join(f"c{i}", i, "n", 0)
+                registry.records[f"c{i}"].profile = DeviceProfile(
+                    battery_j=100.0, initial_charge=0.1 if i == 60 else 0.3, idle_w=0.01, compute_w=1.0)
+                ledger.joined(f"c{i}")
         counting[0] = True
         ledger.check(float(now))
         counting[0], checks = False, checks + 1
@@ -152,7 +160,7 @@ def test_the_ledger_looks_only_at_due_batteries_and_finds_who_sits_out_as_a_look
                     for c in rng.sample(working, min(1, len(working)))}
         ledger.spend(timeline, float(now))
         full.spend(timeline, float(now))
-    assert 0 < len(ledger.sitting_out) < 60
+    assert 0 < len(ledger.sitting_out) < 70 and "c60" in ledger.sitting_out  # low from its join
     assert len(looks) < checks * 60 / 4  # far fewer looks than one per battery per round
 
 
