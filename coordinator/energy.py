@@ -137,8 +137,7 @@ class EnergyLedger:
             if first is not None and first <= now:
                 due.append(client)
             elif first is not None and first < math.inf:
-                self._due_at[client] = first
-                heapq.heappush(self._due, (first, client))
+                self._due_then(client, first)
         while self._due and self._due[0][0] <= now:
             at, client = heapq.heappop(self._due)
             if self._due_at.get(client) == at:  # not rescheduled since
@@ -182,10 +181,14 @@ class EnergyLedger:
             rate = battery.charge_w - battery.idle_w if battery.charging != "never" else 0.0
         at = battery.updated_at + max(0.0, margin) / rate if rate > 0 else math.inf
         if math.isfinite(at):
-            self._due_at[client] = at
-            heapq.heappush(self._due, (at, client))
+            self._due_then(client, at)
         else:
             self._due_at.pop(client, None)
+
+    def _due_then(self, client: str, at: float) -> None:
+        """``client``'s battery is next due for a look at emulated time ``at`` (an earlier entry stands down)."""
+        self._due_at[client] = at
+        heapq.heappush(self._due, (at, client))
 
     def spend(self, timeline: dict[str, ClientRound], now: float) -> dict[str, list[float]]:
         """Charge each dispatched client of a round (or an asynchronous wave) the energy of its work at ``now``;
@@ -205,8 +208,7 @@ class EnergyLedger:
             if battery is not None:
                 battery.spend(energy.total, now)
                 metrics.battery_level(battery.joules / battery.capacity)
-                self._due_at[client] = now  # due at the next check
-                heapq.heappush(self._due, (now, client))
+                self._due_then(client, now)  # due at the next check
         return out
 
     def summary(self, now: float) -> dict | None:
