@@ -372,10 +372,13 @@ class EdgeNode:
         sock = self._shared.sock
         while sock.poll(0):
             try:
-                identity, msg = self._shared.recv()
+                received = self._shared.recv()
             except WireError as exc:
                 self._rejected(exc.peer, exc)
                 continue
+            if received is None:  # tensors the connection holds for the messages that follow
+                continue
+            identity, msg = received
             client = self._attached.get(identity)
             if client is not None:
                 self._receive(client, msg, time.monotonic())

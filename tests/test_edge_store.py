@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads
+from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads, same_values
 
 
 def test_array_store_round_trip_and_names(tmp_path):
@@ -44,6 +44,17 @@ def test_round_payloads_keep_one_copy_per_round():
     payloads.release(1, first)
     payloads.release(1, first)
     assert payloads.acquire(1, same) is same  # round released: a fresh entry
+
+
+def test_views_of_one_buffer_are_the_same_values_without_a_look_at_them():
+    """Tensors a shared connection holds reach every client as views of one buffer: equal at once, NaN included
+    (the bits are the same); views that differ in shape or place, or copies, are compared value by value."""
+    buffer = np.array([1.0, np.nan, 3.0, 4.0], np.float32).tobytes()
+    a, b = np.frombuffer(buffer, np.float32), np.frombuffer(buffer, np.float32)
+    assert a is not b and same_values(a, b)
+    assert not same_values(a, a.copy())  # NaN is not equal to NaN when compared
+    assert not same_values(a[:2], a[2:]) and not same_values(a, a.reshape(2, 2))
+    assert same_values(a[2:], np.array([3.0, 4.0], np.float32))
 
 
 def test_round_payloads_under_concurrent_release():

@@ -10,11 +10,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, decode, encode, square_sum
+from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, decode, encode, square_sum, wire_tensors
 from tests.conftest import raw_header
 from fcl_emu.wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from fcl_emu.wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
-from fcl_emu.wire.sockets import ClientEndpoint, Counters, ServerEndpoint, SharedConnection
+from fcl_emu.wire.sockets import HELD, HELD_SETS, ClientEndpoint, Counters, ServerEndpoint, SharedConnection
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
 
@@ -291,6 +291,57 @@ def test_a_shared_connection_carries_many_clients_as_their_own_connections_would
     finally:
         own.close(0)
         shared.close(0)
+        server.close()
+        ctx.term()
+
+
+def test_a_shared_connection_takes_tensors_made_for_many_once_and_each_client_reads_them_whole():
+    """A round's model (WireTensors) to two clients on one shared connection crosses it once, as a set the
+    connection holds; each client's message names it and decodes to the same values, with the same bytes counted
+    as for a client on a connection of its own, which gets the tensors in every message. Both ends keep the latest
+    HELD_SETS sets; a message naming a set the connection does not hold is refused."""
+    ctx = zmq.Context()
+    counts, node_counts = Counters.empty(), Counters.empty()
+    server = ServerEndpoint(ctx, "tcp://127.0.0.1:0", count=counts)
+    shared = SharedConnection(ctx, server.address, count=node_counts)
+    a, b = shared.channel("client-0001"), shared.channel("client-0002")
+    own = ClientEndpoint(ctx, server.address, "client-0003")
+    model = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array(3, np.int64)}
+    tensors = wire_tensors(model)
+    request = Heartbeat()
+    try:
+        for i, c in enumerate((a, b, own), 1):
+            c.send("join", Join(node="n", pid=1, client_index=i))
+        for _ in range(3):
+            server.recv()
+        sent = [server.send(peer, "heartbeat", request, tensors=tensors)
+                for peer in ("client-0001", "client-0002", "client-0003")]
+        assert len(set(sent)) == 1 and counts.bytes[("heartbeat", "sent")] == 3 * sent[0]
+        assert shared.recv() is None  # the set, once
+        received = [shared.recv() for _ in range(2)]
+        assert [peer for peer, _ in received] == ["client-0001", "client-0002"] and not shared.sock.poll(100)
+        for msg in (*(m for _, m in received), own.recv()):
+            assert msg.nbytes == sent[0]
+            for name, value in model.items():
+                np.testing.assert_array_equal(msg.tensors[name], value)
+        assert node_counts.bytes[("heartbeat", "received")] == 2 * sent[0]
+        later = [wire_tensors(model) for _ in range(HELD_SETS)]  # the first set is dropped at both ends
+        for t in later:
+            server.send("client-0001", "heartbeat", request, tensors=t)
+        assert [shared.recv() is None for _ in range(2 * HELD_SETS)] == [True, False] * HELD_SETS
+        server.send("client-0002", "heartbeat", request, tensors=tensors)  # sent again, then named
+        assert shared.recv() is None and shared.recv()[0] == "client-0002"
+        # a key the connection never held (the server end itself never names one it did not send)
+        header = encode("heartbeat", request, sender="coordinator", seq=1, tensors=wire_tensors(model))[0]
+        server.sock.send_multipart([server._routes["client-0001"], b"client-0001" + HELD + (999).to_bytes(8, "big"),
+                                    header])
+        with pytest.raises(WireError) as info:
+            shared.recv()
+        assert (info.value.reason, info.value.peer) == ("bad_header", "client-0001")
+        assert "does not hold" in str(info.value)
+    finally:
+        for c in (own, shared):
+            c.close(0)
         server.close()
         ctx.term()
 

@@ -14,6 +14,7 @@ metric label) and a human-readable detail.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,12 +113,18 @@ def _as_wire_array(name: str, value: Any) -> np.ndarray:
     return array.astype(ALLOWED_DTYPES[dtype.name], copy=False)
 
 
+_wire_tensors_made = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class WireTensors:
-    """Tensors made ready for the wire once, to go out in many messages (a round's model, to each client)."""
+    """Tensors made ready for the wire once, to go out in many messages (a round's model, to each client).
+    ``key`` tells them from every other set this process made: a shared connection carries them once under it
+    (:class:`~fcl_emu.wire.sockets.ServerEndpoint`)."""
 
     table: list[TensorSpec]
     buffers: list[Any]
+    key: int = field(default_factory=lambda: next(_wire_tensors_made))
 
 
 def wire_tensors(tensors: Mapping[str, Any] | None) -> WireTensors:

@@ -32,8 +32,15 @@ equal the identity the header names; down, it says which client the message is
 for. An envelope alone (no message after it) is a *close notice*: the client's
 session ended as a closed socket of its own would end it (a crash), so the
 coordinator's sends to it fail (EHOSTUNREACH) until it speaks again, and its next
-message counts as a new connection. Envelopes are transport: the byte counts
-leave them out, as they leave out a ROUTER's routing id. Everything else a
+message counts as a new connection. Tensors made once to go to many clients
+(:class:`~fcl_emu.wire.framing.WireTensors`: a round's model, a task's assets)
+cross a shared connection once: the coordinator first sends them alone, under an
+envelope of :data:`HELD` and their key, and the connection keeps the latest
+:data:`HELD_SETS`; each client's message then carries its header only, its
+envelope naming the key after the identity, and the node reads it with the
+kept tensors. Envelopes are transport: the byte counts leave them out, as they
+leave out a ROUTER's routing id, and count each client's message whole, as a
+device on a link of its own would receive it. Everything else a
 client does (join, welcome, heartbeats, sequence numbers, grants, limits) is the
 same on both (docs/wire.md, "Shared connections").
 """
@@ -154,7 +161,13 @@ def _drop_rest(sock: zmq.Socket, more: bool) -> int:
 
 
 MAX_ENVELOPE_BYTES = 256  # a shared connection's envelope holds one identity
+HELD = b"\0"  # in an envelope: what follows is the key of tensors the shared connection holds
+HELD_SETS = 8  # sets of tensors a shared connection holds, the latest sent (both ends drop the oldest first)
 MAX_ROUTES = 1_000_000  # identities remembered; the least recently heard from is forgotten first
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "big")
 
 
 class ServerEndpoint:
@@ -188,6 +201,7 @@ class ServerEndpoint:
         self._identities: dict[bytes, str] = {}  # and back, for connections of one client's own
         self._shared: dict[bytes, bool] = {}  # routing id -> whether it is a shared connection
         self._closed: set[str] = set()  # identities whose session on a shared connection ended (a close notice)
+        self._held: dict[bytes, list[int]] = {}  # shared connection -> keys of the tensors it holds, oldest first
         self._seq = 0
         self.switched = False  # the last message received moved its sender to another connection
 
@@ -201,11 +215,26 @@ class ServerEndpoint:
         self._seq += sequenced
         frames = encode(msg_type, body, sender=self.name, seq=self._seq if sequenced else 0, round=round, task=task,
                         tensors=tensors)
-        envelope = [route, peer.encode()] if self._shared.get(route) else [route]
-        self.sock.send_multipart(envelope + frames, copy=False)
+        if not self._shared.get(route):
+            self.sock.send_multipart([route, *frames], copy=False)
+        elif isinstance(tensors, WireTensors) and len(frames) > 1:
+            self._hold(route, tensors.key, frames[1:])
+            self.sock.send_multipart([route, peer.encode() + HELD + _key_bytes(tensors.key), frames[0]], copy=False)
+        else:
+            self.sock.send_multipart([route, peer.encode(), *frames], copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
         return nbytes
+
+    def _hold(self, route: bytes, key: int, buffers: list[Any]) -> None:
+        """Make the shared connection ``route`` hold the tensor frames ``buffers`` under ``key``: sent once, with
+        an empty header frame, unless it holds them already."""
+        held = self._held.setdefault(route, [])
+        if key in held:
+            return
+        self.sock.send_multipart([route, HELD + _key_bytes(key), b"", *buffers], copy=False)
+        held.append(key)
+        del held[:-HELD_SETS]
 
     def recv(self) -> tuple[str, Message] | None:
         """Receive one message (blocking); returns its sender's identity, or None for a close notice on a shared
@@ -248,7 +277,9 @@ class ServerEndpoint:
             except zmq.ZMQError:  # a peer that sent no such property: a connection of its own
                 shared = False
             if len(self._shared) >= MAX_ROUTES:
-                del self._shared[next(iter(self._shared))]
+                forgotten = next(iter(self._shared))
+                del self._shared[forgotten]
+                self._held.pop(forgotten, None)
             self._shared[route] = shared
         return shared
 
@@ -399,21 +430,35 @@ class SharedConnection:
             connect_curve(self.sock, keys)
         self.sock.connect(connect)
         self.limits, self.count = limits, count
+        self._held: dict[bytes, list[zmq.Frame]] = {}  # key -> tensor frames the coordinator sent to be held
 
     def channel(self, identity: str) -> "SharedChannel":
         """A new session of ``identity`` on this connection (its sequence numbers start again)."""
         return SharedChannel(self, identity)
 
-    def recv(self) -> tuple[str, Message]:
-        """Receive one message (blocking); returns the identity it is for. A bad one raises WireError with
-        ``.peer`` set to that identity."""
+    def recv(self) -> tuple[str, Message] | None:
+        """Receive one message (blocking); returns the identity it is for, or None for tensors to hold (kept for
+        the messages that name them, module docstring). A bad one raises WireError with ``.peer`` set to that
+        identity."""
         envelope = self.sock.recv(copy=False)
-        identity = envelope.bytes.decode("utf-8", "replace")
+        name, _, key = envelope.bytes.partition(HELD)
+        identity = name.decode("utf-8", "replace")
         try:
             if len(envelope) > MAX_ENVELOPE_BYTES or not envelope.more:
                 _drop_rest(self.sock, envelope.more)
                 raise WireError("bad_header", f"an envelope of {len(envelope)} bytes without a message")
-            msg = decode(receive_frames(self.sock, self.limits), self.limits)
+            frames = receive_frames(self.sock, self.limits)
+            if key and not identity:
+                self._held[key] = frames[1:]
+                for old in list(self._held)[:-HELD_SETS]:
+                    del self._held[old]
+                return None
+            if key:
+                if len(frames) > 1 or key not in self._held:
+                    raise WireError("bad_header", f"a message naming tensors this connection does not hold "
+                                                  f"({len(self._held)} held)")
+                frames += self._held[key]
+            msg = decode(frames, self.limits)
         except WireError as exc:
             exc.peer = identity
             raise
