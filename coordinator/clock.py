@@ -179,6 +179,8 @@ class EmulatedTime(RunClock):
 
     def joined(self, client: str) -> None:
         self.energy.joined(client)
+        if self.model.churns:  # its availability is looked at from the next time the clock moves on
+            self.model.schedule(client, self.state.registry.records[client].index, at=self.model.now)
 
     def open_round(self, r: OpenRound) -> None:
         r.started_at = self.model.now
@@ -260,21 +262,24 @@ class EmulatedTime(RunClock):
     # ------------------------------------------------------------------ helpers
     def _follow_availability(self, t: float) -> None:
         """Move the emulated clock to ``t``; mark connected clients away or back by their availability models
-        and crash downtimes."""
+        and crash downtimes: those whose state may have changed since they were last looked at (scheduled at
+        their join, and then at their next change; one that left is scheduled again when it joins)."""
         if not self.model.churns:  # everyone always available: nothing to follow
             self.model.now = max(self.model.now, t)
             return
         registry, metrics = self.state.registry, self.state.metrics
-        connected = registry.connected()
-        states = self.model.availability_at(t, ((r.client_id, r.index) for r in connected))
-        for record in connected:
-            available = states[record.client_id]
-            if registry.set_away(record.client_id, not available):
+        due = [(client, index) for client, index in self.model.due(max(self.model.now, t))
+               if registry.is_online(client)]
+        states = self.model.availability_at(t, due)
+        for client, index in due:
+            available = states[client]
+            if registry.set_away(client, not available):
                 if available:
                     metrics.client_joined(rejoin=True)
                 else:
                     metrics.client_left()
-                self.state.progress("join" if available else "leave", {"client": record.client_id})
+                self.state.progress("join" if available else "leave", {"client": client})
+            self.model.schedule(client, index)
 
     def _await_quorum(self, task: int) -> None:
         """Too few clients online for a round: move the emulated clock to when enough are, within a deadline
@@ -369,6 +374,7 @@ class EmulatedTime(RunClock):
             record.restarted, record.assets_task = True, -1
             if registry.set_away(client, True, crashed=True):
                 self.state.metrics.client_dropped("crash")
+            self.model.schedule(client, record.index)  # back when its downtime ends (or later, if off then)
 
     def _late(self, count: int) -> None:
         self.state.tally.late_updates += count

@@ -105,6 +105,34 @@ def test_crashes_lose_the_work_are_noticed_late_and_keep_the_client_away_for_the
     assert clock().close(0.0, 30.0, 2, rounds_of({"a": 1.0, "b": 4.0}), indices, {"a", "b"}, 1).crashed == set()
 
 
+@pytest.mark.parametrize("availability", ["onoff:20:10", "bernoulli:0.7"])
+def test_following_the_scheduled_clients_finds_who_is_available_as_a_look_at_every_one_would(availability):
+    """Looking only at the clients due (scheduled at their join, then at their next change, and at a crash) gives
+    the availability a look at every client gives at every step, with crashes and downtimes, for far fewer looks."""
+    import random
+
+    spec = parse_availability(availability)
+    scheduled, full = clock(spec, crash_downtime_s=7.0), clock(spec, crash_downtime_s=7.0)
+    clients = [(f"c{i}", i) for i in range(80)]
+    for client, index in clients:
+        scheduled.schedule(client, index, at=0.0)
+    state, looks, steps, rng, t = {}, 0, 0, random.Random(3), 0.0
+    while t < 300.0:
+        due = scheduled.due(t)
+        looks += len(due)
+        state.update(scheduled.availability_at(t, due))
+        for client, index in due:
+            scheduled.schedule(client, index)
+        assert state == full.availability_at(t, clients), t
+        for client, index in rng.sample(clients, 2):  # two crash now: away for the downtime
+            for c in (scheduled, full):
+                c.crashed(client, index, t)
+            state[client] = False
+            scheduled.schedule(client, index)
+        t, steps = t + rng.uniform(0.5, 6.0), steps + 1
+    assert looks < steps * len(clients) / 3
+
+
 def test_a_client_whose_availability_ends_mid_round_has_left(tmp_path):
     path = tmp_path / "trace.json"  # client 0: on from 0 to 1.5 s; client 1: always on
     path.write_text(json.dumps({"0": {"active": [0], "inactive": [1.5], "finish_time": 100},
