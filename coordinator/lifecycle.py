@@ -337,6 +337,7 @@ class Coordinator:
                                resumes=self.checkpointer.resumes, online=len(state.registry.online()),
                                missing=len(missing))
                 self.progress("resume", {"rounds": len(rounds), "task": first_task, "task_round": first_round})
+            _keep_out_of_collections()  # the population is in
             for task in range(first_task, scenario.num_tasks):
                 state.task = task
                 resuming_task = task == first_task and first_round > 0
@@ -347,7 +348,7 @@ class Coordinator:
                 for task_round in range(first_round if resuming_task else 0, last_round + 1):
                     with spent("rounds"):
                         record = self.rounds.run_round(task, task_round)
-                    if len(rounds) == done_before:  # this process's first round
+                    if len(rounds) == done_before:  # and what the first round set up for all (schedules)
                         _keep_out_of_collections()
                     rounds.append(record)
                     self.progress("round", asdict(record))
@@ -511,10 +512,11 @@ class Coordinator:
 
 
 def _keep_out_of_collections() -> None:
-    """Move what is alive after a run's first round (the population's records, its availability and battery
-    schedules, the model and the data) out of the cyclic collector's passes, after one full collection so that no
-    garbage stays. At 100,000 clients a full collection walked millions of such objects: 0.6 s of the coordinator's
-    round whenever one fell in it, every round or two (2026-11-28). Objects among them that die later are still
-    freed by their reference counts; the run unfreezes them when it ends."""
+    """Move what is alive (once the population has joined: its records, the model and the data; after the first
+    round: the availability and battery schedules made for all) out of the cyclic collector's passes, after one
+    full collection so that no garbage stays. At 100,000 clients a full collection walked millions of such
+    objects: 0.5-0.6 s of the coordinator's round whenever one fell in it, every round or two (2026-11-28).
+    Objects among them that die later are still freed by their reference counts; the run unfreezes them when it
+    ends."""
     gc.collect()
     gc.freeze()
