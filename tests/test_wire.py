@@ -14,7 +14,8 @@ from fcl_emu.wire.framing import ALLOWED_DTYPES, Limits, WireError, decode, enco
 from tests.conftest import raw_header
 from fcl_emu.wire.messages import BODY_SCHEMAS, Heartbeat, Join, TensorSpec, Update
 from fcl_emu.wire.auth import Allowlist, ClientKeyring, KeyFileError, load_server_keys, write_keys
-from fcl_emu.wire.sockets import HELD, HELD_SETS, ClientEndpoint, Counters, ServerEndpoint, SharedConnection
+from fcl_emu.wire.sockets import (HELD, HELD_BYTES, HELD_SETS, ClientEndpoint, Counters, HeldSets, ServerEndpoint,
+                                  SharedConnection)
 
 UPDATE = Update(num_samples=5, train_time_s=0.5, loss=1.25)
 
@@ -325,7 +326,7 @@ def test_a_shared_connection_takes_tensors_made_for_many_once_and_each_client_re
             for name, value in model.items():
                 np.testing.assert_array_equal(msg.tensors[name], value)
         assert node_counts.bytes[("heartbeat", "received")] == 2 * sent[0]
-        later = [wire_tensors(model) for _ in range(HELD_SETS)]  # the first set is dropped at both ends
+        later = [wire_tensors(model) for _ in range(HELD_SETS)]  # the least recently used is dropped at both ends
         for t in later:
             server.send("client-0001", "heartbeat", request, tensors=t)
         assert [shared.recv() is None for _ in range(2 * HELD_SETS)] == [True, False] * HELD_SETS
@@ -344,6 +345,19 @@ def test_a_shared_connection_takes_tensors_made_for_many_once_and_each_client_re
             c.close(0)
         server.close()
         ctx.term()
+
+
+def test_held_sets_drop_the_least_recently_used_beyond_their_count_and_bytes():
+    held = HeldSets()
+    for i in range(HELD_SETS):
+        held.keep(bytes([i]), 10, i)
+    assert held.use(bytes([0])) == 0  # used: now the most recent
+    held.keep(b"new", 10, "new")
+    assert len(held) == HELD_SETS and held.use(bytes([1])) is None and held.use(bytes([0])) == 0
+    held.keep(b"big", HELD_BYTES, "big")  # beyond the bytes: only the set kept last stays
+    assert len(held) == 1 and held.use(b"big") == "big"
+    held.keep(b"small", 1, "small")
+    assert len(held) == 1 and held.use(b"big") is None
 
 
 @pytest.fixture

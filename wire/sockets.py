@@ -35,8 +35,9 @@ coordinator's sends to it fail (EHOSTUNREACH) until it speaks again, and its nex
 message counts as a new connection. Tensors made once to go to many clients
 (:class:`~fcl_emu.wire.framing.WireTensors`: a round's model, a task's assets)
 cross a shared connection once: the coordinator first sends them alone, under an
-envelope of :data:`HELD` and their key, and the connection keeps the latest
-:data:`HELD_SETS`; each client's message then carries its header only, its
+envelope of :data:`HELD` and their key, and the connection keeps them
+(:class:`HeldSets`: the most recently used, within a count and a size); each
+client's message then carries its header only, its
 envelope naming the key after the identity, and the node reads it with the
 kept tensors. Envelopes are transport: the byte counts leave them out, as they
 leave out a ROUTER's routing id, and count each client's message whole, as a
@@ -162,12 +163,42 @@ def _drop_rest(sock: zmq.Socket, more: bool) -> int:
 
 MAX_ENVELOPE_BYTES = 256  # a shared connection's envelope holds one identity
 HELD = b"\0"  # in an envelope: what follows is the key of tensors the shared connection holds
-HELD_SETS = 8  # sets of tensors a shared connection holds, the latest sent (both ends drop the oldest first)
+HELD_SETS = 8  # sets of tensors a shared connection holds at most
+HELD_BYTES = 64 << 20  # and their bytes, but for the set sent last (a large model: one set at a time)
 MAX_ROUTES = 1_000_000  # identities remembered; the least recently heard from is forgotten first
 
 
 def _key_bytes(key: int) -> bytes:
     return key.to_bytes(8, "big")
+
+
+class HeldSets:
+    """The sets of tensors a shared connection holds, by key, least recently used first: at most
+    :data:`HELD_SETS`, and :data:`HELD_BYTES` but for the set kept last. The coordinator keeps one per shared
+    connection (of keys and sizes), the node the frames themselves; both see the same sets kept and named in the
+    same order on the one connection, so they drop the same ones."""
+
+    def __init__(self) -> None:
+        self._sets: dict[bytes, tuple[int, Any]] = {}  # key -> (bytes, what is kept)
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def use(self, key: bytes) -> Any:
+        """What is kept under ``key`` (now the most recently used), or None."""
+        entry = self._sets.pop(key, None)
+        if entry is None:
+            return None
+        self._sets[key] = entry
+        return entry[1]
+
+    def keep(self, key: bytes, nbytes: int, value: Any) -> None:
+        self._sets[key] = (nbytes, value)
+        self._bytes += nbytes
+        while len(self._sets) > 1 and (len(self._sets) > HELD_SETS or self._bytes > HELD_BYTES):
+            oldest = next(iter(self._sets))
+            self._bytes -= self._sets.pop(oldest)[0]
 
 
 class ServerEndpoint:
@@ -201,7 +232,7 @@ class ServerEndpoint:
         self._identities: dict[bytes, str] = {}  # and back, for connections of one client's own
         self._shared: dict[bytes, bool] = {}  # routing id -> whether it is a shared connection
         self._closed: set[str] = set()  # identities whose session on a shared connection ended (a close notice)
-        self._held: dict[bytes, list[int]] = {}  # shared connection -> keys of the tensors it holds, oldest first
+        self._held: dict[bytes, HeldSets] = {}  # shared connection -> what it holds (keys and sizes)
         self._seq = 0
         self.switched = False  # the last message received moved its sender to another connection
 
@@ -218,23 +249,23 @@ class ServerEndpoint:
         if not self._shared.get(route):
             self.sock.send_multipart([route, *frames], copy=False)
         elif isinstance(tensors, WireTensors) and len(frames) > 1:
-            self._hold(route, tensors.key, frames[1:])
-            self.sock.send_multipart([route, peer.encode() + HELD + _key_bytes(tensors.key), frames[0]], copy=False)
+            key = _key_bytes(tensors.key)
+            self._hold(route, key, frames[1:])
+            self.sock.send_multipart([route, peer.encode() + HELD + key, frames[0]], copy=False)
         else:
             self.sock.send_multipart([route, peer.encode(), *frames], copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
         return nbytes
 
-    def _hold(self, route: bytes, key: int, buffers: list[Any]) -> None:
+    def _hold(self, route: bytes, key: bytes, buffers: list[Any]) -> None:
         """Make the shared connection ``route`` hold the tensor frames ``buffers`` under ``key``: sent once, with
         an empty header frame, unless it holds them already."""
-        held = self._held.setdefault(route, [])
-        if key in held:
+        held = self._held.setdefault(route, HeldSets())
+        if held.use(key):
             return
-        self.sock.send_multipart([route, HELD + _key_bytes(key), b"", *buffers], copy=False)
-        held.append(key)
-        del held[:-HELD_SETS]
+        self.sock.send_multipart([route, HELD + key, b"", *buffers], copy=False)
+        held.keep(key, frames_nbytes(buffers), True)
 
     def recv(self) -> tuple[str, Message] | None:
         """Receive one message (blocking); returns its sender's identity, or None for a close notice on a shared
@@ -430,7 +461,7 @@ class SharedConnection:
             connect_curve(self.sock, keys)
         self.sock.connect(connect)
         self.limits, self.count = limits, count
-        self._held: dict[bytes, list[zmq.Frame]] = {}  # key -> tensor frames the coordinator sent to be held
+        self._held = HeldSets()  # the tensor frames the coordinator sent to be held
 
     def channel(self, identity: str) -> "SharedChannel":
         """A new session of ``identity`` on this connection (its sequence numbers start again)."""
@@ -449,15 +480,14 @@ class SharedConnection:
                 raise WireError("bad_header", f"an envelope of {len(envelope)} bytes without a message")
             frames = receive_frames(self.sock, self.limits)
             if key and not identity:
-                self._held[key] = frames[1:]
-                for old in list(self._held)[:-HELD_SETS]:
-                    del self._held[old]
+                self._held.keep(key, sum(len(f) for f in frames[1:]), frames[1:])
                 return None
             if key:
-                if len(frames) > 1 or key not in self._held:
+                held = self._held.use(key)
+                if len(frames) > 1 or held is None:
                     raise WireError("bad_header", f"a message naming tensors this connection does not hold "
                                                   f"({len(self._held)} held)")
-                frames += self._held[key]
+                frames += held
             msg = decode(frames, self.limits)
         except WireError as exc:
             exc.peer = identity
