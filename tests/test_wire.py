@@ -358,6 +358,9 @@ def test_held_sets_drop_the_least_recently_used_beyond_their_count_and_bytes():
     assert len(held) == 1 and held.use(b"big") == "big"
     held.keep(b"small", 1, "small")
     assert len(held) == 1 and held.use(b"big") is None
+    held.keep(b"small", 2, "again")  # kept again: replaced, its bytes counted once
+    held.keep(b"other", HELD_BYTES - 2, "other")
+    assert len(held) == 2 and held.use(b"small") == "again"
 
 
 @pytest.fixture

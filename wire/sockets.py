@@ -194,6 +194,8 @@ class HeldSets:
         return entry[1]
 
     def keep(self, key: bytes, nbytes: int, value: Any) -> None:
+        if key in self._sets:  # kept again: replaced
+            self._bytes -= self._sets.pop(key)[0]
         self._sets[key] = (nbytes, value)
         self._bytes += nbytes
         while len(self._sets) > 1 and (len(self._sets) > HELD_SETS or self._bytes > HELD_BYTES):
