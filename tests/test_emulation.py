@@ -326,4 +326,9 @@ def test_a_node_without_the_dataset_says_so_in_one_line_and_its_clients_leave(tm
         if coordinator.poll() is None:
             coordinator.kill()
     summary = RunSummary.load(run_dir / "summary.json")
-    assert summary.status.startswith(("aborted", "failed")) and summary.clients.left == 4
+    # each client left at once; one whose welcome found the node's connection already closed (the node fails on
+    # its first welcome, maybe before the coordinator has read every join) is dropped as unreachable instead,
+    # before its leave, queued behind its join, is read
+    clients = summary.clients
+    assert summary.status.startswith(("aborted", "failed")) and clients.left >= 1
+    assert clients.left + clients.dropped == clients.joined == 4 and clients.online_at_end == 0
