@@ -337,7 +337,8 @@ class Coordinator:
                                resumes=self.checkpointer.resumes, online=len(state.registry.online()),
                                missing=len(missing))
                 self.progress("resume", {"rounds": len(rounds), "task": first_task, "task_round": first_round})
-            _keep_out_of_collections()  # the population is in
+            with spent("collections"):
+                _keep_out_of_collections()  # the population is in
             for task in range(first_task, scenario.num_tasks):
                 state.task = task
                 resuming_task = task == first_task and first_round > 0
@@ -349,7 +350,8 @@ class Coordinator:
                     with spent("rounds"):
                         record = self.rounds.run_round(task, task_round)
                     if len(rounds) == done_before:  # and what the first round set up for all (schedules)
-                        _keep_out_of_collections()
+                        with spent("collections"):
+                            _keep_out_of_collections()
                     rounds.append(record)
                     self.progress("round", asdict(record))
                     if task_round < last_round:  # after a task's last round: below, once the task has ended

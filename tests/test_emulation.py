@@ -51,8 +51,11 @@ def test_up_runs_a_complete_fcil_emulation(tmp_path, mnist_root):
     assert own.wait(timeout=240) == 0
     alike = RunSummary.load(own_dir / "summary.json")
     assert alike.accuracy_matrix == matrix and alike.clients == summary.clients
-    assert {k: v for k, v in alike.bytes.items() if k != "heartbeat"} == \
-        {k: v for k, v in summary.bytes.items() if k != "heartbeat"}
+    # the same bytes but for heartbeats and the run's end: a node closes its clients at their first shutdown, so
+    # how many of the later shutdowns still find a route depends on how fast it does
+    racy = ("heartbeat", "shutdown")
+    assert {k: v for k, v in alike.bytes.items() if k not in racy} == \
+        {k: v for k, v in summary.bytes.items() if k not in racy}
 
 
 def test_live_coordinator_survives_bad_frames(tmp_path, mnist_root):
