@@ -28,6 +28,20 @@ def test_weighted_mean_by_hand():
     assert out["w"].dtype == np.float32
 
 
+def test_the_weighted_mean_of_many_updates_is_the_exact_mean_within_float32_rounding():
+    """Past :data:`PARTIAL_TERMS` updates the float32 runs add up in float64: the mean of 1,000 updates (values
+    spanning six orders of magnitude, terms that cancel) stays within one float32 rounding of the terms' scale of
+    the exact mean (all of it summed in float32: up to twice that)."""
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((1000, 64)) * 10.0 ** rng.integers(-3, 3, (1000, 1))).astype(np.float32)
+    weights = [int(n) for n in rng.integers(1, 500, 1000)]
+    exact = (rows.astype(np.float64) * np.array(weights)[:, None]).sum(axis=0) / sum(weights)
+    out = weighted_mean(_updates(*rows, weights=weights))["w"]
+    scale = (np.abs(rows.astype(np.float64)) * np.array(weights)[:, None]).sum(axis=0) / sum(weights)
+    assert np.all(np.abs(out - exact) <= np.finfo(np.float32).eps * scale)
+    assert out.dtype == np.float32
+
+
 def test_coordinate_median_by_hand():
     out = coordinate_median(_updates([1.0, 9.0], [2.0, -5.0], [100.0, 0.0], weights=[1, 1, 50]))
     np.testing.assert_allclose(out["w"], [2.0, 0.0])  # each coordinate on its own; weights ignored
