@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fcl_emu.coordinator.clients import ClientRecord
 from fcl_emu.coordinator.emulated import ClientRound, EmulatedClock
 from fcl_emu.coordinator.energy import EnergyLedger
 from fcl_emu.coordinator.open_round import OpenRound
@@ -63,10 +64,22 @@ class RunClock(ABC):
     def edge_settings(self, index: int, profile: DeviceProfile | None) -> EdgeSettings:
         """What client ``index``'s edge node emulates in host time."""
 
-    @abstractmethod
+    def catch_up(self, task: int) -> list[ClientRecord]:
+        """Bring the registry's view of who is online, and eligible for ``task``, up to now; returns the eligible
+        clients. The run calls it once the population is in, so that the first round's selection does not do it
+        for every client at once (at 100,000 clients: their first availability and battery schedules, and the
+        sort of the eligible)."""
+        return self.state.registry.eligible(task)
+
     def before_selection(self, task: int, serve: Serve) -> None:
-        """Bring the registry's view of who is online up to the round's start; with fewer than
+        """Bring the registry's view of who is online up to the round's start (:meth:`catch_up`); with fewer than
         ``min_participants`` eligible, wait (in this clock's time) for clients to come back, within a deadline."""
+        if len(self.catch_up(task)) < self.state.config.rounds.min_participants:
+            self._await_quorum(task, serve)
+
+    @abstractmethod
+    def _await_quorum(self, task: int, serve: Serve) -> None:
+        """Wait, in this clock's time and within a deadline, for enough eligible clients to come back."""
 
     def joined(self, client: str) -> None:
         """``client`` joined, or joined again, its device profile drawn."""
@@ -111,11 +124,10 @@ class RealTime(RunClock):
             profile=None if profile is None else profile.to_wire(), crash_rate=edge.crash_rate,
             crash_downtime_s=edge.crash_downtime_s, clock_s=time.monotonic() - self.started)
 
-    def before_selection(self, task: int, serve: Serve) -> None:
+    def _await_quorum(self, task: int, serve: Serve) -> None:
         cfg, registry = self.state.config.rounds, self.state.registry
-        if len(registry.eligible(task)) < cfg.min_participants:
-            wait_s = min(cfg.deadline_s, registry.liveness_timeout_s)
-            serve(lambda: registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
+        wait_s = min(cfg.deadline_s, registry.liveness_timeout_s)
+        serve(lambda: registry.online_count >= cfg.min_participants, time.monotonic() + wait_s)
 
     def collect(self, r: OpenRound, serve: Serve, side_channel: SideChannel) -> None:
         """Serve until the round is done or its deadline passed; every update that arrived counts."""
@@ -170,12 +182,10 @@ class EmulatedTime(RunClock):
         """Nothing in host time: availability, crashes and delays are this clock's."""
         return EdgeSettings(profile=None if profile is None else profile.to_wire(), clock="emulated")
 
-    def before_selection(self, task: int, serve: Serve) -> None:
+    def catch_up(self, task: int) -> list[ClientRecord]:
         self._follow_availability(self.model.now)
-        cfg, registry = self.state.config.rounds, self.state.registry
         self.energy.check(self.model.now)
-        if len(registry.eligible(task)) < cfg.min_participants:
-            self._await_quorum(task)
+        return super().catch_up(task)
 
     def joined(self, client: str) -> None:
         self.energy.joined(client)
@@ -281,9 +291,9 @@ class EmulatedTime(RunClock):
                 self.state.progress("join" if available else "leave", {"client": client})
             self.model.schedule(client, index)
 
-    def _await_quorum(self, task: int) -> None:
+    def _await_quorum(self, task: int, serve: Serve) -> None:
         """Too few clients online for a round: move the emulated clock to when enough are, within a deadline
-        (or to the deadline: the round that follows is skipped)."""
+        (or to the deadline: the round that follows is skipped); nothing is served meanwhile."""
         cfg, registry = self.state.config.rounds, self.state.registry
         until = self.model.now + cfg.deadline_s
         while len(registry.eligible(task)) < cfg.min_participants:

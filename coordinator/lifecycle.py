@@ -300,7 +300,6 @@ class Coordinator:
         matrix: list[list[float | None]] = [] if resumed is None else resumed.matrix
         class_hits = None  # (correct, samples) per seen class after the latest task: spatial retention
         rounds: list[RoundRecord] = [] if resumed is None else resumed.rounds
-        done_before = len(rounds)
         first_task, first_round = (0, 0) if resumed is None else (resumed.task, resumed.task_round)
         last_round = config.rounds.rounds_per_task - 1
         spent = self.time.spent
@@ -311,6 +310,7 @@ class Coordinator:
 
         status = "completed"
         state.recorder = recorder
+        thresholds = gc.get_threshold()
         self.time.restart()
         try:
             self._warn_adjustments()
@@ -337,8 +337,10 @@ class Coordinator:
                                resumes=self.checkpointer.resumes, online=len(state.registry.online()),
                                missing=len(missing))
                 self.progress("resume", {"rounds": len(rounds), "task": first_task, "task_round": first_round})
+            with spent("catch_up"):
+                self.clock.catch_up(first_task)  # the population is in: its availability, batteries, the eligible
             with spent("collections"):
-                _keep_out_of_collections()  # the population is in
+                _keep_out_of_collections()
             for task in range(first_task, scenario.num_tasks):
                 state.task = task
                 resuming_task = task == first_task and first_round > 0
@@ -349,9 +351,6 @@ class Coordinator:
                 for task_round in range(first_round if resuming_task else 0, last_round + 1):
                     with spent("rounds"):
                         record = self.rounds.run_round(task, task_round)
-                    if len(rounds) == done_before:  # and what the first round set up for all (schedules)
-                        with spent("collections"):
-                            _keep_out_of_collections()
                     rounds.append(record)
                     self.progress("round", asdict(record))
                     if task_round < last_round:  # after a task's last round: below, once the task has ended
@@ -371,6 +370,7 @@ class Coordinator:
             raise
         finally:
             gc.unfreeze()  # what the run kept out of collections is collectable again once it ends
+            gc.set_threshold(*thresholds)
             with spent("shutdown"):
                 self._shutdown(status)
             summary = self.summary.build(matrix, rounds, time.perf_counter() - started, status, recorder.run_dir,
@@ -513,12 +513,19 @@ class Coordinator:
         self.state.metrics.close()
 
 
+ROUND_GC_THRESHOLDS = (10_000, 20, 100)  # the cyclic collector's thresholds while the rounds run
+
+
 def _keep_out_of_collections() -> None:
-    """Move what is alive (once the population has joined: its records, the model and the data; after the first
-    round: the availability and battery schedules made for all) out of the cyclic collector's passes, after one
-    full collection so that no garbage stays. At 100,000 clients a full collection walked millions of such
-    objects: 0.5-0.6 s of the coordinator's round whenever one fell in it, every round or two (2026-11-28).
-    Objects among them that die later are still freed by their reference counts; the run unfreezes them when it
-    ends."""
+    """Move what is alive once the population has joined and been caught up with (its records, availability and
+    battery schedules, the model and the data) out of the cyclic collector's passes, after one full collection so
+    that no garbage stays, and collect less often while the rounds run. At 100,000 clients a full collection
+    walked millions of such objects: 0.5-0.6 s of the coordinator's round whenever one fell in it, every round or
+    two. With those frozen, the default thresholds (700, 10, 10) still ran a young collection every 700 new
+    containers (a round's messages make hundreds of thousands) and a full one of everything made since the freeze
+    every round or two: about 0.15 s of a round of 1,000 updates, against 0.05 s with
+    :data:`ROUND_GC_THRESHOLDS` (2026-11-28, ``gc.callbacks``). Objects that die are still freed by their
+    reference counts; the run unfreezes and restores the thresholds when it ends."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*ROUND_GC_THRESHOLDS)

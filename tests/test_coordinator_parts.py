@@ -83,12 +83,12 @@ class FakeSpec:
     client = ClientPart
 
 
-def make_state(clock: str = "real", **rounds) -> RunState:
+def make_state(clock: str = "real", edge: dict | None = None, **rounds) -> RunState:
     config = RunConfig.model_validate({
         "scenario": {"dataset": "mnist", "num_tasks": 2, "num_clients": NUM_CLIENTS},
         "rounds": {"clients_per_round": 3, "rounds_per_task": 2, "min_participants": 2, "deadline_s": 30,
                    "clock": clock, **rounds},
-        "security": {"transport": "plain"}})
+        "edge": edge or {}, "security": {"transport": "plain"}})
     return RunState(config=config, scenario=FakeScenario(), spec=FakeSpec(), server=FakeServer(), model_name="fake",
                     evaluator=None, registry=ClientRegistry(liveness_timeout_s=10.0), metrics=CoordinatorMetrics(),
                     run_id="test", rng=np.random.default_rng(0), log_once=LogOnce(logging.getLogger("test")))
@@ -401,6 +401,28 @@ def test_strangers_are_told_to_join_and_cannot_join_as_someone_else():
     assert not state.registry.records
     assert [(c, b.code) for c, t, b in endpoint.sent] == [(client_id(1), "not_joined")]
     assert state.tally.rejected == {"unknown_sender": 1, "not_authorized": 1}
+
+
+def test_catching_up_before_the_rounds_leaves_the_first_selection_nothing_to_look_at():
+    """Once the population is in, ``catch_up`` follows every joined client's availability and sorts the eligible;
+    the first round's selection then finds no client due and the same eligible list, and sees who is online as
+    it would have without the catch-up."""
+    def joined_clock():
+        state = make_state("emulated", edge={"availability": "onoff:30:30"})
+        d, endpoint = dispatcher(state)
+        for i in range(NUM_CLIENTS):
+            endpoint.push(client_id(i), "join", join_msg(i))
+        d.drain()
+        return state, d.clock
+
+    state, clock = joined_clock()
+    eligible = clock.catch_up(0)
+    assert clock.model.due(clock.model.now) == [] and eligible is state.registry.eligible(0)
+    clock.before_selection(0, serve=None)
+    assert state.registry.eligible(0) is eligible
+    plain_state, plain = joined_clock()
+    plain.before_selection(0, serve=None)  # without a catch-up: the selection does it
+    assert [r.client_id for r in plain_state.registry.eligible(0)] == [r.client_id for r in eligible]
 
 
 def test_the_clock_is_chosen_once_from_the_config():
