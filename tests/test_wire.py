@@ -106,6 +106,7 @@ def test_non_finite_updates_are_rejected(bad):
     assert decode(frames, Limits(check_finite=False)).type == "update"
 
 
+@pytest.mark.filterwarnings("error")  # an overflow or a NaN is an answer, not a warning in the run's log
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_square_sum_is_the_finite_check_and_the_squared_norm(dtype):
     a = np.zeros(3 * 1024 + 5, dtype)  # whole rows and a tail

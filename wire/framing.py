@@ -189,7 +189,8 @@ def square_sum(array: np.ndarray) -> float | None:
         return total if math.isfinite(total) else None
     whole = flat.size - flat.size % _SQUARE_ROW
     rows = flat[:whole].reshape(-1, _SQUARE_ROW)
-    sums = np.vecdot(rows, rows)
+    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite sum is looked at below, not warned of
+        sums = np.vecdot(rows, rows)
     total = float(sums.sum(dtype=np.float64)) + (_exact_square_sum(flat[whole:]) if whole < flat.size else 0.0)
     if math.isfinite(total):
         return total
