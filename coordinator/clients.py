@@ -34,7 +34,6 @@ class ClientRecord:
     join_task: int
     status: Status = Status.ONLINE
     last_seen: float = field(default_factory=time.monotonic)
-    heard: bool = False  # sent anything since its (latest) join
     assets_task: int = -1  # task whose per-task assets this client holds
     rounds_trained: int = 0
     device_class: str | None = None  # its device profile's name (with a profiles file), drawn at join
@@ -54,12 +53,6 @@ class RegistryCounts:
     rejoined: int = 0
     left: int = 0
     dropped: int = 0  # declared dead: missed heartbeats or unreachable
-
-
-#: How much longer than the liveness timeout a client may stay silent between its join and its first message: a
-#: node configures itself on its first welcome (it loads the run's data set) and sends nothing meanwhile, which on
-#: a loaded host can outlast the timeout.
-SETUP_GRACE_S = 60.0
 
 
 class ClientRegistry:
@@ -91,7 +84,7 @@ class ClientRegistry:
         record.status = Status.ONLINE
         record.assets_task = assets_task
         record.node = node
-        record.last_seen, record.heard = time.monotonic(), False
+        record.last_seen = time.monotonic()
         self.online_count += record.online - was_online
         self._changes += 1
         return record
@@ -103,7 +96,7 @@ class ClientRegistry:
 
     def touch(self, client_id: str) -> None:
         record = self.records[client_id]
-        record.last_seen, record.heard = time.monotonic(), True
+        record.last_seen = time.monotonic()
 
     def _set_status(self, record: ClientRecord, status: Status) -> None:
         self.online_count -= record.online
@@ -147,11 +140,11 @@ class ClientRegistry:
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Declare dead every online client silent for longer than the liveness timeout (plus
-        :data:`SETUP_GRACE_S` before its first message after a join)."""
+        """Declare dead every online client silent for longer than the liveness timeout (its join counts as
+        heard: its node heartbeats while it sets the run up)."""
         now = time.monotonic() if now is None else now
         dead = [r.client_id for r in self.records.values() if r.status is Status.ONLINE
-                and now - r.last_seen > self.liveness_timeout_s + (0.0 if r.heard else SETUP_GRACE_S)]
+                and now - r.last_seen > self.liveness_timeout_s]
         for client_id in dead:
             self.drop(client_id)
         return dead

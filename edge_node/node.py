@@ -31,7 +31,11 @@ what the emulated clock scales.
 Timed actions (delayed sends and deliveries) wait in a heap that the main
 loop runs; nothing sleeps, so one slow client never holds up the others.
 Heartbeats are the main loop's too: they are sends on the loop's clock;
-churn only decides which clients are active, and so send them.
+churn only decides which clients are active, and so send them. A run's setup
+(its data set loaded, its method built), made on the first welcome, takes a
+setup thread of its own: the clients' messages wait for it in order, and the
+welcomed clients heartbeat meanwhile, so a node that is loading is alive to
+the coordinator and one that is gone is noticed within the liveness timeout.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +76,16 @@ log = logging.getLogger("fcl_emu.edge_node")
 
 HEARTBEAT_SCAN_MAX_S = 1.0  # the heartbeat scan's period at most (a quarter of the interval below 4 s)
 DATA_DOWN = frozenset({"task_start", *ASSET_TYPES, "train_request"})  # what the emulated downlink delays
+SETUP_POLL_S = 0.02  # how often the main loop looks whether a run's setup is made
+
+
+@dataclass
+class PendingSetup:
+    """A run's setup being made on the setup thread; the clients' messages meanwhile, in arrival order, each
+    with the client's generation then (one that crashed since loses them, as a closed socket would)."""
+    welcome: Any
+    made: Future
+    parked: list[tuple[EmulatedClient, int, Message]] = field(default_factory=list)
 
 
 class NodeSetupError(RuntimeError):
@@ -100,7 +116,9 @@ class EdgeNode:
         self.assets = AssetCache()
         self.payloads = RoundPayloads()
         self.setup: RunSetup | None = None
-        self._datasets: dict[str, Any] = {}
+        self._pending_setup: PendingSetup | None = None
+        self._setup_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-setup")
+        self._datasets: dict[str, Any] = {}  # by name, read on the setup thread only
         self._trainer = Trainer(self.context, threads=threads, payloads=self.payloads, metrics=self.metrics,
                                 setup=lambda: self.setup)
         self._poller = zmq.Poller()
@@ -178,26 +196,52 @@ class EdgeNode:
         while self._timers and self._timers[0][0] <= now:
             heapq.heappop(self._timers)[2]()
 
-    def _configure(self, body) -> None:
-        if self.setup is not None and self.setup.run_id == body.run_id:
-            return
+    def _make_setup(self, body) -> RunSetup:
+        """On the setup thread: load the run's data set (once per node) and build its setup."""
         spec = ScenarioSpec(**body.scenario)
         dataset = self._datasets.get(spec.dataset)
         if dataset is None:
             dataset = self._datasets[spec.dataset] = load_dataset(spec.dataset, self.data_roots)
-        self.setup = RunSetup.from_welcome(body, spec, dataset)
-        self.heartbeat_interval_s = body.heartbeat_interval_s
+        return RunSetup.from_welcome(body, spec, dataset)
+
+    def _finish_setup(self) -> None:
+        """Once the pending setup is made: take it, then hand the clients the messages parked meanwhile."""
+        pending = self._pending_setup
+        if pending is None or not pending.made.done():
+            return
+        self._pending_setup = None
+        body = pending.welcome
+        try:
+            self.setup = pending.made.result()
+        except DatasetNotFoundError as exc:
+            roots = ", ".join(map(str, self.data_roots)) or "none given"
+            raise NodeSetupError(f"{self.name} cannot take part in run {body.run_id}: dataset "
+                                 f"{exc.dataset!r} is not under its data roots ({roots})") from None
         self._churn.edge = body.edge
-        log.info("%s configured for run %s: %s on %s", self.name, body.run_id, body.method, spec.dataset)
+        log.info("%s configured for run %s: %s on %s", self.name, body.run_id, body.method, body.scenario["dataset"])
+        for client, generation, msg in pending.parked:
+            if client.generation == generation:
+                self._on_message(client, msg)
+
+    def _park(self, client: EmulatedClient, msg: Message) -> bool:
+        """While a run's setup is made (a welcome into a run not set up starts it), keep the message for later;
+        a welcome still counts at once: its client heartbeats from now on. False: handle it now."""
+        if msg.type == "welcome" and self._pending_setup is None \
+                and (self.setup is None or self.setup.run_id != msg.body.run_id):
+            self._pending_setup = PendingSetup(msg.body, self._setup_thread.submit(self._make_setup, msg.body))
+            self.heartbeat_interval_s = msg.body.heartbeat_interval_s
+        if self._pending_setup is None:
+            return False
+        if msg.type == "welcome":
+            client.welcomed = True
+            self._joins.welcomed(client.id, msg.body.run_id)
+        self._pending_setup.parked.append((client, client.generation, msg))
+        return True
 
     def _on_message(self, client: EmulatedClient, msg: Message) -> None:
+        if self._park(client, msg):
+            return
         if msg.type == "welcome":
-            try:
-                self._configure(msg.body)
-            except DatasetNotFoundError as exc:
-                roots = ", ".join(map(str, self.data_roots)) or "none given"
-                raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: dataset "
-                                     f"{exc.dataset!r} is not under its data roots ({roots})") from None
             client.welcomed = True
             self._joins.welcomed(client.id, msg.body.run_id)
             self._churn.start(client, msg.body.edge, time.monotonic())
@@ -335,6 +379,8 @@ class EdgeNode:
         try:
             while not stop.is_set() and self._open:
                 wait_s = min(0.25, self.heartbeat_interval_s / 2)  # the welcome may change the interval
+                if self._pending_setup is not None:
+                    wait_s = min(wait_s, SETUP_POLL_S)
                 if self._timers:
                     wait_s = min(wait_s, max(0.0, self._timers[0][0] - time.monotonic()))
                 events = dict(self._poller.poll(timeout=math.ceil(1000 * wait_s)))
@@ -352,6 +398,7 @@ class EdgeNode:
                             self._receive(client, client.endpoint.recv(), time.monotonic())
                         except WireError as exc:
                             self._rejected(client, exc)
+                self._finish_setup()
                 now = time.monotonic()
                 self._run_timers(now)
                 self._churn.tick(now)
@@ -393,6 +440,7 @@ class EdgeNode:
 
     def close(self) -> None:
         """Close the sockets. The metrics endpoint stays up (``metrics.close()`` ends it)."""
+        self._setup_thread.shutdown(wait=False, cancel_futures=True)
         self._joins.close()
         if self._shared is not None:
             self._shared.close()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
-from fcl_emu.coordinator.clients import SETUP_GRACE_S, ClientRegistry
+from fcl_emu.coordinator.clients import ClientRegistry
 from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock
 from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.dispatch import Dispatcher
@@ -575,18 +575,17 @@ def test_every_field_of_the_open_round_has_one_writer():
         "hopeless_checked"}
 
 
-def test_a_client_is_silent_only_after_the_setup_grace_until_it_is_first_heard():
-    """A node loads the run's data set on its first welcome and sends nothing meanwhile: its clients get the
-    liveness timeout plus the setup grace before their first message, the timeout alone after it."""
+def test_a_client_silent_for_the_liveness_timeout_from_its_join_or_its_last_message_is_dead():
+    """A join counts as hearing from the client (its node heartbeats while it loads the run's data set): a
+    client lost before its first heartbeat is declared dead after the timeout, like one lost later."""
     registry = ClientRegistry(liveness_timeout_s=10.0)
     registry.join("client-0000", 0, "node-0", 0)
     joined = registry.records["client-0000"].last_seen
-    assert registry.expire(joined + 10.0 + SETUP_GRACE_S - 1) == []
+    assert registry.expire(joined + 9.0) == [] and registry.expire(joined + 11.0) == ["client-0000"]
+    registry.join("client-0000", 0, "node-0", 0)  # back
     registry.touch("client-0000")
     heard = registry.records["client-0000"].last_seen
     assert registry.expire(heard + 9.0) == [] and registry.expire(heard + 11.0) == ["client-0000"]
-    registry.join("client-0000", 0, "node-0", 0)  # back: the grace again until it is heard
-    assert registry.expire(registry.records["client-0000"].last_seen + 11.0) == []
 
 
 def test_a_rounds_answers_grow_with_its_updates_masked_inputs_and_errors():

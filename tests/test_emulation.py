@@ -246,6 +246,45 @@ def test_the_first_round_waits_for_before_rounds_while_the_clients_are_served(tm
     assert not any("third asking" in w for w in warnings)
 
 
+def test_a_node_setting_up_for_longer_than_the_liveness_timeout_keeps_its_clients(tmp_path, mnist_root, monkeypatch):
+    """An edge node loads the run's data set on its first welcome, here for three liveness timeouts: its welcomed
+    clients heartbeat meanwhile, so none is declared dead, and the train requests that came during the load are
+    handled once it is done (the first round is not lost)."""
+    import threading
+
+    from fcl_emu.coordinator.lifecycle import Coordinator
+    from fcl_emu.edge_node import node as node_module
+    from fcl_emu.runconfig import load_config
+
+    load = node_module.load_dataset
+    loading_s = 6.0
+
+    def load_slowly(*args, **kw):
+        time.sleep(loading_s)
+        return load(*args, **kw)
+
+    monkeypatch.setattr(node_module, "load_dataset", load_slowly)
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 4, "num_tasks": 1,
+                                                                     "samples_per_client_task": 100},
+                                      rounds={"clients_per_round": 4, "rounds_per_task": 1},
+                                      training={"local_epochs": 1}, security={"transport": "plain"}),
+                         {"data_root": [str(mnist_root)]})
+    assert config.network.liveness_timeout_s * 3 == loading_s
+    coordinator = Coordinator(config)
+    edge = node_module.EdgeNode(coordinator.address, list(range(4)), data_roots=[mnist_root], context=zmq.Context())
+    serving = threading.Thread(target=edge.run, name="edge-node")
+    serving.start()
+    try:
+        summary = coordinator.run(tmp_path / "run")
+    finally:
+        coordinator.close()
+        serving.join(timeout=60)
+    assert summary.status == "completed"
+    assert (summary.clients.joined, summary.clients.dropped, summary.clients.rejoined) == (4, 0, 0)
+    (first,) = [e for e in events(tmp_path / "run") if e["event"] == "round"]
+    assert first["participants"] == 4 and first["time"] >= loading_s
+
+
 def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_root, monkeypatch):
     """`up` with two nodes, one of which cannot start (its key file is unreadable): the coordinator reports it
     with the node's own error line and goes on with the other node's clients, without waiting out its 60 s
