@@ -1,10 +1,12 @@
 """Norm bounds on updates before the rule combines them (docs/security.md, "Aggregation defences"): the L2 norm of
 an update's deltas (:func:`delta_norm`), clipping to a fixed norm (:func:`clip_update`, ``--clip-norm``) and to a
-multiple of the cohort's median norm (:func:`clip_to_cohort`, ``--adaptive-clip``, on by default)."""
+multiple of the cohort's median norm (:func:`clip_to_cohort`, ``--adaptive-clip``, on by default), and the same
+multiple as a limit on uploads a method uses one by one (:func:`beyond_cohort`: side channels, VAEs)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -55,3 +57,27 @@ def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tup
         bound = multiplier * float(np.median(norms))
         updates = [clip_update(u, bound, prefix) if norm > bound else u for u, norm in zip(updates, norms)]
     return updates
+
+
+def l2_norm(arrays: Iterable[np.ndarray]) -> float:
+    """The L2 norm of ``arrays`` taken together, summed in float64."""
+    total = 0.0
+    for value in arrays:
+        flat = value.reshape(-1).astype(np.float64, copy=False)
+        total += float(np.einsum("i,i->", flat, flat))
+    return math.sqrt(total)
+
+
+def beyond_cohort(norms: Sequence[float], multiplier: float, earlier: Sequence[float] = ()) -> list[bool]:
+    """Which of a round's uploads lie beyond ``multiplier`` times the median norm of their cohort: these uploads
+    and the ``earlier`` ones of the same kind that were accepted (a NaN always lies beyond).
+
+    The adaptive bound of :func:`clip_to_cohort` for uploads a method uses one by one rather than sums (GLFC's
+    prototype gradients, FedCBC's VAEs): such an upload scaled back inside the bound would still carry what was
+    manipulated (an inverted gradient shows a different image), so it is left out instead. Holds while fewer
+    than half of the cohort is hostile; a cohort of one or two cannot tell an outlier and refuses nothing."""
+    cohort = [n for n in (*earlier, *norms) if not math.isnan(n)]
+    if len(cohort) < 3:
+        return [math.isnan(n) for n in norms]
+    bound = multiplier * float(np.median(cohort))
+    return [not n <= bound for n in norms]

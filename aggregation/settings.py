@@ -58,8 +58,9 @@ class AggregationDefences(pydantic.BaseModel):
                                 "aggregating (norm clipping)")
     adaptive_clip: float | None = pydantic.Field(
         10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
-                               "its round's updates before aggregating; off: no adaptive bound (plain rounds only: "
-                               "a secure round shows no single update)")
+                               "its round's updates before aggregating, and leave out an upload used one by one (a "
+                               "FedCBC VAE, a GLFC prototype gradient) beyond it; off: no adaptive bound (plain "
+                               "rounds only: a secure round shows no single update)")
     aggregator: RuleName = pydantic.Field(
         "mean", description="how a round's deltas are combined: mean (FedAvg, weighted by samples), median or "
                             "trimmed_mean (coordinate-wise, Yin et al. 2018), krum or multikrum (Blanchard et al. "

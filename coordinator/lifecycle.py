@@ -124,7 +124,8 @@ class Coordinator:
         server = spec.server(ServerContext(
             options=options, scenario=scenario, build_model=self._build_model, seed=config.seed,
             run_job=self.run_job, model_name=self.model_name, input_shape=tuple(self.dataset.input_shape),
-            rounds_per_task=config.rounds.rounds_per_task, aggregator=config.security.robust_aggregator()))
+            rounds_per_task=config.rounds.rounds_per_task, aggregator=config.security.robust_aggregator(),
+            cohort_bound=config.security.adaptive_clip, refused=self._refused_upload))
         self.heartbeat_interval_s, liveness_timeout_s = config.network.liveness(config.scenario.num_clients)
         metrics = CoordinatorMetrics()  # served only when asked: ``metrics.serve``, see fcl_emu/run.py
         self.state = state = RunState(
@@ -223,6 +224,13 @@ class Coordinator:
         """A fault injected into an edge node's container (containers/faults.py). Called from the injector's
         thread."""
         self.nodes.record_fault(action, **fields)
+
+    def _refused_upload(self, detail: str) -> None:
+        """An upload the method left out for lying beyond its round's cohort bound: a ``cohort_bound``
+        rejection, counted and logged once."""
+        self.state.tally.rejected["cohort_bound"] += 1
+        self.state.metrics.rejected("cohort_bound")
+        self.state.log_once(None, "cohort_bound", f"refused {detail}")
 
     def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
         """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).

@@ -25,16 +25,17 @@ docs/results/glfc-fedcbc-affcl-single-seed.md).
 
 **Feature extractor** (colour images, or ``features = "pretrained"``). The
 code loads a ResNet-18 pretrained beforehand on a server-side subset; the
-paper (as quoted) uses 5% of each class. Here the server pretrains the run's backbone (``ctx.model_name``) with a linear head
-over all the data set's classes as a GPU-worker job (``fedcbc.pretrain``,
-before the first round): ``pretrain_fraction`` (0.05) of the training samples
-of *every* class, future tasks' classes included, drawn from the run's seed;
-``pretrain_epochs`` of SGD (``pretrain_lr``, momentum 0.9, weight decay 5e-4,
-batch ``pretrain_batch``; our choices: the code does not include this step).
-This small labelled server set is the paper's protocol: FedCBC is not
-data-free, and the extractor has seen a little of every class. The frozen
-extractor's weights travel to each client once per task as the
-``feature_extractor`` asset (``fedcbc/extractor/<backbone param>``).
+paper (as quoted) uses 5% of each class. Here the server pretrains the run's
+backbone (``ctx.model_name``) with a linear head over all the data set's
+classes as a GPU-worker job (``fedcbc.pretrain``, before the first round):
+``pretrain_fraction`` (0.05) of the training samples of *every* class, future
+tasks' classes included, drawn from the run's seed; ``pretrain_epochs`` of SGD
+(``pretrain_lr``, momentum 0.9, weight decay 5e-4, batch ``pretrain_batch``;
+our choices: the code does not include this step). This small labelled server
+set is the paper's protocol: FedCBC is not data-free, and the extractor has
+seen a little of every class. The frozen extractor's weights travel to each
+client once per task as the ``feature_extractor`` asset
+(``fedcbc/extractor/<backbone param>``).
 
 **VAE** (:class:`fcl_emu.methods.models.vae.VAE`): ``d -> 256 -> 128 -> 256 -> d``
 MLP, tanh (code: encoder [512, 256], latent 128, decoder [256, 512] over
@@ -99,7 +100,13 @@ every request of a task that holds its class. Each VAE of the defaults with a
 an upload with tensors outside ``fedcbc/vae/``, a class that was not seen yet,
 missing or extra VAE parameters, a wrong shape or dtype, or non-finite values
 (the wire already drops NaN in updates): the engine rejects it as
-``bad_shape`` and the round goes on without it.
+``bad_shape`` and the round goes on without it. At aggregation, a defence
+the paper does not have: a client with a VAE whose L2 norm lies beyond
+``security.adaptive_clip`` (default 10) times the median norm of the
+round's uploaded and the global VAEs is left out of the fusion whole, a
+``cohort_bound`` rejection (``aggregation.clipping.beyond_cohort``): one
+insider's scaled VAE would otherwise be a source of its class's fused VAE.
+The client still counts as a participant of the round.
 """
 
 from __future__ import annotations
@@ -115,6 +122,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import fedcbc_fusion, jobs
+from fcl_emu.aggregation.clipping import beyond_cohort, l2_norm
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
@@ -438,8 +446,8 @@ class FedCBCServer(ServerPart):
     def aggregate(self, task: int, round: int, updates) -> None:
         """Selective knowledge fusion of every class with uploads (see the module docstring)."""
         uploads: dict[int, list[Arrays]] = {}
-        for u in updates:  # checked at receipt (check_update)
-            for c, arrays in self._vaes_of(u.tensors, task).items():
+        for vaes in self._within_cohort(updates, task):  # checked at receipt (check_update)
+            for c, arrays in vaes.items():
                 uploads.setdefault(c, []).append(arrays)
         inputs, fused = {}, []
         for c, local in sorted(uploads.items()):
@@ -457,6 +465,26 @@ class FedCBCServer(ServerPart):
                 "seed": self.ctx.seed * 100_003 + round})
             self._vaes.update({c: read_only(strip_prefix(job.outputs, f"{c}/")) for c in fused})
         self._payload = self._eval = None
+
+    def _within_cohort(self, updates, task: int) -> list[dict[int, Arrays]]:
+        """The updates' VAEs, without the clients that have a VAE beyond the cohort bound: its L2 norm against
+        the median of the round's and the global VAEs' norms. (Not its distance from its class's global VAE:
+        a class whose one source was kept as its global VAE sees that source move little, and honest VAEs of
+        other classes then lie tens of medians away.)"""
+        uploads = [self._vaes_of(u.tensors, task) for u in updates]
+        if self.ctx.cohort_bound is None:
+            return uploads
+        measured = [(i, c, l2_norm(arrays.values())) for i, vaes in enumerate(uploads) for c, arrays in vaes.items()]
+        beyond = beyond_cohort([n for *_, n in measured], self.ctx.cohort_bound,
+                               [l2_norm(v.values()) for v in self._vaes.values()])
+        refused: dict[int, str] = {}
+        for (i, c, norm), out in zip(measured, beyond):
+            if out and i not in refused:
+                refused[i] = f"{updates[i].client}'s VAE of class {c} of L2 norm {norm:.4g}"
+        for detail in refused.values():
+            self.ctx.refused(f"{detail}, beyond {self.ctx.cohort_bound:g} x the median of the round's and the "
+                             f"global VAEs; left out of the fusion")
+        return [vaes for i, vaes in enumerate(uploads) if i not in refused]
 
     def eval_model(self) -> nn.Module:
         if self._eval is None:

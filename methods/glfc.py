@@ -91,6 +91,11 @@ Deviations, on purpose:
   each job (what it can do on a device) and keeps them at its next transition.
 - The paper's eq. 10-11 perturbation was not at hand beyond its description;
   the optimisation-based perturbation is the code's.
+- A defence neither has: a prototype gradient whose L2 norm lies beyond
+  ``security.adaptive_clip`` (default 10) times the median of the round's
+  and the task's earlier pooled gradients is left out of the proxy, a
+  ``cohort_bound`` rejection (``aggregation.clipping.beyond_cohort``); its
+  sender stays unknown.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import jobs
+from fcl_emu.aggregation.clipping import beyond_cohort, l2_norm
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
@@ -285,6 +291,7 @@ class GLFCServer(ServerPart):
         super().__init__(ctx)
         self._encoder = GradientEncoder(ctx.input_shape, self._encoder_classes(), self.options.encoder_seed)
         self._pool: list[dict[str, np.ndarray]] = []  # this round's gradients, in arrival order
+        self._pooled_norms: list[float] = []  # the L2 norms of the task's gradients that reached the proxy
         self._monitor: dict[str, np.ndarray] | None = None  # the task's reconstructions {x, y}
         self._best: Arrays | None = None  # best global model of the current task (by the proxy's score)
         self._best_score = -math.inf
@@ -304,7 +311,7 @@ class GLFCServer(ServerPart):
         super().aggregate(task, round, updates)
         if not self._pool and self._monitor is None:
             return
-        pool, self._pool = self._pool, []
+        pool, self._pool = self._within_cohort(self._pool), []
         order = self._rng.permutation(len(pool))  # the proxy learns nothing from the arrival order either
         inputs = {f"grad/{i}/{n}": v for i, k in enumerate(order) for n, v in pool[k].items()}
         inputs.update({"model/" + k: v for k, v in self.global_state.items()})
@@ -322,6 +329,21 @@ class GLFCServer(ServerPart):
         if score is not None and score >= self._best_score:
             self._best, self._best_score = self.global_state, score
 
+    def _within_cohort(self, pool: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """The round's prototype gradients without those beyond the cohort bound (their L2 norm against the
+        median of this round's and the task's earlier pooled ones: clients send them on a new task, so a later
+        round may bring only one), each refused one counted; their senders stay unknown."""
+        if self.ctx.cohort_bound is None:
+            return pool
+        norms = [l2_norm(g.values()) for g in pool]
+        beyond = beyond_cohort(norms, self.ctx.cohort_bound, self._pooled_norms)
+        for norm, out in zip(norms, beyond):
+            if out:
+                self.ctx.refused(f"a prototype gradient of L2 norm {norm:.4g}, beyond {self.ctx.cohort_bound:g} x "
+                                 f"the median of the task's prototype gradients; left out of the proxy")
+        self._pooled_norms += [n for n, out in zip(norms, beyond) if not out]
+        return [g for g, out in zip(pool, beyond) if not out]
+
     def end_task(self, task: int) -> None:
         if self._best is None:  # no reconstruction this task: the final global model
             self._best = self.global_state
@@ -331,6 +353,7 @@ class GLFCServer(ServerPart):
         if task > 0:
             self._old = self._best
             self._best, self._best_score, self._monitor, self._pool = None, -math.inf, None, []
+            self._pooled_norms = []
 
     def task_assets(self, task: int) -> dict[str, Arrays]:
         if task == 0 or self._old is None:
@@ -345,7 +368,8 @@ class GLFCServer(ServerPart):
         return arrays
 
     def state_meta(self) -> dict[str, Any]:
-        return {**super().state_meta(), "best_score": None if self._best is None else self._best_score}
+        return {**super().state_meta(), "best_score": None if self._best is None else self._best_score,
+                "pooled_norms": self._pooled_norms}
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().load_state_arrays(arrays)
@@ -358,6 +382,7 @@ class GLFCServer(ServerPart):
         super().load_state_meta(meta)
         score = meta.get("best_score")
         self._best_score = -math.inf if score is None else float(score)
+        self._pooled_norms = [float(n) for n in meta.get("pooled_norms", [])]
 
 
 # ------------------------------------------------------------------- client

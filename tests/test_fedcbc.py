@@ -191,7 +191,7 @@ def _scenario(num_classes: int = 4):
                            client_classes=lambda i, t: np.arange(2 * t, 2 * t + 2))
 
 
-def _server(options: dict, recorded: list | None = None) -> FedCBCServer:
+def _server(options: dict, recorded: list | None = None, **context) -> FedCBCServer:
     def run_job(kind, inputs, opts):
         if recorded is not None:
             recorded.append(kind)
@@ -200,7 +200,8 @@ def _server(options: dict, recorded: list | None = None) -> FedCBCServer:
 
     torch.manual_seed(0)
     return FedCBCServer(ServerContext(FedCBCOptions(**options), _scenario(), lambda n: build_model("cnn", SHAPE, n),
-                                      run_job=run_job, model_name="cnn", input_shape=SHAPE, rounds_per_task=2))
+                                      run_job=run_job, model_name="cnn", input_shape=SHAPE, rounds_per_task=2,
+                                      **context))
 
 
 def _upload(vaes: dict[int, VAE]) -> dict[str, np.ndarray]:
@@ -245,6 +246,31 @@ def test_server_fuses_public_classes_and_keeps_private_ones(feature_vaes):
     assert (predicted == torch.arange(2).repeat_interleave(50)).float().mean() >= 0.95
     with torch.no_grad():
         assert clf(torch.zeros((2, *SHAPE))).shape == (2, 2)  # images -> frozen extractor -> logits
+
+
+def test_a_scaled_vae_beyond_the_cohort_bound_is_left_out_of_the_fusion(feature_vaes):
+    """An insider's VAE scaled by 50, measured by its norm against the median of the round's and the global
+    VAEs' norms: its upload is left out whole and counted, and the honest sources make the global VAEs as
+    without it; in a later round the same holds for a scaled copy of its class's global VAE."""
+    o, _, v = feature_vaes
+    refused: list = []
+    server, clean = _server(TINY, cohort_bound=10.0, refused=refused.append), _server(TINY)
+    honest = [ClientUpdate("a", 100, _upload({0: v["c0-a"], 1: v["c1"]})),
+              ClientUpdate("b", 100, _upload({0: v["c0-b"]}))]
+    for s in (server, clean):
+        s.start_task(0)
+    scaled = join_vaes({1: {k: 50 * a for k, a in _arrays(v["c1"]).items()}}, VAES)
+    server.aggregate(0, 1, [*honest, ClientUpdate("evil", 100, scaled)])
+    clean.aggregate(0, 1, honest)
+    assert len(refused) == 1 and "evil's VAE of class 1" in refused[0] and "beyond 10 x" in refused[0]
+    for c in (0, 1):
+        assert all(np.array_equal(server._vaes[c][k], clean._vaes[c][k]) for k in clean._vaes[c])
+    scaled_global = join_vaes({0: {k: 50 * a for k, a in server._vaes[0].items()}}, VAES)
+    server.aggregate(0, 2, [honest[1], ClientUpdate("evil", 100, scaled_global)])  # a cohort of two, and the globals
+    clean.aggregate(0, 2, [honest[1]])
+    assert len(refused) == 2 and "evil's VAE of class 0" in refused[1]
+    for c in (0, 1):
+        assert all(np.array_equal(server._vaes[c][k], clean._vaes[c][k]) for k in clean._vaes[c])
 
 
 # ------------------------------------------------------------------- client

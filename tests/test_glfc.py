@@ -175,7 +175,7 @@ def _train(part, ctx):
     return part.train(ctx, model)
 
 
-def _server(options, recorded: list):
+def _server(options, recorded: list, **context):
     scenario = SimpleNamespace(num_tasks=2, num_classes=10, task_classes=lambda t: np.arange(2 * t, 2 * t + 2),
                                seen_classes=lambda t: np.arange(2 * t + 2))
 
@@ -186,7 +186,8 @@ def _server(options, recorded: list):
 
     torch.manual_seed(0)
     return GLFCServer(ServerContext(GLFCOptions(**options), scenario, lambda n: build_model("cnn", SHAPE, n),
-                                    run_job=run_job, model_name="cnn", input_shape=SHAPE, rounds_per_task=2))
+                                    run_job=run_job, model_name="cnn", input_shape=SHAPE, rounds_per_task=2,
+                                    **context))
 
 
 def test_client_memory_prototype_channel_and_the_proxy_sees_no_identity(tmp_path, mnist):
@@ -262,6 +263,34 @@ def test_bad_prototype_gradients_are_refused():
     assert len(server._pool) == 1  # the refused messages left nothing behind
     with pytest.raises(ValueError, match="proxy_keep"):
         GLFCOptions(proxy_iterations=5, proxy_keep=6)
+
+
+def test_a_prototype_gradient_beyond_the_cohort_bound_is_left_out_of_the_proxy():
+    """Five prototype gradients of a round, one of them another's scaled by 100: the proxy inverts the four
+    within 10 x the round's median norm, and the fifth is counted as refused (its sender unknown). In a later
+    round of the task the same gradient comes alone and is judged against the task's earlier ones."""
+    recorded, refused = [], []
+    server = _server(TINY, recorded, cohort_bound=10.0, refused=refused.append)
+    server.start_task(0)
+    encoder = GradientEncoder(SHAPE, 10, 0)
+    rng = np.random.default_rng(0)
+    honest = [{f"{i}/{n}": rng.normal(0, 0.01, tuple(p.shape)).astype(np.float32)
+               for n, p in encoder.named_parameters()} for i in range(4)]
+    scaled = {k.replace("0/", "4/", 1): 100 * v for k, v in honest[0].items()}
+    for tensors in (*honest, scaled):
+        server.on_side_channel(0, "prototype_gradients", tensors)
+    no_change = ClientUpdate("client-0001", 10, {"delta/" + k: np.zeros_like(v)
+                                                 for k, v in server.global_state.items()})
+    server.aggregate(0, 1, [no_change])
+    _, inputs, _ = recorded[-1]
+    assert {k.split("/")[1] for k in inputs if k.startswith("grad/")} == {"0", "1", "2", "3"}
+    inverted = [v for k, v in inputs.items() if k.startswith("grad/") and k.endswith("/fc.bias")]
+    assert sorted(float(np.abs(v).max()) for v in inverted) == sorted(
+        float(np.abs(g[f"{i}/fc.bias"]).max()) for i, g in enumerate(honest))
+    assert len(refused) == 1 and "prototype gradient" in refused[0] and "beyond 10 x" in refused[0]
+    server.on_side_channel(0, "prototype_gradients", scaled)
+    server.aggregate(0, 2, [no_change])
+    assert len(refused) == 2 and not any(k.startswith("grad/") for k in recorded[-1][1])
 
 
 def test_non_finite_prototype_gradients_are_refused_on_the_wire():

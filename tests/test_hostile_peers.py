@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -41,8 +43,8 @@ from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import device_keys, events, exit_code, fcl_emu, free_port, raw_header, small_config, wait_for
 from tests.test_coordinator_parts import FakeServer, make_state
 from fcl_emu.wire.auth import ClientKeyring
-from fcl_emu.wire.framing import encode
-from fcl_emu.wire.messages import Error, Heartbeat, Join, Leave, TensorSpec, Update, client_id
+from fcl_emu.wire.framing import Message, encode
+from fcl_emu.wire.messages import Error, Heartbeat, Join, Leave, SideChannel, TensorSpec, Update, client_id
 from fcl_emu.wire.sockets import ClientEndpoint, ServerEndpoint
 
 pytestmark = pytest.mark.slow
@@ -228,18 +230,20 @@ INSIDER = "client-0009"
 INSIDER_SAMPLES = 600
 
 
-class Insider(threading.Thread):
-    """client-0009 with its own valid key: answers every train request with +-100 on every float weight (random
-    signs) and the sample count it really holds, so no check but the norm bound can tell it from an honest
-    client."""
+# what an insider answers a train request with: the messages of its round, each (type, body, tensors)
+Answer = Callable[[Message], list[tuple[str, Any, dict[str, np.ndarray]]]]
 
-    def __init__(self, ctx: zmq.Context, address: str, keys: ClientKeyring, shares: list[int]):
+
+class Insider(threading.Thread):
+    """client-0009 with its own valid key: answers every train request with what ``answer`` makes of it, so that
+    no check but a bound on what it sends can tell it from an honest client."""
+
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClientKeyring, answer: Answer):
         super().__init__(daemon=True)
         self.endpoint = ClientEndpoint(ctx, address, INSIDER, keys=keys.for_identity(INSIDER))
-        self.shares = shares  # its samples in each task
+        self.answer = answer
         self.stop = threading.Event()
         self.poisoned = 0
-        self.rng = np.random.default_rng(0)
 
     def run(self) -> None:
         self.endpoint.send("join", Join(node="insider", pid=1, client_index=9))
@@ -254,30 +258,87 @@ class Insider(threading.Thread):
             if msg.type == "shutdown":
                 return
             if msg.type == "train_request":
-                delta = {"delta/" + k: np.where(self.rng.random(v.shape) < 0.5, -100, 100).astype(v.dtype)
-                         if v.dtype.kind == "f" else np.zeros_like(v) for k, v in msg.tensors.items()}
+                for msg_type, body, tensors in self.answer(msg):
+                    self.endpoint.send(msg_type, body, round=msg.round, task=msg.task, tensors=tensors)
                 self.poisoned += 1
-                self.endpoint.send("update", Update(num_samples=self.shares[msg.task], train_time_s=0.1, loss=0.1),
-                                   round=msg.round, task=msg.task, tensors=delta)
 
 
-def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: bool) -> tuple[RunSummary, int]:
+def _update(scenario, msg: Message) -> Update:
+    """The update's body: the insider's real sample count in the task."""
+    return Update(num_samples=len(scenario.client_indices(9, msg.task)), train_time_s=0.1, loss=0.1)
+
+
+def weights_of_100(scenario) -> Answer:
+    """+-100 on every float weight (random signs) of the model delta."""
+    rng = np.random.default_rng(0)
+    return lambda msg: [("update", _update(scenario, msg), {
+        "delta/" + k: np.where(rng.random(v.shape) < 0.5, -100, 100).astype(v.dtype) if v.dtype.kind == "f"
+        else np.zeros_like(v) for k, v in msg.tensors.items()})]
+
+
+def scaled_vaes(scenario, options: dict, scale: float = 50.0) -> Answer:
+    """FedCBC: a VAE of each of its classes, ``scale`` times the global VAE the request carries (a new VAE's
+    initial weights where there is none yet)."""
+    from fcl_emu.methods.fedcbc import VAES, FedCBCOptions, build_vae, join_vaes, resolve_decoder
+    from fcl_emu.methods.models.classifier import build_model
+    from fcl_emu.methods.models.state import state_to_arrays
+
+    o = resolve_decoder(FedCBCOptions(**options), (1, 28, 28))
+    features = 28 * 28 if o.features == "pixels" else build_model("cnn", (1, 28, 28), 0).feature_dim
+    fresh = state_to_arrays(build_vae(o, features))
+
+    def answer(msg: Message):
+        vaes = {}
+        for c in map(int, scenario.client_classes(9, msg.task)):
+            held = {k[len(f"{VAES}{c}/"):]: v for k, v in msg.tensors.items() if k.startswith(f"{VAES}{c}/")}
+            vaes[c] = {k: (scale * v).astype(np.float32) for k, v in (held or fresh).items()}
+        return [("update", _update(scenario, msg), join_vaes(vaes, VAES))]
+    return answer
+
+
+def scaled_prototype_gradients(scenario, scale: float = 100.0) -> Answer:
+    """GLFC: an unchanged model (a zero delta), after the prototype gradients of two random images of its
+    classes scaled by ``scale``, every round."""
+    import torch
+
+    from fcl_emu.methods.glfc import GLFCOptions
+    from fcl_emu.methods.glfc_proxy import GradientEncoder
+
+    encoder = GradientEncoder((1, 28, 28), int(scenario.num_classes), GLFCOptions().encoder_seed)
+    names = [n for n, _ in encoder.named_parameters()]
+    generator = torch.Generator().manual_seed(0)
+
+    def answer(msg: Message):
+        gradients = {}
+        for i, c in enumerate(list(map(int, scenario.client_classes(9, msg.task)))[:2]):
+            x = torch.rand((1, 1, 28, 28), generator=generator)
+            for n, g in zip(names, encoder.gradients(x, torch.tensor([c]))):
+                gradients[f"{i}/{n}"] = (scale * g.detach()).numpy().astype(np.float32)
+        delta = {"delta/" + k: np.zeros_like(v) for k, v in msg.tensors.items()}
+        return [("prototype_gradients", SideChannel(items=len(gradients) // len(names)), gradients),
+                ("update", _update(scenario, msg), delta)]
+    return answer
+
+
+def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: Callable[[Any], Answer] | None,
+                **overrides) -> tuple[RunSummary, int]:
     """A small MNIST run (10 clients of ``INSIDER_SAMPLES`` samples per task on 2 edge nodes, 2 tasks of 2 rounds of
-    4 clients, 2 local epochs, seed 0)
-    under the default defences plus ``flags``; with ``insider``, client 9 is :class:`Insider`. Returns its summary
-    and how many poisoned updates the insider sent."""
+    4 clients, 2 local epochs, seed 0; ``overrides`` as for :func:`small_config`) under the default defences plus
+    ``flags``; with ``insider`` (given the run's scenario, the insider's answer), client 9 is :class:`Insider`.
+    Returns its summary and how many train requests the insider answered."""
     port, work = free_port(), tmp_path / name
     work.mkdir()
     address = f"tcp://127.0.0.1:{port}"
     keys, node_keys = device_keys(work / "keys", INSIDER_CLIENTS)
-    config = small_config(work / "c.yaml", scenario={"num_clients": INSIDER_CLIENTS,
-                                                     "samples_per_client_task": INSIDER_SAMPLES}, seed=0)
+    scenario = {"num_clients": INSIDER_CLIENTS, "samples_per_client_task": INSIDER_SAMPLES,
+                **overrides.pop("scenario", {})}
+    config = small_config(work / "c.yaml", scenario=scenario, seed=0, **overrides)
     run_dir, log = work / "run", open(work / "coordinator.log", "wb")
     coordinator = fcl_emu("coordinator", "--config", str(config), "--bind", address, "--keys", str(keys),
                           "--data-root", str(mnist_root), "--run-dir", str(run_dir), *flags, stdout=log, stderr=log)
     ctx = zmq.Context()
-    attacker = Insider(ctx, address, ClientKeyring(keys / "coordinator.key", keys), _shares(config, mnist_root)) \
-        if insider else None
+    attacker = Insider(ctx, address, ClientKeyring(keys / "coordinator.key", keys),
+                       insider(_scenario(config, mnist_root))) if insider else None
     nodes = []
     try:
         wait_for(lambda: (run_dir / "events.jsonl").exists(), 120, "the coordinator to listen")
@@ -301,8 +362,8 @@ def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: bool) -> 
     return RunSummary.load(run_dir / "summary.json"), 0 if attacker is None else attacker.poisoned
 
 
-def _shares(config: Path, mnist_root: Path) -> list[int]:
-    """Client 9's samples in each task of the run configured in ``config``, as the coordinator counts them."""
+def _scenario(config: Path, mnist_root: Path):
+    """The scenario of the run configured in ``config``, as the coordinator builds it."""
     import yaml
 
     from fcl_emu.runconfig import RunConfig
@@ -310,8 +371,7 @@ def _shares(config: Path, mnist_root: Path) -> list[int]:
     from fcl_emu.scenario.scenario import build_scenario
 
     spec = RunConfig.model_validate(yaml.safe_load(config.read_text())).scenario
-    scenario = build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
-    return [len(scenario.client_indices(9, t)) for t in range(scenario.num_tasks)]
+    return build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
 
 
 @pytest.mark.timeout(600)  # two runs that train: 20-40 s each on a 2-core machine, more when it is busy
@@ -320,12 +380,34 @@ def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_pat
     answering +-100 per weight with its real sample count leaves the final accuracy within 2 points of the clean
     run with the same seed. (In the same run with full shares of 3,000 samples, ``--adaptive-clip off`` lets the
     same insider take it from 49.3 % to 9.6 %: docs/security.md, "What each defence stops".)"""
-    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=False)
-    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=True)
+    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=None)
+    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=weights_of_100)
     assert clean.completed and summary.completed and poisoned >= 1  # selected at least once with this seed
     # no update of it was refused (its heartbeats after the run's end may be, as a stranger's): only the bound acts
     assert set(summary.rejected_messages) <= {"unknown_sender"}, summary.rejected_messages
     assert clean.average_accuracy > 40
+    assert abs(summary.average_accuracy - clean.average_accuracy) <= 2.0, (summary.average_accuracy,
+                                                                           clean.average_accuracy)
+
+
+FEDCBC = {"method": "fedcbc", "method_options": {"features": "pretrained", "pretrain_epochs": 3, "fusion_epochs": 2,
+                                                 "pseudo_samples": 50}}
+GLFC = {"method": "glfc", "method_options": {"proxy_iterations": 10, "proxy_keep": 5}}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method, insider", [("fedcbc", lambda sc: scaled_vaes(sc, FEDCBC["method_options"])),
+                                             ("glfc", scaled_prototype_gradients)])
+def test_an_insider_on_a_side_channel_is_refused_and_does_not_move_the_run(tmp_path, mnist_root, method, insider):
+    """FedCBC's per-class VAEs scaled by 50 and GLFC's prototype gradients scaled by 100, every round the insider
+    is selected: each is refused by the cohort bound of the default configuration (counted as cohort_bound in
+    summary.json; nothing of the clean run is), and the run ends within 2 points of its clean run."""
+    overrides = FEDCBC if method == "fedcbc" else GLFC
+    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=None, **overrides)
+    summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=insider, **overrides)
+    assert clean.completed and summary.completed and poisoned >= 1
+    assert "cohort_bound" not in clean.rejected_messages
+    assert summary.rejected_messages["cohort_bound"] >= poisoned, summary.rejected_messages
     assert abs(summary.average_accuracy - clean.average_accuracy) <= 2.0, (summary.average_accuracy,
                                                                            clean.average_accuracy)
 

@@ -122,3 +122,18 @@ def test_the_adaptive_bound_is_on_by_default_and_off_turns_it_off():
     assert load_config(None, overrides({"adaptive_clip": "2.5"})).security.adaptive_clip == 2.5
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         load_config(None, overrides({"adaptive_clip": "0.5"}))
+
+
+def test_the_cohort_bound_refuses_uploads_beyond_its_multiple_of_the_median_norm():
+    """By hand: norms 1, 2, 3, 40 have median 2.5, so 10 x is 25 and only 40 is beyond; a NaN is always beyond;
+    a cohort of two cannot tell an outlier, unless earlier accepted uploads join it; the L2 norm of [3, 4] and
+    [12] together is 13."""
+    from fcl_emu.aggregation.clipping import beyond_cohort, l2_norm
+
+    assert beyond_cohort([1.0, 2.0, 3.0, 40.0], 10.0) == [False, False, False, True]
+    assert beyond_cohort([1.0, 2.0, 3.0, 25.0], 10.0) == [False, False, False, False]
+    assert beyond_cohort([1.0, float("nan"), 3.0, 2.0], 10.0) == [False, True, False, False]
+    assert beyond_cohort([1.0, 1000.0], 10.0) == [False, False] and beyond_cohort([], 10.0) == []
+    assert beyond_cohort([1000.0], 10.0, earlier=[1.0, 2.0, 3.0]) == [True]
+    assert beyond_cohort([20.0], 10.0, earlier=[1.0, 2.0, 3.0]) == [False]  # median 2.5 of all four: bound 25
+    assert l2_norm([np.array([3.0, 4.0], np.float32), np.array([12.0], np.float32)]) == 13.0

@@ -49,6 +49,7 @@ REASONS = (
     "rate_limited",  # more control messages than a peer may send (coordinator/guard.py)
     "implausible",  # an update counting more samples than its client holds
     "norm_bound",  # an update beyond security.max_update_norm
+    "cohort_bound",  # a side-channel upload or a VAE beyond security.adaptive_clip x its round's median norm
     "late_cap",  # a late update beyond those kept for the next round
 )
 
