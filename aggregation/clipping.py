@@ -22,11 +22,14 @@ def delta_norm(update: ClientUpdate, prefix: str = DELTA) -> float:
     for name, value in update.tensors.items():
         if name.startswith(prefix) and value.dtype.kind == "f":
             squares = update.square_sums.get(name)
-            if squares is None:
-                flat = value.reshape(-1).astype(np.float64, copy=False)
-                squares = float(np.einsum("i,i->", flat, flat))
-            total += squares
+            total += _square_sum(value) if squares is None else squares
     return math.sqrt(total)
+
+
+def _square_sum(value: np.ndarray) -> float:
+    """The sum of ``value``'s squares in float64 on the calling thread."""
+    flat = value.reshape(-1).astype(np.float64, copy=False)
+    return float(np.einsum("i,i->", flat, flat))
 
 
 def clip_update(update: ClientUpdate, max_norm: float, prefix: str = DELTA) -> ClientUpdate:
@@ -61,11 +64,7 @@ def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tup
 
 def l2_norm(arrays: Iterable[np.ndarray]) -> float:
     """The L2 norm of ``arrays`` taken together, summed in float64."""
-    total = 0.0
-    for value in arrays:
-        flat = value.reshape(-1).astype(np.float64, copy=False)
-        total += float(np.einsum("i,i->", flat, flat))
-    return math.sqrt(total)
+    return math.sqrt(sum(_square_sum(value) for value in arrays))
 
 
 def beyond_cohort(norms: Sequence[float], multiplier: float, earlier: Sequence[float] = ()) -> list[bool]:
