@@ -291,28 +291,49 @@ def bench_churn(
 @bench_app.command("soak")
 def bench_soak(
     faults: Annotated[int, typer.Option(min=1, help="Faults to inject, one after another.")] = 10,
-    kinds: Annotated[str, typer.Option(help="Comma-separated fault kinds, drawn in shuffled cycles.")]
-        = "node_stop,net_cut,node_kill,coordinator_kill,disk_full",
+    kinds: Annotated[Optional[str], typer.Option(
+        help="Comma-separated fault kinds, drawn in shuffled cycles (default: every kind of the backend: "
+             "node_stop, net_cut, node_kill, coordinator_kill, disk_full; with --cluster: partition, slow_host, "
+             "container_pause, container_kill, lose_host, coordinator_kill, disk_full).")] = None,
     clients: Annotated[int, typer.Option(min=2, help="Clients.")] = 8,
     nodes: Annotated[int, typer.Option(min=2, help="Edge nodes.")] = 4,
     tasks: Annotated[int, typer.Option(min=1, help="Tasks.")] = 2,
     rounds_per_task: Annotated[int, typer.Option(min=2, help="Rounds per task.")] = 10,
     samples: Annotated[int, typer.Option(min=1, help="Training samples per client and task.")] = 200,
     seed: Annotated[int, typer.Option(help="Seed of the run and of the fault schedule.")] = 0,
+    cluster: Annotated[Optional[str], typer.Option(
+        help="local: the faulted run on a local Swarm cluster the soak makes (and removes), its edge nodes as "
+             "services over the hosts, with host faults among the faults (root; docs/across-hosts.md).")] = None,
+    hosts: Annotated[int, typer.Option(min=2, max=50, help="With --cluster: hosts of the cluster (host 1 is the "
+                                                           "manager).")] = 4,
+    image: Annotated[Optional[str], typer.Option(help="With --cluster: the edge nodes' image (default: build or "
+                                                      "reuse the project's).")] = None,
     data_root: DataRootOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Writes soak.json, faults.csv and both runs here.")]
         = Path("runs/soak"),
 ) -> None:
     """Fault soak: one emulated-clock run under seeded real faults, checked against the same run without them."""
-    from fcl_emu.bench import soak
+    from fcl_emu.bench import soak, soak_cluster
+    from fcl_emu.containers.docker_client import EngineError
+    from fcl_emu.containers.local_cluster import ClusterError
     from fcl_emu.runconfig import default_data_roots
 
-    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
-    if not chosen or set(chosen) - set(soak.KINDS):
-        raise typer.BadParameter(f"{kinds!r}: choose from {', '.join(soak.KINDS)}", param_hint="--kinds")
+    if cluster not in (None, "local"):
+        raise typer.BadParameter(f"{cluster!r}: the soak faults hosts of a local cluster only (--cluster local)",
+                                 param_hint="--cluster")
+    allowed = soak_cluster.KINDS if cluster else soak.KINDS
+    chosen = [k.strip() for k in (kinds or ",".join(allowed)).split(",") if k.strip()]
+    if not chosen or set(chosen) - set(allowed):
+        raise typer.BadParameter(f"{kinds!r}: choose from {', '.join(allowed)}"
+                                 + (" (with --cluster)" if cluster else ""), param_hint="--kinds")
     writable(out)
-    result = soak.run(faults, chosen, clients, nodes, tasks, rounds_per_task, samples, seed,
-                      [Path(p) for p in data_root] if data_root else default_data_roots(), out, Console())
+    on = soak_cluster.ClusterSoak(hosts, image) if cluster else None
+    try:
+        result = soak.run(faults, chosen, clients, nodes, tasks, rounds_per_task, samples, seed,
+                          [Path(p) for p in data_root] if data_root else default_data_roots(), out, Console(), on)
+    except (ClusterError, EngineError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     raise typer.Exit(0 if result["ok"] else 1)
 
 

@@ -15,15 +15,18 @@ process injects faults into it, one after another, at rounds drawn from ``--seed
 - ``disk_full``: the run directory lives on a small tmpfs (root only); a filler file takes all its space, the
   run must end ``failed: disk full (PATH)`` with its last checkpoint intact, and resume once the filler is gone.
 
+With ``--cluster local`` the faulted run's edge nodes are Swarm services on a local cluster of several hosts,
+and the faults are those of hosts and containers (:mod:`fcl_emu.bench.soak_cluster`).
+
 Kinds come in shuffled cycles, so ``--faults`` at least the number of kinds injects each kind at least once;
-faults fall in the run's first three quarters, node kills on the last of their rounds, so that everything
-before them is checked exactly. A fault whose round has passed (the ones before it took longer) comes at once;
-one that finds the run ended is recorded as not injected.
+faults fall in the run's first three quarters, lossy ones (:data:`LOSSY`: node kills, container kills, lost
+hosts) on the last of their rounds, so that everything before them is checked exactly. A fault whose round has
+passed (the ones before it took longer) comes at once; one that finds the run ended is recorded as not injected.
 Checks, besides each fault's own: no round aggregates a client's update twice and no round is recorded twice
 without a resume between (the ``contributors`` of each round event in ``events.jsonl``); the checkpoint's
 position never goes back and the checkpoint loads (SHA-256 checked) whenever the coordinator is down; no
-process of the run is left afterwards; the accuracy matrix equals the baseline's, or, after a node kill,
-equals it in every row of a task that ended before the first ``node_exit``, with the differences recorded
+process of the run is left afterwards; the accuracy matrix equals the baseline's, or, after a lossy fault,
+equals it in every row of a task that ended before the first one, with the differences recorded
 (:mod:`fcl_emu.bench.soak_checks`).
 
 Writes ``OUT/soak.json`` (configuration, faults, checks, comparison, faults survived per hour) and
@@ -42,9 +45,10 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import psutil
 import yaml
@@ -55,9 +59,18 @@ from fcl_emu.coordinator.checkpoint import CheckpointError
 from fcl_emu.coordinator.checkpoint import load as load_checkpoint
 from fcl_emu.bench.churn import merge_config, emulated_base, run_point
 from fcl_emu.bench.soak_checks import compare, double_counts, read_events
+from fcl_emu.launchers.base import node_assignment
 from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.wire.messages import client_id
+
+if TYPE_CHECKING:
+    from fcl_emu.bench.soak_cluster import ClusterSoak
 
 KINDS = ("node_stop", "net_cut", "node_kill", "coordinator_kill", "disk_full")
+LOSSY = frozenset({"node_kill", "container_kill", "lose_host"})  # faults after which a run may differ
+# how long each delay lasts at most, as a share of the liveness timeout: a TCP retransmission after a cut comes up
+# to the cut's length later, so cuts stay under a quarter of it
+LONGEST = {"node_stop": 0.4, "net_cut": 0.25, "partition": 0.25, "slow_host": 0.4, "container_pause": 0.4}
 CSV_COLUMNS = ["kind", "at_round", "target", "injected_at_s", "duration_s", "survived", "skipped", "problems",
                "detail"]
 TMPFS_SIZE = "64m"
@@ -91,27 +104,26 @@ class Fault:
     skipped: Optional[str] = None
     problems: list[str] = field(default_factory=list)
     detail: str = ""
+    lost: list[str] = field(default_factory=list)  # the edge nodes a lossy fault took
     survived: Optional[bool] = None
 
 
 def schedule(kinds: Sequence[str], count: int, total_rounds: int, seed: int) -> list[Fault]:
     """``count`` faults: kinds in shuffled cycles of ``kinds``, at rounds drawn in the first three quarters of the
-    run (the rest leaves room for faults that lag behind a fast run). Node kills take the last of these rounds:
-    up to the first, the run must match the baseline round by round."""
+    run (the rest leaves room for faults that lag behind a fast run). Lossy faults (:data:`LOSSY`) take the last
+    of these rounds: up to the first, the run must match the baseline round by round."""
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < count:
         cycle = list(kinds)
         rng.shuffle(cycle)
         order += cycle
-    order = sorted(order[:count], key=lambda kind: kind == "node_kill")
+    order = sorted(order[:count], key=lambda kind: kind in LOSSY)
     last = max(1, 3 * total_rounds // 4)  # distinct rounds while there are enough
     rounds = sorted(rng.sample(range(1, last + 1), min(count, last)) + [rng.randint(1, last)
                                                                          for _ in range(count - last)])
-    # a TCP retransmission after a cut comes up to the cut's length later: cuts stay under a quarter of the timeout
-    longest = {"node_stop": 0.4 * LIVENESS_S, "net_cut": 0.25 * LIVENESS_S}
     return [Fault(kind, at, round(rng.uniform(0.0, 1.0), 3),
-                  round(rng.uniform(0.5, 1.0) * longest.get(kind, 0.0), 2), rng.random())
+                  round(rng.uniform(0.5, 1.0) * LONGEST.get(kind, 0.0) * LIVENESS_S, 2), rng.random())
             for kind, at in zip(order, rounds)]
 
 
@@ -124,7 +136,7 @@ class FaultedRun:
         self.proc: Optional[subprocess.Popen] = None
         self.seen: dict[int, float] = {}  # every process of the run: pid -> create time
         self.positions: list[tuple[int, int, int]] = []  # checkpoint positions as polled
-        self.orphans: list[int] = []  # processes of the run alive after it ended
+        self.orphans: list[str] = []  # what of the run was left after it ended
         self.started = time.monotonic()
 
     # -------------------------------------------------------------- processes
@@ -185,6 +197,22 @@ class FaultedRun:
     def events(self) -> list[dict]:
         return read_events(self.run_dir)
 
+    def ended(self) -> bool:
+        """Whether the run has recorded its end since it last started (``up`` may still be tearing down: a fault
+        now would hit the tear-down, not the run)."""
+        marks = [e["event"] for e in self.events() if e["event"] in ("end", "resume")]
+        return bool(marks) and marks[-1] == "end"
+
+    def node_exits(self, after: int) -> list[str]:
+        """The edge nodes recorded as exited after the first ``after`` events."""
+        return [e["node"] for e in self.events()[after:] if e["event"] == "node_exit"]
+
+    def clients_of(self, nodes: list[str]) -> set[str]:
+        """The client identities the named edge nodes host (striped, as ``up`` assigns them)."""
+        config = yaml.safe_load(self.config_path.read_text())
+        striped = node_assignment(config["scenario"]["num_clients"], config["nodes"])
+        return {client_id(i) for name in nodes for i in striped[int(name.rpartition("-")[2])]}
+
     def last_round(self) -> int:
         return max((e["round"] for e in self.events() if e["event"] == "round"), default=0)
 
@@ -244,10 +272,6 @@ def _pick_node(run: FaultedRun, fault: Fault) -> Optional[psutil.Process]:
     return nodes[name]
 
 
-def _node_exits(run: FaultedRun, after: int) -> list[str]:
-    return [e["node"] for e in run.events()[after:] if e["event"] == "node_exit"]
-
-
 def inject_node_stop(run: FaultedRun, fault: Fault) -> None:
     node = _pick_node(run, fault)
     if node is None:
@@ -258,14 +282,15 @@ def inject_node_stop(run: FaultedRun, fault: Fault) -> None:
     finally:
         node.send_signal(signal.SIGCONT)
     fault.detail = f"SIGSTOP pid {node.pid}, SIGCONT after {fault.duration_s:g} s"
-    _delayed_only(run, fault)
+    delayed_only(run, fault, [fault.target])
 
 
-def _delayed_only(run: FaultedRun, fault: Fault) -> None:
-    """A delay must not cost the node: no ``node_exit`` of it (its clients silent past the liveness timeout)."""
+def delayed_only(run: FaultedRun, fault: Fault, nodes: list[str]) -> None:
+    """A delay must not cost a node: no ``node_exit`` of the ``nodes`` it held up."""
     run.wait(lambda: False, 1.0)
-    if fault.target in _node_exits(run, fault.events_before):
-        fault.problems.append("the node was declared gone (node_exit)")
+    gone = sorted(set(nodes) & set(run.node_exits(fault.events_before)))
+    if gone:
+        fault.problems.append(f"{', '.join(gone)} declared gone (node_exit)")
 
 
 def _iptables(*args: str) -> subprocess.CompletedProcess:
@@ -309,7 +334,7 @@ def inject_net_cut(run: FaultedRun, fault: Fault) -> None:
                     f"({dropped} packets dropped)")
     if not dropped:  # heartbeats go out twice a second: a cut that drops nothing cut nothing
         fault.problems.append("the cut dropped no packet")
-    _delayed_only(run, fault)
+    delayed_only(run, fault, [fault.target])
 
 
 def _dropped_packets() -> int:
@@ -330,9 +355,10 @@ def inject_node_kill(run: FaultedRun, fault: Fault) -> None:
         return
     node = _pick_node(run, fault)
     node.send_signal(signal.SIGKILL)
+    fault.lost = [fault.target]
     fault.detail = f"SIGKILL pid {node.pid}"
-    if not run.wait(lambda: fault.target in _node_exits(run, fault.events_before) or not run.running(), 15.0) \
-            or fault.target not in _node_exits(run, fault.events_before):
+    if not run.wait(lambda: fault.target in run.node_exits(fault.events_before) or not run.running(), 15.0) \
+            or fault.target not in run.node_exits(fault.events_before):
         fault.problems.append("no node_exit event recorded")
 
 
@@ -416,11 +442,11 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
 # ------------------------------------------------------------------ the soak
 def soak_config(base: dict, clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int, seed: int,
                 data_roots: list[Path], out: Path) -> dict:
-    config = merge_config(base, {"scenario": {"num_clients": clients, "num_tasks": tasks, "samples_per_client_task": samples,
-                                        "seed": seed},
-                           "rounds": {"rounds_per_task": rounds_per_task,
-                                      "clients_per_round": min(clients, base["rounds"]["clients_per_round"])},
-                           "nodes": nodes, "seed": seed, "data_root": [str(Path(p).resolve()) for p in data_roots]})
+    config = merge_config(base, {
+        "scenario": {"num_clients": clients, "num_tasks": tasks, "samples_per_client_task": samples, "seed": seed},
+        "rounds": {"rounds_per_task": rounds_per_task,
+                   "clients_per_round": min(clients, base["rounds"]["clients_per_round"])},
+        "nodes": nodes, "seed": seed, "data_root": [str(Path(p).resolve()) for p in data_roots]})
     return emulated_base(config, out)
 
 
@@ -434,8 +460,10 @@ def _mount_tmpfs(mount: Path) -> tuple[Optional[Path], Optional[str]]:
     return (mount, None) if done.returncode == 0 else (None, f"mount refused: {done.stderr.strip()}")
 
 
-def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) -> tuple[FaultedRun, dict]:
-    """The faulted run, with ``faults`` injected in order; (the run, notes on what could not be injected)."""
+def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console,
+                cluster: Optional["ClusterSoak"] = None) -> tuple[FaultedRun, dict]:
+    """The faulted run, with ``faults`` injected in order (on ``cluster``'s hosts and containers where given);
+    (the run, notes on what could not be injected)."""
     notes: dict[str, str] = {}
     mount, why = _mount_tmpfs(out / "faulted-tmpfs") if "disk_full" in {f.kind for f in faults} else (None, None)
     if why:
@@ -449,12 +477,13 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) 
     run = FaultedRun(config_path, run_dir, out / "faulted-up.log")
     injectors = {"node_stop": inject_node_stop, "net_cut": inject_net_cut, "node_kill": inject_node_kill,
                  "coordinator_kill": inject_coordinator_kill,
-                 "disk_full": lambda r, f: inject_disk_full(r, f, mount)}
+                 "disk_full": lambda r, f: inject_disk_full(r, f, mount),
+                 **(cluster.injectors() if cluster is not None else {})}
     try:
         run.start()
         for fault in faults:
             if not run.wait(lambda: run.last_round() >= fault.at_round or not run.running(), 900.0) \
-                    or not run.running():
+                    or not run.running() or run.ended():
                 fault.skipped = "the run had ended"
                 continue
             if run.last_round() == fault.at_round:  # a fault that lags behind the run is injected at once
@@ -471,7 +500,9 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) 
         if not run.wait(lambda: not run.running(), 1800.0):
             notes["end"] = "the run did not end within 30 minutes of the last fault"
         run.wait(lambda: not run.alive_of_run(), 15.0)
-        run.orphans = run.alive_of_run()
+        run.orphans = [f"processes {run.alive_of_run()}"] if run.alive_of_run() else []
+        if cluster is not None:
+            run.orphans += cluster.leftovers(run)
     finally:
         run.stop_all()
         if "net_cut" in {f.kind for f in faults} and not cut:
@@ -485,19 +516,34 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console) 
 
 
 def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, rounds_per_task: int, samples: int,
-        seed: int, data_roots: list[Path], out: Path, console: Console) -> dict:
-    """The baseline, the faulted run and every check; writes ``soak.json`` and ``faults.csv``; the result."""
+        seed: int, data_roots: list[Path], out: Path, console: Console,
+        cluster: Optional["ClusterSoak"] = None) -> dict:
+    """The baseline, the faulted run (on ``cluster``, made while the baseline runs and removed at the end, where
+    given) and every check; writes ``soak.json`` and ``faults.csv``; the result."""
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     config = soak_config(DEFAULT_CONFIG, clients, nodes, tasks, rounds_per_task, samples, seed, data_roots, out)
     faults = schedule(kinds, count, tasks * rounds_per_task, seed)
-    started = time.monotonic()
-    baseline, baseline_status = run_point(config, out / "baseline", 1800.0)
-    baseline_s = time.monotonic() - started
-    console.print(f"baseline: {baseline_status} in {baseline_s:.0f} s", markup=False, highlight=False)
-    started = time.monotonic()
-    faulted_run, notes = run_faulted(config, faults, out, console)
-    faulted_s = time.monotonic() - started
+    say = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
+    with ThreadPoolExecutor(1) as pool:
+        made = pool.submit(cluster.up, lambda _msg: None) if cluster is not None else None
+        try:
+            started = time.monotonic()
+            baseline, baseline_status = run_point(config, out / "baseline", 1800.0)
+            baseline_s = time.monotonic() - started
+            say(f"baseline: {baseline_status} in {baseline_s:.0f} s")
+            faulted_config = config
+            if made is not None:
+                made.result()  # a cluster that could not be made fails the soak here, saying why
+                say(f"cluster {cluster.cluster.name}: {len(cluster.cluster.hosts)} hosts, image {cluster.image}")
+                faulted_config = merge_config(config, cluster.config())
+            started = time.monotonic()
+            faulted_run, notes = run_faulted(faulted_config, faults, out, console, cluster)
+            faulted_s = time.monotonic() - started
+        finally:
+            if made is not None:
+                wait([made])
+                cluster.down()
     events, orphans = faulted_run.events(), faulted_run.orphans
     try:
         faulted = RunSummary.load(faulted_run.run_dir / "summary.json")
@@ -510,11 +556,11 @@ def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, 
         "checkpoint": faulted_run.checkpoint_problems() + (
             [] if faulted_run.positions == sorted(faulted_run.positions) else
             [f"checkpoint positions not monotone: {faulted_run.positions}"]),
-        "orphans": [f"processes left: {orphans}"] if orphans else [],
+        "orphans": [f"left: {'; '.join(orphans)}"] if orphans else [],
     }
     if baseline is not None and faulted is not None:
-        killed = {f.target for f in faults if f.kind == "node_kill" and f.injected_at_s is not None and not f.skipped}
-        comparison = compare(baseline, faulted, read_events(out / "baseline"), events, killed)
+        losses = [(f.events_before, set(f.lost)) for f in faults if f.lost]
+        comparison = compare(baseline, faulted, read_events(out / "baseline"), events, losses)
     else:
         comparison = {"problems": [f"no summary to compare (baseline {baseline_status})"]}
     checks["comparison"] = comparison["problems"]
@@ -530,6 +576,10 @@ def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, 
         "config": config, "seed": seed, "baseline_s": round(baseline_s, 1), "faulted_s": round(faulted_s, 1),
         "faults_injected": len(injected), "faults_survived": len(survived),
         "faults_per_hour": round(len(survived) / (faulted_s / 3600), 1) if faulted_s > 0 else None,
+        "resumes": sum(e["event"] == "resume" for e in events),
+        "cluster": None if cluster is None else {"hosts": [h.name for h in cluster.cluster.hosts],
+                                                 "lost": sorted(cluster.lost), "image": cluster.image,
+                                                 "config": faulted_config["containers"]},
         "skipped": notes, "faults": [asdict(f) for f in faults], "checks": checks, "comparison": comparison,
         "ok": not any(checks.values()) and len(survived) == len(injected),
     }
@@ -544,8 +594,10 @@ def run(count: int, kinds: Sequence[str], clients: int, nodes: int, tasks: int, 
 
 
 def _print(result: dict, console: Console) -> None:
-    table = Table(title=f"soak: {result['faults_survived']} of {result['faults_injected']} faults survived in "
-                        f"{result['faulted_s']:.0f} s ({result['faults_per_hour']} per hour)")
+    where = f" on {len(result['cluster']['hosts'])} hosts" if result["cluster"] else ""
+    table = Table(title=f"soak{where}: {result['faults_survived']} of {result['faults_injected']} faults survived in "
+                        f"{result['faulted_s']:.0f} s ({result['faults_per_hour']} per hour, {result['resumes']} "
+                        f"resumes)")
     for column in ("kind", "round", "target", "survived", "what happened"):
         table.add_column(column)
     for f in result["faults"]:

@@ -64,9 +64,10 @@ def emulated_drift(baseline: dict[int, dict], faulted: dict[int, dict], upto: in
 
 
 def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dict], events: list[dict],
-            killed: set[str]) -> dict:
+            losses: list[tuple[int, set[str]]]) -> dict:
     """The faulted run against the baseline, round by round (the clients aggregated) and by accuracy matrix:
-    the same, or differences that start after a node kill and that the kill explains."""
+    the same, or differences that start at a lossy fault and that it explains. ``losses``: each lossy fault as
+    (the number of events recorded when it was injected, the edge nodes it took: a killed node, a lost host's)."""
     a, b = baseline.accuracy_matrix, faulted.accuracy_matrix
     cells = [{"task": i, "column": j, "baseline": a[i][j], "faulted": b[i][j]}
              for i in range(min(len(a), len(b))) for j in range(min(len(a[i]), len(b[i]))) if a[i][j] != b[i][j]]
@@ -75,33 +76,35 @@ def compare(baseline: RunSummary, faulted: RunSummary, baseline_events: list[dic
                     for n in sorted(set(was) | set(got))}
     rounds = [{"round": n, "baseline": old, "faulted": new} for n, (old, new) in contributors.items() if old != new]
     exits = [(i, e["node"]) for i, e in enumerate(events) if e["event"] == "node_exit"]
-    problems = [f"node_exit of {node} without a node kill" for node in sorted({n for _, n in exits} - killed)]
+    lost = set().union(*(nodes for _, nodes in losses))
+    problems = [f"node_exit of {node} without a fault that took it" for node in sorted({n for _, n in exits} - lost)]
     result: dict[str, Any] = {"baseline": a, "faulted": b, "same": a == b, "cells_differing": cells,
                               "rounds_differing": rounds, "problems": problems}
-    if not exits:
+    if not exits and not losses:
         result["emulated_time"] = emulated_drift(was, got, max(got, default=0))
-        result["explanation"] = "no node exited: every fault only delayed the run or was resumed, so it must match"
+        result["explanation"] = "no node was lost: every fault only delayed the run or was resumed, so it must match"
         if rounds or a != b:
-            problems.append("the run differs from the baseline with no node exit")
+            problems.append("the run differs from the baseline with no lossy fault")
         return result
+    first = min([i for i, _ in losses] + [i for i, _ in exits])  # events recorded before the first loss
     counted = {e["round"]: i for i, e in enumerate(events) if e["event"] == "round"}  # a round's last record
-    before = max((n for n, i in counted.items() if i < exits[0][0]), default=0)
-    early = [r["round"] for r in rounds if counted.get(r["round"], len(events)) < exits[0][0]]
+    before = max((n for n, i in counted.items() if i < first), default=0)
+    early = [r["round"] for r in rounds if counted.get(r["round"], len(events)) < first]
     if early:
-        problems.append(f"rounds {early} aggregated other clients before any node exit")
+        problems.append(f"rounds {early} aggregated other clients before the first lossy fault")
     ended = {e["task"]: i for i, e in enumerate(events) if e["event"] == "task_end"}
-    rows = [t for t, i in sorted(ended.items()) if i < exits[0][0] and t < min(len(a), len(b)) and a[t] != b[t]]
+    rows = [t for t, i in sorted(ended.items()) if i < first and t < min(len(a), len(b)) and a[t] != b[t]]
     if rows:
-        problems.append(f"accuracy rows {rows} differ although their tasks ended before any node exit")
+        problems.append(f"accuracy rows {rows} differ although their tasks ended before the first lossy fault")
     if not rounds and a != b:
         problems.append("the matrix differs although every round aggregated the same clients")
     result["emulated_time"] = emulated_drift(was, got, before)
-    nodes = ", ".join(sorted({n for _, n in exits}))
+    nodes = ", ".join(sorted(lost | {n for _, n in exits}))
     numbers = [r["round"] for r in rounds]
     result["explanation"] = (
-        f"node {nodes} SIGKILLed (first after round {before}): " + (
+        f"node {nodes} lost (killed, or on a lost host; the first after round {before}): " + (
             f"{len(numbers)} rounds from round {numbers[0]} to {numbers[-1]} aggregated other clients than the "
-            f"baseline's (the killed node's clients were gone until `up --resume` started every node again, or to the end), so "
-            f"{len(cells)} cells of the accuracy matrix differ" if rounds else
+            f"baseline's (the lost nodes' clients were gone until `up --resume` started every node again, or to the "
+            f"end), so {len(cells)} cells of the accuracy matrix differ" if rounds else
             "a resume started its clients again before a round of theirs was lost, so the run matches"))
     return result
