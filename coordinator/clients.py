@@ -171,15 +171,24 @@ class ClientRegistry:
             self.awaiting_rejoin += record.status is Status.RESUMED
         self._changes += 1
 
+    def drop_awaited(self, client_id: str) -> bool:
+        """After a resume: declare dead a client awaited to join again (one whose node exited); False if it was not
+        awaited."""
+        record = self.records.get(client_id)
+        if record is None or record.status is not Status.RESUMED:
+            return False
+        record.status = Status.DEAD
+        self.counts.dropped += 1
+        self.awaiting_rejoin -= 1
+        self._changes += 1
+        return True
+
     def drop_resumed(self) -> list[str]:
         """Declare dead the clients that did not join the resumed coordinator."""
-        gone = [r for r in self.records.values() if r.status is Status.RESUMED]
-        for record in gone:
-            record.status = Status.DEAD
-            self.counts.dropped += 1
-        self.awaiting_rejoin = 0
-        self._changes += 1
-        return [r.client_id for r in gone]
+        gone = [r.client_id for r in self.records.values() if r.status is Status.RESUMED]
+        for client_id in gone:
+            self.drop_awaited(client_id)
+        return gone
 
     def connected(self) -> list[ClientRecord]:
         return [r for r in self.records.values() if r.status is Status.ONLINE]

@@ -338,7 +338,7 @@ class Coordinator:
                 save(0, 0)
             else:
                 with spent("join"):
-                    missing = self.checkpointer.wait_for_rejoin(self.serve)
+                    missing = self.checkpointer.wait_for_rejoin(self.serve, own_nodes=self.nodes.started > 0)
                     self._wait_before_rounds()
                 recorder.event("resume", run_id=state.run_id, address=self.address, task=first_task,
                                task_round=first_round, after_round=state.global_round,

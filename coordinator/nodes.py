@@ -76,8 +76,8 @@ class NodeWatch:
                 continue
             self._handled[(node.name, node.seq)] = node
             hosted = [r for r in registry.records.values() if r.node == node.name]
-            for record in hosted:
-                if registry.drop(record.client_id):
+            for record in hosted:  # connected, or awaited after a resume: neither comes back through this node
+                if registry.drop(record.client_id) or registry.drop_awaited(record.client_id):
                     state.metrics.client_dropped("node_exited")
             self.unreachable_clients += max(0, node.clients - len(hosted)) if node.seq == 0 else 0
             log.error("%s", node.describe())

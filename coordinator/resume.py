@@ -140,17 +140,24 @@ class Checkpointer:
             raise checkpoint.CheckpointError(f"corrupt checkpoint: cannot restore it ({type(exc).__name__}: "
                                              f"{exc})") from None
 
-    def wait_for_rejoin(self, serve: Serve) -> list[str]:
+    def wait_for_rejoin(self, serve: Serve, own_nodes: bool = False) -> list[str]:
         """After a resume: serve until the clients online at the checkpoint have joined again (their DEALERs
-        reconnect on their own; any message of theirs is answered ``not_joined``). Stops early once none has
-        come back for ``liveness_timeout_s`` after the first did (clients away for now), and at
-        ``join_timeout_s``. Returns the clients that did not come back; they count as dropped."""
+        reconnect on their own; any message of theirs is answered ``not_joined``), at most ``join_timeout_s``.
+
+        ``own_nodes``: this process started every edge node again (``up --resume``): it waits for every client
+        whose node has not exited, as a fresh run waits for everyone, however slowly the nodes start (containers
+        on busy hosts may come up more than a liveness timeout apart). Otherwise (nodes started elsewhere, by
+        hand) it stops early once none has come back for ``liveness_timeout_s`` after the first did (clients
+        away for now). Returns the clients that did not come
+        back; they count as dropped."""
         st = self.state
         net, registry, rounds = st.config.network, st.registry, st.config.rounds
         seen = {"awaiting": registry.awaiting_rejoin, "changed": None}
 
         def settled() -> bool:
             awaiting, now = registry.awaiting_rejoin, time.monotonic()
+            if own_nodes:
+                return awaiting == 0
             if awaiting != seen["awaiting"]:
                 seen.update(awaiting=awaiting, changed=now)
             return awaiting == 0 or (seen["changed"] is not None and now - seen["changed"] > net.liveness_timeout_s)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -210,6 +211,50 @@ def test_registry_snapshot_and_restore():
     again.join("client-0000", 0, "node-b", 0)  # back after the restart: not a rejoin of its own
     assert again.counts.rejoined == 0 and again.counts.joined == 3 and again.online_count == 1
     assert again.drop_resumed() == ["client-0001"] and again.counts.dropped == 1
+
+
+def _resumed_registry(clients: int) -> ClientRegistry:
+    reg = ClientRegistry(10.0)
+    for i in range(clients):
+        reg.join(f"client-{i:04d}", i, f"node-{i % 2}", 0)
+    again = ClientRegistry(10.0)
+    again.restore(json.loads(json.dumps(reg.snapshot())))
+    return again
+
+
+@pytest.mark.parametrize("own_nodes", [False, True])
+def test_a_resume_that_started_its_nodes_waits_for_every_client_however_slowly_they_come(own_nodes):
+    """Client 0 rejoins at once, the others after three liveness timeouts (containers starting on busy hosts):
+    nodes started elsewhere count them as away for now; nodes the resumed `up` started itself are waited for."""
+    from fcl_emu.coordinator.resume import Checkpointer
+
+    registry = _resumed_registry(4)
+    config = RunConfig(network={"liveness_timeout_s": 0.05, "heartbeat_interval_s": 0.01})
+    state = SimpleNamespace(config=config, registry=registry, task=0, progress=lambda *a: None,
+                            metrics=SimpleNamespace(client_dropped=lambda reason: None))
+    joins = [[0], [], [], [], [1, 2, 3]]  # one batch per 0.05 s
+
+    def serve(condition, deadline):
+        for batch in joins:
+            for i in batch:
+                registry.join(f"client-{i:04d}", i, f"node-{i % 2}", 0)
+            if condition():
+                return
+            time.sleep(0.05)
+
+    missing = Checkpointer(state, clock=None, address="").wait_for_rejoin(serve, own_nodes=own_nodes)
+    assert missing == ([] if own_nodes else ["client-0001", "client-0002", "client-0003"])
+    assert len(registry.online()) == (4 if own_nodes else 1)
+
+
+def test_clients_awaited_after_a_resume_whose_node_exited_are_not_waited_for():
+    registry = _resumed_registry(4)
+    assert registry.drop_awaited("client-0001") and not registry.drop_awaited("client-0001")
+    registry.join("client-0000", 0, "node-0", 0)
+    assert not registry.drop_awaited("client-0000")  # back: dropping it is the liveness scan's or its node's
+    assert registry.awaiting_rejoin == 2 and registry.counts.dropped == 1
+    assert registry.records["client-0001"].status is Status.DEAD
+    assert registry.drop_resumed() == ["client-0002", "client-0003"] and registry.awaiting_rejoin == 0
 
 
 # ---------------------------------------------------------------- bad input

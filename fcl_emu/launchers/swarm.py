@@ -111,11 +111,19 @@ class SwarmLauncher(EngineLauncher):
         return config.model_copy(update=updates)
 
     def _remove_leftovers(self) -> None:
-        for service in self.engine.services.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
+        """Remove the services and secrets a run in this run directory left (its coordinator killed), and wait up
+        to 30 s for their containers to go: a leftover edge node still dials the run's address with the run's
+        keys, and would join the resumed coordinator for its clients until its container stopped."""
+        services = self.engine.services.list(filters={"label": f"{LABEL_RUN}={self.label}"})
+        for service in services:
             log.warning("removing service %s left by an earlier run in this run directory", service.name)
             service.remove()
         for secret in self.engine.secrets.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
-            secret.remove()
+            remove_when_free(secret)
+        reachable = list(self._cluster_engines.values()) or [self.engine]
+        deadline = time.monotonic() + 30
+        while services and time.monotonic() < deadline and self._containers_left(reachable):
+            time.sleep(self.poll_s)
 
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -274,18 +282,18 @@ class SwarmLauncher(EngineLauncher):
             self._save_service_log(spec, service)
             service.remove()
         deadline = time.monotonic() + 30  # a removed service's containers go a moment later
-        while time.monotonic() < deadline and self._containers_left():
+        while time.monotonic() < deadline and self._containers_left(self._host_engines.values()):
             time.sleep(self.poll_s)
         for secret in self._secrets:
             remove_when_free(secret)
         self._remove_network()
 
-    def _containers_left(self) -> bool:
-        """Whether a container of the run is still on a reachable host."""
+    def _containers_left(self, host_engines) -> bool:
+        """Whether a container of the run is still on one of ``host_engines``."""
         import docker
         import requests
 
-        for host_engine in self._host_engines.values():
+        for host_engine in host_engines:
             try:
                 if host_engine.containers.list(all=True, filters={"label": f"{LABEL_RUN}={self.label}"}):
                     return True
