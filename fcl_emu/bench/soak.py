@@ -216,6 +216,12 @@ class FaultedRun:
     def last_round(self) -> int:
         return max((e["round"] for e in self.events() if e["event"] == "round"), default=0)
 
+    def going(self) -> bool:
+        """Whether the run has recorded a round since it last started: after a resume, its edge nodes are up and
+        its clients back (a fault before that would find half a run)."""
+        kinds = [e["event"] for e in self.events() if e["event"] in ("round", "resume")]
+        return bool(kinds) and kinds[-1] == "round"
+
     def poll_position(self) -> None:
         try:
             state = json.loads((self.run_dir / "checkpoint" / "state.json").read_text())
@@ -482,8 +488,8 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console,
     try:
         run.start()
         for fault in faults:
-            if not run.wait(lambda: run.last_round() >= fault.at_round or not run.running(), 900.0) \
-                    or not run.running() or run.ended():
+            if not run.wait(lambda: (run.last_round() >= fault.at_round and run.going()) or not run.running(),
+                            900.0) or not run.running() or run.ended():
                 fault.skipped = "the run had ended"
                 continue
             if run.last_round() == fault.at_round:  # a fault that lags behind the run is injected at once
@@ -493,7 +499,10 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console,
                 continue
             fault.events_before = len(run.events())
             fault.injected_at_s = round(time.monotonic() - run.started, 2)
-            injectors[fault.kind](run, fault)
+            try:
+                injectors[fault.kind](run, fault)
+            except Exception as exc:  # an injector that could not finish (a container gone under it): a failure
+                fault.problems.append(f"the injector failed: {type(exc).__name__}: {exc}")
             console.print(f"{fault.injected_at_s:8.1f} s  round {fault.at_round:3d}  {fault.kind:16s} "
                           f"{fault.target or '':12s} {fault.skipped or fault.detail} "
                           f"{'; '.join(fault.problems)}", markup=False, highlight=False)

@@ -39,6 +39,7 @@ from fcl_emu.launchers.engine_launcher import LABEL_NODE, LABEL_RUN, run_label
 
 NAME = "soak"
 SUBNET = "192.168.215.0/24"
+SERVICE_ID = "com.docker.swarm.service.id"  # the label Swarm gives a task's container
 KINDS = ("partition", "slow_host", "container_pause", "container_kill", "lose_host", "coordinator_kill", "disk_full")
 
 
@@ -75,11 +76,18 @@ class ClusterSoak:
         """The worker hosts not lost, by name."""
         return [h.name for h in self.cluster.hosts if not h.manager and h.name not in self.lost]
 
+    def _services(self, run: FaultedRun) -> list:
+        """The run's edge-node services on the manager."""
+        lead = engine(self.cluster.manager.engine, timeout_s=30)
+        return lead.services.list(filters={"label": f"{LABEL_RUN}={run_label(run.run_dir)}"})
+
     def containers(self, run: FaultedRun, every: bool = False) -> dict[str, tuple[str, object]]:
-        """The run's edge-node containers on the hosts up, by node name: (host, container); running or paused
-        ones (``every``: any state)."""
+        """The containers of the run's current services on the hosts up, by node name: (host, container); running
+        or paused ones. ``every``: any container of the run, in any state (what a killed coordinator left, whose
+        services a resume removes, included)."""
         found: dict[str, tuple[str, object]] = {}
         label = f"{LABEL_RUN}={run_label(run.run_dir)}"
+        current = set() if every else {service.id for service in self._services(run)}
         for host in self.cluster.hosts:
             if host.name in self.lost:
                 continue
@@ -88,7 +96,8 @@ class ClusterSoak:
             except EngineError:
                 continue
             for container in listed:
-                found[container.labels.get(LABEL_NODE, container.name)] = (host.name, container)
+                if every or container.labels.get(SERVICE_ID) in current:
+                    found[container.labels.get(LABEL_NODE, container.name)] = (host.name, container)
         return dict(sorted(found.items()))
 
     def nodes_on(self, run: FaultedRun, host: str) -> list[str]:
@@ -99,8 +108,8 @@ class ClusterSoak:
         label = f"{LABEL_RUN}={run_label(run.run_dir)}"
         left: list[str] = []
         try:
+            left += [f"service {s.name}" for s in self._services(run)]
             lead = engine(self.cluster.manager.engine, timeout_s=30)
-            left += [f"service {s.name}" for s in lead.services.list(filters={"label": label})]
             left += [f"network {n.name}" for n in lead.networks.list(filters={"label": label})]
         except EngineError as exc:
             left.append(f"the manager's engine does not answer ({exc})")
@@ -193,14 +202,15 @@ class ClusterSoak:
             fault.skipped = f"{host} runs every edge node left (losing it ends the run)"
             return
         self._faults().lose(host)
+        lost_at = len(run.events())
         self.lost.add(host)
         fault.lost = nodes
         fault.detail = f"{host} lost with {', '.join(nodes)}"
         clients = run.clients_of(nodes)
-        # its clients are declared dead within the liveness timeout (and a heartbeat): the round after the one they
-        # die in, and every later one, aggregates none of them
+        # its clients are declared dead within the liveness timeout (and a heartbeat): the round in flight at the
+        # loss may still count their updates; the next one, and every later one, aggregates none of them
         deadline = time.monotonic() + LIVENESS_S + 30.0
-        later = lambda: [e for e in run.events()[fault.events_before:] if e["event"] == "round"]  # noqa: E731
+        later = lambda: [e for e in run.events()[lost_at:] if e["event"] == "round"]  # noqa: E731
         if not run.wait(lambda: len(later()) >= 2 or not run.running(), deadline - time.monotonic()):
             fault.problems.append("no two rounds recorded within the liveness timeout and 30 s of the loss")
         for record in later()[1:]:
