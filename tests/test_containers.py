@@ -19,7 +19,7 @@ import yaml
 from fcl_emu.containers import docker_client
 from fcl_emu.scenario.faults import load_plan
 from fcl_emu.launchers.base import node_specs
-from fcl_emu.runconfig import load_config
+from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.scenario.devices import memory_bytes, memory_limit
 from tests.conftest import small_config, up
 
@@ -139,6 +139,22 @@ def test_nodes_group_device_classes_under_containers(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_node_log_that_cannot_be_saved_is_a_warning_and_the_tear_down_goes_on(tmp_path, caplog):
+    """On a full disk (here: a log directory that is a file) saving a node's log at the run's end must not raise:
+    the services would stay, and the run's own end would be lost behind a traceback."""
+    from fcl_emu.launchers.docker import DockerLauncher
+
+    launcher = DockerLauncher.__new__(DockerLauncher)  # no engine needed to save a log
+    launcher._log_dir = None
+    (tmp_path / "logs").write_text("not a directory")
+    launcher._log_dir = tmp_path / "logs"
+    launcher._save_log(node_specs(RunConfig())[0], b"its last words\n")
+    assert "the log of node-0 was not saved" in caplog.text
+    launcher._log_dir = tmp_path
+    launcher._save_log(node_specs(RunConfig())[0], b"its last words\n")
+    assert (tmp_path / "node-0.log").read_bytes() == b"its last words\n"
+
+
 def test_no_engine_is_one_clear_line(tmp_path, mnist_root):
     env_run = subprocess.run([sys.executable, "-m", "fcl_emu", "up", "--backend", "docker", "--clients", "4",
                               "--nodes", "2", "--data-root", str(mnist_root), "--run-dir", str(tmp_path / "r")],

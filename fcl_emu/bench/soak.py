@@ -426,7 +426,7 @@ def inject_disk_full(run: FaultedRun, fault: Fault, mount: Optional[Path]) -> No
             fault.problems.append("the run did not end within 180 s of the disk filling")
             run.stop_all()
         log = run.log_path.read_text(errors="replace")
-        last = log[log.rfind("$ "):]
+        last = " ".join(log[log.rfind("$ "):].split())  # the terminal may have wrapped a line at any space
         if run.proc.returncode == 0:
             fault.skipped = "the run completed before it wrote to the full disk"
             return
@@ -485,11 +485,13 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console,
                  "coordinator_kill": inject_coordinator_kill,
                  "disk_full": lambda r, f: inject_disk_full(r, f, mount),
                  **(cluster.injectors() if cluster is not None else {})}
+    # containers of a resumed run start slowly: a cluster's faults wait for its first round, to find them
+    ready = run.going if cluster is not None else (lambda: True)
     try:
         run.start()
         for fault in faults:
-            if not run.wait(lambda: (run.last_round() >= fault.at_round and run.going()) or not run.running(),
-                            900.0) or not run.running() or run.ended():
+            if not run.wait(lambda: (run.last_round() >= fault.at_round and ready()) or not run.running(), 900.0) \
+                    or not run.running() or run.ended():
                 fault.skipped = "the run had ended"
                 continue
             if run.last_round() == fault.at_round:  # a fault that lags behind the run is injected at once

@@ -141,32 +141,39 @@ class ClusterSoak:
     def _faults(self) -> local_cluster.HostFaults:
         return local_cluster.HostFaults(self.cluster)
 
-    def partition(self, run: FaultedRun, fault: Fault) -> None:
+    def _hold_host(self, run: FaultedRun, fault: Fault, start: Callable[[str], str],
+                   end: Callable[[str], None]) -> None:
+        """A delay on a worker host: ``start(host)`` (saying what it did), ``duration_s``, ``end(host)``; it
+        must cost none of the host's edge nodes."""
         host = self._pick_host(run, fault)
         if host is None:
             return
         nodes = self.nodes_on(run, host)
-        self._faults().cut(host)
+        what = start(host)
         try:
             time.sleep(fault.duration_s)
         finally:
-            self._faults().heal(host)
-        fault.detail = f"{host} ({', '.join(nodes)}) cut off for {fault.duration_s:g} s"
+            end(host)
+        fault.detail = f"{host} ({', '.join(nodes)}) {what} for {fault.duration_s:g} s"
         delayed_only(run, fault, nodes)
 
+    def partition(self, run: FaultedRun, fault: Fault) -> None:
+        faults = self._faults()
+
+        def cut(host: str) -> str:
+            faults.cut(host)
+            return "cut off"
+
+        self._hold_host(run, fault, cut, faults.heal)
+
     def slow_host(self, run: FaultedRun, fault: Fault) -> None:
-        host = self._pick_host(run, fault)
-        if host is None:
-            return
-        nodes = self.nodes_on(run, host)
-        cpus = round(random.Random(fault.pick).uniform(0.1, 0.5), 2)
-        self._faults().slow(host, cpus)
-        try:
-            time.sleep(fault.duration_s)
-        finally:
-            self._faults().restore(host)
-        fault.detail = f"{host} ({', '.join(nodes)}) held to {cpus:g} CPUs for {fault.duration_s:g} s"
-        delayed_only(run, fault, nodes)
+        faults, cpus = self._faults(), round(random.Random(fault.pick).uniform(0.1, 0.5), 2)
+
+        def slow(host: str) -> str:
+            faults.slow(host, cpus)
+            return f"held to {cpus:g} CPUs"
+
+        self._hold_host(run, fault, slow, faults.restore)
 
     def container_pause(self, run: FaultedRun, fault: Fault) -> None:
         picked = self._pick_container(run, fault)

@@ -141,9 +141,15 @@ class EngineLauncher(NodeLauncher):
         return Target(self.containers, {spec.name: spec.device_class for spec, _ in self._nodes}, self._network)
 
     def _save_log(self, spec: NodeSpec, text: bytes) -> None:
-        if self._log_dir is not None:
-            with open(self._log_dir / f"{spec.name}.log", "ab") as f:  # appended to by `up --resume`
+        """Append the node's log to its file in the run directory (``up --resume`` appends again); a write that
+        fails (a full disk) is a warning: the run's containers must still be removed, and its end reported."""
+        if self._log_dir is None:
+            return
+        try:
+            with open(self._log_dir / f"{spec.name}.log", "ab") as f:
                 f.write(text)
+        except OSError as exc:
+            log.warning("the log of %s was not saved: %s", spec.name, exc)
 
     def _remove_network(self) -> None:
         """Remove the run's network, unless the user named and made it."""
