@@ -148,8 +148,7 @@ class Checkpointer:
         whose node has not exited, as a fresh run waits for everyone, however slowly the nodes start (containers
         on busy hosts may come up more than a liveness timeout apart). Otherwise (nodes started elsewhere, by
         hand) it stops early once none has come back for ``liveness_timeout_s`` after the first did (clients
-        away for now). Returns the clients that did not come
-        back; they count as dropped."""
+        away for now). Returns the clients that did not come back; they count as dropped."""
         st = self.state
         net, registry, rounds = st.config.network, st.registry, st.config.rounds
         seen = {"awaiting": registry.awaiting_rejoin, "changed": None}

@@ -118,12 +118,12 @@ class SwarmLauncher(EngineLauncher):
         for service in services:
             log.warning("removing service %s left by an earlier run in this run directory", service.name)
             service.remove()
-        for secret in self.engine.secrets.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
-            remove_when_free(secret)
         reachable = list(self._cluster_engines.values()) or [self.engine]
         deadline = time.monotonic() + 30
         while services and time.monotonic() < deadline and self._containers_left(reachable):
             time.sleep(self.poll_s)
+        for secret in self.engine.secrets.list(filters={"label": f"{LABEL_RUN}={self.label}"}):
+            remove_when_free(secret)
 
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
