@@ -113,11 +113,12 @@ def test_fill_stops_at_a_full_disk(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_short_soak_survives_every_fault(tmp_path, mnist_root):
-    """Five faults, one of each kind, into a 6-client, 3-node, 2 x 12-round MNIST run: every check passes."""
+    """Five faults, one of each kind, into a 6-client, 3-node, 2 x 100-round MNIST run (its rounds take a fraction
+    of a second each, its faults seconds: the run must outlast them): every check passes."""
     out = tmp_path / "soak"
     proc = subprocess.run(
         [sys.executable, "-m", "fcl_emu", "bench", "soak", "--faults", "5", "--clients", "6", "--nodes", "3",
-         "--rounds-per-task", "12", "--samples", "128", "--data-root", str(mnist_root), "--out", str(out)],
+         "--rounds-per-task", "100", "--samples", "128", "--data-root", str(mnist_root), "--out", str(out)],
         env=node_env(), capture_output=True, text=True, timeout=400)
     result = json.loads((out / "soak.json").read_text())
     problems = {**result["checks"], **{f"{f['kind']}@{f['at_round']}": f["problems"] for f in result["faults"]}}

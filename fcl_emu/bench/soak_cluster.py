@@ -31,7 +31,7 @@ import random
 import time
 from typing import Callable, Optional
 
-from fcl_emu.bench.soak import LIVENESS_S, FaultedRun, Fault, delayed_only
+from fcl_emu.bench.soak_run import LIVENESS_S, Fault, FaultedRun, delayed_only
 from fcl_emu.containers import local_cluster
 from fcl_emu.containers.cluster import Cluster, engine
 from fcl_emu.containers.docker_client import EngineError
