@@ -338,7 +338,8 @@ def run_faulted(config: dict, faults: list[Fault], out: Path, console: Console,
         if not run.wait(lambda: not run.running(), 1800.0):
             notes["end"] = "the run did not end within 30 minutes of the last fault"
         run.wait(lambda: not run.alive_of_run(), 15.0)
-        run.orphans = [f"processes {run.alive_of_run()}"] if run.alive_of_run() else []
+        alive = run.alive_of_run()
+        run.orphans = [f"processes {alive}"] if alive else []
         if cluster is not None:
             run.orphans += cluster.leftovers(run)
     finally:

@@ -100,9 +100,6 @@ class ClusterSoak:
                     found[container.labels.get(LABEL_NODE, container.name)] = (host.name, container)
         return dict(sorted(found.items()))
 
-    def nodes_on(self, run: FaultedRun, host: str) -> list[str]:
-        return [name for name, (on, _c) in self.containers(run).items() if on == host]
-
     def leftovers(self, run: FaultedRun) -> list[str]:
         """The run's services (on the manager), containers and network (on the hosts up) still there."""
         label = f"{LABEL_RUN}={run_label(run.run_dir)}"
@@ -121,17 +118,21 @@ class ClusterSoak:
         return {"partition": self.partition, "slow_host": self.slow_host, "container_pause": self.container_pause,
                 "container_kill": self.container_kill, "lose_host": self.lose_host}
 
-    def _pick_host(self, run: FaultedRun, fault: Fault) -> Optional[str]:
-        """A worker that is up and runs an edge node of the run, by the fault's pick."""
-        hosts = sorted({host for host, _c in self.containers(run).values()} & set(self.workers()))
+    def _pick_host(self, run: FaultedRun, fault: Fault) -> Optional[tuple[str, list[str], int]]:
+        """A worker that is up and runs an edge node of the run, by the fault's pick: (the host, the edge nodes
+        running on it, the edge nodes running anywhere), from one look at the hosts."""
+        running = self.containers(run)
+        hosts = sorted({host for host, _c in running.values()} & set(self.workers()))
         if not hosts:
             fault.skipped = "no worker host up runs an edge node"
             return None
         fault.target = hosts[int(fault.pick * len(hosts))]
-        return fault.target
+        return fault.target, [name for name, (on, _c) in running.items() if on == fault.target], len(running)
 
-    def _pick_container(self, run: FaultedRun, fault: Fault) -> Optional[tuple[str, object]]:
-        running = self.containers(run)
+    def _pick_container(self, run: FaultedRun, fault: Fault,
+                        running: Optional[dict[str, tuple[str, object]]] = None) -> Optional[tuple[str, object]]:
+        """An edge-node container of the run (of ``running`` where given), by the fault's pick: (host, container)."""
+        running = self.containers(run) if running is None else running
         if not running:
             fault.skipped = "no edge-node container running"
             return None
@@ -145,10 +146,10 @@ class ClusterSoak:
                    end: Callable[[str], None]) -> None:
         """A delay on a worker host: ``start(host)`` (saying what it did), ``duration_s``, ``end(host)``; it
         must cost none of the host's edge nodes."""
-        host = self._pick_host(run, fault)
-        if host is None:
+        picked = self._pick_host(run, fault)
+        if picked is None:
             return
-        nodes = self.nodes_on(run, host)
+        host, nodes, _running = picked
         what = start(host)
         try:
             time.sleep(fault.duration_s)
@@ -189,10 +190,11 @@ class ClusterSoak:
         delayed_only(run, fault, [fault.target])
 
     def container_kill(self, run: FaultedRun, fault: Fault) -> None:
-        if len(self.containers(run)) < 2:
+        running = self.containers(run)
+        if len(running) < 2:
             fault.skipped = "last edge node running (killing it ends the run: every edge node exited)"
             return
-        host, container = self._pick_container(run, fault)
+        host, container = self._pick_container(run, fault, running)
         container.kill()
         fault.lost = [fault.target]
         fault.detail = f"container on {host} killed"
@@ -201,11 +203,11 @@ class ClusterSoak:
             fault.problems.append("no node_exit event recorded")
 
     def lose_host(self, run: FaultedRun, fault: Fault) -> None:
-        host = self._pick_host(run, fault)
-        if host is None:
+        picked = self._pick_host(run, fault)
+        if picked is None:
             return
-        nodes = self.nodes_on(run, host)
-        if len(self.containers(run)) <= len(nodes):
+        host, nodes, running = picked
+        if running <= len(nodes):
             fault.skipped = f"{host} runs every edge node left (losing it ends the run)"
             return
         self._faults().lose(host)

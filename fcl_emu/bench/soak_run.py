@@ -33,7 +33,7 @@ class Fault:
     kind: str
     at_round: int  # injected once the run has recorded this global round
     offset_s: float  # and this long after, so that it lands inside the next round (at once when it lags behind)
-    duration_s: float  # node_stop, net_cut: how long
+    duration_s: float  # a delay (node_stop, net_cut, partition, slow_host, container_pause): how long
     pick: float  # in [0, 1): which of the live nodes (sorted by name)
     target: Optional[str] = None
     injected_at_s: Optional[float] = None
