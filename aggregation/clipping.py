@@ -48,18 +48,33 @@ def clip_update(update: ClientUpdate, max_norm: float, prefix: str = DELTA) -> C
 def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tuple[str, ...] = (DELTA,)
                    ) -> list[ClientUpdate]:
     """The round's updates with each one's deltas under every prefix of ``prefixes`` (the method's summed
-    uploads) clipped to ``multiplier`` times the median of the cohort's norms under that prefix: the adaptive
-    norm bound that is on by default.
+    uploads) clipped to ``multiplier`` times the median of the cohort's norms under that prefix, then each float
+    tensor to ``multiplier`` times the median of the cohort's norms of that tensor: the adaptive norm bound that is
+    on by default.
 
     Norm clipping bounds what one update can move the mean (Sun et al. 2019, "Can You Really Backdoor Federated
     Learning?"); taking the bound from the cohort's median norm (FLAME, Nguyen et al. 2022, clips to the median
-    itself) needs no tuning per model and stays honest while fewer than half of the updates are hostile. An
-    honest update within ``multiplier`` x the median is left exactly as it was."""
+    itself) needs no tuning per model and stays honest while fewer than half of the updates are hostile. The bound
+    per tensor keeps an update from putting all it may move into one small tensor (a push on one class's output
+    bias). An honest update within ``multiplier`` x the medians is left exactly as it was."""
     for prefix in prefixes if updates else ():
         norms = [delta_norm(u, prefix) for u in updates]
         bound = multiplier * float(np.median(norms))
         updates = [clip_update(u, bound, prefix) if norm > bound else u for u, norm in zip(updates, norms)]
+    names = [n for n, v in updates[0].tensors.items() if n.startswith(prefixes) and v.dtype.kind == "f"] \
+        if updates else []
+    for name in names:
+        norms = [tensor_norm(u, name) for u in updates]
+        bound = multiplier * float(np.median(norms))
+        updates = [u.with_tensors({**u.tensors, name: (u.tensors[name] * (bound / norm)).astype(u.tensors[name].dtype)})
+                   if norm > bound else u for u, norm in zip(updates, norms)]
     return updates
+
+
+def tensor_norm(update: ClientUpdate, name: str) -> float:
+    """The L2 norm of one of an update's float tensors (from its square sum where known)."""
+    squares = update.square_sums.get(name)
+    return math.sqrt(_square_sum(update.tensors[name]) if squares is None else squares)
 
 
 def l2_norm(arrays: Iterable[np.ndarray]) -> float:

@@ -90,6 +90,19 @@ def test_the_adaptive_bound_clips_to_a_multiple_of_the_cohorts_median_norm_under
     assert clip_to_cohort([], 3.0) == []
 
 
+def test_the_adaptive_bound_also_clips_each_tensor_to_the_multiple_of_its_cohorts_median():
+    """By hand, multiplier 2: whole norms 1.005, 2.002, 1.418, 3.041 (median 1.71, bound 3.42) clip nothing; the
+    bias tensors' norms 0.1, 0.1, 0.1, 3 (median 0.1, bound 0.2) clip the last bias to 0.2; the weights' norms 1, 2,
+    1.414, 0.5 (median 1.21, bound 2.41) nothing. A push on one small tensor keeps only 2 x its cohort's median."""
+    rows = [([1.0, 0.0], 0.1), ([0.0, 2.0], 0.1), ([1.0, 1.0], 0.1), ([0.5, 0.0], 3.0)]
+    updates = [ClientUpdate(f"c{i}", 10, {"delta/w": np.array(w, np.float32), "delta/b": np.array([b], np.float32)})
+               for i, (w, b) in enumerate(rows)]
+    clipped = clip_to_cohort(updates, 2.0)
+    assert clipped[:3] == updates[:3] and all(a is b for a, b in zip(clipped[:3], updates[:3]))
+    assert clipped[3].tensors["delta/b"][0] == pytest.approx(0.2)
+    np.testing.assert_array_equal(clipped[3].tensors["delta/w"], [0.5, 0.0])
+
+
 def test_the_default_defences_contain_an_insider_sending_100_per_weight():
     """29 honest deltas near a common direction and one of +-100 per weight with the same sample count: through
     the default adaptive bound and aggregation rule the insider moves the result by at most its weight share of
