@@ -58,9 +58,15 @@ class AggregationDefences(pydantic.BaseModel):
                                 "aggregating (norm clipping)")
     adaptive_clip: float | None = pydantic.Field(
         10.0, ge=1, description="scale every update's delta down to at most this multiple of the median L2 norm of "
-                               "its round's updates before aggregating, and leave out an upload used one by one (a "
+                               "its round's updates before aggregating (then each tensor to this multiple of that "
+                               "tensor's median norm), and leave out an upload used one by one (a "
                                "FedCBC VAE, a GLFC prototype gradient) beyond it; off: no adaptive bound (plain "
                                "rounds only: a secure round shows no single update)")
+    direction_check: float | None = pydantic.Field(
+        10.0, gt=0, description="refuse an update that agrees with nothing of its round's cohort: whose largest cosine "
+                                "with the mean of a sample of the cohort and with each other update of the sample is "
+                                "below Z / sqrt(d) for d weights (Z standard deviations of a random direction's "
+                                "cosine; counted as off_cohort); off: no check (plain rounds of 3 updates or more)")
     aggregator: RuleName = pydantic.Field(
         "mean", description="how a round's deltas are combined: mean (FedAvg, weighted by samples), median or "
                             "trimmed_mean (coordinate-wise, Yin et al. 2018), krum or multikrum (Blanchard et al. "
@@ -74,10 +80,10 @@ class AggregationDefences(pydantic.BaseModel):
     multikrum_keep: int | None = pydantic.Field(
         None, ge=1, description="the updates of best Krum score that multikrum averages (unset: n - f)")
 
-    @pydantic.field_validator("adaptive_clip", mode="before")
+    @pydantic.field_validator("adaptive_clip", "direction_check", mode="before")
     @classmethod
     def _off(cls, value: Any) -> Any:
-        """``off`` (a flag's word, or YAML's false) turns the adaptive bound off."""
+        """``off`` (a flag's word, or YAML's false) turns the adaptive bound or the direction check off."""
         return None if value is False or value == "off" else value
 
     def robust_aggregator(self) -> Aggregator:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update
+from fcl_emu.aggregation.direction import off_cohort
 from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.privacy import DistributedPrivacy
@@ -94,18 +95,31 @@ class PlainCollection(Collection):
         clock.collect(r, serve, side_channel)
 
     def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
-        """The on-time updates with samples and the late ones kept, in client order, each delta clipped to
-        ``security.clip_norm`` and then to the cohort's adaptive bound (over the method's summed uploads); the
-        quorum is ``min_participants``, or what the run's rule needs if more."""
+        """The on-time updates with samples and the late ones kept, in client order, without those that agree with
+        nothing of their cohort (``security.direction_check``), each delta clipped to ``security.clip_norm`` and
+        then to the cohort's adaptive bound (over the method's summed uploads); the quorum is
+        ``min_participants``, or what the run's rule needs if more."""
         security, own = self.state.config.security, [u for u in r.counted if u.num_samples > 0]
         useful = sorted(own + stale, key=lambda u: u.client)
+        if security.direction_check is not None:
+            useful = self._agreeing(useful, security.direction_check)
         losses = [u.loss for u in useful]
         if security.clip_norm is not None:
             useful = [clip_update(u, security.clip_norm) for u in useful]
         if security.adaptive_clip is not None:
             useful = clip_to_cohort(useful, security.adaptive_clip, self.state.server.summable)
         quorum = max(self.state.config.rounds.min_participants, security.robust_aggregator().min_updates)
-        return Gathered(useful, losses, quorum, len(stale), contributors=sorted(u.client for u in own))
+        kept = {u.client for u in useful}
+        contributors = sorted(u.client for u in own if u.client in kept)
+        return Gathered(useful, losses, quorum, len(stale), contributors=contributors)
+
+    def _agreeing(self, updates: list[ClientUpdate], z: float) -> list[ClientUpdate]:
+        """``updates`` without those that agree with nothing of their cohort, each refused as ``off_cohort``."""
+        off = off_cohort(updates, z, self.state.server.summable)
+        for client, agreement in off.items():
+            self.state.refused("off_cohort", client, f"{client}'s update: it agrees with nothing of its round's "
+                                                     f"cohort (largest cosine {agreement:.3g}; --direction-check)")
+        return [u for u in updates if u.client not in off]
 
 
 class SecureCollection(Collection):

@@ -228,9 +228,7 @@ class Coordinator:
     def _refused_upload(self, detail: str) -> None:
         """An upload the method left out for lying beyond its round's cohort bound: a ``cohort_bound``
         rejection, counted and logged once."""
-        self.state.tally.rejected["cohort_bound"] += 1
-        self.state.metrics.rejected("cohort_bound")
-        self.state.log_once(None, "cohort_bound", f"refused {detail}")
+        self.state.refused("cohort_bound", None, detail)
 
     def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
         """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).

@@ -105,6 +105,13 @@ class RunState:
         if self.recorder is not None:
             self.recorder.event(kind, **fields)
 
+    def refused(self, reason: str, peer: str | None, detail: str) -> None:
+        """An upload the coordinator left out after its round closed (``reason`` of wire.framing.REASONS): counted
+        (summary.json, the metric) and logged once per peer and reason."""
+        self.tally.rejected[reason] += 1
+        self.metrics.rejected(reason)
+        self.log_once(peer, reason, f"refused {detail}")
+
     def seen_accuracy(self, row: list[float | None], task: int) -> float:
         """Accuracy on every seen class: the row's task accuracies weighted by their test samples."""
         counts = [len(self.scenario.test_indices(self.scenario.task_classes(t))) for t in range(task + 1)]

@@ -243,6 +243,7 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("max_update_norm", "security.max_update_norm"),
             _option("clip_norm", "security.clip_norm"),
             _option("adaptive_clip", "security.adaptive_clip", cli_type=str, metavar="MULTIPLE|off"),
+            _option("direction_check", "security.direction_check", cli_type=str, metavar="Z|off"),
             _option("aggregator", "security.aggregator"),
             _option("trim_fraction", "security.trim_fraction"),
             _option("byzantine", "security.byzantine"),

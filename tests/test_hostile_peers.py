@@ -17,6 +17,8 @@ succeeds, so a test that would pass without its defence shows.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ import pytest
 import zmq
 
 from fcl_emu.coordinator.collection import make_collection
+from fcl_emu.launchers.process import node_env
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.guard import RateLimiter
@@ -320,12 +323,33 @@ def scaled_prototype_gradients(scenario, scale: float = 100.0) -> Answer:
     return answer
 
 
+# the second edge node of a run whose insider trains honestly, then sends its model delta reversed and scaled by 9:
+# within the default norm bound of 10 x the median (docs/results/insider.md)
+REVERSING_NODE = """
+import sys
+from fcl_emu.edge_node import node
+from fcl_emu.edge_node.args import main
+
+deliver = node.EdgeNode._deliver
+
+def reversed_by_9(self, result):
+    if result.client.index == 9 and result.uploads is not None:
+        result.uploads = {k: (-9 * v).astype(v.dtype) if k.startswith("delta/") and v.dtype.kind == "f" else v
+                          for k, v in result.uploads.items()}
+    deliver(self, result)
+
+node.EdgeNode._deliver = reversed_by_9
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: Callable[[Any], Answer] | None,
-                **overrides) -> tuple[RunSummary, int]:
+                reversing: bool = False, **overrides) -> tuple[RunSummary, int]:
     """A small MNIST run (10 clients of ``INSIDER_SAMPLES`` samples per task on 2 edge nodes, 2 tasks of 2 rounds of
     4 clients, 2 local epochs, seed 0; ``overrides`` as for :func:`small_config`) under the default defences plus
-    ``flags``; with ``insider`` (given the run's scenario, the insider's answer), client 9 is :class:`Insider`.
-    Returns its summary and how many train requests the insider answered."""
+    ``flags``; with ``insider`` (given the run's scenario, the insider's answer), client 9 is :class:`Insider`;
+    with ``reversing``, client 9 trains on the second edge node and sends its delta x -9 (:data:`REVERSING_NODE`).
+    Returns its summary and how many train requests the :class:`Insider` answered."""
     port, work = free_port(), tmp_path / name
     work.mkdir()
     address = f"tcp://127.0.0.1:{port}"
@@ -345,8 +369,9 @@ def insider_run(tmp_path, mnist_root, name: str, *flags: str, insider: Callable[
         if attacker is not None:
             attacker.start()
         for clients in ("0-4", "5-8" if insider else "5-9"):
-            nodes.append(fcl_emu("node", "--connect", address, "--clients", clients, "--data-root", str(mnist_root),
-                                 *node_keys))
+            flags = ("--connect", address, "--clients", clients, "--data-root", str(mnist_root), *node_keys)
+            nodes.append(subprocess.Popen([sys.executable, "-c", REVERSING_NODE, *flags], env=node_env())
+                         if reversing and clients == "5-9" else fcl_emu("node", *flags))
         assert exit_code(coordinator, 300, work / "coordinator.log") == 0, \
             (work / "coordinator.log").read_text()[-3000:]
     finally:
@@ -374,20 +399,48 @@ def _scenario(config: Path, mnist_root: Path):
     return build_scenario(spec, load_dataset(spec.dataset, [mnist_root]))
 
 
-@pytest.mark.timeout(600)  # two runs that train: 20-40 s each on a 2-core machine, more when it is busy
-def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_path, mnist_root):
-    """With the default configuration (adaptive clipping at 10x the cohort's median norm, the mean) an insider
-    answering +-100 per weight with its real sample count leaves the final accuracy within 2 points of the clean
-    run with the same seed. (In the same run with full shares of 3,000 samples, ``--adaptive-clip off`` lets the
-    same insider take it from 49.3 % to 9.6 %: docs/security.md, "What each defence stops".)"""
-    clean, _ = insider_run(tmp_path, mnist_root, "clean", insider=None)
+@pytest.fixture(scope="module")
+def clean_insider_run(tmp_path_factory, mnist_root) -> RunSummary:
+    """The insider scenario of :func:`insider_run` with client 9 honest: what every attack on it is measured
+    against."""
+    clean, _ = insider_run(tmp_path_factory.mktemp("insider"), mnist_root, "clean", insider=None)
+    assert clean.completed and clean.average_accuracy > 40
+    assert set(clean.rejected_messages) <= {"unknown_sender"}, clean.rejected_messages  # no honest update refused
+    return clean
+
+
+@pytest.mark.timeout(600)  # runs that train: 20-40 s each on a 2-core machine, more when it is busy
+def test_an_insider_sending_100_per_weight_does_not_move_the_default_run(tmp_path, mnist_root, clean_insider_run):
+    """With the default configuration an insider answering +-100 per weight with its real sample count is refused
+    by the direction check (noise agrees with nothing of its cohort), and with ``--direction-check off`` the
+    adaptive norm bound alone scales it down to 10 median norms: either way the run ends within 2 points of the
+    clean run with the same seed. (In the same run with full shares of 3,000 samples, ``--adaptive-clip off
+    --direction-check off`` lets the same insider take it from 49.3 % to 9.6 %: docs/results/security.md.)"""
     summary, poisoned = insider_run(tmp_path, mnist_root, "insider", insider=weights_of_100)
-    assert clean.completed and summary.completed and poisoned >= 1  # selected at least once with this seed
-    # no update of it was refused (its heartbeats after the run's end may be, as a stranger's): only the bound acts
-    assert set(summary.rejected_messages) <= {"unknown_sender"}, summary.rejected_messages
-    assert clean.average_accuracy > 40
-    assert abs(summary.average_accuracy - clean.average_accuracy) <= 2.0, (summary.average_accuracy,
-                                                                           clean.average_accuracy)
+    bounded, _ = insider_run(tmp_path, mnist_root, "bounded", "--direction-check", "off", insider=weights_of_100)
+    assert summary.completed and bounded.completed and poisoned >= 1  # selected at least once with this seed
+    assert summary.rejected_messages["off_cohort"] == poisoned, summary.rejected_messages
+    # nothing of it refused there (its heartbeats after the run's end may be, as a stranger's): only the bound acts
+    assert set(bounded.rejected_messages) <= {"unknown_sender"}, bounded.rejected_messages
+    for run in (summary, bounded):
+        assert abs(run.average_accuracy - clean_insider_run.average_accuracy) <= 2.0, (
+            run.average_accuracy, clean_insider_run.average_accuracy)
+
+
+@pytest.mark.timeout(600)
+def test_an_insider_reversing_its_update_within_the_bound_is_refused_by_the_direction_check(tmp_path, mnist_root,
+                                                                                         clean_insider_run):
+    """An insider that trains honestly and sends its delta x -9 (inside the default norm bound, so clipping leaves
+    it whole) is refused as off_cohort under the defaults, and the run ends within 2 points of its clean run;
+    with ``--direction-check off`` the same insider takes the run more than 10 points down."""
+    summary, _ = insider_run(tmp_path, mnist_root, "reversed", insider=None, reversing=True)
+    unchecked, _ = insider_run(tmp_path, mnist_root, "unchecked", "--direction-check", "off", insider=None,
+                               reversing=True)
+    assert summary.completed and summary.rejected_messages["off_cohort"] >= 1, summary.rejected_messages
+    assert abs(summary.average_accuracy - clean_insider_run.average_accuracy) <= 2.0, (
+        summary.average_accuracy, clean_insider_run.average_accuracy)
+    assert "off_cohort" not in unchecked.rejected_messages
+    assert unchecked.average_accuracy < clean_insider_run.average_accuracy - 10, unchecked.average_accuracy
 
 
 FEDCBC = {"method": "fedcbc", "method_options": {"features": "pretrained", "pretrain_epochs": 3, "fusion_epochs": 2,

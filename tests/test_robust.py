@@ -115,13 +115,16 @@ def test_the_configuration_refuses_what_a_rule_cannot_aggregate():
     RunConfig(secagg={"enabled": True})  # the adaptive bound is on by default and simply skips secure rounds
 
 
-def test_the_adaptive_bound_is_on_by_default_and_off_turns_it_off():
-    assert RunConfig().security.adaptive_clip == 10.0
-    assert load_config(None, overrides({"adaptive_clip": "off"})).security.adaptive_clip is None
-    assert RunConfig(security={"adaptive_clip": False}).security.adaptive_clip is None  # YAML's `off`
-    assert load_config(None, overrides({"adaptive_clip": "2.5"})).security.adaptive_clip == 2.5
-    with pytest.raises(ValueError, match="greater than or equal to 1"):
-        load_config(None, overrides({"adaptive_clip": "0.5"}))
+@pytest.mark.parametrize("name, default, setting, bad, message", [
+    ("adaptive_clip", 10.0, "2.5", "0.5", "greater than or equal to 1"),
+    ("direction_check", 10.0, "3", "0", "greater than 0")])
+def test_each_default_defence_is_on_by_default_and_off_turns_it_off(name, default, setting, bad, message):
+    assert getattr(RunConfig().security, name) == default
+    assert getattr(load_config(None, overrides({name: "off"})).security, name) is None
+    assert getattr(RunConfig(security={name: False}).security, name) is None  # YAML's `off`
+    assert getattr(load_config(None, overrides({name: setting})).security, name) == float(setting)
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides({name: bad}))
 
 
 def test_the_cohort_bound_refuses_uploads_beyond_its_multiple_of_the_median_norm():
@@ -137,3 +140,67 @@ def test_the_cohort_bound_refuses_uploads_beyond_its_multiple_of_the_median_norm
     assert beyond_cohort([1000.0], 10.0, earlier=[1.0, 2.0, 3.0]) == [True]
     assert beyond_cohort([20.0], 10.0, earlier=[1.0, 2.0, 3.0]) == [False]  # median 2.5 of all four: bound 25
     assert l2_norm([np.array([3.0, 4.0], np.float32), np.array([12.0], np.float32)]) == 13.0
+
+
+def _cohort(*rows):
+    return [ClientUpdate(f"client-{i:04d}", 1, {"delta/w": np.array(r, np.float32)}) for i, r in enumerate(rows)]
+
+
+def test_the_direction_check_by_hand():
+    """a = [1,1,0,0], b = [1,0,1,0], c = [1,0,0,1] agree pairwise by cos 1/2 (dot 1 over sqrt 2 x sqrt 2); x = -1
+    everywhere has cos -2 / (sqrt 2 x 2) = -0.707 with each and -6 / (2 x sqrt 12) = -0.866 with their sum; a with
+    the others' sum [1,-1,0,0] has cos 0: only x is refused (the threshold of 4 weights is capped at 0.05). A zero
+    update is never refused, and a cohort of two refuses nothing."""
+    from fcl_emu.aggregation.direction import agreements, off_cohort
+
+    cohort = _cohort([1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1], [-1, -1, -1, -1])
+    np.testing.assert_allclose(agreements(cohort), [0.5, 0.5, 0.5, -0.5 ** 0.5], rtol=1e-6)
+    assert off_cohort(cohort, 10.0) == {"client-0003": pytest.approx(-0.5 ** 0.5)}
+    zero = _cohort([1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0])
+    assert np.isnan(agreements(zero)[2]) and off_cohort(zero, 10.0) == {}
+    assert off_cohort(_cohort([1, 0, 0, 0], [-1, 0, 0, 0]), 10.0) == {}
+
+
+def test_the_direction_checks_threshold_is_z_over_the_square_root_of_the_size_at_most_5_hundredths():
+    """10,000 weights: a = e1, b = 0.03 e1 + s e2, c = 0.03 e1 + s e3 (s = sqrt(1 - 0.03^2)). b and c agree by
+    0.03 (with a; 0.0009 with each other, and b with a + c by 0.0309 / |a + c| = 0.0215); a agrees with b + c by
+    0.06 / 1.4149 = 0.0424. The threshold is z / 100: z = 1 refuses nothing, z = 4 refuses b and c, and z = 10
+    asks 0.05 (the cap), which a misses too."""
+    from fcl_emu.aggregation.direction import agreements, off_cohort
+
+    rows = np.zeros((3, 10_000))
+    s = (1 - 0.03 ** 2) ** 0.5
+    rows[0, 0], rows[1, :2], rows[2, [0, 2]] = 1, [0.03, s], [0.03, s]
+    cohort = _cohort(*rows)
+    np.testing.assert_allclose(agreements(cohort), [0.06 / np.linalg.norm(rows[1] + rows[2]), 0.03, 0.03],
+                               rtol=1e-5)
+    assert off_cohort(cohort, 1.0) == {}
+    assert set(off_cohort(cohort, 4.0)) == {"client-0001", "client-0002"}
+    assert set(off_cohort(cohort, 10.0)) == {"client-0000", "client-0001", "client-0002"}
+
+
+def test_the_direction_check_keeps_a_minority_and_refuses_noise_in_a_cohort_larger_than_its_sample():
+    """40 updates (the sample takes 25 of them): 36 share a direction, 2 share another one the rest does not (a
+    class few clients hold; one in the sample, one outside), one is noise and one the shared direction reversed.
+    Each agreement is the brute-force largest cosine with the sample's mean (without the update itself) and with
+    each other member, and for a member also with each update outside; the minority is kept, each through the
+    other, the noise and the reversed update are refused."""
+    from fcl_emu.aggregation.direction import SAMPLE_SIZE, agreements, off_cohort
+
+    rng = np.random.default_rng(0)
+    d, common, rare = 5000, rng.standard_normal(5000), rng.standard_normal(5000)
+    rows = [common + 1.5 * rng.standard_normal(d) for _ in range(40)]
+    rows[0], rows[1] = rare + rng.standard_normal(d), rare + rng.standard_normal(d)
+    rows[7], rows[9] = rng.standard_normal(d), -9 * common
+    cohort = _cohort(*rows)
+    picks = sorted({int(i) for i in np.linspace(0, 39, SAMPLE_SIZE).round()})
+    assert 0 in picks and 7 not in picks and 9 not in picks and 1 not in picks
+    x = np.array(rows, np.float32).astype(np.float64)
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    expected = []
+    for i in range(40):
+        mean = x[[j for j in picks if j != i]].sum(axis=0)
+        peers = [j for j in (range(40) if i in picks else picks) if j != i]
+        expected.append(max([unit[i] @ mean / np.linalg.norm(mean), *(unit[i] @ unit[j] for j in peers)]))
+    np.testing.assert_allclose(agreements(cohort), expected, rtol=1e-4, atol=1e-6)
+    assert set(off_cohort(cohort, 10.0)) == {"client-0007", "client-0009"}  # threshold min(10 / sqrt(5000), 0.05)

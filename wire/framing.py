@@ -50,6 +50,7 @@ REASONS = (
     "implausible",  # an update counting more samples than its client holds
     "norm_bound",  # an update beyond security.max_update_norm
     "cohort_bound",  # a side-channel upload or a VAE beyond security.adaptive_clip x its round's median norm
+    "off_cohort",  # an update that agrees with nothing of its round's cohort (security.direction_check)
     "late_cap",  # a late update beyond those kept for the next round
 )
 
