@@ -1,5 +1,5 @@
 """Differential privacy of the aggregate: central DP-FedAvg with fixed or adaptive clipping, distributed DP under
-SecAgg+, and their accountant (``privacy`` in the run config; docs/security.md).
+SecAgg+, and their accountant (``privacy`` in the run config; docs/privacy.md).
 
 **DP-FedAvg** (McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models", Algorithm 1
 with its fixed-denominator estimator): the coordinator clips each client's model delta to L2 norm C,

@@ -231,7 +231,7 @@ class AdaptiveClipping(pydantic.BaseModel):
 
 
 class PrivacyConfig(pydantic.BaseModel):
-    """Differential privacy of the aggregate (docs/security.md)."""
+    """Differential privacy of the aggregate (docs/privacy.md)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -239,7 +239,7 @@ class PrivacyConfig(pydantic.BaseModel):
         "off", description="differential privacy: off; central (the coordinator clips each model delta, averages "
                            "them with equal weights and adds Gaussian noise: DP-FedAvg); or distributed (with "
                            "--secagg: each client clips its delta and adds its share of the noise under the mask; "
-                           "docs/security.md)")
+                           "docs/privacy.md)")
     noise_multiplier: float = pydantic.Field(
         1.0, ge=0, le=100, description="central DP: noise standard deviation over the clip norm (z; 0: no noise "
                                        "and no privacy)")
