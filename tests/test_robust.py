@@ -179,16 +179,18 @@ def test_the_direction_checks_threshold_is_z_over_the_square_root_of_the_size_at
     assert set(off_cohort(cohort, 10.0)) == {"client-0000", "client-0001", "client-0002"}
 
 
-def test_the_direction_check_keeps_a_minority_and_refuses_noise_in_a_cohort_larger_than_its_sample():
+@pytest.mark.parametrize("d", [5000, 70_000])  # 70,000 weights: updates outside the sample are screened first
+def test_the_direction_check_keeps_a_minority_and_refuses_noise_in_a_cohort_larger_than_its_sample(d):
     """40 updates (the sample takes 25 of them): 36 share a direction, 2 share another one the rest does not (a
     class few clients hold; one in the sample, one outside), one is noise and one the shared direction reversed.
     Each agreement is the brute-force largest cosine with the sample's mean (without the update itself) and with
     each other member, and for a member also with each update outside; the minority is kept, each through the
-    other, the noise and the reversed update are refused."""
+    other, the noise and the reversed update are refused, whether or not a screen on a sketch of the coordinates
+    spares the agreeing updates the full comparison."""
     from fcl_emu.aggregation.direction import SAMPLE_SIZE, agreements, off_cohort
 
     rng = np.random.default_rng(0)
-    d, common, rare = 5000, rng.standard_normal(5000), rng.standard_normal(5000)
+    common, rare = rng.standard_normal(d), rng.standard_normal(d)
     rows = [common + 1.5 * rng.standard_normal(d) for _ in range(40)]
     rows[0], rows[1] = rare + rng.standard_normal(d), rare + rng.standard_normal(d)
     rows[7], rows[9] = rng.standard_normal(d), -9 * common
@@ -203,4 +205,4 @@ def test_the_direction_check_keeps_a_minority_and_refuses_noise_in_a_cohort_larg
         peers = [j for j in (range(40) if i in picks else picks) if j != i]
         expected.append(max([unit[i] @ mean / np.linalg.norm(mean), *(unit[i] @ unit[j] for j in peers)]))
     np.testing.assert_allclose(agreements(cohort), expected, rtol=1e-4, atol=1e-6)
-    assert set(off_cohort(cohort, 10.0)) == {"client-0007", "client-0009"}  # threshold min(10 / sqrt(5000), 0.05)
+    assert set(off_cohort(cohort, 10.0)) == {"client-0007", "client-0009"}  # threshold min(10 / sqrt(d), 0.05)
