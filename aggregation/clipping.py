@@ -18,12 +18,18 @@ def delta_norm(update: ClientUpdate, prefix: str = DELTA) -> float:
     update's square sums where known (the wire's finite check computes them on receipt, within 1e-7 of a float64
     sum, so a received update is not read again), else summed in float64 on the calling thread (``np.dot`` would
     hand it to the BLAS threads: ten times slower on a busy host)."""
-    total = 0.0
-    for name, value in update.tensors.items():
-        if name.startswith(prefix) and value.dtype.kind == "f":
-            squares = update.square_sums.get(name)
-            total += _square_sum(value) if squares is None else squares
-    return math.sqrt(total)
+    return math.sqrt(sum(_squares(update, name) for name in update.float_names(prefix)))
+
+
+def tensor_norm(update: ClientUpdate, name: str) -> float:
+    """The L2 norm of one of an update's float tensors, as :func:`delta_norm` takes it."""
+    return math.sqrt(_squares(update, name))
+
+
+def _squares(update: ClientUpdate, name: str) -> float:
+    """The sum of the squares of an update's tensor ``name``: its known square sum, else summed here."""
+    squares = update.square_sums.get(name)
+    return _square_sum(update.tensors[name]) if squares is None else squares
 
 
 def _square_sum(value: np.ndarray) -> float:
@@ -39,10 +45,7 @@ def clip_update(update: ClientUpdate, max_norm: float, prefix: str = DELTA) -> C
     norm = delta_norm(update, prefix)
     if norm <= max_norm:
         return update
-    scale = max_norm / norm
-    return update.with_tensors({name: (value * scale).astype(value.dtype)
-                                if name.startswith(prefix) and value.dtype.kind == "f" else value
-                                for name, value in update.tensors.items()})
+    return update.scaled(max_norm / norm, update.float_names(prefix))
 
 
 def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tuple[str, ...] = (DELTA,)
@@ -61,20 +64,11 @@ def clip_to_cohort(updates: list[ClientUpdate], multiplier: float, prefixes: tup
         norms = [delta_norm(u, prefix) for u in updates]
         bound = multiplier * float(np.median(norms))
         updates = [clip_update(u, bound, prefix) if norm > bound else u for u, norm in zip(updates, norms)]
-    names = [n for n, v in updates[0].tensors.items() if n.startswith(prefixes) and v.dtype.kind == "f"] \
-        if updates else []
-    for name in names:
+    for name in updates[0].float_names(prefixes) if updates else ():
         norms = [tensor_norm(u, name) for u in updates]
         bound = multiplier * float(np.median(norms))
-        updates = [u.with_tensors({**u.tensors, name: (u.tensors[name] * (bound / norm)).astype(u.tensors[name].dtype)})
-                   if norm > bound else u for u, norm in zip(updates, norms)]
+        updates = [u.scaled(bound / norm, [name]) if norm > bound else u for u, norm in zip(updates, norms)]
     return updates
-
-
-def tensor_norm(update: ClientUpdate, name: str) -> float:
-    """The L2 norm of one of an update's float tensors (from its square sum where known)."""
-    squares = update.square_sums.get(name)
-    return math.sqrt(_square_sum(update.tensors[name]) if squares is None else squares)
 
 
 def l2_norm(arrays: Iterable[np.ndarray]) -> float:

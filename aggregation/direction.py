@@ -62,7 +62,7 @@ def off_cohort(updates: Sequence[ClientUpdate], z: float, prefixes: tuple[str, .
     refused: it moves nothing."""
     off: dict[str, float] = {}
     for prefix in prefixes if len(updates) >= MIN_COHORT else ():
-        size = sum(v.size for n, v in updates[0].tensors.items() if n.startswith(prefix) and v.dtype.kind == "f")
+        size = sum(updates[0].tensors[n].size for n in updates[0].float_names(prefix))
         threshold = min(z / math.sqrt(size), MAX_THRESHOLD)
         for update, agreement in zip(updates, agreements(updates, prefix, threshold)):
             if agreement < threshold:
@@ -91,7 +91,7 @@ class Sample:
 
     def __init__(self, updates: Sequence[ClientUpdate], prefix: str):
         self.prefix = prefix
-        self.names = [n for n, v in updates[0].tensors.items() if n.startswith(prefix) and v.dtype.kind == "f"]
+        self.names = updates[0].float_names(prefix)
         picks = np.unique(np.linspace(0, len(updates) - 1, min(len(updates), SAMPLE_SIZE)).round().astype(int))
         self.members = [updates[i] for i in picks]
         self.rows = {int(i): row for row, i in enumerate(picks)}  # cohort index -> row of the Gram matrix
@@ -120,8 +120,9 @@ class Sample:
         return max([*with_rest, *peers], default=-1.0)
 
     def agreement(self, update: ClientUpdate, enough: float) -> float:
-        """The agreement of an update outside the sample: its cosine with the sample's mean if that reaches
-        ``enough``, else the largest of that and its cosines with each member."""
+        """The agreement of an update outside the sample: its estimate on the sketch if that surely reaches
+        ``enough``, else its cosine with the sample's mean if that reaches ``enough``, else the largest of that and
+        its cosines with each member (who are then vouched for by them)."""
         norm = delta_norm(update, self.prefix)
         if not norm > 0:
             return math.nan

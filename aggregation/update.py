@@ -33,6 +33,16 @@ class ClientUpdate:
     def delta(self) -> Arrays:
         return {k[len(DELTA):]: v for k, v in self.tensors.items() if k.startswith(DELTA)}
 
+    def float_names(self, prefixes: str | tuple[str, ...] = DELTA) -> list[str]:
+        """The names of its float tensors under ``prefixes`` (default: the model delta)."""
+        return [n for n, v in self.tensors.items() if n.startswith(prefixes) and v.dtype.kind == "f"]
+
+    def scaled(self, factor: float, names: list[str]) -> ClientUpdate:
+        """The same client's update with the tensors ``names`` multiplied by ``factor`` (each in its dtype)."""
+        chosen = set(names)
+        return self.with_tensors({n: (v * factor).astype(v.dtype) if n in chosen else v
+                                  for n, v in self.tensors.items()})
+
     def with_tensors(self, tensors: Mapping[str, np.ndarray]) -> ClientUpdate:
         """The same client's update carrying ``tensors`` instead (clipped, weighted, mixed; their square sums are
         not known)."""

@@ -117,8 +117,9 @@ class PlainCollection(Collection):
         """``updates`` without those that agree with nothing of their cohort, each refused as ``off_cohort``."""
         off = off_cohort(updates, z, self.state.server.summable)
         for client, agreement in off.items():
-            self.state.refused("off_cohort", client, f"{client}'s update: it agrees with nothing of its round's "
-                                                     f"cohort (largest cosine {agreement:.3g}; --direction-check)")
+            self.state.rejected("off_cohort", client, f"refused {client}'s update: it agrees with nothing of its "
+                                                      f"round's cohort (largest cosine {agreement:.3g}; "
+                                                      f"--direction-check)")
         return [u for u in updates if u.client not in off]
 
 

@@ -365,9 +365,7 @@ class Dispatcher:
                 and r.is_current(exc.peer, exc.round) and exc.peer not in r.answered():
             r.failed.add(exc.peer)
             self.clock.answered(r, exc.peer, 0, 0.0, 0)
-        self.state.tally.rejected[exc.reason] += 1
-        self.metrics.rejected(exc.reason)
-        self.state.log_once(exc.peer, exc.reason, f"rejected a message from {exc.peer!r} ({exc})")
+        self.state.rejected(exc.reason, exc.peer, f"rejected a message from {exc.peer!r} ({exc})")
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
 

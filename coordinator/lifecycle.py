@@ -228,7 +228,7 @@ class Coordinator:
     def _refused_upload(self, detail: str) -> None:
         """An upload the method left out for lying beyond its round's cohort bound: a ``cohort_bound``
         rejection, counted and logged once."""
-        self.state.refused("cohort_bound", None, detail)
+        self.state.rejected("cohort_bound", None, f"refused {detail}")
 
     def _keys(self) -> tuple[ServerKeys | None, Allowlist | None]:
         """The run's keys and the ZAP handler that admits only them (CurveZMQ), or none (``--insecure``).

@@ -105,12 +105,12 @@ class RunState:
         if self.recorder is not None:
             self.recorder.event(kind, **fields)
 
-    def refused(self, reason: str, peer: str | None, detail: str) -> None:
-        """An upload the coordinator left out after its round closed (``reason`` of wire.framing.REASONS): counted
-        (summary.json, the metric) and logged once per peer and reason."""
+    def rejected(self, reason: str, peer: str | None, line: str) -> None:
+        """A refused message or upload (``reason`` of wire.framing.REASONS): counted (summary.json, the metric) and
+        its ``line`` logged once per peer and reason."""
         self.tally.rejected[reason] += 1
         self.metrics.rejected(reason)
-        self.log_once(peer, reason, f"refused {detail}")
+        self.log_once(peer, reason, line)
 
     def seen_accuracy(self, row: list[float | None], task: int) -> float:
         """Accuracy on every seen class: the row's task accuracies weighted by their test samples."""
