@@ -44,3 +44,16 @@ def apply_fedavg(arrays: Mapping[str, np.ndarray], updates: list[ClientUpdate], 
         out[k] = v + delta[k]
         out[k].flags.writeable = False
     return out
+
+
+def group_mean(updates: list[ClientUpdate], prefixes: tuple[str, ...]) -> Arrays:
+    """The sample-weighted mean of the tensors under each of ``prefixes`` (:func:`fedavg` of each, under its own
+    names): what an edge aggregator sends up for its clients, so that the coordinator's weighted mean of such
+    means, each weighing its clients' samples, is their flat mean."""
+    out: Arrays = {}
+    for prefix in prefixes:
+        moved = [ClientUpdate(u.client, u.num_samples,
+                              {DELTA + k[len(prefix):]: v for k, v in u.tensors.items() if k.startswith(prefix)})
+                 for u in updates]
+        out.update({prefix + k: v for k, v in fedavg(moved).items()})
+    return out

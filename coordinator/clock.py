@@ -113,6 +113,12 @@ class RunClock(ABC):
         """Run secure round ``r``'s SecAgg+ phases, close it (late, dropped) and return its outcome."""
 
 
+    def wide_area(self, r: OpenRound, seconds: float) -> None:
+        """Round ``r`` spent ``seconds`` after its close on its edge aggregators' links to the coordinator (the
+        model down, the aggregates up): the emulated clock moves on by them and the round's ``emulated_s`` counts
+        them; in real time they are spent already."""
+
+
 class RealTime(RunClock):
     kind = "real"
 
@@ -200,6 +206,11 @@ class EmulatedTime(RunClock):
         """Move the emulated clock to ``t`` (never back), following availability (asynchronous aggregation: an
         update's arrival)."""
         self._follow_availability(t)
+
+    def wide_area(self, r: OpenRound, seconds: float) -> None:
+        if seconds > 0:
+            self._follow_availability(self.model.now + seconds)
+            r.emulated_s = (r.emulated_s or 0.0) + seconds
 
     def dispatched(self, r: OpenRound, client: str, profile: DeviceProfile, down_bytes: int) -> None:
         index = self.state.registry.records[client].index

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update
 from fcl_emu.aggregation.direction import off_cohort
 from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
+from fcl_emu.coordinator.edge_tier import EdgeGroups, EdgeTier
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.privacy import DistributedPrivacy
 from fcl_emu.coordinator.secure_round import Reject, Send, SecureOutcome, SecureRound
@@ -90,6 +91,8 @@ class PlainCollection(Collection):
     def check(self, msg_type: str) -> None:
         if msg_type in SECAGG_REPLIES:
             raise WireError("unexpected", f"{msg_type!r} in a run without secure aggregation")
+        if msg_type == "update_held":
+            raise WireError("unexpected", "an update held at an edge aggregator in a run without them")
 
     def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
         clock.collect(r, serve, side_channel)
@@ -123,14 +126,46 @@ class PlainCollection(Collection):
         return [u for u in updates if u.client not in off]
 
 
+class EdgeCollection(PlainCollection):
+    """``--edge-aggregators``: each client's update stays at its edge aggregator, which the coordinator hears of
+    (``update_held``); once the round has closed, each aggregator sends the weighted mean of its clients that made
+    the round, after the plain round's defences over them (:mod:`fcl_emu.coordinator.edge_tier`). The method
+    aggregates one update per aggregator, weighing its clients' samples: the flat round's weighted mean."""
+
+    def __init__(self, state: RunState, tier: EdgeTier):
+        super().__init__(state)
+        self.tier = tier
+        self._groups: EdgeGroups | None = None
+
+    def check(self, msg_type: str) -> None:
+        if msg_type in SECAGG_REPLIES or msg_type == "update":
+            raise WireError("unexpected", f"{msg_type!r} from a client of an edge aggregator (it holds the "
+                                          f"client's update: update_held)")
+
+    def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
+        clock.collect(r, serve, side_channel)
+        self._groups = self.tier.gather(r)
+        clock.wide_area(r, self.tier.last_wide_area_s)
+
+    def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
+        """One update per aggregator that answered; the contributors are its clients it did not refuse."""
+        groups, self._groups = self._groups, None
+        contributors = sorted(c for clients in groups.clients.values() for c in clients)
+        losses = [u.loss for u in r.counted if u.client in set(contributors)]
+        enough = len(contributors) >= self.state.config.rounds.min_participants
+        return Gathered(groups.updates, losses, quorum=1 if enough else len(groups.updates) + 1,
+                        contributors=contributors)
+
+
 class SecureCollection(Collection):
     """SecAgg+ over each round's chosen clients; weights clipped to the largest client dataset of the task unless
     ``secagg.max_weight`` is set; under distributed DP with its clients' clipping and noise."""
 
     masked = True
 
-    def __init__(self, state: RunState, privacy: DistributedPrivacy | None):
+    def __init__(self, state: RunState, privacy: DistributedPrivacy | None, tier: EdgeTier | None = None):
         super().__init__(state)
+        self.tier = tier
         settings = state.config.secagg
         self.settings = settings if privacy is None else privacy.secagg_settings(settings)
         self.noise = None if privacy is None else privacy.noise
@@ -152,14 +187,19 @@ class SecureCollection(Collection):
             self._round, self._outcome, self._setups = None, opened, {}
             return []
         self._round, self._outcome, self._setups = opened, None, opened.setup_messages()
+        if self.tier is not None:
+            opened.presum = lambda groups: self.tier.sum_masked(task, number, groups)
         return chosen
 
     def setup(self, client: str) -> tuple[str, Any] | None:
         return "secagg_setup", self._setups[client]
 
     def check(self, msg_type: str) -> None:
-        if msg_type == "update":
+        if msg_type in ("update", "update_held"):
             raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
+        if msg_type == ("secagg_masked" if self.tier is not None else "secagg_masked_held"):
+            raise WireError("unexpected", f"{msg_type!r}: in a run with edge aggregators every masked input is held "
+                                          f"at one (secagg_masked_held), in a run without none is")
 
     def on_secagg(self, peer: str, msg: Message) -> bool:
         sr = self._round
@@ -167,7 +207,11 @@ class SecureCollection(Collection):
 
     def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
         if self._round is not None:
+            if self.tier is not None:
+                self.tier.last_wide_area_s = 0.0  # unless the masked-input phase gets as far as the sums
             self._outcome = clock.collect_secure(r, self._round, serve)
+            if self.tier is not None:
+                clock.wide_area(r, self.tier.last_wide_area_s)
 
     def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
         """One update, the unmasked weighted mean of the clients in the masked sum (none if the round aborted); no
@@ -177,9 +221,10 @@ class SecureCollection(Collection):
         return Gathered(updates, list(outcome.losses), quorum=1, secagg=outcome.record)
 
 
-def make_collection(state: RunState, privacy) -> Collection:
-    """The run's collection, as its config says (``secagg.enabled``); ``privacy``: the run's DP part."""
+def make_collection(state: RunState, privacy, tier: EdgeTier | None = None) -> Collection:
+    """The run's collection, as its config says (``secagg.enabled``, edge aggregators: ``tier``); ``privacy``: the
+    run's DP part."""
     if state.config.secagg.enabled:
-        return SecureCollection(state, privacy if isinstance(privacy, DistributedPrivacy) else None)
-    return PlainCollection(state)
+        return SecureCollection(state, privacy if isinstance(privacy, DistributedPrivacy) else None, tier)
+    return PlainCollection(state) if tier is None else EdgeCollection(state, tier)
 

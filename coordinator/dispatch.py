@@ -30,17 +30,20 @@ from fcl_emu.aggregation.clipping import delta_norm
 from fcl_emu.coordinator.guard import RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
 from fcl_emu.coordinator.collection import Collection
+from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.scenario.devices import DeviceProfile
-from fcl_emu.wire.framing import Message, WireError
+from fcl_emu.wire.framing import Message, WireError, link_nbytes
 from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "error", *SECAGG_REPLIES, *SIDE_CHANNEL_TYPES})
+CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "update_held", "error", *SECAGG_REPLIES,
+                          *SIDE_CHANNEL_TYPES})
+UPDATES = frozenset({"update", "update_held"})  # a client's update, or its edge aggregator's word that it holds one
 RATE_LIMITED = frozenset({"join", "heartbeat", "leave", "error"})  # control messages: a peer's bucket (guard.py)
-ROUND_ANSWERS = frozenset({"update", "secagg_masked"})  # what a selected client owes its round
+ROUND_ANSWERS = frozenset({*UPDATES, "secagg_masked", "secagg_masked_held"})  # what a selected client owes its round
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
@@ -50,13 +53,14 @@ class Dispatcher:
     ``endpoint``: the ROUTER (:class:`fcl_emu.wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
     sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome`` (the device profiles
     clients are assigned at join: ``state.devices``); ``on_tick``: called each time the loop wakes (the node
-    watch)."""
+    watch); ``edges``: the run's edge aggregators, whose own messages go there."""
 
     def __init__(self, state: RunState, endpoint, pool, clock: RunClock, collection: Collection, stale: StaleUpdates,
-                 rate_limiter: RateLimiter, *, welcome: dict[str, Any], on_tick: Callable[[], None] = lambda: None):
+                 rate_limiter: RateLimiter, *, welcome: dict[str, Any], on_tick: Callable[[], None] = lambda: None,
+                 edges: EdgeTier | None = None):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.endpoint, self.pool, self.clock, self.collection, self.stale = endpoint, pool, clock, collection, stale
-        self.rate_limiter, self.welcome, self.on_tick = rate_limiter, welcome, on_tick
+        self.rate_limiter, self.welcome, self.on_tick, self.edges = rate_limiter, welcome, on_tick, edges
         self.round: OpenRound | None = None  # the open round, set by the round runner
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
@@ -155,6 +159,9 @@ class Dispatcher:
             raise
 
     def _dispatch(self, peer: str, msg: Message) -> None:
+        if self.edges is not None and peer in self.edges.names:
+            self.edges.on_message(peer, msg)
+            return
         if msg.type not in CLIENT_TYPES:
             raise WireError("unexpected", f"{msg.type!r} is not a client-to-coordinator message")
         if msg.type in RATE_LIMITED and not self.rate_limiter.allow(peer):
@@ -175,7 +182,7 @@ class Dispatcher:
                 self.state.log_once(None, f"leave: {msg.body.reason}", f"client {peer} left: {msg.body.reason}",
                                     budget="leave")
             self.state.progress("leave", {"client": peer})
-        elif msg.type == "update":
+        elif msg.type in UPDATES:
             self._on_update(peer, msg)
         elif msg.type in SECAGG_REPLIES:
             self._on_secagg(peer, msg)
@@ -257,17 +264,20 @@ class Dispatcher:
             return
         if peer in r.answered():  # its update or error (a plain collection takes no masked inputs)
             raise WireError("unexpected", f"second update from {peer} in round {r.number}")
+        body = msg.body
+        nbytes = link_nbytes(msg)  # what the client's link carried
         try:
             self._check_update(peer, msg, r.task)
         except WireError:
             r.failed.add(peer)  # refused: the round does not wait for it
-            self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
+            self.clock.answered(r, peer, nbytes, 0.0, 0)
             raise
-        body = msg.body
         r.updates.append(_client_update(peer, msg))
+        if msg.type == "update_held":
+            r.held_at[peer] = body.aggregator
         r.reported_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
-        self.clock.answered(r, peer, msg.nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
+        self.clock.answered(r, peer, nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
         self.cancel(r, self.clock.hopeless(r))
 
     def _keep_stale(self, peer: str, msg: Message) -> None:
@@ -310,24 +320,28 @@ class Dispatcher:
         """A client's reply in a secure-aggregation phase; a masked input that comes too late counts as late."""
         self.collection.check(msg.type)
         r = self.round
+        masked = SECAGG_REPLIES[msg.type] == "masked_input"
         if r is None or not r.is_current(peer, msg.round) or not self.collection.on_secagg(peer, msg):
-            if msg.type == "secagg_masked":
+            if masked:
                 self.state.tally.late_updates += 1
                 self.metrics.late_update()
             return
-        if msg.type == "secagg_masked":
+        if masked:
             r.masked.add(peer)
             self.registry.records[peer].rounds_trained += 1
 
     def _check_update(self, peer: str, msg: Message, task: int) -> None:
         """A delta must name exactly the global model's tensors with their shapes, count no more samples than
-        the client holds in the task, and stay within the norm bound; the method checks the rest."""
-        self._check_delta(msg)
+        the client holds in the task, and stay within the norm bound; the method checks the rest. Of an update
+        held at an edge aggregator only the sample count is seen here (the aggregator checks the rest)."""
         record = self.registry.records[peer]
         held = len(self.state.scenario.client_indices(record.index, task))
         if msg.body.num_samples > held:
             raise WireError("implausible", f"{peer} claims {msg.body.num_samples} samples; it holds {held} in "
                                            f"task {task}")
+        if msg.type == "update_held":
+            return
+        self._check_delta(msg)
         bound = self.config.security.max_update_norm
         if bound is not None and msg.body.num_samples > 0:
             norm = delta_norm(_client_update(peer, msg))

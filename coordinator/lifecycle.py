@@ -37,6 +37,7 @@ from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
 from fcl_emu.coordinator.checkpoint import Checkpoint
 from fcl_emu.coordinator.clients import ClientRegistry, Status
 from fcl_emu.coordinator.collection import make_collection
+from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
 from fcl_emu.coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
@@ -158,7 +159,9 @@ class Coordinator:
         self.clock = make_clock(state, liveness_timeout_s)
         self.nodes = NodeWatch(state)
         self.privacy = run_privacy_part(config)  # central or distributed DP; None without
-        collection = make_collection(state, self.privacy)
+        m = config.topology.edge_aggregators
+        self.edges = EdgeTier(state, m, liveness_timeout_s) if m else None
+        collection = make_collection(state, self.privacy, self.edges)
         stale = StaleUpdates(config.rounds.planned_cohort)
         self.dispatcher = Dispatcher(
             state, self.endpoint, self.pool, self.clock, collection, stale,
@@ -169,7 +172,10 @@ class Coordinator:
                          model=self.model_name,
                          training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
                          heartbeat_interval_s=self.heartbeat_interval_s),
-            on_tick=self.nodes.check)
+            on_tick=self.nodes.check, edges=self.edges)
+        if self.edges is not None:
+            self.edges.send, self.edges.serve = self.dispatcher.try_send, self.dispatcher.serve
+            self.edges.wire_sent = lambda: self.endpoint.wire_sent
         policy = config.aggregation.policy()
         self.rounds = (AsyncRoundRunner(state, self.dispatcher, self.clock, collection, policy) if policy.asynchronous
                        else RoundRunner(state, self.dispatcher, self.clock, collection, stale, self.privacy))
@@ -177,7 +183,7 @@ class Coordinator:
         self.checkpointer = Checkpointer(state, self.clock, self.address)
         self.time = TimeAccount()
         self.summary = SummaryBuilder(state, self.clock, self.jobs, self.checkpointer, self.time,
-                                      self.heartbeat_interval_s)
+                                      self.heartbeat_interval_s, self.edges)
         # conditions the first round waits for once the clients are in, each (what, condition, timeout):
         # `up --prometheus` waits for its Prometheus's first scrape of every process (fcl_emu/run.py)
         self.before_rounds: list[tuple[str, Callable[[], bool], float]] = []
@@ -500,6 +506,8 @@ class Coordinator:
             if record.status is not Status.DEAD:
                 # a node closes all its clients at the first shutdown: later sends may find them gone
                 self.dispatcher.try_send(record.client_id, "shutdown", Shutdown(reason=reason))
+        if self.edges is not None:
+            self.edges.shutdown(reason)
 
     # ------------------------------------------------------------ server-side jobs
     def run_job(self, kind: str, inputs: dict[str, np.ndarray], options: dict | None = None) -> Job:

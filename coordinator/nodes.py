@@ -33,8 +33,13 @@ class NodeExit:
     last_error: str
     seq: int = 0
     back: bool = False
+    cut_off: tuple[str, ...] = ()  # an edge aggregator's: the edge nodes whose clients reached the run through it
+
 
     def describe(self) -> str:
+        if self.cut_off:
+            return (f"{self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}; the "
+                    f"clients of {', '.join(self.cut_off)} are cut off")
         return f"edge node {self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}"
 
 
@@ -75,7 +80,7 @@ class NodeWatch:
             if (node.name, node.seq) in self._handled:
                 continue
             self._handled[(node.name, node.seq)] = node
-            hosted = [r for r in registry.records.values() if r.node == node.name]
+            hosted = [r for r in registry.records.values() if r.node == node.name or r.node in node.cut_off]
             for record in hosted:  # connected, or awaited after a resume: neither comes back through this node
                 if registry.drop(record.client_id) or registry.drop_awaited(record.client_id):
                     state.metrics.client_dropped("node_exited")

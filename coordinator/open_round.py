@@ -30,6 +30,7 @@ class OpenRound:
     lost: set[str] = field(default_factory=set)  # left or crashed and joined again during the round
     masked: set[str] = field(default_factory=set)  # secure aggregation: sent a masked input in time
     reported_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time
+    held_at: dict[str, str] = field(default_factory=dict)  # client -> the edge aggregator holding its update
     # the clock: its timeline while the round runs (emulated: when the round opened, each dispatched client's
     # timeline, side-channel messages held until the close, trainings cancelled because they could no longer count)
     started_at: float = 0.0

@@ -58,6 +58,8 @@ Serve = Callable[[Callable[[], bool], float], None]  # the coordinator's serve(u
 Alive = Callable[[str], bool]
 Wait = Callable[[int], None]  # wait(phase): serve until the phase is over, as the clock has it
 Reject = Callable[[WireError], None]  # the dispatcher's: count, log and answer a refused message
+# {edge aggregator: its clients whose masked inputs it holds} -> {edge aggregator: the ring sum of them}
+PreSum = Callable[[dict[str, list[str]]], dict[str, np.ndarray]]
 
 
 def round_id(run_id: str, number: int) -> int:
@@ -97,6 +99,8 @@ class SecureRound:
         self.survivors: dict[str, list[str]] = {}  # phase -> the clients still in the round when it closed
         self.sent: dict[str, int] = {}  # client -> bytes of the latest phase's message to it
         self.held: dict[int, dict[str, Message]] | None = None  # phase -> replies held until it closes (hold())
+        self.held_at: dict[str, str] = {}  # client -> the edge aggregator holding its masked input
+        self.presum: PreSum | None = None  # asks the edge aggregators for their clients' sums (docs/hierarchy.md)
         self._requests: dict[str, SecAggUnmaskRequest] = {}
         self._started = time.monotonic()
 
@@ -190,7 +194,10 @@ class SecureRound:
             elif phase == 2:
                 self.server.receive_shares(peer, body)
             elif phase == 3:
-                self.server.receive_masked(peer, {"y": msg.tensors.get("y")})
+                held = msg.type == "secagg_masked_held"
+                self.server.receive_masked(peer, {"held": True} if held else {"y": msg.tensors.get("y")})
+                if held:
+                    self.held_at[peer] = body["aggregator"]
                 self.reported[peer] = (body["train_time_s"], body["loss"])
             else:
                 self.server.receive_unmask(peer, body)
@@ -232,9 +239,29 @@ class SecureRound:
             log.warning("round %d: %s refused the SecAgg+ keys advertised for %s (bad signature): %s is dropped",
                         self.number, ", ".join(sorted(by)), peer, peer)
         self._send_all("secagg_relay", {c: SecAggRelay(**m) for c, m in relays.items()})
-        requests = self._exchange(3, wait, self.server.close_masked)
+        requests = self._exchange(3, wait, self._close_masked)
         self._requests = {c: SecAggUnmaskRequest(**m) for c, m in requests.items()}
         return len(requests)
+
+    def _close_masked(self) -> dict[str, dict[str, Any]]:
+        """Close the masked-input phase, first adding the sums the edge aggregators hold (``presum``): the clients
+        of an aggregator that sends none are dropped, and recovered as any client that sent no masked input."""
+        if self.held_at:
+            groups: dict[str, list[str]] = {}
+            for client, aggregator in sorted(self.held_at.items()):
+                groups.setdefault(aggregator, []).append(client)
+            sums = self.presum(groups) if self.presum is not None else {}
+            for aggregator, clients in groups.items():
+                y = sums.get(aggregator)
+                try:
+                    if y is None:
+                        raise SecAggError(f"no sum from {aggregator}")
+                    self.server.add_sum(clients, y)
+                except SecAggError as exc:
+                    log.warning("round %d: the masked inputs of %d clients held at %s are lost: %s", self.number,
+                                len(clients), aggregator, exc)
+                    self.server.lose_held(clients)
+        return self.server.close_masked()
 
     def unmask(self, wait: Wait) -> SecureOutcome:
         """Ask the survivors for their shares, remove the masks, decode the mean delta."""

@@ -50,7 +50,7 @@ from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.secure_round import Alive, SecureOutcome, SecureRound, Serve
 from fcl_emu.scenario.links import Link
 from fcl_emu.secagg.protocol import PHASES
-from fcl_emu.wire.framing import Message
+from fcl_emu.wire.framing import Message, link_nbytes
 
 
 class SecureTimeline:
@@ -99,8 +99,8 @@ class SecureTimeline:
         else:
             ready = link.arrival("down", self.secure.sent.get(client, 0), self.opened) + self._crypto_s(client,
                                                                                                        body.cpu_s)
-        timeline.up_bytes += msg.nbytes
-        arrival = link.arrival("up", msg.nbytes, ready)
+        timeline.up_bytes += link_nbytes(msg)
+        arrival = link.arrival("up", link_nbytes(msg), ready)
         if phase == 3:
             timeline.arrival = arrival
         return arrival

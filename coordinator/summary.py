@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.coordinator.clock import RunClock
+from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.energy import energy_to_accuracy
 from fcl_emu.coordinator.gpu_pool import Job
 from fcl_emu.coordinator.privacy import run_privacy
@@ -29,10 +30,10 @@ class SummaryBuilder:
     """``summary.json``'s record from the run's results and counters."""
 
     def __init__(self, state: RunState, clock: RunClock, jobs: ServerJobs, checkpointer: Checkpointer,
-                 time_account: TimeAccount, heartbeat_interval_s: float):
+                 time_account: TimeAccount, heartbeat_interval_s: float, edges: EdgeTier | None = None):
         self.state, self.config, self.scenario, self.clock = state, state.config, state.scenario, clock
         self.jobs, self.checkpointer, self.time_account = jobs, checkpointer, time_account
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s, self.edges = heartbeat_interval_s, edges
 
     def build(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
               class_hits=None, node_hosts: dict[str, str] | None = None) -> results.RunSummary:
@@ -103,7 +104,17 @@ class SummaryBuilder:
             privacy=run_privacy(self.config, rounds),
             edge_node_hosts=dict(node_hosts or {}),
             energy_joules=self._energy(rounds, seen),
+            tier_bytes=self._tier_bytes(),
         )
+
+    def _tier_bytes(self) -> dict[str, dict[str, int]]:
+        """Each tier's bytes under edge aggregators; none in a star."""
+        if self.edges is None:
+            return {}
+        received = sum(v.get("received", 0) for v in self.state.counters.nested().values())
+        # sent: what the wire carried, each round's model once per aggregator (``bytes`` counts it per client)
+        return {"edge_cloud": {"sent": self.edges.wire_sent(), "received": received},
+                "client_edge": dict(self.edges.tier_bytes)}
 
     def _energy(self, rounds: list[RoundRecord], task_end_accuracy: list[float]) -> results.EnergyTotals | None:
         """The clients' energy over the run (emulated clock with device classes that give power figures)."""

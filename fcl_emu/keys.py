@@ -1,11 +1,12 @@
 """A run's CurveZMQ keys (docs/security.md): who may speak for which clients, written as a key directory.
 
-``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret``, ``coordinator.key`` and ``secagg_signers.json``
-to the host that runs it), giving node n a contiguous block of clients, and prints each host's command
-(:func:`host_commands`); ``fcl-emu up`` writes its own into the run
-directory (:class:`RunKeys`), following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for
-the clients node n hosts, or, with per-device keys, ``client-<i>`` for client i alone; ``gpu-workers`` for the
-coordinator's GPU workers.
+``fcl-emu keys`` writes one for a multi-host run (copy each ``<grant>.key_secret``, ``coordinator.key`` and
+``secagg_signers.json`` to the host that runs it), giving node n a contiguous block of clients, and prints each
+host's command (:func:`host_commands`); ``fcl-emu up`` writes its own into the run directory (:class:`RunKeys`),
+following its striped nodes (:func:`fcl_emu.launchers.node_assignment`). ``node-<n>`` may speak for the clients
+node n hosts, or, with per-device keys, ``client-<i>`` for client i alone; ``gpu-workers`` for the coordinator's
+GPU workers; under edge aggregators, ``edge-aggregator-<a>`` for itself and the clients of its nodes (a relay
+key: in the roster, not among the signers, its public key kept for the nodes that dial it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fcl_emu.edge_node.args import format_client_set
 from fcl_emu.launchers.base import node_key_name, node_specs
 from fcl_emu.wire.auth import write_keys
 from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig.topology import aggregator_name, aggregator_of_node
 from fcl_emu.wire.messages import client_id
 
 MAX_GPU_WORKER_GRANTS = 64  # worker identities the GPU workers' key covers (a run has at most this many)
@@ -29,8 +31,13 @@ def node_blocks(clients: int, nodes: int) -> list[list[int]]:
     return [list(range(start, min(start + size, clients))) for start in range(0, clients, size)]
 
 
-def write_run_keys(directory: Path, assignment: list[list[int]], *, per_device: bool = False) -> Path:
-    """Write the key directory of a run whose node n hosts the clients ``assignment[n]``."""
+def write_run_keys(directory: Path, assignment: list[list[int]], *, per_device: bool = False,
+                   edge_aggregators: int = 0) -> Path:
+    """Write the key directory of a run whose node n hosts the clients ``assignment[n]``, with a relay key for
+    each of ``edge_aggregators`` aggregators (speaking for itself and its nodes' clients)."""
+    relays: dict[str, list[str]] = {aggregator_name(a): [aggregator_name(a)] for a in range(edge_aggregators)}
+    for n, indices in enumerate(assignment if edge_aggregators else []):
+        relays[aggregator_name(aggregator_of_node(n, edge_aggregators))] += [client_id(i) for i in indices]
     grants: dict[str, list[str]] = {}
     for n, indices in enumerate(assignment):
         if per_device:
@@ -38,7 +45,7 @@ def write_run_keys(directory: Path, assignment: list[list[int]], *, per_device: 
         else:
             grants[node_key_name(n)] = [client_id(i) for i in indices]
     grants[WORKER_KEY_NAME] = [worker_identity(i) for i in range(MAX_GPU_WORKER_GRANTS)]
-    return write_keys(directory, grants)
+    return write_keys(directory, grants, relays)
 
 
 def host_commands(path: Path, blocks: list[list[int]], bind: str, host: str, *,
@@ -59,7 +66,8 @@ def host_commands(path: Path, blocks: list[list[int]], bind: str, host: str, *,
 def with_keys(config: RunConfig, directory: Path, assignment: list[list[int]], *,
               per_device: bool = False) -> RunConfig:
     """``config`` under the keys :func:`write_run_keys` writes in ``directory`` for ``assignment``."""
-    keys = write_run_keys(directory, assignment, per_device=per_device)
+    keys = write_run_keys(directory, assignment, per_device=per_device,
+                          edge_aggregators=config.topology.edge_aggregators)
     return config.model_copy(update={"security": config.security.model_copy(update={"keys": keys})})
 
 

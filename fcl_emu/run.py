@@ -59,6 +59,10 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
         table.add_row("clients sharing samples", Text(summary.overlapping_shares, justify="left"))
     table.add_row("rounds (skipped)", f"{summary.rounds} ({summary.rounds_skipped})")
     table.add_row("bytes on the wire", f"{summary.bytes_total / 1e6:.1f} MB")
+    if summary.tier_bytes:  # edge aggregators: what each tier's links carried, down / up
+        table.add_row("tiers: edge-cloud / client-edge", " / ".join(
+            f"{summary.tier_bytes[tier]['sent'] / 1e6:.1f} MB down, {summary.tier_bytes[tier]['received'] / 1e6:.1f} "
+            f"MB up" for tier in ("edge_cloud", "client_edge")))
     c = summary.clients
     table.add_row("clients joined / left / dropped", f"{c.joined} / {c.left} / {c.dropped}")
     table.add_row("rejected messages", str(sum(summary.rejected_messages.values())))

@@ -257,6 +257,10 @@ class CoordinatorMetrics(ProcessMetrics):
                                        ["phase"], registry=r)
         self.secagg_recovered_masks = Counter("fcl_secagg_recovered_masks", "Dropped clients whose pairwise "
                                               "masks were reconstructed from Shamir shares.", registry=r)
+        self.tier_bytes = Counter("fcl_tier_bytes", "Edge aggregators: bytes on the links of a tier below the "
+                                  "coordinator (client_edge: between the clients and their edge aggregators, as the "
+                                  "aggregators report them), by direction seen from the upper end.",
+                                  ["tier", "direction"], registry=r)
         self.energy_joules = Counter("fcl_energy_joules", "Emulated clock: joules the clients spent, by device "
                                      "class and kind (compute: training; radio: bytes down and up).",
                                      ["device_class", "kind"], registry=r)
@@ -327,6 +331,9 @@ class CoordinatorMetrics(ProcessMetrics):
 
     def client_dropped(self, reason: str) -> None:
         self._drops[reason]()
+
+    def edge_tier_bytes(self, direction: str, nbytes: int) -> None:
+        self.tier_bytes.labels("client_edge", direction).inc(nbytes)
 
     def late_update(self) -> None:
         self.late_updates.inc()

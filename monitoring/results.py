@@ -402,6 +402,9 @@ class RunSummary(SummaryPart, kw_only=True):
     privacy: Privacy | None = None  # None: a run without differential privacy
     edge_node_hosts: dict[str, str] = {}  # edge node -> the host it ran on (nodes started by `up`)
     energy_joules: EnergyTotals | None = None  # None: no device class with power figures, or the real clock
+    # --edge-aggregators: bytes on each tier's links, {tier: {"sent"/"received": bytes}} seen from the tier's upper
+    # end: "edge_cloud" (the coordinator's, as ``bytes``) and "client_edge" (the aggregators' reports); {}: a star
+    tier_bytes: dict[str, dict[str, int]] = {}
 
     @property
     def completed(self) -> bool:

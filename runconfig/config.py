@@ -22,6 +22,7 @@ from fcl_emu.runconfig.aggregation import check_aggregation
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.runconfig.nodes import NODES_HELP, Nodes, unset_null_nodes
+from fcl_emu.runconfig.topology import TopologyConfig, check_topology
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.scenario.devices import load_profiles, memory_limit
@@ -361,6 +362,7 @@ class RunConfig(pydantic.BaseModel):
     gpu: GpuSettings = GpuSettings()
     metrics: MetricsConfig = MetricsConfig()
     containers: ContainersConfig = ContainersConfig()
+    topology: TopologyConfig = TopologyConfig()
     nodes: Nodes = pydantic.Field(None, ge=1, validate_default=True, description=NODES_HELP)
     device: Literal["auto", "cpu", "cuda"] = pydantic.Field(
         "auto", description="device of training and evaluation: auto (CUDA if present), cpu or cuda")
@@ -461,6 +463,7 @@ class RunConfig(pydantic.BaseModel):
             self._check_aggregator(spec)
         if self.aggregation.asynchronous:
             check_aggregation(self, spec.refusals)
+        check_topology(self, spec.refusals)
         if self.rounds.clients_per_round > self.scenario.num_clients:
             raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
                              f"clients ({self.scenario.num_clients})")
@@ -565,9 +568,7 @@ class RunConfig(pydantic.BaseModel):
                              f"updates a round; rounds.clients_per_round is {self.rounds.clients_per_round}")
 
     def method_options_model(self):
-        from fcl_emu.methods import registry
-
-        return registry.get(self.method).options(**self.method_options)
+        return method_spec(self.method).options(**self.method_options)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

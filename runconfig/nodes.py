@@ -30,8 +30,9 @@ def _resolved(value: int | None, info: pydantic.ValidationInfo) -> int | None:
     scenario = info.data.get("scenario")
     if scenario is None:  # it failed, and its error says why
         return value
-    if value is None:
-        return auto_nodes(scenario.num_clients)
+    if value is None:  # and one per edge aggregator at least (topology is validated before nodes)
+        aggregators = getattr(info.data.get("topology"), "edge_aggregators", 0)
+        return max(auto_nodes(scenario.num_clients), min(scenario.num_clients, aggregators))
     if value > scenario.num_clients:
         raise ValueError(f"{value} exceeds the number of clients ({scenario.num_clients})")
     return value

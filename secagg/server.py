@@ -65,6 +65,17 @@ class SecAggResult:
         return Quantizer(self.params).mean(self.ring_sum, len(self.clients))
 
 
+def check_masked(params, y: Any, whose: str) -> np.ndarray:
+    """``y`` if it is a masked input (or a sum of them) of the round ``params``: a uint32 array of dim + 1 values
+    in the ring; SecAggError otherwise."""
+    if not isinstance(y, np.ndarray) or y.dtype != RING_DTYPE or y.shape != (params.length,):
+        got = f"array {y.dtype} {y.shape}" if isinstance(y, np.ndarray) else type(y).__name__
+        raise SecAggError(f"{PHASES[3]}: 'y' of {whose} must be a uint32 array of shape ({params.length},), got {got}")
+    if params.ring_bits < 32 and (y >> np.uint32(params.ring_bits)).any():
+        raise SecAggError(f"{PHASES[3]}: 'y' of {whose} has values outside the {params.ring_bits}-bit ring")
+    return y
+
+
 class SecAggServer:
     """The server of one SecAgg+ round over ``roster`` (the sampled clients; roster index = position + 1)."""
 
@@ -98,6 +109,7 @@ class SecAggServer:
         self._commits: dict[str, bytes] = {}
         self._in_masking: frozenset[str] = frozenset()    # U2: the clients everyone masks with
         self._masked: set[str] = set()
+        self._elsewhere: set[str] = set()  # masked inputs a relay holds, whose sum it has yet to add (add_sum)
         self._sum: np.ndarray | None = None       # running sum of masked inputs
         self._survivors: frozenset[str] = frozenset()
         self._requests: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
@@ -260,28 +272,46 @@ class SecAggServer:
 
     # --- phase 3: masked input ---------------------------------------------------------------
     def receive_masked(self, client: str, reply: Mapping[str, Any]) -> None:
-        """Checks the masked input ``{"y": uint32 array (dim + 1)}`` and adds it into the running sum."""
+        """Checks the masked input ``{"y": uint32 array (dim + 1)}`` and adds it into the running sum; or, with
+        ``{"held": True}``, notes that a relay below (an edge aggregator) holds the client's masked input and will
+        add it in a sum of several (:meth:`add_sum`) before the phase closes."""
         start = time.perf_counter()
         client = self._check_reply(3, client, reply, self._masked)
-        y = reply.get("y")
-        p = self.params
-        if not isinstance(y, np.ndarray) or y.dtype != RING_DTYPE or y.shape != (p.length,):
-            got = f"array {y.dtype} {y.shape}" if isinstance(y, np.ndarray) else type(y).__name__
-            raise SecAggError(f"{PHASES[3]}: 'y' of {client!r} must be a uint32 array of shape ({p.length},), "
-                              f"got {got}")
-        if p.ring_bits < 32 and (y >> np.uint32(p.ring_bits)).any():
-            raise SecAggError(f"{PHASES[3]}: 'y' of {client!r} has values outside the {p.ring_bits}-bit ring")
-        if self._sum is None:
-            self._sum = np.zeros(p.length, RING_DTYPE)
-        np.add(self._sum, y, out=self._sum)
+        if reply.get("held") is True:
+            self._elsewhere.add(client)
+        else:
+            self._add(check_masked(self.params, reply.get("y"), repr(client)))
         self._masked.add(client)
         self._time(PHASES[3], start)
+
+    def add_sum(self, clients: Iterable[str], y_sum: Any) -> None:
+        """Add the ring sum of the held masked inputs of ``clients`` (each noted held, none added yet)."""
+        clients = set(clients)
+        if not clients <= self._elsewhere:
+            raise SecAggError(f"{PHASES[3]}: a sum over masked inputs not noted as held "
+                              f"({sorted(clients - self._elsewhere)[:3]})")
+        self._add(check_masked(self.params, y_sum, f"the sum of {len(clients)} held inputs"))
+        self._elsewhere -= clients
+
+    def lose_held(self, clients: Iterable[str]) -> None:
+        """The held masked inputs of ``clients`` will never be added (their relay is gone): the phase's close
+        drops these clients, as it drops those that sent nothing."""
+        clients = set(clients) & self._elsewhere
+        self._elsewhere -= clients
+        self._masked -= clients
+
+    def _add(self, y: np.ndarray) -> None:
+        if self._sum is None:
+            self._sum = np.zeros(self.params.length, RING_DTYPE)
+        np.add(self._sum, y, out=self._sum)
 
     def close_masked(self) -> dict[str, dict[str, Any]]:
         """End of masked input -> every survivor's message ``{"survivors": [...], "dropped": [...],
         "n_survivors": int}`` (its neighbours that sent / did not send a masked input)."""
         start = time.perf_counter()
         self._check_close(3)
+        if self._elsewhere:
+            raise SecAggError(f"{PHASES[3]}: {len(self._elsewhere)} held masked inputs were neither added nor lost")
         self._drop(self.active - self._masked, f"no masked input in {PHASES[3]}")
         survivors = frozenset(self.active)
         self._require(len(survivors), "clients sent masked inputs", 3)

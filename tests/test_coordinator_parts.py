@@ -568,7 +568,7 @@ def test_every_field_of_the_open_round_has_one_writer():
     writers = _open_round_writers()
     assert {name: files for name, files in writers.items() if len(files) > 1} == {}
     assert {name for name, files in writers.items() if files == {"dispatch.py"}} == {
-        "updates", "failed", "lost", "masked", "reported_s"}
+        "updates", "failed", "lost", "masked", "reported_s", "held_at"}
     assert {name for name, files in writers.items() if files == {"clock.py"}} == {
         "started_at", "timeline", "side", "cancelled", "counted", "masked_in_time", "late", "dropped", "train_s",
         "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s", "energy", "low_battery",

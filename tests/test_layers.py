@@ -30,10 +30,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "monitoring": {"wire"},
     "runconfig": {"scenario", "aggregation", "methods", "secagg"},
     "edge_node": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring"},
+    "edge_aggregator": {"runtime", "wire", "secagg", "aggregation"},
     "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
-                "edge_node", "coordinator", "containers"},
+                "edge_node", "edge_aggregator", "coordinator", "containers"},
 }
 
 # The installed package's name for each folder of code (pyproject.toml's package-dir): fcl_emu.<folder> -> folder.

@@ -87,9 +87,12 @@ def _secret_file(directory: Path, name: str) -> Path:
     return directory / f"{name}.key_secret"
 
 
-def write_keys(directory: Path, grants: Mapping[str, Iterable[str]]) -> Path:
+def write_keys(directory: Path, grants: Mapping[str, Iterable[str]],
+               relays: Mapping[str, Iterable[str]] | None = None) -> Path:
     """Write a key directory: the coordinator's key pair, and one key pair and signing key per grant (name ->
-    identities) with the signers' list.
+    identities) with the signers' list; and one key pair per relay (an edge aggregator: name -> the identities it
+    relays and its own), in the roster but not among the signers (it signs nothing of a client's), its public key
+    kept as ``<name>.key`` for the nodes that dial it.
 
     An existing coordinator key pair is kept (nodes already configured with its public key keep working);
     grant keys are always new. Returns the directory.
@@ -107,6 +110,9 @@ def write_keys(directory: Path, grants: Mapping[str, Iterable[str]]) -> Path:
         roster[public.decode()] = {"name": name, "identities": sorted(set(identities))}
         signers[name] = {"identities": sorted(set(identities)), "curve_key": public.decode(),
                          "signing_key": signing.public_key().public_bytes_raw().hex()}
+    for name, identities in (relays or {}).items():
+        public, _ = _create(directory, name)
+        roster[public.decode()] = {"name": name, "identities": sorted(set(identities))}
     for file, content in ((ROSTER_FILE, roster), (SIGNERS_FILE, signers)):
         path = directory / file
         path.write_text(json.dumps(content, indent=1))
@@ -138,12 +144,16 @@ def load_server_keys(directory: Path) -> ServerKeys:
     if not directory.is_dir():
         raise KeyFileError(f"key directory {directory} does not exist (write one with `fcl-emu keys`)")
     public, secret = _load(_secret_file(directory, SERVER_NAME), secret=True)
+    return ServerKeys(public, secret, load_roster(directory))
+
+
+def load_roster(directory: Path) -> dict[str, Grant]:
+    """The roster of a key directory: each Z85 public key's grant."""
     try:
-        roster = json.loads((directory / ROSTER_FILE).read_text())
-        grants = {key: Grant(entry["name"], frozenset(entry["identities"])) for key, entry in roster.items()}
+        roster = json.loads((Path(directory) / ROSTER_FILE).read_text())
+        return {key: Grant(entry["name"], frozenset(entry["identities"])) for key, entry in roster.items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise KeyFileError(f"cannot read {directory / ROSTER_FILE}: {exc!r}") from None
-    return ServerKeys(public, secret, grants)
+        raise KeyFileError(f"cannot read {Path(directory) / ROSTER_FILE}: {exc!r}") from None
 
 
 def _signing_key(path: Path) -> bytes | None:

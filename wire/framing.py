@@ -22,8 +22,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 
-from fcl_emu.wire.messages import BODY_SCHEMAS, FINITE_CHECKED, PROTOCOL_VERSION, Body, Header, TensorSpec
+from fcl_emu.wire.messages import BODY_SCHEMAS, FINITE_CHECKED, HELD_AT_EDGE, PROTOCOL_VERSION, Body, Header, TensorSpec
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
@@ -232,6 +233,12 @@ def _read_header(head: memoryview, limits: Limits) -> Header:
     return header
 
 
+def peek_header(frame: Any, limits: Limits = Limits()) -> Header:
+    """The validated header of a message's first frame, its body and tensors left unread (what a relay needs to
+    route a message it forwards as it came)."""
+    return _read_header(_buffer(frame), limits)
+
+
 def refused_unread(reason: str, detail: str, head: Any, limits: Limits = Limits()) -> WireError:
     """The error for a message refused before decoding (its header frame ``head``), saying what type and
     round the header claims if it is a valid one (a refused update fails its client's round at once)."""
@@ -305,6 +312,12 @@ def _decode_after_header(header: Header, head: memoryview, frames: Sequence[Any]
     )
 
 
+def link_nbytes(msg: Message) -> int:
+    """The bytes the sending client's own link carried for ``msg``: its size, or for an answer an edge aggregator
+    holds (``update_held``, ``secagg_masked_held``) the size of the client's message that it stands for."""
+    return msg.body.nbytes if msg.type in HELD_AT_EDGE.values() else msg.nbytes
+
+
 def frames_nbytes(frames: Sequence[Any]) -> int:
-    """Bytes in a list of outgoing frames (header plus tensor buffers)."""
-    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    """Bytes in a list of frames (header plus tensor buffers: bytes, arrays or received ZeroMQ frames)."""
+    return sum(len(f) if isinstance(f, (bytes, zmq.Frame)) else f.nbytes for f in frames)

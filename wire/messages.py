@@ -140,6 +140,47 @@ class Update(Body):
     cpu_s: Seconds = 0.0  # CPU seconds of this client's own training (what the emulated clock scales)
 
 
+class UpdateHeld(Update, kw_only=True):
+    """Edge aggregator -> coordinator, under the client's identity: the client's ``update`` of the round in the
+    header reached its edge aggregator (docs/hierarchy.md), which checked it and holds its tensors until the
+    round's ``edge_collect``. The body is the update's, with the aggregator's name and the bytes the client sent
+    (what its link carried)."""
+
+    aggregator: Name
+    nbytes: int
+
+
+MAX_TIER_CLIENTS = 1 << 17  # clients named in one edge collect or aggregate
+
+
+class EdgeCollect(Body):
+    """Coordinator -> edge aggregator: combine the held updates of ``clients`` (the round in the header) into one
+    aggregate, after refusing as the coordinator would: the norm bound, the direction check, the clip norm and the
+    adaptive bound (each None: off), over the float tensors under ``prefixes``."""
+
+    clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_TIER_CLIENTS)]
+    prefixes: Annotated[list[Name], msgspec.Meta(max_length=16)]
+    max_update_norm: float | None = None
+    direction_check: float | None = None
+    clip_norm: float | None = None
+    adaptive_clip: float | None = None
+
+
+class EdgeAggregate(Body):
+    """Edge aggregator -> coordinator (its own identity): the sample-weighted mean of the held updates of
+    ``clients`` (in the frames, named as the updates' tensors; none when they hold no samples), ``num_samples``
+    their total; ``refused``: client -> (reason, detail) of those left out; ``missing``: asked for and not held;
+    ``tier_bytes``: what its own clients' links carried since its last aggregate, {"sent"/"received": bytes} seen
+    from the aggregator."""
+
+    clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_TIER_CLIENTS)]
+    num_samples: int
+    loss: float
+    refused: Annotated[dict[Name, tuple[Name, Text]], msgspec.Meta(max_length=MAX_TIER_CLIENTS)] = {}
+    missing: Annotated[list[Name], msgspec.Meta(max_length=MAX_TIER_CLIENTS)] = []
+    tier_bytes: dict[Name, int] = {}
+
+
 class SideChannel(Body):
     """Client -> coordinator: a method's own per-client payload that bypasses aggregation by design (GLFC's
     prototype gradients), ``items`` groups of tensors ``<k>/<name>`` in the frames. Sent just before the
@@ -243,6 +284,16 @@ class SecAggMasked(Body):
     mask_cpu_s: Seconds = 0.0  # of its masking
 
 
+class SecAggMaskedHeld(SecAggMasked, kw_only=True):
+    """Edge aggregator -> coordinator, under the client's identity: the client's ``secagg_masked`` reached its
+    edge aggregator, which holds the masked vector until the phase's ``edge_collect`` asks for the ring sum of
+    its clients' (docs/hierarchy.md). The body is the masked input's, with the aggregator's name and the bytes
+    the client sent."""
+
+    aggregator: Name
+    nbytes: int
+
+
 class SecAggUnmaskRequest(Body):
     """Coordinator -> survivor: which of its neighbours sent a masked input and which dropped."""
 
@@ -311,6 +362,9 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "train_request": TrainRequest,
     "cancel": Cancel,
     "update": Update,
+    "update_held": UpdateHeld,
+    "edge_collect": EdgeCollect,
+    "edge_aggregate": EdgeAggregate,
     **{kind: SideChannel for kind in SIDE_CHANNEL_TYPES},
     "error": Error,
     "shutdown": Shutdown,
@@ -320,6 +374,7 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "secagg_shares": SecAggShares,
     "secagg_relay": SecAggRelay,
     "secagg_masked": SecAggMasked,
+    "secagg_masked_held": SecAggMaskedHeld,
     "secagg_unmask_request": SecAggUnmaskRequest,
     "secagg_unmask": SecAggUnmask,
     "secagg_abort": SecAggAbort,
@@ -337,9 +392,12 @@ def plain_body(body: msgspec.Struct) -> dict[str, Any]:
 
 # Secure-aggregation messages a client sends, by the protocol phase (secagg.protocol.PHASES) they answer.
 SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys",
-                  "secagg_masked": "masked_input", "secagg_unmask": "unmasking"}
+                  "secagg_masked": "masked_input", "secagg_masked_held": "masked_input", "secagg_unmask": "unmasking"}
+
+# What an edge aggregator sends up in place of a client's answer it holds (docs/hierarchy.md), by the answer's type.
+HELD_AT_EDGE = {"update": "update_held", "secagg_masked": "secagg_masked_held"}
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.
-FINITE_CHECKED = frozenset({"update", "train_request", "task_start", *ASSET_TYPES, *SIDE_CHANNEL_TYPES, "job",
-                            "job_result"})
+FINITE_CHECKED = frozenset({"update", "edge_aggregate", "train_request", "task_start", *ASSET_TYPES,
+                            *SIDE_CHANNEL_TYPES, "job", "job_result"})

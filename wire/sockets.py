@@ -110,7 +110,7 @@ def tee(*counters: ByteCounter) -> ByteCounter:
 CURVE_FRAME_OVERHEAD = 64
 
 
-def _configure(sock: zmq.Socket, limits: Limits) -> None:
+def configure_socket(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_total_bytes, limits.max_header_bytes) + CURVE_FRAME_OVERHEAD)
@@ -213,7 +213,7 @@ class ServerEndpoint:
     def __init__(self, ctx: zmq.Context, bind: str, *, name: str = "coordinator",
                  limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ServerKeys | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
-        _configure(self.sock, limits)
+        configure_socket(self.sock, limits)
         # no send high-water mark: a shared connection carries thousands of clients' messages, and the protocol
         # itself bounds what waits for any one client (a round's request and assets)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -237,6 +237,9 @@ class ServerEndpoint:
         self._held: dict[bytes, HeldSets] = {}  # shared connection -> what it holds (keys and sizes)
         self._seq = 0
         self.switched = False  # the last message received moved its sender to another connection
+        # bytes put on the wire (tensors held by a shared connection counted once, envelopes left out), where the
+        # byte counts count each message whole
+        self.wire_sent = 0
 
     def send(self, peer: str, msg_type: str, body: Body, *, round: int = 0, task: int = 0,
              tensors: Mapping[str, Any] | WireTensors | None = None, sequenced: bool = True) -> int:
@@ -258,6 +261,8 @@ class ServerEndpoint:
             self.sock.send_multipart([route, peer.encode(), *frames], copy=False)
         nbytes = frames_nbytes(frames)
         self.count(msg_type, "sent", nbytes)
+        self.wire_sent += frames_nbytes(frames[:1]) if self._shared.get(route) and isinstance(tensors, WireTensors) \
+            else nbytes
         return nbytes
 
     def _hold(self, route: bytes, key: bytes, buffers: list[Any]) -> None:
@@ -268,6 +273,7 @@ class ServerEndpoint:
             return
         self.sock.send_multipart([route, HELD + key, b"", *buffers], copy=False)
         held.keep(key, frames_nbytes(buffers), True)
+        self.wire_sent += frames_nbytes(buffers)
 
     def recv(self) -> tuple[str, Message] | None:
         """Receive one message (blocking); returns its sender's identity, or None for a close notice on a shared
@@ -408,7 +414,7 @@ class ClientEndpoint:
     def __init__(self, ctx: zmq.Context, connect: str, identity: str, *,
                  limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ClientKeys | None = None):
         self.sock = ctx.socket(zmq.DEALER)
-        _configure(self.sock, limits)
+        configure_socket(self.sock, limits)
         if keys is not None:
             connect_curve(self.sock, keys)
         self.sock.connect(connect)
@@ -455,7 +461,7 @@ class SharedConnection:
     def __init__(self, ctx: zmq.Context, connect: str, *, limits: Limits = Limits(), count: ByteCounter = _no_count,
                  keys: ClientKeys | None = None):
         self.sock = ctx.socket(zmq.DEALER)
-        _configure(self.sock, limits)
+        configure_socket(self.sock, limits)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())

@@ -113,22 +113,22 @@ def node_key_name(number: int) -> str:
     return f"node-{number}"
 
 
-def node_key_files(keys: Path, number: int) -> tuple[Path, Path]:
-    """The key files of edge node ``number`` of a run keyed in ``keys``: the coordinator's public key, and its node
-    key or the directory of per-device keys."""
+def node_key_files(keys: Path, number: int, server: str = SERVER_NAME) -> tuple[Path, Path]:
+    """The key files of edge node ``number`` of a run keyed in ``keys``: the public key of the ``server`` it dials
+    (the coordinator, or its edge aggregator), and its node key or the directory of per-device keys."""
     node_key = Path(keys) / f"{node_key_name(number)}.key_secret"
-    return Path(keys) / f"{SERVER_NAME}.key", node_key if node_key.is_file() else Path(keys)
+    return Path(keys) / f"{server}.key", node_key if node_key.is_file() else Path(keys)
 
 
 def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
-              parent_pid: int | None = None, metrics_host: str | None = None) -> NodeArgs:
-    """The arguments of edge node ``n`` (its keys, data roots and /metrics port, served on ``metrics_host`` or the
-    run's metrics host)."""
+              parent_pid: int | None = None, metrics_host: str | None = None, server: str = SERVER_NAME) -> NodeArgs:
+    """The arguments of edge node ``n`` dialling ``server`` at ``address`` (its keys, data roots and /metrics port,
+    served on ``metrics_host`` or the run's metrics host)."""
     keys: dict = {"insecure": True}
     if config.security.transport != "plain":
         if config.security.keys is None:
             raise ValueError("a CurveZMQ run needs its key directory before its nodes start (fcl_emu.keys.RunKeys)")
-        server_key, key = node_key_files(config.security.keys, n)
+        server_key, key = node_key_files(config.security.keys, n, server)
         keys = {"server_key": server_key, "key": key}
     port = node_metrics_port(config, n)
     metrics = {} if port is None else {"metrics_port": port, "metrics_host": metrics_host or config.metrics.host,

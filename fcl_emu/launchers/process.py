@@ -14,8 +14,11 @@ from fcl_emu.coordinator.lifecycle import NodeExit
 from fcl_emu.edge_node.args import NodeArgs
 from fcl_emu.launchers import zygote
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs, signal_exit
+from fcl_emu.launchers.aggregators import AggregatorProcesses
 from fcl_emu.launchers.zygote import ForkedProcess
 from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig.topology import aggregator_name, aggregator_of_node
+from fcl_emu.wire.auth import SERVER_NAME
 
 
 def node_command(args: NodeArgs) -> list[str]:
@@ -43,14 +46,21 @@ class ProcessLauncher(NodeLauncher):
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen | ForkedProcess] = []
         self._nodes: list[tuple[NodeSpec, Path]] = []
+        self.aggregators = AggregatorProcesses()
 
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         forks = zygote.current()
-        for node in node_specs(config):
+        specs, m = node_specs(config), config.topology.edge_aggregators
+        if m:  # first the aggregators the nodes dial
+            self.aggregators.start(address, config, log_dir, [tuple(node.name for node in specs[a::m])
+                                                              for a in range(m)])
+        for node in specs:
             log_file = log_dir / f"{node.name}.log"  # appended to by `up --resume`
-            args = node_args(address, node.clients, config, node.name, node.number,
-                             parent_pid=os.getpid() if forks is None else forks.pid)
+            under = aggregator_of_node(node.number, m) if m else None
+            args = node_args(address if under is None else self.aggregators.addresses[under], node.clients, config,
+                             node.name, node.number, parent_pid=os.getpid() if forks is None else forks.pid,
+                             server=SERVER_NAME if under is None else aggregator_name(under))
             if forks is not None:
                 self.procs.append(forks.spawn(args, log_file, NODE_ENV))
             else:
@@ -67,11 +77,13 @@ class ProcessLauncher(NodeLauncher):
         return {node.name: socket.gethostname() for node, _log in self._nodes}
 
     def pids(self) -> dict[str, int]:
-        return {node.name: p.pid for p, (node, _log) in zip(self.procs, self._nodes) if p.poll() is None}
+        return {**{node.name: p.pid for p, (node, _log) in zip(self.procs, self._nodes) if p.poll() is None},
+                **self.aggregators.pids()}
 
     def exited(self) -> list[NodeExit]:
         return [NodeExit(node.name, p.returncode, len(node.clients), last_error(log_file) or signal_exit(p.returncode))
-                for p, (node, log_file) in zip(self.procs, self._nodes) if p.poll() is not None]
+                for p, (node, log_file) in zip(self.procs, self._nodes) if p.poll() is not None] + \
+            self.aggregators.exited()
 
     def stop(self, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s
@@ -86,3 +98,4 @@ class ProcessLauncher(NodeLauncher):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.aggregators.stop(grace_s=max(0.1, deadline - time.monotonic()))

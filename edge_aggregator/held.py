@@ -1,0 +1,164 @@
+"""The updates an edge aggregator holds for the coordinator's ``edge_collect``, and the aggregate it answers with.
+
+Each client's ``update`` is checked on arrival against the round's model (the tensor table of the round's
+``train_request``, which the aggregator relayed) as the coordinator checks a flat run's: the model's tensors,
+shapes and dtypes. What passes is held until the round's collect, which names the clients that made the round in
+the coordinator's time; then the defences of a plain round act over the clients named (``--max-update-norm``,
+the direction check, ``--clip-norm``, the adaptive bound: :mod:`fcl_emu.aggregation`), and their
+sample-weighted mean goes up as one message (:func:`fcl_emu.aggregation.combine.group_mean`).
+
+Under secure aggregation the aggregator holds each client's masked input (checked for its shape and ring, as the
+SecAgg+ server checks it) and answers the collect with their ring sum, still masked: the pairwise masks between
+its clients cancel in it, those with clients elsewhere and the self-masks do not (docs/hierarchy.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update, delta_norm
+from fcl_emu.aggregation.combine import group_mean
+from fcl_emu.aggregation.direction import off_cohort
+from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.wire.framing import Message, WireError
+from fcl_emu.secagg.protocol import SecAggError
+from fcl_emu.secagg.server import check_masked
+from fcl_emu.wire.messages import EdgeAggregate, EdgeCollect, SecAggParams, TensorSpec
+
+ROUNDS_HELD = 2  # rounds whose updates are held at once (the open one, and one a slow collect still asks for)
+
+
+@dataclass
+class Aggregate:
+    """An ``edge_aggregate``'s body and tensors."""
+
+    body: EdgeAggregate
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class HeldUpdates:
+    """The clients' updates of the latest rounds, by round and client."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, dict[str, TensorSpec]] = {}  # round -> the model's tensors (its train_request's)
+        self.updates: dict[int, dict[str, ClientUpdate]] = {}
+        self.rings: dict[int, MaskedShape] = {}  # secure rounds: round -> its masked inputs' shape
+        self.masked: dict[int, dict[str, np.ndarray]] = {}
+
+    def on_train_request(self, round: int, table: list[TensorSpec]) -> None:
+        """The round's model, as its train request's tensor table names it (every client's is the same)."""
+        if round not in self.models:
+            self.models[round] = {spec.name: spec for spec in table}
+            for old in sorted(self.models)[:-ROUNDS_HELD]:
+                del self.models[old]
+                self.updates.pop(old, None)
+
+    def on_secagg_setup(self, round: int, params: SecAggParams) -> None:
+        """A secure round's parameters, as its ``secagg_setup`` gives them (every client's are the same)."""
+        if round not in self.rings:
+            self.rings[round] = MaskedShape(params.dim + 1, params.ring_bits)
+            for old in sorted(self.rings)[:-ROUNDS_HELD]:
+                del self.rings[old]
+                self.masked.pop(old, None)
+
+    def hold_masked(self, msg: Message) -> None:
+        """Check a client's masked input (its shape and ring) and hold it; WireError (``secagg``) otherwise."""
+        ring = self.rings.get(msg.round)
+        if ring is None:
+            raise WireError("unexpected", f"a masked input for round {msg.round}, which this aggregator did not set up")
+        held = self.masked.setdefault(msg.round, {})
+        if msg.sender in held:
+            raise WireError("secagg", f"second masked input from {msg.sender} in round {msg.round}")
+        try:
+            held[msg.sender] = check_masked(ring, msg.tensors.get("y"), repr(msg.sender))
+        except SecAggError as exc:
+            raise WireError("secagg", str(exc)) from None
+
+    def hold(self, msg: Message) -> ClientUpdate:
+        """Check the update ``msg`` (decoded, finite) against its round's model and hold it; WireError for one
+        the coordinator would refuse (``bad_shape``, ``bad_dtype``, ``bad_body``, ``unexpected``)."""
+        model = self.models.get(msg.round)
+        if model is None:
+            raise WireError("unexpected", f"an update for round {msg.round}, which this aggregator did not relay")
+        held = self.updates.setdefault(msg.round, {})
+        if msg.sender in held:
+            raise WireError("unexpected", f"second update from {msg.sender} in round {msg.round}")
+        body = msg.body
+        update = ClientUpdate(msg.sender, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)
+        if body.num_samples < 0:
+            raise WireError("bad_body", "negative num_samples")
+        if body.num_samples > 0:
+            _check_layout(update, model)
+        held[msg.sender] = update
+        return update
+
+    def collect(self, round: int, ask: EdgeCollect) -> Aggregate:
+        """The aggregate of the held updates of ``ask.clients`` in ``round``, after the plain round's defences (a
+        secure round's: the ring sum of their masked inputs); the round's updates are let go."""
+        if round in self.rings:
+            return self._masked_sum(round, ask.clients)
+        held = self.updates.pop(round, {})
+        missing = [c for c in ask.clients if c not in held]
+        chosen = sorted((held[c] for c in ask.clients if c in held), key=lambda u: u.client)
+        useful = [u for u in chosen if u.num_samples > 0]
+        prefixes = tuple(ask.prefixes) or (DELTA,)
+        refused: dict[str, tuple[str, str]] = {}
+        if (bound := ask.max_update_norm) is not None:
+            for u in useful:
+                if not (norm := delta_norm(u)) <= bound:
+                    refused[u.client] = ("norm_bound", f"{u.client}'s model delta has L2 norm {norm:.4g} > {bound:g}")
+            useful = [u for u in useful if u.client not in refused]
+        if ask.direction_check is not None:
+            for client, agreement in off_cohort(useful, ask.direction_check, prefixes).items():
+                refused[client] = ("off_cohort", f"refused {client}'s update: it agrees with nothing of its edge "
+                                                 f"group (largest cosine {agreement:.3g}; --direction-check)")
+            useful = [u for u in useful if u.client not in refused]
+        losses = [u.loss for u in useful if np.isfinite(u.loss)]
+        if ask.clip_norm is not None:
+            useful = [clip_update(u, ask.clip_norm) for u in useful]
+        if ask.adaptive_clip is not None:
+            useful = clip_to_cohort(useful, ask.adaptive_clip, prefixes)
+        body = EdgeAggregate(clients=[u.client for u in chosen if u.client not in refused],
+                             num_samples=sum(u.num_samples for u in useful),
+                             loss=float(np.mean(losses)) if losses else float("nan"), refused=refused,
+                             missing=missing)
+        return Aggregate(body, group_mean(useful, prefixes) if useful else {})
+
+
+    def _masked_sum(self, round: int, clients: list[str]) -> Aggregate:
+        """The ring sum of the held masked inputs of ``clients`` (masked still: the aggregator never sees an
+        input unmasked, the coordinator only this sum)."""
+        held, ring = self.masked.pop(round, {}), self.rings[round]
+        summed = [c for c in clients if c in held]
+        total = np.zeros(ring.length, np.uint32)
+        for client in summed:
+            np.add(total, held[client], out=total)
+        if ring.ring_bits < 32:
+            np.bitwise_and(total, np.uint32((1 << ring.ring_bits) - 1), out=total)
+        body = EdgeAggregate(clients=summed, num_samples=0, loss=float("nan"),
+                             missing=[c for c in clients if c not in held])
+        return Aggregate(body, {"y": total} if summed else {})
+
+
+@dataclass(frozen=True)
+class MaskedShape:
+    """What a round's masked inputs look like: ``length`` ring elements of ``ring_bits`` bits."""
+
+    length: int
+    ring_bits: int
+
+
+def _check_layout(update: ClientUpdate, model: dict[str, TensorSpec]) -> None:
+    """The delta names exactly the model's tensors, each with its shape and dtype (as the coordinator checks)."""
+    got = {k[len(DELTA):]: v for k, v in update.tensors.items() if k.startswith(DELTA)}
+    if got.keys() != model.keys():
+        missing, extra = sorted(model.keys() - got.keys())[:3], sorted(got.keys() - model.keys())[:3]
+        raise WireError("bad_shape", f"delta keys differ from the model (missing {missing}, unknown {extra})")
+    for name, value in got.items():
+        spec = model[name]
+        if list(value.shape) != list(spec.shape):
+            raise WireError("bad_shape", f"delta {name!r} has shape {list(value.shape)}, model has {spec.shape}")
+        if value.dtype.name != spec.dtype:
+            raise WireError("bad_dtype", f"delta {name!r} is {value.dtype}, model has {spec.dtype}")

@@ -1,0 +1,237 @@
+"""The edge aggregator's process: a relay between its edge nodes' shared connections and the coordinator that
+holds its clients' updates and sends one aggregate up per round (docs/hierarchy.md).
+
+Downstream it is what the coordinator is to a node: a ROUTER (with keys, a CurveZMQ server under its own key pair
+that admits the run's roster) taking shared connections, whose envelopes name the clients. Upstream it is one
+shared connection of its own that speaks for all its nodes' clients (its grant in the run's key directory lists
+them) and, under its own name, for itself. Messages cross frame by frame, as they came, with two exceptions:
+
+- a client's ``update`` (or ``secagg_masked``) is decoded, checked and held
+  (:class:`~fcl_emu.edge_aggregator.held.HeldUpdates`); the coordinator gets an ``update_held``
+  (``secagg_masked_held``) in its place (the body, the aggregator's name, the bytes the client sent), and later,
+  asked by an ``edge_collect``, one ``edge_aggregate`` for the round;
+- tensors the coordinator sends once per connection (a round's model) arrive once and go once down each node's
+  connection, as the coordinator's own endpoint does (:class:`~fcl_emu.wire.sockets.HeldSets`).
+
+Every message a client link carries is counted (the client-to-edge tier's bytes) and reported in the next
+aggregate; the aggregator's own heartbeat goes up every heartbeat interval, so the coordinator can route to it and
+notice it is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+import zmq
+
+from fcl_emu.edge_aggregator.held import HeldUpdates
+from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys, connect_curve, serve_curve
+from fcl_emu.wire.framing import Limits, WireError, decode, encode, frames_nbytes, peek_header, wire_tensors
+from fcl_emu.wire.messages import BODY_SCHEMAS, HELD_AT_EDGE, EdgeCollect, Error, Heartbeat
+from fcl_emu.wire.sockets import (HELD, LINK_PROPERTY, MAX_ENVELOPE_BYTES, SHARED, HeldSets, configure_socket,
+                                  receive_frames)
+
+log = logging.getLogger("fcl_emu.edge_aggregator")
+
+
+class EdgeAggregator:
+    """One edge aggregator: ``bind`` for its nodes, ``connect`` to the coordinator, speaking as ``name``.
+
+    ``server_keys``: serve CurveZMQ downstream (its key pair and the roster of keys that may connect) and
+    ``client_keys``: connect upstream with them; both None for plain TCP."""
+
+    def __init__(self, name: str, connect: str, bind: str, *, server_keys: ServerKeys | None = None,
+                 client_keys: ClientKeys | None = None, heartbeat_interval_s: float = 1.0,
+                 limits: Limits = Limits(), context: zmq.Context | None = None):
+        self.name, self.limits, self.heartbeat_interval_s = name, limits, heartbeat_interval_s
+        self.context = context or zmq.Context()
+        self._allowlist = None if server_keys is None else Allowlist(self.context, server_keys)
+        self.grants = None if server_keys is None else server_keys.grants
+        self.down = self.context.socket(zmq.ROUTER)
+        configure_socket(self.down, limits)
+        self.down.setsockopt(zmq.SNDHWM, 0)
+        self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if server_keys is not None:
+            serve_curve(self.down, server_keys)
+        if bind.endswith(":0"):
+            self.address = f"{bind.rsplit(':', 1)[0]}:{self.down.bind_to_random_port(bind.rsplit(':', 1)[0])}"
+        else:
+            self.down.bind(bind)
+            self.address = self.down.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.up = self.context.socket(zmq.DEALER)
+        configure_socket(self.up, limits)
+        for option in (zmq.SNDHWM, zmq.RCVHWM):
+            self.up.setsockopt(option, 0)
+        self.up.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())
+        if client_keys is not None:
+            connect_curve(self.up, client_keys)
+        self.up.connect(connect)
+        self.held = HeldUpdates()
+        self._routes: dict[str, bytes] = {}  # client -> the node connection it last spoke on
+        self._sets: dict[bytes, list] = {}  # key -> tensor frames the coordinator sent once (the latest few)
+        self._node_sets: dict[bytes, HeldSets] = {}  # node connection -> the keys it holds
+        self._seq = 0
+        self.tier_bytes = {"sent": 0, "received": 0}  # client links, since the last aggregate
+        self.refused = 0
+        self.shutdown = False
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Relay until the coordinator's shutdown (or ``stop``)."""
+        poller = zmq.Poller()
+        poller.register(self.down, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        beat_at = 0.0
+        while not self.shutdown and not (stop is not None and stop.is_set()):
+            now = time.monotonic()
+            if now >= beat_at:
+                self._send_up(self.name, "heartbeat", Heartbeat())
+                beat_at = now + self.heartbeat_interval_s
+            for sock in dict(poller.poll(int(1000 * min(0.2, self.heartbeat_interval_s)))):
+                while not self.shutdown and sock.poll(0):
+                    self._from_node() if sock is self.down else self._from_coordinator()
+
+    def close(self) -> None:
+        for sock in (self.down, self.up):
+            sock.close(linger=1000)
+        if self._allowlist is not None:
+            self._allowlist.stop()
+
+    # ------------------------------------------------------------------ up
+    def _from_node(self) -> None:
+        route = self.down.recv(copy=False).bytes
+        envelope = self.down.recv(copy=False)
+        identity = envelope.bytes.decode("utf-8", "replace")
+        try:
+            if len(envelope) > MAX_ENVELOPE_BYTES or HELD in envelope.bytes:
+                raise WireError("bad_header", f"an envelope of {len(envelope)} bytes from a node")
+            self._check_grant(envelope, identity)
+            if not envelope.more:  # a close notice: the client's session ended
+                if self._routes.get(identity) == route:
+                    self.up.send(envelope.bytes)
+                return
+            frames = receive_frames(self.down, self.limits)
+            header = peek_header(frames[0], self.limits)
+            if header.sender != identity:
+                raise WireError("not_authorized", f"a message naming {header.sender!r} in an envelope for "
+                                                  f"{identity!r}")
+        except WireError as exc:
+            if envelope.more:
+                self.down.recv_multipart()
+            self._refuse(identity, exc)
+            return
+        self._routes[identity] = route
+        nbytes = frames_nbytes(frames)
+        self.tier_bytes["received"] += nbytes
+        if header.type in HELD_AT_EDGE:
+            self._hold(identity, frames, nbytes)
+        else:
+            self.up.send_multipart([envelope.bytes, *frames], copy=False)
+
+    def _hold(self, identity: str, frames: list, nbytes: int) -> None:
+        """Hold a client's update or masked input and tell the coordinator it arrived."""
+        header = peek_header(frames[0], self.limits)
+        try:
+            msg = decode(frames, self.limits)
+            (self.held.hold if msg.type == "update" else self.held.hold_masked)(msg)
+        except WireError as exc:
+            self._refuse(identity, exc)
+            self._send_up(identity, "error", Error(code=exc.reason, detail=f"refused by {self.name}: {exc.detail}"),
+                          round=header.round, task=header.task)
+            return
+        held_type = HELD_AT_EDGE[msg.type]
+        notice = BODY_SCHEMAS[held_type](**msgspec.structs.asdict(msg.body), aggregator=self.name, nbytes=nbytes)
+        head = encode(held_type, notice, sender=identity, seq=msg.seq, round=msg.round, task=msg.task)
+        self.up.send_multipart([identity.encode(), *head], copy=False)
+
+    def _check_grant(self, frame: zmq.Frame, identity: str) -> None:
+        if self.grants is None:
+            return
+        grant = self.grants.get(frame.get("User-Id"))
+        if grant is None or identity not in grant.identities:
+            raise WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for {identity!r}")
+
+    def _refuse(self, identity: str, exc: WireError) -> None:
+        """A client message refused here: counted and logged (a refused update is also reported up as the client's
+        ``error``, so its round stops waiting for it)."""
+        self.refused += 1
+        log.warning("refused a message from %r (%s)", identity, exc)
+
+    def _send_up(self, identity: str, msg_type: str, body, **kw) -> None:
+        """A message of the aggregator's own up, speaking as ``identity`` (itself, or a client it reports on)."""
+        self._seq += 1
+        frames = encode(msg_type, body, sender=identity, seq=self._seq, **kw)
+        self.up.send_multipart([identity.encode(), *frames], copy=False)
+
+    # ------------------------------------------------------------------ down
+    def _from_coordinator(self) -> None:
+        envelope = self.up.recv(copy=False).bytes
+        name, _, key = envelope.partition(HELD)
+        identity = name.decode("utf-8", "replace")
+        try:
+            frames = receive_frames(self.up, self.limits)
+        except WireError as exc:
+            log.warning("refused a message from the coordinator (%s)", exc)
+            return
+        if key and not name:  # tensors to hold for the messages that name them
+            self._sets[key] = frames[1:]
+            for old in list(self._sets)[:-8]:
+                del self._sets[old]
+            return
+        if identity == self.name:
+            self._for_me(frames)
+            return
+        route = self._routes.get(identity)
+        if route is None:
+            return  # a client that never spoke through here (or a message after its node left)
+        header = peek_header(frames[0], self.limits)
+        if header.type == "train_request":
+            self.held.on_train_request(header.round, header.tensors)
+        elif header.type == "secagg_setup":
+            self._on_secagg_setup(frames)
+        try:
+            if key:
+                self._give_set(route, key)
+            self.down.send_multipart([route, envelope, *frames], copy=False)
+        except zmq.ZMQError as exc:  # the node's connection is gone
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return
+        self.tier_bytes["sent"] += frames_nbytes(frames) + (frames_nbytes(self._sets.get(key, [])) if key else 0)
+
+    def _on_secagg_setup(self, frames: list) -> None:
+        try:
+            msg = decode(frames, self.limits)
+        except WireError as exc:
+            log.warning("refused a message from the coordinator (%s)", exc)
+            return
+        self.held.on_secagg_setup(msg.round, msg.body.params)
+
+    def _give_set(self, route: bytes, key: bytes) -> None:
+        """Make the node connection ``route`` hold the tensor set ``key`` (sent once, as the coordinator does)."""
+        held = self._node_sets.setdefault(route, HeldSets())
+        if held.use(key):
+            return
+        buffers = self._sets[key]
+        self.down.send_multipart([route, HELD + key, b"", *buffers], copy=False)
+        held.keep(key, frames_nbytes(buffers), True)
+
+    def _for_me(self, frames: list) -> None:
+        try:
+            msg = decode(frames, self.limits)
+        except WireError as exc:
+            log.warning("refused a message from the coordinator (%s)", exc)
+            return
+        if msg.type == "shutdown":
+            self.shutdown = True
+        elif msg.type == "edge_collect":
+            self._collect(msg.round, msg.task, msg.body)
+
+    def _collect(self, round: int, task: int, ask: EdgeCollect) -> None:
+        aggregate = self.held.collect(round, ask)
+        aggregate.body.tier_bytes, self.tier_bytes = self.tier_bytes, {"sent": 0, "received": 0}
+        self._send_up(self.name, "edge_aggregate", aggregate.body, round=round, task=task,
+                      tensors=wire_tensors(aggregate.tensors))

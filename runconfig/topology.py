@@ -1,0 +1,69 @@
+"""The federation's tiers (``topology:``): clients straight under the coordinator (a star, the default) or under
+edge aggregators (hierarchical FL, docs/hierarchy.md), and which runs a hierarchy can take (:func:`check_topology`)."""
+
+from __future__ import annotations
+
+import pydantic
+
+
+class TopologyConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    edge_aggregators: int = pydantic.Field(
+        0, ge=0, le=1024, description=(
+            "edge aggregators between the edge nodes and the coordinator, each a process of its own that relays "
+            "its nodes' messages and sends one aggregate of its clients' updates up per round (0: every client "
+            "talks to the coordinator; node n sits under aggregator n mod M)"))
+    uplink_mbps: float | None = pydantic.Field(
+        None, gt=0, description="emulated clock: megabits per second of each edge aggregator's link up to the "
+        "coordinator (unset: not limited)")
+    downlink_mbps: float | None = pydantic.Field(
+        None, gt=0, description="emulated clock: megabits per second of each edge aggregator's link down from the "
+        "coordinator (unset: not limited)")
+    latency_ms: float = pydantic.Field(
+        0.0, ge=0, description="emulated clock: one-way latency of each edge aggregator's link to the coordinator")
+
+    def wide_area_s(self, down_bytes: int, up_bytes: int) -> float:
+        """Seconds an aggregator's round takes on its link to the coordinator: the model down, the aggregate up
+        (each with the latency)."""
+        down = 0.0 if self.downlink_mbps is None else down_bytes * 8 / (self.downlink_mbps * 1e6)
+        up = 0.0 if self.uplink_mbps is None else up_bytes * 8 / (self.uplink_mbps * 1e6)
+        return down + up + 2 * self.latency_ms / 1000
+
+
+def aggregator_name(index: int) -> str:
+    """The identity edge aggregator ``index`` speaks under (its grant in a run's key directory)."""
+    return f"edge-aggregator-{index}"
+
+
+def aggregator_of_node(node: int, aggregators: int) -> int:
+    """The edge aggregator that edge node ``node`` dials: nodes are dealt out round-robin."""
+    return node % aggregators
+
+
+def check_topology(config, refusals: dict[str, str]) -> None:
+    """Raise ValueError (one line) for a run that edge aggregators cannot serve: ``config`` a
+    :class:`~fcl_emu.runconfig.RunConfig`, ``refusals`` its method's (:func:`fcl_emu.methods.requirements.refusals`)."""
+    from fcl_emu.methods.requirements import ASYNC
+
+    m, flag = config.topology.edge_aggregators, f"--edge-aggregators {config.topology.edge_aggregators}"
+    if m == 0:
+        return
+    if ASYNC in refusals:  # the same condition: the server only adds the mean delta
+        raise ValueError(f"{flag}: method {config.method!r} does more than add the mean of its clients' model "
+                         f"deltas (its own aggregation, side channels or per-client uploads), which an edge "
+                         f"aggregator cannot pre-combine; use e.g. fedavg, fedprox, fedlwf2t, fedewc, mfcl, target")
+    if config.containers.backend != "process":
+        raise ValueError(f"{flag} starts the aggregators as processes of this host: use --backend process")
+    if config.nodes < m:
+        raise ValueError(f"--nodes {config.nodes} is fewer than {flag}: each aggregator serves at least one node")
+    if config.aggregation.asynchronous:
+        raise ValueError(f"{flag} aggregates a synchronous round's cohort at the edge: use --aggregation sync")
+    if config.security.aggregator != "mean":
+        raise ValueError(f"{flag} combines each edge's updates by their weighted mean before the coordinator sees "
+                         f"them: --aggregator {config.security.aggregator} needs every update")
+    if config.privacy.central:
+        raise ValueError(f"{flag}: --privacy central clips each update at the coordinator, which sees only edge "
+                         f"aggregates (use --secagg --privacy distributed)")
+    if config.rounds.late_updates != "drop":
+        raise ValueError(f"{flag}: a late update stays at its edge aggregator; use --late-updates drop")
