@@ -112,6 +112,10 @@ def mean_metrics(updates: list[ClientUpdate]) -> dict[str, float] | None:
     return {name: sum(v) / len(v) for name, v in sorted(sums.items())} or None
 
 
+# the messages that carry a round's updates to the coordinator: its clients' own, or their edge aggregators'
+UPDATE_TYPES = ("update", "secagg_masked", "update_held", "secagg_masked_held", "edge_aggregate")
+
+
 class RoundMeter:
     """Started when a round starts: the host seconds of each phase (``collect`` also gives ``receive_updates``,
     the part of it spent handling updates), the coordinator's CPU seconds up to evaluation (its process's, and its
@@ -183,10 +187,10 @@ class RoundMeter:
         return record
 
     def _update_handling(self) -> tuple[float, float]:
-        """Seconds, and main-thread CPU seconds, spent so far receiving and handling updates, plain and masked."""
+        """Seconds, and main-thread CPU seconds, spent so far receiving and handling updates, plain and masked (or
+        their notices and aggregates from edge aggregators)."""
         tally = self.state.tally
-        return (tally.handling_s["update"] + tally.handling_s["secagg_masked"],
-                tally.handling_cpu_s["update"] + tally.handling_cpu_s["secagg_masked"])
+        return (sum(tally.handling_s[t] for t in UPDATE_TYPES), sum(tally.handling_cpu_s[t] for t in UPDATE_TYPES))
 
     def _bytes_since(self) -> dict[str, dict[str, int]]:
         """Bytes on the wire since the round started, as ``{type: {direction: bytes}}``."""

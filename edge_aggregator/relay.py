@@ -32,7 +32,7 @@ from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys, connect_curve, 
 from fcl_emu.wire.framing import Limits, WireError, decode, encode, frames_nbytes, peek_header, wire_tensors
 from fcl_emu.wire.messages import BODY_SCHEMAS, HELD_AT_EDGE, EdgeCollect, Error, Heartbeat
 from fcl_emu.wire.sockets import (HELD, LINK_PROPERTY, MAX_ENVELOPE_BYTES, SHARED, HeldSets, configure_socket,
-                                  receive_frames)
+                                  drop_rest, receive_frames)
 
 log = logging.getLogger("fcl_emu.edge_aggregator")
 
@@ -107,20 +107,23 @@ class EdgeAggregator:
         identity = envelope.bytes.decode("utf-8", "replace")
         try:
             if len(envelope) > MAX_ENVELOPE_BYTES or HELD in envelope.bytes:
+                drop_rest(self.down, envelope.more)
                 raise WireError("bad_header", f"an envelope of {len(envelope)} bytes from a node")
-            self._check_grant(envelope, identity)
+            try:
+                self._check_grant(envelope, identity)
+            except WireError:
+                drop_rest(self.down, envelope.more)
+                raise
             if not envelope.more:  # a close notice: the client's session ended
                 if self._routes.get(identity) == route:
                     self.up.send(envelope.bytes)
                 return
-            frames = receive_frames(self.down, self.limits)
+            frames = receive_frames(self.down, self.limits)  # the whole message, or refused and dropped
             header = peek_header(frames[0], self.limits)
             if header.sender != identity:
                 raise WireError("not_authorized", f"a message naming {header.sender!r} in an envelope for "
                                                   f"{identity!r}")
         except WireError as exc:
-            if envelope.more:
-                self.down.recv_multipart()
             self._refuse(identity, exc)
             return
         self._routes[identity] = route
@@ -168,7 +171,10 @@ class EdgeAggregator:
 
     # ------------------------------------------------------------------ down
     def _from_coordinator(self) -> None:
-        envelope = self.up.recv(copy=False).bytes
+        first = self.up.recv(copy=False)
+        if not first.more:  # nothing the coordinator sends: an envelope alone
+            return
+        envelope = first.bytes
         name, _, key = envelope.partition(HELD)
         identity = name.decode("utf-8", "replace")
         try:
@@ -231,7 +237,11 @@ class EdgeAggregator:
             self._collect(msg.round, msg.task, msg.body)
 
     def _collect(self, round: int, task: int, ask: EdgeCollect) -> None:
-        aggregate = self.held.collect(round, ask)
+        try:
+            aggregate = self.held.collect(round, ask)
+        except ValueError as exc:  # uploads that cannot be averaged together (a method's extras in some only)
+            log.warning("round %d: cannot combine the updates asked for (%s); sending no aggregate", round, exc)
+            return
         aggregate.body.tier_bytes, self.tier_bytes = self.tier_bytes, {"sent": 0, "received": 0}
         self._send_up(self.name, "edge_aggregate", aggregate.body, round=round, task=task,
                       tensors=wire_tensors(aggregate.tensors))

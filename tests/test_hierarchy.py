@@ -360,3 +360,103 @@ def test_a_killed_edge_aggregator_degrades_a_secure_run_and_never_hangs(tmp_path
     exits = [e for e in events(run_dir) if e["event"] == "node_exit"]
     assert [e["node"] for e in exits] == ["edge-aggregator-1"]
     assert summary.secagg.completed >= 4  # every round after the one cut short sums aggregator 0's clients
+
+
+# --------------------------------------------------------------------------- the relay, on real sockets
+
+def test_the_relay_forwards_holds_refuses_and_answers_a_collect():
+    """A coordinator's ROUTER above, a node's shared connection below, the aggregator between (threads of this
+    process, TCP): a heartbeat is relayed whole; a train request's model arrives at the node; an update is held and
+    announced; a malformed one is reported up as the client's error; a message in another's envelope is refused;
+    the collect is answered with the weighted mean."""
+    import zmq
+
+    from fcl_emu.edge_aggregator.relay import EdgeAggregator
+    from fcl_emu.wire.framing import wire_tensors
+    from fcl_emu.wire.messages import Heartbeat, TrainRequest
+    from fcl_emu.wire.sockets import ServerEndpoint, SharedConnection
+
+    ctx = zmq.Context()
+    coordinator = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
+    aggregator = EdgeAggregator("edge-aggregator-0", coordinator.address, "tcp://127.0.0.1:0",
+                                heartbeat_interval_s=0.2, context=ctx)
+    stop = threading.Event()
+    thread = threading.Thread(target=aggregator.run, args=(stop,), daemon=True)
+    thread.start()
+    node = SharedConnection(ctx, aggregator.address)
+    a, b = node.channel("client-0001"), node.channel("client-0002")
+
+    def up_next(want: str, timeout_s: float = 5.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if coordinator.sock.poll(100):
+                got = coordinator.recv()
+                if got is not None and got[1].type != "heartbeat" or want == "heartbeat":
+                    return got
+        raise AssertionError(f"no {want} reached the coordinator")
+
+    try:
+        assert up_next("heartbeat")[0] == "edge-aggregator-0"  # its own, first: the coordinator can route to it
+        a.send("heartbeat", Heartbeat())
+        b.send("heartbeat", Heartbeat())
+        seen = set()
+        while seen != {"client-0001", "client-0002"}:
+            peer, msg = up_next("heartbeat")
+            seen.add(peer)
+        model = wire_tensors(MODEL)
+        for client in ("client-0001", "client-0002"):
+            coordinator.send(client, "train_request", TrainRequest(local_epochs=1, lr=0.1), round=1, tensors=model)
+        got = []
+        while len(got) < 2:
+            if node.sock.poll(5000):
+                received = node.recv()
+                if received is not None:
+                    got.append(received)
+        assert {peer for peer, _ in got} == {"client-0001", "client-0002"}
+        assert np.array_equal(got[0][1].tensors["w"], MODEL["w"])
+        for channel, samples, scale in ((a, 10, 1.0), (b, 30, 3.0)):
+            channel.send("update", Update(num_samples=samples, train_time_s=1.0, loss=scale), round=1,
+                         tensors={DELTA + k: np.full(v.shape, scale, np.float32) for k, v in MODEL.items()})
+        notices = {}
+        while len(notices) < 2:
+            peer, msg = up_next("update_held")
+            assert msg.type == "update_held" and msg.tensors == {}
+            notices[peer] = msg.body
+        assert notices["client-0002"].num_samples == 30 and notices["client-0002"].aggregator == "edge-aggregator-0"
+        b.send("update", Update(num_samples=5, train_time_s=1.0, loss=0.0), round=1,
+               tensors={DELTA + "w": np.zeros((3, 2), np.float32), DELTA + "b": np.zeros(3, np.float32)})
+        peer, msg = up_next("error")
+        assert (peer, msg.type, msg.body.code) == ("client-0002", "error", "unexpected")  # its second update
+        node.sock.send_multipart([b"client-0001", encode("heartbeat", Heartbeat(), sender="client-0002", seq=9)[0]])
+        assert not coordinator.sock.poll(500) or up_next("heartbeat")[0] != "client-0002"
+        coordinator.send("edge-aggregator-0", "edge_collect", EdgeCollect(clients=["client-0001", "client-0002"],
+                                                                          prefixes=[DELTA]), round=1)
+        peer, msg = up_next("edge_aggregate")
+        assert (peer, msg.type, msg.body.num_samples) == ("edge-aggregator-0", "edge_aggregate", 40)
+        assert np.allclose(msg.tensors["delta/b"], (10 * 1.0 + 30 * 3.0) / 40)
+        assert msg.body.tier_bytes["received"] > 0 and msg.body.tier_bytes["sent"] > 0
+        assert aggregator.refused == 2
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        aggregator.close()
+        node.close(linger_ms=0)
+        coordinator.close()
+        ctx.term()
+
+
+@pytest.mark.slow
+def test_bench_hierarchy_on_a_tiny_point_fills_every_column(tmp_path, mnist_root):
+    from rich.console import Console
+
+    from fcl_emu.bench import hierarchy
+
+    result = hierarchy.run([40], [2], cohort=8, rounds=2, seed=0, link={"uplink_mbps": 10.0, "latency_ms": 5.0},
+                           json_path=tmp_path / "h.json", plot_path=tmp_path / "h.png", data_root=[mnist_root],
+                           console=Console(width=250))
+    star, tiers = result["rows"]
+    assert (star["edge aggregators"], tiers["edge aggregators"]) == (0, 2)
+    assert tiers["update ratio"] < 0.3 and tiers["work_cpu_per_round_s"] > 0 and tiers["down_mb_per_round"] > 0
+    assert tiers["accuracy"] == pytest.approx(star["accuracy"], abs=0.5)
+    assert tiers["emulated_s"] > star["emulated_s"]  # the aggregates' way up at 10 Mb/s and the latency
+    assert (tmp_path / "h.png").stat().st_size > 0 and json.loads((tmp_path / "h.json").read_text())["rows"]

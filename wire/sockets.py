@@ -141,7 +141,7 @@ def receive_frames(sock: zmq.Socket, limits: Limits, first: zmq.Frame | None = N
         if too_large or len(frames) > limits.max_tensors + 1:
             head = frames[0]
             frames.clear()
-            dropped = _drop_rest(sock, more)
+            dropped = drop_rest(sock, more)
             if too_large:
                 raise refused_unread("too_large", f"a header over {limits.max_header_bytes} bytes or tensors over "
                                                   f"{limits.max_total_bytes} bytes ({dropped} frames dropped "
@@ -152,7 +152,7 @@ def receive_frames(sock: zmq.Socket, limits: Limits, first: zmq.Frame | None = N
     return frames
 
 
-def _drop_rest(sock: zmq.Socket, more: bool) -> int:
+def drop_rest(sock: zmq.Socket, more: bool) -> int:
     """Receive and drop the rest of the message being received; returns how many frames that was."""
     dropped = 0
     while more:
@@ -288,7 +288,7 @@ class ServerEndpoint:
         first = self.sock.recv(copy=False)
         shared = self._is_shared(route, first)
         if shared and len(first) > MAX_ENVELOPE_BYTES:
-            dropped = _drop_rest(self.sock, first.more)
+            dropped = drop_rest(self.sock, first.more)
             raise WireError("bad_header", f"an envelope of {len(first)} bytes ({dropped} frames dropped unread)")
         claimed = first.bytes.decode("utf-8", "replace") if shared else self._identities.get(route)
         if shared and not first.more:
@@ -484,7 +484,7 @@ class SharedConnection:
         identity = name.decode("utf-8", "replace")
         try:
             if len(envelope) > MAX_ENVELOPE_BYTES or not envelope.more:
-                _drop_rest(self.sock, envelope.more)
+                drop_rest(self.sock, envelope.more)
                 raise WireError("bad_header", f"an envelope of {len(envelope)} bytes without a message")
             frames = receive_frames(self.sock, self.limits)
             if key and not identity:

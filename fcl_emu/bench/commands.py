@@ -77,6 +77,38 @@ def bench_energy(
         raise typer.Exit(1) from None
 
 
+@bench_app.command("hierarchy")
+def bench_hierarchy(
+    populations: Annotated[str, typer.Option(help="Comma-separated client populations.")] = "1000,10000",
+    aggregators: Annotated[str, typer.Option(help="Comma-separated edge-aggregator counts (the star, 0, always "
+                                                  "runs, as the baseline).")] = "4",
+    clients_per_round: Annotated[int, typer.Option(min=1, help="Clients a round.")] = 100,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds (one task).")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
+    edge_uplink_mbps: Annotated[Optional[float], typer.Option(min=0, help="Each aggregator's link up to the "
+                                                                           "coordinator (unset: not limited).")] = None,
+    edge_downlink_mbps: Annotated[Optional[float], typer.Option(min=0, help="And down.")] = None,
+    edge_latency_ms: Annotated[float, typer.Option(min=0, help="Its one-way latency.")] = 0.0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
+    data_root: DataRootOpt = None,
+) -> None:
+    """A star against two tiers (edge aggregators) at growing populations: update bytes into the coordinator, its
+    downlink bytes and its work per round, accuracy, emulated time; ratios against the star in the same run."""
+    from fcl_emu.bench.hierarchy import run
+
+    writable(folder(json_path))
+    writable(folder(plot_path))
+    link = {k: v for k, v in (("uplink_mbps", edge_uplink_mbps), ("downlink_mbps", edge_downlink_mbps),
+                              ("latency_ms", edge_latency_ms)) if v}
+    try:
+        run([int(p) for p in populations.split(",")], [int(m) for m in aggregators.split(",")], clients_per_round,
+            rounds, seed, link, json_path, plot_path, data_root, console)
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+
+
 @bench_app.command("overcommit")
 def bench_overcommit(
     clients: Annotated[int, typer.Option(min=2, help="Emulated clients.")] = 24,

@@ -14,7 +14,7 @@ from fcl_emu.coordinator.lifecycle import NodeExit
 from fcl_emu.edge_aggregator.args import AggregatorArgs
 from fcl_emu.launchers.base import last_error, signal_exit
 from fcl_emu.runconfig import RunConfig
-from fcl_emu.runconfig.topology import aggregator_name
+from fcl_emu.runconfig.topology import aggregator_name, aggregator_of_node
 from fcl_emu.wire.auth import SERVER_NAME
 
 
@@ -47,8 +47,13 @@ class AggregatorProcesses:
         self._logs: list[Path] = []
         self.nodes: list[tuple[str, ...]] = []
 
-    def start(self, coordinator: str, config: RunConfig, log_dir: Path, nodes: list[tuple[str, ...]]) -> None:
-        for index, under in enumerate(nodes):
+    def start(self, coordinator: str, config: RunConfig, log_dir: Path, node_names: list[str]) -> None:
+        """Start the config's aggregators (none in a star), dialling ``coordinator``; node n of ``node_names``
+        will sit under aggregator n mod M."""
+        m = config.topology.edge_aggregators
+        if m:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        for index, under in enumerate(tuple(node_names[a::m]) for a in range(m)):
             address = f"tcp://127.0.0.1:{free_port()}"
             args = aggregator_args(index, coordinator, address, config, parent_pid=os.getpid())
             log_file = log_dir / f"{aggregator_name(index)}.log"
@@ -58,6 +63,14 @@ class AggregatorProcesses:
             self.addresses.append(address)
             self._logs.append(log_file)
             self.nodes.append(under)
+
+    def dial(self, node: int, coordinator: str) -> tuple[str, str]:
+        """Where edge node ``node`` connects, and the name of the key it expects there: its aggregator's, or the
+        coordinator's in a star."""
+        if not self.addresses:
+            return coordinator, SERVER_NAME
+        a = aggregator_of_node(node, len(self.addresses))
+        return self.addresses[a], aggregator_name(a)
 
     def exited(self) -> list[NodeExit]:
         return [NodeExit(aggregator_name(a), p.returncode, 0, last_error(log) or signal_exit(p.returncode),

@@ -17,8 +17,6 @@ from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args
 from fcl_emu.launchers.aggregators import AggregatorProcesses
 from fcl_emu.launchers.zygote import ForkedProcess
 from fcl_emu.runconfig import RunConfig
-from fcl_emu.runconfig.topology import aggregator_name, aggregator_of_node
-from fcl_emu.wire.auth import SERVER_NAME
 
 
 def node_command(args: NodeArgs) -> list[str]:
@@ -51,16 +49,13 @@ class ProcessLauncher(NodeLauncher):
     def start(self, address: str, config: RunConfig, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         forks = zygote.current()
-        specs, m = node_specs(config), config.topology.edge_aggregators
-        if m:  # first the aggregators the nodes dial
-            self.aggregators.start(address, config, log_dir, [tuple(node.name for node in specs[a::m])
-                                                              for a in range(m)])
+        specs = node_specs(config)
+        self.aggregators.start(address, config, log_dir, [node.name for node in specs])  # first what nodes dial
         for node in specs:
             log_file = log_dir / f"{node.name}.log"  # appended to by `up --resume`
-            under = aggregator_of_node(node.number, m) if m else None
-            args = node_args(address if under is None else self.aggregators.addresses[under], node.clients, config,
-                             node.name, node.number, parent_pid=os.getpid() if forks is None else forks.pid,
-                             server=SERVER_NAME if under is None else aggregator_name(under))
+            dial, server = self.aggregators.dial(node.number, address)
+            args = node_args(dial, node.clients, config, node.name, node.number,
+                             parent_pid=os.getpid() if forks is None else forks.pid, server=server)
             if forks is not None:
                 self.procs.append(forks.spawn(args, log_file, NODE_ENV))
             else:
