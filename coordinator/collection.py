@@ -151,7 +151,8 @@ class EdgeCollection(PlainCollection):
         """One update per aggregator that answered; the contributors are its clients it did not refuse."""
         groups, self._groups = self._groups, None
         contributors = sorted(c for clients in groups.clients.values() for c in clients)
-        losses = [u.loss for u in r.counted if u.client in set(contributors)]
+        counted = set(contributors)
+        losses = [u.loss for u in r.counted if u.client in counted]
         enough = len(contributors) >= self.state.config.rounds.min_participants
         return Gathered(groups.updates, losses, quorum=1 if enough else len(groups.updates) + 1,
                         contributors=contributors)

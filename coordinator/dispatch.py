@@ -277,7 +277,9 @@ class Dispatcher:
             r.held_at[peer] = body.aggregator
         r.reported_s[peer] = body.train_time_s
         self.registry.records[peer].rounds_trained += 1
-        self.clock.answered(r, peer, nbytes, body.cpu_s, body.num_samples * self.config.training.local_epochs)
+        trainings = self.config.topology.edge_rounds if msg.type == "update_held" else 1  # each edge round's
+        self.clock.answered(r, peer, nbytes, body.cpu_s,
+                            body.num_samples * self.config.training.local_epochs * trainings)
         self.cancel(r, self.clock.hopeless(r))
 
     def _keep_stale(self, peer: str, msg: Message) -> None:

@@ -60,6 +60,7 @@ class EdgeTier:
         self._round: tuple[int, int] | None = None  # (task, round) being gathered
         self._asked: dict[str, list[str]] = {}
         self._answers: dict[str, Message] = {}
+        self._samples: dict[str, int] = {}  # the round being gathered: each client's announced samples
 
     def on_message(self, peer: str, msg: Message) -> None:
         """A message an aggregator sent under its own name: a heartbeat, or the aggregate of a round asked for."""
@@ -84,6 +85,7 @@ class EdgeTier:
         for u in r.counted:
             groups[r.held_at[u.client]].append(u.client)
         security = self.state.config.security
+        self._samples = {u.client: u.num_samples for u in r.counted}  # what each client's notice claimed
         answers = self.ask(r.task, r.number, groups, lambda clients: EdgeCollect(
             clients=clients, prefixes=list(self.state.server.summable), max_update_norm=security.max_update_norm,
             direction_check=security.direction_check, clip_norm=security.clip_norm,
@@ -135,6 +137,11 @@ class EdgeTier:
             body = msg.body
             for client, (reason, detail) in body.refused.items():
                 self.state.rejected(reason, client, detail)
+            claimed = sum(self._samples.get(c, 0) for c in body.clients)
+            if body.num_samples > claimed:  # an aggregator may not weigh its clients more than they said
+                self.state.rejected("implausible", name, f"{name}'s aggregate weighs {body.num_samples} samples; its "
+                                                         f"{len(body.clients)} clients announced {claimed}")
+                continue
             clients[name] = list(body.clients)
             if body.num_samples > 0:
                 updates.append(ClientUpdate(name, body.num_samples, msg.tensors, body.loss,

@@ -32,6 +32,8 @@ class AggregatorArgs(Flags, prog="python -m fcl_emu.edge_aggregator",
     insecure: bool = flag("Plain TCP without keys, both ways (a coordinator started with --insecure).",
                           default=False)
     heartbeat_interval: float = flag("Seconds between its heartbeats to the coordinator.", default=1.0)
+    edge_rounds: int = flag("Edge aggregations per cloud round (HierFAVG).", default=1)
+    edge_round_timeout: float = flag("Seconds an edge round waits for its clients' updates.", default=120.0)
     parent_pid: int | None = flag("Exit as soon as this process, its parent, is gone (set by `fcl-emu up`).",
                                   default=None)
     verbose: bool = flag("Log progress (INFO and up).", default=False, alias="-v")
@@ -46,6 +48,8 @@ class AggregatorArgs(Flags, prog="python -m fcl_emu.edge_aggregator",
             except ValueError as exc:
                 raise ArgsError(name, str(exc)) from None
         check(self.heartbeat_interval > 0, "--heartbeat-interval", f"{self.heartbeat_interval}: give more than 0")
+        check(self.edge_rounds >= 1, "--edge-rounds", f"{self.edge_rounds}: give 1 or more")
+        check(self.edge_round_timeout > 0, "--edge-round-timeout", f"{self.edge_round_timeout}: give more than 0")
         check_keys(self.server_key, self.key, self.insecure)
 
 
@@ -71,7 +75,8 @@ def run_aggregator(args: AggregatorArgs) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     aggregator = EdgeAggregator(args.name, args.connect, args.bind, server_keys=server_keys,
-                                client_keys=client_keys, heartbeat_interval_s=args.heartbeat_interval)
+                                client_keys=client_keys, heartbeat_interval_s=args.heartbeat_interval,
+                                edge_rounds=args.edge_rounds, edge_round_timeout_s=args.edge_round_timeout)
     log.info("%s: nodes dial %s; coordinator %s", args.name, aggregator.address, args.connect)
     try:
         aggregator.run(stop)

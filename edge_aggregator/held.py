@@ -21,7 +21,7 @@ import numpy as np
 from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update, delta_norm
 from fcl_emu.aggregation.combine import group_mean
 from fcl_emu.aggregation.direction import off_cohort
-from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 from fcl_emu.wire.framing import Message, WireError
 from fcl_emu.secagg.protocol import SecAggError
 from fcl_emu.secagg.server import check_masked
@@ -77,26 +77,31 @@ class HeldUpdates:
             raise WireError("secagg", str(exc)) from None
 
     def hold(self, msg: Message) -> ClientUpdate:
-        """Check the update ``msg`` (decoded, finite) against its round's model and hold it; WireError for one
-        the coordinator would refuse (``bad_shape``, ``bad_dtype``, ``bad_body``, ``unexpected``)."""
+        """Check the update ``msg`` (:meth:`check`) and hold it for the round's collect."""
+        update = self.check(msg)
+        if msg.sender in self.updates.setdefault(msg.round, {}):
+            raise WireError("unexpected", f"second update from {msg.sender} in round {msg.round}")
+        self.updates[msg.round][msg.sender] = update
+        return update
+
+    def check(self, msg: Message) -> ClientUpdate:
+        """The update ``msg`` (decoded, finite) checked against its round's model; WireError for one the
+        coordinator would refuse (``bad_shape``, ``bad_dtype``, ``bad_body``, ``unexpected``)."""
         model = self.models.get(msg.round)
         if model is None:
             raise WireError("unexpected", f"an update for round {msg.round}, which this aggregator did not relay")
-        held = self.updates.setdefault(msg.round, {})
-        if msg.sender in held:
-            raise WireError("unexpected", f"second update from {msg.sender} in round {msg.round}")
         body = msg.body
         update = ClientUpdate(msg.sender, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)
         if body.num_samples < 0:
             raise WireError("bad_body", "negative num_samples")
         if body.num_samples > 0:
             _check_layout(update, model)
-        held[msg.sender] = update
         return update
 
-    def collect(self, round: int, ask: EdgeCollect) -> Aggregate:
-        """The aggregate of the held updates of ``ask.clients`` in ``round``, after the plain round's defences (a
-        secure round's: the ring sum of their masked inputs); the round's updates are let go."""
+    def collect(self, round: int, ask: EdgeCollect, offset: Arrays | None = None) -> Aggregate:
+        """The aggregate of the held updates of ``ask.clients`` in ``round``, after the plain round's defences,
+        plus ``offset`` (what earlier edge rounds moved the model by: :mod:`~fcl_emu.edge_aggregator.edge_rounds`);
+        a secure round's: the ring sum of their masked inputs. The round's updates are let go."""
         if round in self.rings:
             return self._masked_sum(round, ask.clients)
         held = self.updates.pop(round, {})
@@ -124,7 +129,11 @@ class HeldUpdates:
                              num_samples=sum(u.num_samples for u in useful),
                              loss=float(np.mean(losses)) if losses else float("nan"), refused=refused,
                              missing=missing)
-        return Aggregate(body, group_mean(useful, prefixes) if useful else {})
+        mean = group_mean(useful, prefixes) if useful else {}
+        for name, moved in (offset or {}).items():
+            if DELTA + name in mean:
+                mean[DELTA + name] = (mean[DELTA + name] + moved).astype(np.float32)
+        return Aggregate(body, mean)
 
 
     def _masked_sum(self, round: int, clients: list[str]) -> Aggregate:

@@ -27,49 +27,37 @@ import time
 import msgspec
 import zmq
 
+from fcl_emu.edge_aggregator.edge_rounds import Again, EdgeRounds, Work
 from fcl_emu.edge_aggregator.held import HeldUpdates
-from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys, connect_curve, serve_curve
+from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys
 from fcl_emu.wire.framing import Limits, WireError, decode, encode, frames_nbytes, peek_header, wire_tensors
 from fcl_emu.wire.messages import BODY_SCHEMAS, HELD_AT_EDGE, EdgeCollect, Error, Heartbeat
-from fcl_emu.wire.sockets import (HELD, LINK_PROPERTY, MAX_ENVELOPE_BYTES, SHARED, HeldSets, configure_socket,
-                                  drop_rest, receive_frames)
+from fcl_emu.wire.sockets import (HELD, MAX_ENVELOPE_BYTES, HeldSets, bound_router, drop_rest, receive_frames,
+                                  shared_dealer)
 
 log = logging.getLogger("fcl_emu.edge_aggregator")
+
+EDGE_KEY = b"E"  # the aggregator's own tensor sets (an edge model) are held under keys of their own
 
 
 class EdgeAggregator:
     """One edge aggregator: ``bind`` for its nodes, ``connect`` to the coordinator, speaking as ``name``.
 
     ``server_keys``: serve CurveZMQ downstream (its key pair and the roster of keys that may connect) and
-    ``client_keys``: connect upstream with them; both None for plain TCP."""
+    ``client_keys``: connect upstream with them; both None for plain TCP. ``edge_rounds``: edge aggregations per
+    cloud round (:mod:`~fcl_emu.edge_aggregator.edge_rounds`), each waiting at most ``edge_round_timeout_s``."""
 
     def __init__(self, name: str, connect: str, bind: str, *, server_keys: ServerKeys | None = None,
-                 client_keys: ClientKeys | None = None, heartbeat_interval_s: float = 1.0,
-                 limits: Limits = Limits(), context: zmq.Context | None = None):
+                 client_keys: ClientKeys | None = None, heartbeat_interval_s: float = 1.0, edge_rounds: int = 1,
+                 edge_round_timeout_s: float = 120.0, limits: Limits = Limits(), context: zmq.Context | None = None):
         self.name, self.limits, self.heartbeat_interval_s = name, limits, heartbeat_interval_s
         self.context = context or zmq.Context()
         self._allowlist = None if server_keys is None else Allowlist(self.context, server_keys)
         self.grants = None if server_keys is None else server_keys.grants
-        self.down = self.context.socket(zmq.ROUTER)
-        configure_socket(self.down, limits)
-        self.down.setsockopt(zmq.SNDHWM, 0)
-        self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if server_keys is not None:
-            serve_curve(self.down, server_keys)
-        if bind.endswith(":0"):
-            self.address = f"{bind.rsplit(':', 1)[0]}:{self.down.bind_to_random_port(bind.rsplit(':', 1)[0])}"
-        else:
-            self.down.bind(bind)
-            self.address = self.down.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.up = self.context.socket(zmq.DEALER)
-        configure_socket(self.up, limits)
-        for option in (zmq.SNDHWM, zmq.RCVHWM):
-            self.up.setsockopt(option, 0)
-        self.up.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())
-        if client_keys is not None:
-            connect_curve(self.up, client_keys)
-        self.up.connect(connect)
+        self.down, self.address = bound_router(self.context, bind, limits, server_keys)
+        self.up = shared_dealer(self.context, connect, limits, client_keys)
         self.held = HeldUpdates()
+        self.edge_rounds = EdgeRounds(edge_rounds, edge_round_timeout_s) if edge_rounds > 1 else None
         self._routes: dict[str, bytes] = {}  # client -> the node connection it last spoke on
         self._sets: dict[bytes, list] = {}  # key -> tensor frames the coordinator sent once (the latest few)
         self._node_sets: dict[bytes, HeldSets] = {}  # node connection -> the keys it holds
@@ -93,6 +81,8 @@ class EdgeAggregator:
             for sock in dict(poller.poll(int(1000 * min(0.2, self.heartbeat_interval_s)))):
                 while not self.shutdown and sock.poll(0):
                     self._from_node() if sock is self.down else self._from_coordinator()
+            for again in [] if self.edge_rounds is None else self.edge_rounds.due(time.monotonic()):
+                self._train_again(again)
 
     def close(self) -> None:
         for sock in (self.down, self.up):
@@ -135,20 +125,62 @@ class EdgeAggregator:
             self.up.send_multipart([envelope.bytes, *frames], copy=False)
 
     def _hold(self, identity: str, frames: list, nbytes: int) -> None:
-        """Hold a client's update or masked input and tell the coordinator it arrived."""
+        """Hold a client's update or masked input and tell the coordinator it arrived (with edge rounds: an update
+        of an edge round before the last goes into the edge model instead)."""
         header = peek_header(frames[0], self.limits)
         try:
             msg = decode(frames, self.limits)
-            (self.held.hold if msg.type == "update" else self.held.hold_masked)(msg)
+            if msg.type == "secagg_masked":
+                self.held.hold_masked(msg)
+            elif self.edge_rounds is not None and not self._edge_round_answer(msg, nbytes):
+                return  # into the edge round in progress: the coordinator hears of the client's last one only
+            else:
+                self.held.hold(msg)
         except WireError as exc:
             self._refuse(identity, exc)
             self._send_up(identity, "error", Error(code=exc.reason, detail=f"refused by {self.name}: {exc.detail}"),
                           round=header.round, task=header.task)
             return
+        fields = msgspec.structs.asdict(msg.body)
+        work = None if self.edge_rounds is None else self.edge_rounds.work(msg.round, identity)
+        if work is not None:  # the client's work over every edge round of the round
+            fields.update(cpu_s=work.cpu_s, train_time_s=work.train_time_s)
+            nbytes = work.nbytes
         held_type = HELD_AT_EDGE[msg.type]
-        notice = BODY_SCHEMAS[held_type](**msgspec.structs.asdict(msg.body), aggregator=self.name, nbytes=nbytes)
+        notice = BODY_SCHEMAS[held_type](**fields, aggregator=self.name, nbytes=nbytes)
         head = encode(held_type, notice, sender=identity, seq=msg.seq, round=msg.round, task=msg.task)
         self.up.send_multipart([identity.encode(), *head], copy=False)
+
+    def _edge_round_answer(self, msg, nbytes: int) -> bool:
+        """An update under edge rounds: True if it is its client's last of the round (to hold); else it went into
+        the edge round in progress, which may have started the next."""
+        update = self.held.check(msg)
+        last, again = self.edge_rounds.answered(msg.round, update, Work(msg.body.cpu_s, msg.body.train_time_s,
+                                                                         nbytes))
+        if again is not None:
+            self._train_again(again)
+        return last
+
+    def _train_again(self, again: Again) -> None:
+        """The next edge round: each of its clients is sent the edge model (once down each node's connection)."""
+        self._seq += 1
+        tensors = wire_tensors(again.model)
+        key = EDGE_KEY + tensors.key.to_bytes(8, "little")
+        self._sets[key] = list(tensors.buffers)
+        head = encode("train_request", again.request, sender=self.name, seq=self._seq, round=again.round,
+                      task=again.task, tensors=tensors)[0]
+        for client in again.clients:
+            route = self._routes.get(client)
+            if route is None:
+                continue
+            try:
+                self._give_set(route, key)
+                self.down.send_multipart([route, client.encode() + HELD + key, head], copy=False)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                continue
+            self.tier_bytes["sent"] += len(head) + frames_nbytes(tensors.buffers)
 
     def _check_grant(self, frame: zmq.Frame, identity: str) -> None:
         if self.grants is None:
@@ -196,6 +228,10 @@ class EdgeAggregator:
         header = peek_header(frames[0], self.limits)
         if header.type == "train_request":
             self.held.on_train_request(header.round, header.tensors)
+            if self.edge_rounds is not None:
+                self._first_edge_round(identity, frames, key)
+        elif header.type == "cancel" and self.edge_rounds is not None:
+            self.edge_rounds.cancelled(header.round, identity)
         elif header.type == "secagg_setup":
             self._on_secagg_setup(frames)
         try:
@@ -208,13 +244,24 @@ class EdgeAggregator:
             return
         self.tier_bytes["sent"] += frames_nbytes(frames) + (frames_nbytes(self._sets.get(key, [])) if key else 0)
 
+    def _first_edge_round(self, identity: str, frames: list, key: bytes) -> None:
+        """A train request from the coordinator: its client takes part in the round's edge rounds."""
+        msg = self._from_coordinator_decoded([frames[0], *(self._sets.get(key, []) if key else frames[1:])])
+        if msg is not None:
+            self.edge_rounds.requested(msg.round, msg.task, identity, msg.body, msg.tensors)
+
     def _on_secagg_setup(self, frames: list) -> None:
+        msg = self._from_coordinator_decoded(frames)
+        if msg is not None:
+            self.held.on_secagg_setup(msg.round, msg.body.params)
+
+    def _from_coordinator_decoded(self, frames: list):
+        """The coordinator's message ``frames`` decoded; None (logged) where it fails its checks."""
         try:
-            msg = decode(frames, self.limits)
+            return decode(frames, self.limits)
         except WireError as exc:
             log.warning("refused a message from the coordinator (%s)", exc)
-            return
-        self.held.on_secagg_setup(msg.round, msg.body.params)
+            return None
 
     def _give_set(self, route: bytes, key: bytes) -> None:
         """Make the node connection ``route`` hold the tensor set ``key`` (sent once, as the coordinator does)."""
@@ -226,10 +273,8 @@ class EdgeAggregator:
         held.keep(key, frames_nbytes(buffers), True)
 
     def _for_me(self, frames: list) -> None:
-        try:
-            msg = decode(frames, self.limits)
-        except WireError as exc:
-            log.warning("refused a message from the coordinator (%s)", exc)
+        msg = self._from_coordinator_decoded(frames)
+        if msg is None:
             return
         if msg.type == "shutdown":
             self.shutdown = True
@@ -238,7 +283,8 @@ class EdgeAggregator:
 
     def _collect(self, round: int, task: int, ask: EdgeCollect) -> None:
         try:
-            aggregate = self.held.collect(round, ask)
+            aggregate = self.held.collect(round, ask, None if self.edge_rounds is None else
+                                          self.edge_rounds.offset(round))
         except ValueError as exc:  # uploads that cannot be averaged together (a method's extras in some only)
             log.warning("round %d: cannot combine the updates asked for (%s); sending no aggregate", round, exc)
             return

@@ -216,6 +216,7 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     *_panel(EDGE,
             _option("nodes", "nodes", commands=UP_ONLY),
             _option("edge_aggregators", "topology.edge_aggregators"),
+            _option("edge_rounds", "topology.edge_rounds"),
             _option("edge_uplink_mbps", "topology.uplink_mbps"),
             _option("edge_downlink_mbps", "topology.downlink_mbps"),
             _option("edge_latency_ms", "topology.latency_ms"),

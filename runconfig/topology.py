@@ -14,6 +14,9 @@ class TopologyConfig(pydantic.BaseModel):
             "edge aggregators between the edge nodes and the coordinator, each a process of its own that relays "
             "its nodes' messages and sends one aggregate of its clients' updates up per round (0: every client "
             "talks to the coordinator; node n sits under aggregator n mod M)"))
+    edge_rounds: int = pydantic.Field(
+        1, ge=1, le=100, description="edge aggregations per cloud round (HierFAVG): each aggregator's clients train "
+        "this many times a round, from its edge model after the first")
     uplink_mbps: float | None = pydantic.Field(
         None, gt=0, description="emulated clock: megabits per second of each edge aggregator's link up to the "
         "coordinator (unset: not limited)")
@@ -48,6 +51,9 @@ def check_topology(config, refusals: dict[str, str]) -> None:
 
     m, flag = config.topology.edge_aggregators, f"--edge-aggregators {config.topology.edge_aggregators}"
     if m == 0:
+        if config.topology.edge_rounds > 1:
+            raise ValueError(f"--edge-rounds {config.topology.edge_rounds} needs edge aggregators: give "
+                             f"--edge-aggregators M")
         return
     if ASYNC in refusals:  # the same condition: the server only adds the mean delta
         raise ValueError(f"{flag}: method {config.method!r} does more than add the mean of its clients' model "
@@ -57,6 +63,9 @@ def check_topology(config, refusals: dict[str, str]) -> None:
         raise ValueError(f"{flag} starts the aggregators as processes of this host: use --backend process")
     if config.nodes < m:
         raise ValueError(f"--nodes {config.nodes} is fewer than {flag}: each aggregator serves at least one node")
+    if config.network.client_connections != "shared":
+        raise ValueError(f"{flag} relays each edge node's shared connection: use network.client_connections: "
+                         f"shared (keys per device are not taken either)")
     if config.aggregation.asynchronous:
         raise ValueError(f"{flag} aggregates a synchronous round's cohort at the edge: use --aggregation sync")
     if config.security.aggregator != "mean":
@@ -65,5 +74,8 @@ def check_topology(config, refusals: dict[str, str]) -> None:
     if config.privacy.central:
         raise ValueError(f"{flag}: --privacy central clips each update at the coordinator, which sees only edge "
                          f"aggregates (use --secagg --privacy distributed)")
+    if config.topology.edge_rounds > 1 and config.secagg.enabled:
+        raise ValueError(f"--edge-rounds {config.topology.edge_rounds} averages each edge round's updates at the "
+                         f"edge, which --secagg hides from it: use --edge-rounds 1 with --secagg")
     if config.rounds.late_updates != "drop":
         raise ValueError(f"{flag}: a late update stays at its edge aggregator; use --late-updates drop")

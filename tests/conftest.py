@@ -181,6 +181,24 @@ def exit_code(proc: subprocess.Popen, timeout: float, log: Path) -> int:
         raise AssertionError(f"still running after {timeout} s; its log ends:\n{log.read_text()[-12000:]}") from None
 
 
+def run_beside(coordinator, runners, run_dir: Path):
+    """Run ``coordinator`` into ``run_dir`` with ``runners`` (edge nodes, edge aggregators: each ``run(stop)`` serves
+    until ``stop`` is set) in threads of this process; stop and join them and close the coordinator; its summary."""
+    import threading
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=r.run, args=(stop,), daemon=True) for r in runners]
+    for t in threads:
+        t.start()
+    try:
+        return coordinator.run(run_dir)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        coordinator.close()
+
+
 def events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     if not path.exists():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import threading
 from pathlib import Path
 
 import msgspec
@@ -27,7 +26,7 @@ from fcl_emu.secagg.protocol import RoundParams, SecAggError, keypair
 from fcl_emu.secagg.server import SecAggServer
 from fcl_emu.secagg.settings import SecAggSettings
 from fcl_emu.secagg.simulation import simulate_round
-from tests.conftest import events, keyed, raw_header, small_config
+from tests.conftest import events, keyed, raw_header, run_beside, small_config
 from fcl_emu.wire.auth import ClientKeyring
 from fcl_emu.wire.framing import WireError, decode, encode
 from fcl_emu.wire.messages import plain_body
@@ -191,22 +190,12 @@ def test_a_secagg_run_with_distributed_dp_reports_central_epsilon_and_refuses_a_
         from fcl_emu.coordinator.secure_round import round_id
         return round_id(coordinator.run_id, number)
 
-    stop = threading.Event()
     keyring = ClientKeyring(Path(node_keys[1]), Path(node_keys[3]))
     nodes = [EdgeNode(coordinator.address, list(ix), name=f"node-{i}", data_roots=[mnist_root],
                       state_dir=tmp_path / f"state-{i}", keys=keyring) for i, ix in enumerate((range(10), range(10, 20)))]
-    threads = [threading.Thread(target=n.run, args=(stop,), daemon=True) for n in nodes]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggServer, "close_keys", tampered)
-        for t in threads:
-            t.start()
-        try:
-            summary = coordinator.run(tmp_path / "run")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=30)
-            coordinator.close()
+        summary = run_beside(coordinator, nodes, tmp_path / "run")
     assert summary.status == "completed"
     rounds = [e for e in events(tmp_path / "run") if e["event"] == "round"]
     assert [r["secagg"]["outcome"] for r in rounds] == ["completed"] * 3

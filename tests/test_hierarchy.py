@@ -24,7 +24,7 @@ from fcl_emu.secagg.server import SecAggServer
 from fcl_emu.secagg.settings import SecAggSettings
 from fcl_emu.wire.framing import Message, WireError, decode, encode
 from fcl_emu.wire.messages import EdgeCollect, SecAggMasked, SecAggParams, TensorSpec, Update
-from tests.conftest import events, fcl_emu, small_config
+from tests.conftest import events, fcl_emu, run_beside, small_config
 from tests.test_secagg import make_inputs
 
 MODEL = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
@@ -114,6 +114,38 @@ def test_masked_inputs_are_held_checked_and_summed_in_the_ring():
     assert np.array_equal(out.tensors["y"], np.full(6, (40_000 + 40_002) % (1 << 16), np.uint32))
 
 
+def test_edge_rounds_train_from_the_edge_model_and_send_its_delta_from_the_cloud():
+    from fcl_emu.edge_aggregator.edge_rounds import EdgeRounds, Work
+    from fcl_emu.wire.messages import TrainRequest
+
+    rounds, request = EdgeRounds(3, timeout_s=60.0), TrainRequest(local_epochs=1, lr=0.1)
+    cloud = {"w": np.zeros(2, np.float32), "n": np.array(4, np.int64)}
+    for client in ("a", "b", "c"):
+        rounds.requested(7, 0, client, request, cloud)
+
+    def answer(client, samples, value, n=5):
+        return rounds.answered(7, ClientUpdate(client, samples, {"delta/w": np.full(2, value, np.float32),
+                                                                 "delta/n": np.array(n, np.int64)}), Work(1.0, 2.0, 10))
+
+    rounds.cancelled(7, "c")  # the coordinator dropped it: no edge round waits for it
+    assert answer("a", 1, 4.0) == (False, None)
+    last, again = answer("b", 3, 0.0)
+    assert not last and (again.round, again.clients) == (7, ["a", "b"])
+    assert np.allclose(again.model["w"], 1.0) and again.model["n"] == 5  # (1*4 + 3*0) / 4; integers: the largest
+    assert answer("a", 1, 1.0)[0] is False
+    assert rounds.due(time.monotonic() + 61.0)[0].clients == ["a"]  # b's time is up: the third edge round without it
+    assert answer("a", 1, 2.0) == (True, None)  # its last: held for the collect
+    assert np.allclose(rounds.offset(7)["w"], 2.0) and "n" not in rounds.offset(7)
+    assert rounds.work(7, "a") == Work(3.0, 6.0, 30) and rounds.work(7, "b") == Work(1.0, 2.0, 10)
+
+
+def test_a_collect_after_edge_rounds_adds_what_they_moved():
+    h = held(update_msg("client-0001", 10, 1.0), update_msg("client-0002", 30, 3.0))
+    out = h.collect(1, EdgeCollect(clients=["client-0001", "client-0002"], prefixes=[DELTA]),
+                    offset={"w": np.full((2, 3), 0.5, np.float32), "b": np.zeros(3, np.float32)})
+    assert np.allclose(out.tensors["delta/w"], 2.5 + 0.5) and np.allclose(out.tensors["delta/b"], 2.5)
+
+
 # --------------------------------------------------------------------------- SecAgg+ with sums from below
 
 def test_secagg_server_takes_ring_sums_of_held_inputs_and_drops_a_lost_group():
@@ -162,9 +194,12 @@ def base(**topology) -> dict:
     ({"aggregation": {"kind": "fedbuff"}}, "--aggregation sync"),
     ({"security": {"aggregator": "median"}}, "needs every update"),
     ({"rounds": {"clients_per_round": 8, "late_updates": "next_round"}}, "--late-updates drop"),
+    ({"topology": {"edge_aggregators": 2, "edge_rounds": 2}, "secagg": {"enabled": True}}, "--edge-rounds 1"),
+    ({"topology": {"edge_rounds": 2}}, "needs edge aggregators"),
+    ({"network": {"client_connections": "own"}}, "client_connections: shared"),
 ])
 def test_runs_an_edge_aggregator_cannot_serve_are_refused_in_one_line(extra, words):
-    with pytest.raises(ValueError, match="edge-aggregators") as info:
+    with pytest.raises(ValueError, match="--edge-") as info:
         RunConfig.model_validate({**base(), **extra})
     assert words in str(info.value)
 
@@ -231,24 +266,16 @@ def secure_tiers(tmp_path_factory, mnist_root, one_torch_thread):
         outcomes[self.server.params.round_id] = outcome = original_unmask(self, wait)
         return outcome
 
-    stop = threading.Event()
     nodes = [EdgeNode(aggregators[n % 2].address, list(range(n, 40, 4)), name=f"node-{n}", data_roots=[mnist_root],
                       state_dir=tmp_path / f"state-{n}") for n in range(4)]
-    threads = [threading.Thread(target=x.run, args=(stop,), daemon=True) for x in (*aggregators, *nodes)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggClient, "on_shares", on_shares)
         patch.setattr(HeldUpdates, "hold_masked", hold_masked)
         patch.setattr(HeldUpdates, "hold", lambda self, msg: plain_holds.append(msg))
         patch.setattr(SecureRound, "unmask", unmask)
-        for t in threads:
-            t.start()
         try:
-            summary = coordinator.run(tmp_path / "run")
+            summary = run_beside(coordinator, [*aggregators, *nodes], tmp_path / "run")
         finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=30)
-            coordinator.close()
             for agg in aggregators:
                 agg.close()
     return types.SimpleNamespace(summary=summary, plaintext=plaintext, seen=seen, outcomes=outcomes,
@@ -317,23 +344,25 @@ def up_run(tmp_path, mnist_root, name: str, *flags: str, **overrides):
 
 
 @pytest.mark.slow
-def test_two_tiers_give_the_flat_accuracy_with_a_fraction_of_the_update_bytes(tmp_path, mnist_root):
+def test_up_with_edge_aggregators_and_edge_rounds(tmp_path, mnist_root):
+    """`fcl-emu up` as users run it (its own keys, the aggregators' relay keys) with one and with two edge rounds a
+    cloud round: the same clients contribute, the second edge round doubles what the clients' links carry but not
+    what reaches the coordinator. (Accuracy against the star, and the update bytes' ratio: the bench test below.)"""
     from fcl_emu.monitoring.results import RunSummary
 
     summaries = {}
-    for name, flags in (("flat", ()), ("tiers", ("--edge-aggregators", "2"))):
-        proc, run_dir = up_run(tmp_path, mnist_root, name, *flags)
+    for k in (1, 2):
+        proc, run_dir = up_run(tmp_path, mnist_root, f"k{k}", "--edge-aggregators", "2", "--edge-rounds", str(k))
         assert proc.wait(timeout=300) == 0
-        summaries[name] = RunSummary.load(run_dir / "summary.json")
-    flat, tiers = summaries["flat"], summaries["tiers"]
-    assert tiers.status == flat.status == "completed"
-    assert abs(tiers.average_accuracy - flat.average_accuracy) < 0.5
-    update_bytes = sum(tiers.bytes.get(t, {}).get("received", 0) for t in ("update_held", "edge_aggregate"))
-    assert 0 < update_bytes <= flat.bytes["update"]["received"] / 3
-    assert tiers.tier_bytes["client_edge"]["received"] >= flat.bytes["update"]["received"]  # every update, once
-    assert tiers.tier_bytes["edge_cloud"]["sent"] < flat.bytes["train_request"]["sent"] / 3  # a model per edge
-    rounds = [e for e in events(tmp_path / "tiers") if e["event"] == "round"]
-    assert [len(r["contributors"]) for r in rounds] == [8, 8, 8, 8]
+        summaries[k] = RunSummary.load(run_dir / "summary.json")
+        rounds = [e for e in events(run_dir) if e["event"] == "round"]
+        assert [len(r["contributors"]) for r in rounds] == [8, 8, 8, 8]
+    one, two = summaries[1], summaries[2]
+    assert one.status == two.status == "completed" and not one.rejected_messages
+    assert two.tier_bytes["client_edge"]["received"] == pytest.approx(2 * one.tier_bytes["client_edge"]["received"],
+                                                                      rel=0.05)
+    assert two.bytes["edge_aggregate"]["received"] == pytest.approx(one.bytes["edge_aggregate"]["received"], rel=0.05)
+    assert two.emulated_s > one.emulated_s  # two trainings and uploads a client
 
 
 @pytest.mark.slow
@@ -426,7 +455,7 @@ def test_the_relay_forwards_holds_refuses_and_answers_a_collect():
         b.send("update", Update(num_samples=5, train_time_s=1.0, loss=0.0), round=1,
                tensors={DELTA + "w": np.zeros((3, 2), np.float32), DELTA + "b": np.zeros(3, np.float32)})
         peer, msg = up_next("error")
-        assert (peer, msg.type, msg.body.code) == ("client-0002", "error", "unexpected")  # its second update
+        assert (peer, msg.type, msg.body.code) == ("client-0002", "error", "bad_shape")  # reported as its error
         node.sock.send_multipart([b"client-0001", encode("heartbeat", Heartbeat(), sender="client-0002", seq=9)[0]])
         assert not coordinator.sock.poll(500) or up_next("heartbeat")[0] != "client-0002"
         coordinator.send("edge-aggregator-0", "edge_collect", EdgeCollect(clients=["client-0001", "client-0002"],
@@ -451,7 +480,7 @@ def test_bench_hierarchy_on_a_tiny_point_fills_every_column(tmp_path, mnist_root
 
     from fcl_emu.bench import hierarchy
 
-    result = hierarchy.run([40], [2], cohort=8, rounds=2, seed=0, link={"uplink_mbps": 10.0, "latency_ms": 5.0},
+    result = hierarchy.run([40], [2], [1], cohort=8, rounds=2, seed=0, link={"uplink_mbps": 10.0, "latency_ms": 5.0},
                            json_path=tmp_path / "h.json", plot_path=tmp_path / "h.png", data_root=[mnist_root],
                            console=Console(width=250))
     star, tiers = result["rows"]
@@ -460,3 +489,43 @@ def test_bench_hierarchy_on_a_tiny_point_fills_every_column(tmp_path, mnist_root
     assert tiers["accuracy"] == pytest.approx(star["accuracy"], abs=0.5)
     assert tiers["emulated_s"] > star["emulated_s"]  # the aggregates' way up at 10 Mb/s and the latency
     assert (tmp_path / "h.png").stat().st_size > 0 and json.loads((tmp_path / "h.json").read_text())["rows"]
+
+
+def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_inflated_weight():
+    from fcl_emu.coordinator.edge_tier import EdgeTier
+    from fcl_emu.coordinator.open_round import OpenRound
+    from fcl_emu.wire.messages import EdgeAggregate
+    from tests.test_coordinator_parts import make_state
+
+    state = make_state()
+    tier = EdgeTier(state, 3, liveness_timeout_s=10.0)
+    r = OpenRound(task=0, number=4, chosen=["a", "b", "c", "d"], selected={"a", "b", "c", "d"}, wanted=4)
+    r.counted = [ClientUpdate(c, 10, {}) for c in "abcd"]
+    r.held_at = {"a": "edge-aggregator-0", "b": "edge-aggregator-0", "c": "edge-aggregator-1",
+                 "d": "edge-aggregator-2"}
+    asked = []
+    tier.send = lambda name, msg_type, body, **kw: asked.append((name, body.clients)) or 64
+
+    def aggregate(clients, samples, peer):
+        frames = encode("edge_aggregate", EdgeAggregate(clients=clients, num_samples=samples, loss=0.1), sender=peer,
+                        seq=1, round=4, tensors={"delta/w": np.ones(3, np.float32)})
+        return decode([bytes(memoryview(f)) for f in frames])
+
+    def serve(until, deadline):
+        tier.on_message("edge-aggregator-0", aggregate(["a", "b"], 20, "edge-aggregator-0"))
+        tier.on_message("edge-aggregator-1", aggregate(["c"], 500, "edge-aggregator-1"))  # more than c announced
+        with pytest.raises(WireError, match="not asked for"):
+            tier.on_message("edge-aggregator-0", aggregate(["a", "b"], 20, "edge-aggregator-0"))  # a second one
+        with pytest.raises(WireError, match="not asked for"):
+            tier.on_message("edge-aggregator-1", aggregate(["d"], 10, "edge-aggregator-1"))
+        assert not until()  # edge-aggregator-2 has not answered, and spoke recently
+        tier.seen["edge-aggregator-2"] = time.monotonic() - 60  # silent for the liveness timeout: not awaited
+        assert until()
+
+    tier.serve = serve
+    tier.seen["edge-aggregator-2"] = time.monotonic()
+    groups = tier.gather(r)
+    assert sorted(asked) == [("edge-aggregator-0", ["a", "b"]), ("edge-aggregator-1", ["c"]),
+                             ("edge-aggregator-2", ["d"])]
+    assert groups.clients == {"edge-aggregator-0": ["a", "b"]} and [u.num_samples for u in groups.updates] == [20]
+    assert state.tally.rejected["implausible"] == 1

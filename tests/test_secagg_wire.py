@@ -7,7 +7,6 @@ what the coordinator holds, the run with and without ``--secagg``, and the confi
 from __future__ import annotations
 
 from pathlib import Path
-import threading
 import types
 
 import msgspec
@@ -25,7 +24,7 @@ from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.methods import registry
 from fcl_emu.aggregation.update import DELTA, DeltaLayout
 from fcl_emu.methods.base import ServerPart
-from tests.conftest import events, fcl_emu, keyed, raw_header, small_config
+from tests.conftest import events, fcl_emu, keyed, raw_header, run_beside, small_config
 from fcl_emu.wire.auth import ClientKeyring
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.wire.framing import Message, WireError, decode, encode
@@ -105,24 +104,14 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
         outcomes[self.number] = outcome
         return outcome
 
-    stop = threading.Event()
     keyring = ClientKeyring(Path(node_keys[1]), Path(node_keys[3]))
     nodes = [EdgeNode(coordinator.address, list(ix), name=f"node-{i}", data_roots=[mnist_root],
                       state_dir=tmp_path / f"state-{i}", keys=keyring) for i, ix in enumerate((range(0, 50), range(50, 100)))]
-    threads = [threading.Thread(target=n.run, args=(stop,), daemon=True) for n in nodes]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggClient, "on_shares", on_shares)
         patch.setattr(SecureRound, "on_message", on_message)
         patch.setattr(SecureRound, "unmask", unmask)
-        for t in threads:
-            t.start()
-        try:
-            summary = coordinator.run(tmp_path / "run")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=30)
-            coordinator.close()
+        summary = run_beside(coordinator, nodes, tmp_path / "run")
     return types.SimpleNamespace(summary=summary, plaintext=plaintext, held=held, params=params, outcomes=outcomes,
                                  run_dir=tmp_path / "run", coordinator=coordinator)
 

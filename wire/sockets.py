@@ -203,6 +203,38 @@ class HeldSets:
             self._bytes -= self._sets.pop(oldest)[0]
 
 
+def bound_router(ctx: zmq.Context, bind: str, limits: Limits, keys: ServerKeys | None) -> tuple[zmq.Socket, str]:
+    """A ROUTER bound to ``bind`` (a port of 0: any free one) as the coordinator's and an edge aggregator's: with
+    ``keys`` a CurveZMQ server; and the address it is bound to."""
+    sock = ctx.socket(zmq.ROUTER)
+    configure_socket(sock, limits)
+    # no send high-water mark: a shared connection carries thousands of clients' messages, and the protocol
+    # itself bounds what waits for any one client (a round's request and assets)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if keys is not None:
+        serve_curve(sock, keys)
+    if bind.endswith(":0"):
+        host = bind.rsplit(":", 1)[0]
+        return sock, f"{host}:{sock.bind_to_random_port(host)}"
+    sock.bind(bind)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def shared_dealer(ctx: zmq.Context, connect: str, limits: Limits, keys: ClientKeys | None) -> zmq.Socket:
+    """A DEALER connected to ``connect`` that says in its handshake it is a shared connection (an edge node's,
+    or an edge aggregator's): no high-water marks (see :class:`SharedConnection`); with ``keys`` over CurveZMQ."""
+    sock = ctx.socket(zmq.DEALER)
+    configure_socket(sock, limits)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())
+    if keys is not None:
+        connect_curve(sock, keys)
+    sock.connect(connect)
+    return sock
+
+
 class ServerEndpoint:
     """A bound ROUTER: receives from and sends to many identified peers.
 
@@ -212,20 +244,7 @@ class ServerEndpoint:
 
     def __init__(self, ctx: zmq.Context, bind: str, *, name: str = "coordinator",
                  limits: Limits = Limits(), count: ByteCounter = _no_count, keys: ServerKeys | None = None):
-        self.sock = ctx.socket(zmq.ROUTER)
-        configure_socket(self.sock, limits)
-        # no send high-water mark: a shared connection carries thousands of clients' messages, and the protocol
-        # itself bounds what waits for any one client (a round's request and assets)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if keys is not None:
-            serve_curve(self.sock, keys)
-        if bind.endswith(":0"):
-            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
-        else:
-            self.sock.bind(bind)
-            self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock, self.address = bound_router(ctx, bind, limits, keys)
         self.name = name
         self.limits = limits
         self.count = count
@@ -460,14 +479,7 @@ class SharedConnection:
 
     def __init__(self, ctx: zmq.Context, connect: str, *, limits: Limits = Limits(), count: ByteCounter = _no_count,
                  keys: ClientKeys | None = None):
-        self.sock = ctx.socket(zmq.DEALER)
-        configure_socket(self.sock, limits)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.METADATA, f"{LINK_PROPERTY}:{SHARED}".encode())
-        if keys is not None:
-            connect_curve(self.sock, keys)
-        self.sock.connect(connect)
+        self.sock = shared_dealer(ctx, connect, limits, keys)
         self.limits, self.count = limits, count
         self._held = HeldSets()  # the tensor frames the coordinator sent to be held
 

@@ -82,6 +82,8 @@ def bench_hierarchy(
     populations: Annotated[str, typer.Option(help="Comma-separated client populations.")] = "1000,10000",
     aggregators: Annotated[str, typer.Option(help="Comma-separated edge-aggregator counts (the star, 0, always "
                                                   "runs, as the baseline).")] = "4",
+    edge_rounds: Annotated[str, typer.Option(help="Comma-separated edge rounds per cloud round (HierFAVG's K), each "
+                                                  "with every aggregator count.")] = "1",
     clients_per_round: Annotated[int, typer.Option(min=1, help="Clients a round.")] = 100,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds (one task).")] = 5,
     seed: Annotated[int, typer.Option(help="Seed of every run.")] = 0,
@@ -102,8 +104,9 @@ def bench_hierarchy(
     link = {k: v for k, v in (("uplink_mbps", edge_uplink_mbps), ("downlink_mbps", edge_downlink_mbps),
                               ("latency_ms", edge_latency_ms)) if v}
     try:
-        run([int(p) for p in populations.split(",")], [int(m) for m in aggregators.split(",")], clients_per_round,
-            rounds, seed, link, json_path, plot_path, data_root, console)
+        run([int(p) for p in populations.split(",")], [int(m) for m in aggregators.split(",")],
+            [int(k) for k in edge_rounds.split(",")], clients_per_round, rounds, seed, link, json_path, plot_path,
+            data_root, console)
     except (ValueError, RuntimeError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None

@@ -3,7 +3,8 @@
 For each population N (default 1,000 and 10,000) and each tier setting (0 edge aggregators, the star and the
 baseline; then each M of ``--aggregators``), one seeded run of one scenario: MNIST in one task (FedAvg, the small
 CNN, IID shares), a cohort of K clients per round, R rounds, the emulated clock, edge nodes as ``up`` chooses them
-(at least one per aggregator, at least two) and the wide-area link of ``--edge-uplink-mbps``,
+(at least one per aggregator, at least two), each aggregator with each of ``--edge-rounds`` K (edge
+aggregations per cloud round), and the wide-area link of ``--edge-uplink-mbps``,
 ``--edge-downlink-mbps`` and ``--edge-latency-ms``. The coordinator runs in this process, nodes and aggregators as
 processes (plain TCP). Per run:
 
@@ -14,8 +15,6 @@ processes (plain TCP). Per run:
 - ``work_cpu_per_round_s``: the coordinator's own work per round (its main thread's CPU seconds in select,
   dispatch, receiving updates and aggregation, the round records' ``work_cpu_s``), and its ratio;
 - ``accuracy`` (%) and ``emulated_s``, the federation's time over the run.
-
-Several edge aggregations per cloud round (HierFAVG's edge rounds) are not built, so the sweep has none.
 """
 
 from __future__ import annotations
@@ -37,14 +36,15 @@ from fcl_emu.runconfig import RunConfig, default_data_roots
 DEFAULT_POPULATIONS = (1000, 10_000)
 
 
-def point_config(clients: int, aggregators: int, cohort: int, rounds: int, seed: int, link: dict,
+def point_config(clients: int, aggregators: int, edge_rounds: int, cohort: int, rounds: int, seed: int, link: dict,
                  data_root: list[Path] | None) -> RunConfig:
     return RunConfig.model_validate({
         "scenario": {"dataset": "mnist", "num_tasks": 1, "num_clients": clients},
         "rounds": {"clients_per_round": cohort, "rounds_per_task": rounds, "eval_every": rounds,
                    "clock": "emulated"},
         "training": {"local_epochs": 1}, "model": "cnn", "device": "cpu", "seed": seed,
-        "topology": {"edge_aggregators": aggregators, **link}, "security": {"transport": "plain"},
+        "topology": {"edge_aggregators": aggregators, "edge_rounds": edge_rounds, **link},
+        "security": {"transport": "plain"},
         "data_root": [str(p) for p in (data_root or default_data_roots())]})
 
 
@@ -59,39 +59,53 @@ def measure(config: RunConfig, run_dir: Path) -> dict:
     rounds = len(records)
     updates = sum(summary.bytes.get(t, {}).get("received", 0) for t in UPDATE_TYPES)
     return {"clients": config.scenario.num_clients, "edge aggregators": config.topology.edge_aggregators,
-            "nodes": config.nodes, "update_mb_per_round": updates / rounds / 1e6,
+            "edge rounds": config.topology.edge_rounds, "nodes": config.nodes,
+            "update_mb_per_round": updates / rounds / 1e6,
             "down_mb_per_round": coordinator.endpoint.wire_sent / rounds / 1e6,
             "work_cpu_per_round_s": float(np.mean([r["work_cpu_s"] for r in records])),
             "accuracy": summary.average_accuracy, "emulated_s": summary.emulated_s}
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Update bytes into the coordinator and its work per round against N, one line per tier setting."""
-    fig = new_figure(7.2, 3.0)
+    """Against N, one line per tier setting of one edge round: the update bytes into the coordinator and its work per
+    round; then the accuracy against the edge rounds K, one line per population and aggregator count."""
+    fig = new_figure(10.0, 3.0)
+    one_step = [r for r in rows if r["edge rounds"] == 1]
     panels = [("update_mb_per_round", "update MB into the coordinator / round"),
               ("work_cpu_per_round_s", "coordinator work / round (CPU s)")]
     for k, (key, label) in enumerate(panels, 1):
-        ax = fig.add_subplot(1, 2, k)
-        for m in sorted({r["edge aggregators"] for r in rows}):
-            mine = [r for r in rows if r["edge aggregators"] == m]
+        ax = fig.add_subplot(1, 3, k)
+        for m in sorted({r["edge aggregators"] for r in one_step}):
+            mine = [r for r in one_step if r["edge aggregators"] == m]
             ax.plot([r["clients"] for r in mine], [r[key] for r in mine], marker="o",
                     label="star" if m == 0 else f"{m} edge aggregators")
         ax.set_xscale("log")
         ax.set_xlabel("clients")
         ax.set_ylabel(label)
         ax.legend(fontsize="small")
+    ax = fig.add_subplot(1, 3, 3)
+    for n, m in sorted({(r["clients"], r["edge aggregators"]) for r in rows if r["edge aggregators"]}):
+        mine = sorted((r for r in rows if (r["clients"], r["edge aggregators"]) == (n, m)),
+                      key=lambda r: r["edge rounds"])
+        ax.plot([r["edge rounds"] for r in mine], [r["accuracy"] for r in mine], marker="o",
+                label=f"{n:,} clients, {m} aggregators")
+    ax.set_xlabel("edge rounds per cloud round (K)")
+    ax.set_ylabel("accuracy (%)")
+    ax.legend(fontsize="small")
     fig.suptitle("bench hierarchy: MNIST, FedAvg, emulated clock")
     return save_figure(fig, path)
 
 
-def run(populations: list[int], aggregators: list[int], cohort: int, rounds: int, seed: int, link: dict,
-        json_path: Path | None, plot_path: Path | None, data_root: list[Path] | None, console: Console) -> dict:
-    settings = [0, *[m for m in dict.fromkeys(aggregators) if m > 0]]
-    configs = [point_config(n, m, cohort, rounds, seed, link, data_root) for n in populations for m in settings]
+def run(populations: list[int], aggregators: list[int], edge_rounds: list[int], cohort: int, rounds: int, seed: int,
+        link: dict, json_path: Path | None, plot_path: Path | None, data_root: list[Path] | None,
+        console: Console) -> dict:
+    settings = [(0, 1), *[(m, k) for m in dict.fromkeys(aggregators) if m > 0 for k in dict.fromkeys(edge_rounds)]]
+    configs = [point_config(n, m, k, cohort, rounds, seed, link, data_root) for n in populations for m, k in settings]
     rows = []
     with TemporaryDirectory() as tmp:
         for config in configs:  # every config checked above, before the first run
-            name = f"{config.scenario.num_clients}-{config.topology.edge_aggregators}"
+            topology = config.topology
+            name = f"{config.scenario.num_clients}-{topology.edge_aggregators}-{topology.edge_rounds}"
             rows.append(measure(config, Path(tmp) / name))
     for row in rows:
         star = next(r for r in rows if r["clients"] == row["clients"] and r["edge aggregators"] == 0)

@@ -35,6 +35,7 @@ def aggregator_args(index: int, coordinator: str, bind: str, config: RunConfig,
                 "key": directory / f"{aggregator_name(index)}.key_secret"}
     interval, _ = config.network.liveness(config.scenario.num_clients)
     return AggregatorArgs(coordinator, bind, aggregator_name(index), heartbeat_interval=interval,
+                          edge_rounds=config.topology.edge_rounds, edge_round_timeout=config.rounds.deadline_s,
                           parent_pid=parent_pid, **keys)
 
 
