@@ -48,7 +48,8 @@ class HeldUpdates:
         self.masked: dict[int, dict[str, np.ndarray]] = {}
 
     def on_train_request(self, round: int, table: list[TensorSpec]) -> None:
-        """The round's model, as its train request's tensor table names it (every client's is the same)."""
+        """The round's model, as its train request's tensor table names it (every client's is the same): the
+        model's parameters (plain names) and a method's modules that ride with it (``<method>/...``)."""
         if round not in self.models:
             self.models[round] = {spec.name: spec for spec in table}
             for old in sorted(self.models)[:-ROUNDS_HELD]:
@@ -159,14 +160,18 @@ class MaskedShape:
     ring_bits: int
 
 
-def _check_layout(update: ClientUpdate, model: dict[str, TensorSpec]) -> None:
-    """The delta names exactly the model's tensors, each with its shape and dtype (as the coordinator checks)."""
+def _check_layout(update: ClientUpdate, sent: dict[str, TensorSpec]) -> None:
+    """The delta names exactly the model's parameters (the tensors sent under plain names), each with its shape and
+    dtype, as the coordinator checks; an upload named as a method's module that was sent (a projector's, a flow's
+    delta) has that module's shape and dtype too."""
+    model = {name: spec for name, spec in sent.items() if "/" not in name}
     got = {k[len(DELTA):]: v for k, v in update.tensors.items() if k.startswith(DELTA)}
     if got.keys() != model.keys():
         missing, extra = sorted(model.keys() - got.keys())[:3], sorted(got.keys() - model.keys())[:3]
         raise WireError("bad_shape", f"delta keys differ from the model (missing {missing}, unknown {extra})")
-    for name, value in got.items():
-        spec = model[name]
+    modules = {name: value for name, value in update.tensors.items() if name in sent}
+    for name, value in [*got.items(), *modules.items()]:
+        spec = sent[name]
         if list(value.shape) != list(spec.shape):
             raise WireError("bad_shape", f"delta {name!r} has shape {list(value.shape)}, model has {spec.shape}")
         if value.dtype.name != spec.dtype:

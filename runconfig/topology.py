@@ -47,7 +47,7 @@ def aggregator_of_node(node: int, aggregators: int) -> int:
 def check_topology(config, refusals: dict[str, str]) -> None:
     """Raise ValueError (one line) for a run that edge aggregators cannot serve: ``config`` a
     :class:`~fcl_emu.runconfig.RunConfig`, ``refusals`` its method's (:func:`fcl_emu.methods.requirements.refusals`)."""
-    from fcl_emu.methods.requirements import ASYNC
+    from fcl_emu.methods.requirements import HIERARCHY
 
     m, flag = config.topology.edge_aggregators, f"--edge-aggregators {config.topology.edge_aggregators}"
     if m == 0:
@@ -55,10 +55,8 @@ def check_topology(config, refusals: dict[str, str]) -> None:
             raise ValueError(f"--edge-rounds {config.topology.edge_rounds} needs edge aggregators: give "
                              f"--edge-aggregators M")
         return
-    if ASYNC in refusals:  # the same condition: the server only adds the mean delta
-        raise ValueError(f"{flag}: method {config.method!r} does more than add the mean of its clients' model "
-                         f"deltas (its own aggregation, side channels or per-client uploads), which an edge "
-                         f"aggregator cannot pre-combine; use e.g. fedavg, fedprox, fedlwf2t, fedewc, mfcl, target")
+    if HIERARCHY in refusals:
+        raise ValueError(f"{flag}: {refusals[HIERARCHY]}")
     if config.containers.backend != "process":
         raise ValueError(f"{flag} starts the aggregators as processes of this host: use --backend process")
     if config.nodes < m:

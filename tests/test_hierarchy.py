@@ -80,6 +80,25 @@ def test_held_updates_are_checked_like_the_coordinators_and_combined_on_collect(
     assert h.updates == {}  # let go once collected
 
 
+def test_a_module_that_rides_with_the_model_is_checked_and_averaged_beside_it():
+    """AF-FCL's flow or LANDER's projector: sent with the model under the method's name, uploaded back as a delta
+    under the same name, averaged at the edge beside the model's delta."""
+    h = HeldUpdates()
+    h.on_train_request(1, [*TABLE, TensorSpec("affcl/flow/v", "float32", [4], 16)])
+
+    def upload(client, samples, value, flow_shape=(4,)):
+        return update_msg(client, samples, value, **{DELTA + k: np.full(a.shape, value, np.float32)
+                                                     for k, a in MODEL.items()},
+                          **{"affcl/flow/v": np.full(flow_shape, value, np.float32)})
+
+    h.hold(upload("client-0001", 1, 1.0))
+    h.hold(upload("client-0002", 3, 5.0))
+    with pytest.raises(WireError, match="affcl/flow/v"):
+        h.hold(upload("client-0003", 1, 1.0, flow_shape=(5,)))
+    out = h.collect(1, EdgeCollect(clients=["client-0001", "client-0002"], prefixes=[DELTA, "affcl/flow/"]))
+    assert np.allclose(out.tensors["affcl/flow/v"], 4.0) and np.allclose(out.tensors["delta/b"], 4.0)
+
+
 def test_the_edge_applies_the_norm_bound_and_the_direction_check_to_its_clients():
     honest = [update_msg(f"client-{i:04d}", 10, 1.0 + i / 10) for i in range(5)]
     reversed_ = update_msg("client-0009", 10, -1.0)
@@ -188,7 +207,7 @@ def base(**topology) -> dict:
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"method": "glfc"}, "pre-combine"),
+    ({"method": "fedcbc"}, "pre-combine"),
     ({"containers": {"backend": "docker"}}, "--backend process"),
     ({"nodes": 1}, "fewer than --edge-aggregators 2"),
     ({"aggregation": {"kind": "fedbuff"}}, "--aggregation sync"),
@@ -402,7 +421,7 @@ def test_the_relay_forwards_holds_refuses_and_answers_a_collect():
 
     from fcl_emu.edge_aggregator.relay import EdgeAggregator
     from fcl_emu.wire.framing import wire_tensors
-    from fcl_emu.wire.messages import Heartbeat, TrainRequest
+    from fcl_emu.wire.messages import Heartbeat, SideChannel, TrainRequest
     from fcl_emu.wire.sockets import ServerEndpoint, SharedConnection
 
     ctx = zmq.Context()
@@ -443,6 +462,9 @@ def test_the_relay_forwards_holds_refuses_and_answers_a_collect():
                     got.append(received)
         assert {peer for peer, _ in got} == {"client-0001", "client-0002"}
         assert np.array_equal(got[0][1].tensors["w"], MODEL["w"])
+        a.send("prototype_gradients", SideChannel(items=1), round=1, tensors={"0/g": np.ones(3, np.float32)})
+        peer, msg = up_next("prototype_gradients")  # a side channel goes straight to the coordinator, whole
+        assert (peer, msg.type) == ("client-0001", "prototype_gradients") and msg.tensors["0/g"].sum() == 3
         for channel, samples, scale in ((a, 10, 1.0), (b, 30, 3.0)):
             channel.send("update", Update(num_samples=samples, train_time_s=1.0, loss=scale), round=1,
                          tensors={DELTA + k: np.full(v.shape, scale, np.float32) for k, v in MODEL.items()})
