@@ -147,7 +147,8 @@ def test_nodes_get_the_following_ports(tmp_path):
     assert metrics_ports(workers, start_nodes=False) == [9300, 9304, 9305]  # `fcl-emu coordinator`
     targets = stack.run_targets("127.0.0.1", 9300, 0, 2, gpu_offset=3)
     assert [(t.process, t.role, t.port) for t in targets] == [
-        ("coordinator", "coordinator", 9300), ("gpu-worker-0", "gpu_worker", 9304), ("gpu-worker-1", "gpu_worker", 9305)]
+        ("coordinator", "coordinator", 9300), ("gpu-worker-0", "gpu_worker", 9304),
+        ("gpu-worker-1", "gpu_worker", 9305)]
 
 
 def test_busy_metrics_port_and_bad_port_fail_before_the_run(tmp_path):
