@@ -44,6 +44,7 @@ class Gathered:
     stale: int = 0  # late updates of earlier rounds among ``updates``
     contributors: list[str] | None = None  # whose own update of this round counted (secure: None, nobody's is seen)
     secagg: dict[str, Any] | None = None  # the secure round's record (RoundRecord.secagg)
+    client_edge_bytes: dict[str, int] | None = None  # edge aggregators: their clients' links in the round
 
 
 class Collection(ABC):
@@ -155,7 +156,7 @@ class EdgeCollection(PlainCollection):
         losses = [u.loss for u in r.counted if u.client in counted]
         enough = len(contributors) >= self.state.config.rounds.min_participants
         return Gathered(groups.updates, losses, quorum=1 if enough else len(groups.updates) + 1,
-                        contributors=contributors)
+                        contributors=contributors, client_edge_bytes=self.tier.round_bytes)
 
 
 class SecureCollection(Collection):
@@ -209,7 +210,7 @@ class SecureCollection(Collection):
     def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
         if self._round is not None:
             if self.tier is not None:
-                self.tier.last_wide_area_s = 0.0  # unless the masked-input phase gets as far as the sums
+                self.tier.new_round()  # nothing is asked of the aggregators unless the masked-input phase ends
             self._outcome = clock.collect_secure(r, self._round, serve)
             if self.tier is not None:
                 clock.wide_area(r, self.tier.last_wide_area_s)
@@ -219,7 +220,8 @@ class SecureCollection(Collection):
         single one is seen, so nothing is clipped here and late updates have no place."""
         outcome, self._round = self._outcome, None
         updates = [] if outcome.delta is None else [ClientUpdate("secagg", outcome.weight, outcome.delta)]
-        return Gathered(updates, list(outcome.losses), quorum=1, secagg=outcome.record)
+        return Gathered(updates, list(outcome.losses), quorum=1, secagg=outcome.record,
+                        client_edge_bytes=None if self.tier is None else self.tier.round_bytes)
 
 
 def make_collection(state: RunState, privacy, tier: EdgeTier | None = None) -> Collection:

@@ -56,6 +56,7 @@ class EdgeTier:
         self.wire_sent: Callable[[], int] = lambda: 0  # bytes the coordinator's socket put on the wire
         self.seen: dict[str, float] = {}  # aggregator -> monotonic time it last spoke
         self.tier_bytes = {"sent": 0, "received": 0}  # the client-to-edge links, as the aggregators report them
+        self.round_bytes = {"sent": 0, "received": 0}  # the same, in the round being gathered
         self.last_wide_area_s = 0.0  # the last round's time on the aggregators' links to the coordinator
         self._round: tuple[int, int] | None = None  # (task, round) being gathered
         self._asked: dict[str, list[str]] = {}
@@ -105,6 +106,7 @@ class EdgeTier:
         """Send each aggregator of ``groups`` its ``edge_collect`` for its clients; serve until each has answered,
         gone silent or the liveness timeout passed; the answers, by aggregator."""
         self._round, self._asked, self._answers = (task, number), {}, {}
+        self.new_round()
         for name, clients in sorted(groups.items()):
             if self.send(name, "edge_collect", ask_for(sorted(clients)), task=task, round=number):
                 self._asked[name] = sorted(clients)
@@ -115,6 +117,10 @@ class EdgeTier:
             self._missing(number, name, self._asked[name], "no answer")
         self._round = None
         return dict(self._answers)
+
+    def new_round(self) -> None:
+        """Forget the last round's bytes and wide-area time (a round that asks nothing has none)."""
+        self.round_bytes, self.last_wide_area_s = {"sent": 0, "received": 0}, 0.0
 
     def wide_area_s(self, answers: dict[str, Message]) -> float:
         """The slowest answering aggregator's time on its link to the coordinator this round: the model down, its
@@ -153,6 +159,7 @@ class EdgeTier:
             for direction in self.tier_bytes:
                 nbytes = msg.body.tier_bytes.get(direction, 0)
                 self.tier_bytes[direction] += nbytes
+                self.round_bytes[direction] += nbytes
                 self.state.metrics.edge_tier_bytes(direction, nbytes)
 
     def _missing(self, number: int, name: str, clients: list[str], why: str) -> None:

@@ -217,6 +217,9 @@ class RoundRecord:
     # why this round's model looks diverged (NaN or infinite values in it, or the clients' median training loss
     # non-finite or exploded; coordinator/round_record.py), else None
     diverged: str | None = None
+    # edge aggregators: bytes on the clients' links to their aggregators in this round, {"sent"/"received": bytes}
+    # as the aggregators reported them (the record's other bytes are the coordinator's: the edge-to-cloud tier)
+    client_edge_bytes: dict[str, int] | None = None
 
 
 # ------------------------------------------------------------------ summary.json

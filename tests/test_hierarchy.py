@@ -382,6 +382,8 @@ def test_up_with_edge_aggregators_and_edge_rounds(tmp_path, mnist_root):
                                                                       rel=0.05)
     assert two.bytes["edge_aggregate"]["received"] == pytest.approx(one.bytes["edge_aggregate"]["received"], rel=0.05)
     assert two.emulated_s > one.emulated_s  # two trainings and uploads a client
+    rounds = [e for e in events(tmp_path / "k1") if e["event"] == "round"]
+    assert sum(r["client_edge_bytes"]["received"] for r in rounds) == one.tier_bytes["client_edge"]["received"]
 
 
 @pytest.mark.slow
