@@ -299,8 +299,8 @@ def test_an_edge_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist_
 
     original = process.node_args
 
-    def node_args(address, indices, config, name, n=0, parent_pid=None):
-        args = original(address, indices, config, name, n, parent_pid=parent_pid)
+    def node_args(address, indices, config, name, n=0, parent_pid=None, **kw):
+        args = original(address, indices, config, name, n, parent_pid=parent_pid, **kw)
         return dataclasses.replace(args, key=tmp_path / "stolen.key_secret") if n == 1 else args
 
     monkeypatch.setattr(process, "node_args", node_args)

@@ -284,6 +284,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, mni
                           training={"local_epochs": 1, "batch_size": 64},
                           edge={"device_profiles": str(profiles)},
                           secagg={"enabled": True},  # so that the secure-aggregation panels have data
+                          topology={"edge_aggregators": 2},  # and the tier panel (one node under each)
                           metrics={"scrape_interval_s": scrape_s, "linger_s": 2 * scrape_s})
     run_dir = tmp_path / "run"
     metrics_port = stack.find_port_block("127.0.0.1", 4, start=20000 + free_port() % 20000, stop=65000)

@@ -136,8 +136,8 @@ def test_a_forked_node_that_dies_at_start_up_is_reported_at_once(tmp_path, mnist
 
         original = process.node_args
 
-        def node_args(address, indices, config, name, n=0, parent_pid=None):
-            args = original(address, indices, config, name, n, parent_pid=parent_pid)
+        def node_args(address, indices, config, name, n=0, parent_pid=None, **kw):
+            args = original(address, indices, config, name, n, parent_pid=parent_pid, **kw)
             return dataclasses.replace(args, key=sys.argv[3]) if n == 1 else args
 
         process.node_args = node_args
