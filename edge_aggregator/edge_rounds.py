@@ -85,9 +85,17 @@ class EdgeRounds:
             model = {k: np.asarray(v) for k, v in model.items()}
             self.rounds[round] = EdgeRound(task, request, model, dict(model),
                                            deadline=time.monotonic() + self.timeout_s)
-        er = self.rounds[round]
+        self.join(round, client)
+
+    def join(self, round: int, client: str) -> bool:
+        """``client`` was asked to train ``round``, whose first request came already: it takes part in the first
+        edge round (if that is still in progress). False where the round is new (:meth:`requested` opens it)."""
+        er = self.rounds.get(round)
+        if er is None:
+            return False
         if er.step == 1:
             er.members.add(client)
+        return True
 
     def cancelled(self, round: int, client: str) -> None:
         """The coordinator dropped ``client``'s training of ``round``: no edge round waits for it."""

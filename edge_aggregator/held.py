@@ -79,10 +79,14 @@ class HeldUpdates:
 
     def hold(self, msg: Message) -> ClientUpdate:
         """Check the update ``msg`` (:meth:`check`) and hold it for the round's collect."""
-        update = self.check(msg)
-        if msg.sender in self.updates.setdefault(msg.round, {}):
-            raise WireError("unexpected", f"second update from {msg.sender} in round {msg.round}")
-        self.updates[msg.round][msg.sender] = update
+        return self.keep(msg.round, self.check(msg))
+
+    def keep(self, round: int, update: ClientUpdate) -> ClientUpdate:
+        """Hold the checked ``update`` for ``round``'s collect (WireError for its client's second)."""
+        held = self.updates.setdefault(round, {})
+        if update.client in held:
+            raise WireError("unexpected", f"second update from {update.client} in round {round}")
+        held[update.client] = update
         return update
 
     def check(self, msg: Message) -> ClientUpdate:

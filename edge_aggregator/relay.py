@@ -32,8 +32,8 @@ from fcl_emu.edge_aggregator.held import HeldUpdates
 from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys
 from fcl_emu.wire.framing import Limits, WireError, decode, encode, frames_nbytes, peek_header, wire_tensors
 from fcl_emu.wire.messages import BODY_SCHEMAS, HELD_AT_EDGE, EdgeCollect, Error, Heartbeat
-from fcl_emu.wire.sockets import (HELD, MAX_ENVELOPE_BYTES, HeldSets, bound_router, drop_rest, receive_frames,
-                                  shared_dealer)
+from fcl_emu.wire.sockets import (HELD, MAX_ENVELOPE_BYTES, HeldSets, bound_router, check_grant, drop_rest,
+                                  receive_frames, shared_dealer)
 
 log = logging.getLogger("fcl_emu.edge_aggregator")
 
@@ -100,7 +100,7 @@ class EdgeAggregator:
                 drop_rest(self.down, envelope.more)
                 raise WireError("bad_header", f"an envelope of {len(envelope)} bytes from a node")
             try:
-                self._check_grant(envelope, identity)
+                check_grant(self.grants, envelope, identity)
             except WireError:
                 drop_rest(self.down, envelope.more)
                 raise
@@ -120,22 +120,24 @@ class EdgeAggregator:
         nbytes = frames_nbytes(frames)
         self.tier_bytes["received"] += nbytes
         if header.type in HELD_AT_EDGE:
-            self._hold(identity, frames, nbytes)
+            self._hold(identity, header, frames, nbytes)
         else:
             self.up.send_multipart([envelope.bytes, *frames], copy=False)
 
-    def _hold(self, identity: str, frames: list, nbytes: int) -> None:
-        """Hold a client's update or masked input and tell the coordinator it arrived (with edge rounds: an update
-        of an edge round before the last goes into the edge model instead)."""
-        header = peek_header(frames[0], self.limits)
+    def _hold(self, identity: str, header, frames: list, nbytes: int) -> None:
+        """Hold a client's update or masked input (``header``: its read header) and tell the coordinator it arrived
+        (with edge rounds: an update of an edge round before the last goes into the edge model instead)."""
         try:
             msg = decode(frames, self.limits)
             if msg.type == "secagg_masked":
                 self.held.hold_masked(msg)
-            elif self.edge_rounds is not None and not self._edge_round_answer(msg, nbytes):
-                return  # into the edge round in progress: the coordinator hears of the client's last one only
-            else:
+            elif self.edge_rounds is None:
                 self.held.hold(msg)
+            else:
+                update = self.held.check(msg)
+                if not self._edge_round_answer(msg, update, nbytes):
+                    return  # into the edge round in progress: the coordinator hears of the client's last one only
+                self.held.keep(msg.round, update)
         except WireError as exc:
             self._refuse(identity, exc)
             self._send_up(identity, "error", Error(code=exc.reason, detail=f"refused by {self.name}: {exc.detail}"),
@@ -151,10 +153,9 @@ class EdgeAggregator:
         head = encode(held_type, notice, sender=identity, seq=msg.seq, round=msg.round, task=msg.task)
         self.up.send_multipart([identity.encode(), *head], copy=False)
 
-    def _edge_round_answer(self, msg, nbytes: int) -> bool:
-        """An update under edge rounds: True if it is its client's last of the round (to hold); else it went into
-        the edge round in progress, which may have started the next."""
-        update = self.held.check(msg)
+    def _edge_round_answer(self, msg, update, nbytes: int) -> bool:
+        """A checked update under edge rounds: True if it is its client's last of the round (to hold); else it went
+        into the edge round in progress, which may have started the next."""
         last, again = self.edge_rounds.answered(msg.round, update, Work(msg.body.cpu_s, msg.body.train_time_s,
                                                                          nbytes))
         if again is not None:
@@ -181,13 +182,6 @@ class EdgeAggregator:
                     raise
                 continue
             self.tier_bytes["sent"] += len(head) + frames_nbytes(tensors.buffers)
-
-    def _check_grant(self, frame: zmq.Frame, identity: str) -> None:
-        if self.grants is None:
-            return
-        grant = self.grants.get(frame.get("User-Id"))
-        if grant is None or identity not in grant.identities:
-            raise WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for {identity!r}")
 
     def _refuse(self, identity: str, exc: WireError) -> None:
         """A client message refused here: counted and logged (a refused update is also reported up as the client's
@@ -228,8 +222,8 @@ class EdgeAggregator:
         header = peek_header(frames[0], self.limits)
         if header.type == "train_request":
             self.held.on_train_request(header.round, header.tensors)
-            if self.edge_rounds is not None:
-                self._first_edge_round(identity, frames, key)
+            if self.edge_rounds is not None and not self.edge_rounds.join(header.round, identity):
+                self._first_edge_round(identity, frames, key)  # the round's first: its model is decoded once
         elif header.type == "cancel" and self.edge_rounds is not None:
             self.edge_rounds.cancelled(header.round, identity)
         elif header.type == "secagg_setup":

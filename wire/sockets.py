@@ -56,7 +56,7 @@ from typing import Any
 
 import zmq
 
-from fcl_emu.wire.auth import ClientKeys, ServerKeys, connect_curve, serve_curve
+from fcl_emu.wire.auth import ClientKeys, Grant, ServerKeys, connect_curve, serve_curve
 from fcl_emu.wire.framing import Limits, Message, WireError, WireTensors, decode, encode, frames_nbytes, refused_unread
 from fcl_emu.wire.messages import Body
 
@@ -203,6 +203,18 @@ class HeldSets:
             self._bytes -= self._sets.pop(oldest)[0]
 
 
+def check_grant(grants: Mapping[str, Grant] | None, frame: zmq.Frame, identity: str) -> None:
+    """With ``grants`` (keys): refuse a message whose connection's key (the ``frame``'s) may not speak for
+    ``identity`` (WireError ``not_authorized``, its ``peer`` the key's name)."""
+    if grants is None:
+        return
+    grant = grants.get(frame.get("User-Id"))
+    if grant is None or identity not in grant.identities:
+        exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for {identity!r}")
+        exc.peer = grant.name if grant else None
+        raise exc
+
+
 def bound_router(ctx: zmq.Context, bind: str, limits: Limits, keys: ServerKeys | None) -> tuple[zmq.Socket, str]:
     """A ROUTER bound to ``bind`` (a port of 0: any free one) as the coordinator's and an edge aggregator's: with
     ``keys`` a CurveZMQ server; and the address it is bound to."""
@@ -321,7 +333,7 @@ class ServerEndpoint:
         except WireError as exc:
             exc.peer = claimed  # to answer on that connection
             raise
-        self._check_grant(frames[0], msg.sender)
+        check_grant(self.grants, frames[0], msg.sender)
         self._route(msg.sender, route)
         self.count(msg.type, "received", msg.nbytes)
         return msg.sender, msg
@@ -341,24 +353,13 @@ class ServerEndpoint:
             self._shared[route] = shared
         return shared
 
-    def _check_grant(self, frame: zmq.Frame, identity: str) -> None:
-        """With keys: refuse a message whose connection's key may not speak for ``identity``."""
-        if self.grants is None:
-            return
-        grant = self.grants.get(frame.get("User-Id"))
-        if grant is None or identity not in grant.identities:
-            exc = WireError("not_authorized", f"key {grant.name if grant else '?'!r} may not speak for "
-                                              f"{identity!r}")
-            exc.peer = grant.name if grant else None
-            raise exc
-
     def _close_notice(self, identity: str, route: bytes, frame: zmq.Frame) -> None:
         """A client's session on the shared connection ``route`` ended: sends to it fail until it speaks again.
         Only its own connection (and key) may say so; another's notice is ignored."""
         if self._routes.get(identity) != route:
             return
         try:
-            self._check_grant(frame, identity)
+            check_grant(self.grants, frame, identity)
         except WireError:
             return
         self._closed.add(identity)
