@@ -22,7 +22,7 @@ from fcl_emu.coordinator.server_jobs import ServerJobs
 from fcl_emu.coordinator.state import RunState, TimeAccount
 from fcl_emu.monitoring import results
 from fcl_emu.monitoring.results import (RoundRecord, average_accuracy, average_forgetting, average_incremental_accuracy,
-                                spatial_retention, temporal_retention)
+                                        learned_accuracy, spatial_retention, temporal_retention)
 from fcl_emu.scenario.scenario import overlapping_shares_text
 
 
@@ -62,6 +62,7 @@ class SummaryBuilder:
             average_accuracy=average_accuracy(matrix) if complete else None,
             average_incremental_accuracy=average_incremental_accuracy(matrix) if complete else None,
             average_forgetting=average_forgetting(matrix) if complete else None,
+            learned_accuracy=learned_accuracy(matrix),
             knowledge_retention=self._knowledge_retention(matrix, class_hits),
             bytes=st.counters.nested(),
             messages={f"{t}/{d}": n for (t, d), n in sorted(st.counters.messages.items())},

@@ -185,6 +185,7 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     *_panel(SCENARIO,
             _option("clients", "scenario.num_clients"),
             _option("dataset", "scenario.dataset"),
+            _option("class_subset", "scenario.class_subset"),
             _option("data_root", "data_root", convert=_paths, with_resume=True),
             _option("download", "download"),
             _option("tasks", "scenario.num_tasks"),

@@ -51,8 +51,10 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
 
     table.add_row("status", escape(summary.status))  # a reason may name an extra: fcl-emu[text]
     table.add_row("average accuracy (%)", pct(summary.average_accuracy))
-    table.add_row("average incremental accuracy (%)", pct(summary.average_incremental_accuracy))
+    table.add_row("average incremental (time-averaged) accuracy (%)", pct(summary.average_incremental_accuracy))
     table.add_row("average forgetting (%)", pct(summary.average_forgetting))
+    if summary.learned_accuracy:
+        table.add_row("each task right after it (%)", " ".join(pct(a) for a in summary.learned_accuracy))
     kr = summary.knowledge_retention
     table.add_row("knowledge retention KR_t / KR_s (%)", f"{pct(kr.temporal)} / {pct(kr.spatial)}")
     if summary.overlapping_shares:

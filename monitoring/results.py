@@ -9,6 +9,11 @@ identity at test time). Entries with ``i > t`` are ``null``.
 - ``average_accuracy``: mean of the last row, ``1/T sum_i A[T-1][i]``.
 - ``average_incremental_accuracy``: mean over ``t`` of the mean of row ``t``
   over tasks ``0..t`` (Rebuffi et al., iCaRL, 2017).
+- ``learned_accuracy[t]``: ``A[t][t]``, each task's accuracy right after it
+  was learned (the learnability gate of docs/reproduction.md reads it).
+- ``average_incremental_accuracy`` is the time-averaged accuracy MFCL and
+  GLFC report ("Avg."): theirs weighs each row by its test samples, which is
+  the same on equal-sized tasks.
 - ``average_forgetting``: mean over tasks ``i < T-1`` of
   ``max_{t < T-1} A[t][i] - A[T-1][i]`` (Chaudhry et al., 2018); 0 for one task.
 - ``accuracy_seen[t]`` (FedCBC's global accuracy GA after task ``t``): accuracy
@@ -57,6 +62,10 @@ def average_accuracy(matrix: list[list[float | None]]) -> float:
 def average_incremental_accuracy(matrix: list[list[float | None]]) -> float:
     rows = [np.mean([a for a in row[: t + 1] if a is not None]) for t, row in enumerate(matrix)]
     return float(np.mean(rows)) if rows else float("nan")
+
+
+def learned_accuracy(matrix: list[list[float | None]]) -> list[float | None]:
+    return [row[t] for t, row in enumerate(matrix)]
 
 
 def average_forgetting(matrix: list[list[float | None]]) -> float:
@@ -372,6 +381,7 @@ class RunSummary(SummaryPart, kw_only=True):
     average_accuracy: float | None = None
     average_incremental_accuracy: float | None = None
     average_forgetting: float | None = None
+    learned_accuracy: list[float | None] = []
     knowledge_retention: KnowledgeRetention = KnowledgeRetention()
     bytes: dict[str, dict[str, int]] = {}  # {message type: {"sent"/"received": bytes}}
     messages: dict[str, int] = {}  # {"type/direction": count}

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fcl_emu.monitoring.results import (RoundRecord, RunSummary, average_accuracy, average_forgetting,
-                                average_incremental_accuracy)
+                                        average_incremental_accuracy, learned_accuracy)
 
 SUMMARY = "summary.json"
 EVENTS = "events.jsonl"
@@ -134,7 +134,7 @@ def _partial_summary(config: Optional[dict[str, Any]], rounds: list[dict], task_
         seed=config.get("seed") if isinstance(config.get("seed"), int) else None, accuracy_matrix=matrix,
         average_accuracy=average_accuracy(matrix) if matrix else None,
         average_incremental_accuracy=average_incremental_accuracy(matrix) if matrix else None,
-        average_forgetting=average_forgetting(matrix) if matrix else None,
+        average_forgetting=average_forgetting(matrix) if matrix else None, learned_accuracy=learned_accuracy(matrix),
         bytes_total=sum(r["bytes_sent"] + r["bytes_received"] for r in rounds), rounds=len(rounds),
         rounds_skipped=sum(1 for r in rounds if r.get("skipped")), wall_clock_s=max(times))
 

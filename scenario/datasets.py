@@ -157,6 +157,20 @@ def load_dataset(name: str, roots: Sequence[Path], download: bool = False) -> Im
     return _to_dataset(name, layout.load())
 
 
+def class_subset(dataset: ImageDataset, classes: Sequence[int]) -> ImageDataset:
+    """``dataset`` restricted to ``classes`` (its own class ids, distinct), relabelled ``0..len(classes)-1`` in
+    ascending order of id, with their names; the normalisation statistics stay the whole dataset's."""
+    kept = np.unique(np.asarray(classes, dtype=np.int64))
+    if len(kept) != len(classes) or kept[0] < 0 or kept[-1] >= dataset.num_classes:
+        raise ValueError(f"a class subset needs distinct ids in 0..{dataset.num_classes - 1}, got {list(classes)}")
+    relabel = np.full(dataset.num_classes, -1, dtype=np.int64)
+    relabel[kept] = np.arange(len(kept))
+    train, test = np.isin(dataset.train_y, kept), np.isin(dataset.test_y, kept)
+    return ImageDataset(dataset.name, dataset.train_x[train], relabel[dataset.train_y[train]], dataset.test_x[test],
+                        relabel[dataset.test_y[test]], len(kept), tuple(dataset.class_names[c] for c in kept),
+                        dataset.mean, dataset.std)
+
+
 def find_dataset(name: str, roots: Sequence[Path]) -> Path:
     """Where :func:`load_dataset` would load dataset ``name`` from, without reading it (a check before a run
     starts). Raises :class:`DatasetNotFoundError` naming every path looked at."""

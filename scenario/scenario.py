@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcl_emu.scenario import partitions, tasks
-from fcl_emu.scenario.datasets import ImageDataset
+from fcl_emu.scenario.datasets import ImageDataset, class_subset
 from fcl_emu.scenario.spec import ScenarioSpec
 
 # Independent random streams derived from one seed.
-_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM, _NOISE_STREAM = 0, 1, 2, 3, 4
+_ORDER_STREAM, _PARTITION_STREAM, _POOL_STREAM, _KEEP_STREAM, _NOISE_STREAM, _SUBSET_STREAM = 0, 1, 2, 3, 4, 5
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -69,6 +69,15 @@ def overlapping_shares_text(shares: Sequence[OverlappingShares]) -> str | None:
 
 def _about(x: float) -> str:
     return f"{x:.1f}" if x < 10 else f"{x:.0f}"
+
+
+def subset_of(spec: ScenarioSpec, dataset: ImageDataset) -> ImageDataset:
+    """The classes of ``dataset`` that run ``spec`` uses: ``spec.class_subset`` of them drawn with its seed (the
+    same in every process), or all."""
+    if spec.class_subset is None or spec.class_subset == dataset.num_classes:
+        return dataset
+    chosen = _rng(spec.seed, _SUBSET_STREAM).choice(dataset.num_classes, spec.class_subset, replace=False)
+    return class_subset(dataset, sorted(chosen.tolist()))
 
 
 class Scenario:
@@ -202,9 +211,11 @@ class Scenario:
 
 
 def build_scenario(spec: ScenarioSpec, dataset: ImageDataset) -> Scenario:
-    """Class order, task stream and every client's data at every task."""
+    """Class order, task stream and every client's data at every task; with ``spec.class_subset``, on that many
+    of ``dataset``'s classes (:func:`subset_of`)."""
     if spec.dataset != dataset.name:
         raise ValueError(f"spec is for dataset {spec.dataset!r} but got {dataset.name!r}")
+    dataset = subset_of(spec, dataset)
     order = tasks.class_order(dataset.num_classes, spec.shuffle_classes, _rng(spec.seed, _ORDER_STREAM))
     active = [spec.initial_clients + spec.new_clients_per_task * t for t in range(spec.num_tasks)]
 

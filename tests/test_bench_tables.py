@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fcl_emu.bench.tables import feature_replay_table, generative_table, glfc_table, many_class_table, runs
+from fcl_emu.bench.tables import claims, feature_replay_table, generative_table, glfc_table, many_class_table, runs
 from fcl_emu.monitoring.results import RunSummary
 
 SUMMARY = {
@@ -82,25 +82,61 @@ def test_noisy_affcl_rows_take_the_code_readmes_noisy_client_settings():
     assert rows["fedavg-noisy"] == ("fedavg", {})
 
 
-def test_the_verdict_rule_compares_the_gap_with_the_larger_standard_deviation():
-    assert runs.verdict(30.0, 1.0, 25.0, 4.0) == runs.REPRODUCED  # 5 > max(1, 4)
-    assert runs.verdict(30.0, 1.0, 26.0, 4.0) == runs.INCONCLUSIVE  # 4 is not more than 4
-    assert runs.verdict(26.0, 4.0, 30.0, 1.0) == runs.INCONCLUSIVE
-    assert runs.verdict(20.0, 0.5, 30.0, 3.0) == runs.NOT_REPRODUCED
-    assert runs.verdict(30.0, 0.0, 29.9, 0.0) == runs.REPRODUCED  # one seed each: any gap in the claimed direction
+def test_paired_verdict_needs_every_seed_in_the_claimed_direction_and_two_standard_errors():
+    # differences 5, 4, 6: mean 5, sd 1, se 1/sqrt(3) = 0.577; 5 > 1.15
+    assert claims.paired_verdict([30, 31, 32], [25, 27, 26])[0] == claims.REPRODUCED
+    # differences 5, 4, -1: one seed reversed
+    assert claims.paired_verdict([30, 31, 25], [25, 27, 26])[0] == claims.INCONCLUSIVE
+    # differences 1, 9, 2: all positive, mean 4, sd 4.36, se 2.52; 4 < 5.03
+    assert claims.paired_verdict([11, 19, 12], [10, 10, 10])[0] == claims.INCONCLUSIVE
+    verdict, text = claims.paired_verdict([20, 21, 22], [25, 27, 26])  # -5, -6, -4
+    assert verdict == claims.NOT_REPRODUCED
+    assert "paired difference -5.00 ± 0.58" in text and "-5.00, -6.00, -4.00" in text
+    # forgetting: lower is better
+    assert claims.paired_verdict([10, 11, 12], [20, 22, 21], lower_is_better=True)[0] == claims.REPRODUCED
+    assert claims.paired_verdict([30, 31], [25, 27])[0].startswith("not judged: 2 paired seeds")
+    # identical differences (deterministic runs): se 0, any positive mean holds
+    assert claims.paired_verdict([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])[0] == claims.REPRODUCED
+
+
+def test_the_learnability_gate_wants_every_task_learned_and_forgetting_to_prevent():
+    pilot = {"status": "completed", "learned_accuracy": [55.0, 63.6, 64.4], "final_row": [0.0, 10.0, 64.4]}
+    gate = claims.learnability_gate(pilot, 50)  # need max(40, 4 x 2) = 40
+    assert gate.passed and "need 40.0" in gate.reason and "old tasks at the end 5.0 of 59.3 %" in gate.reason
+    assert not claims.learnability_gate({**pilot, "learned_accuracy": [55.0, 39.9, 64.4]}, 50).passed
+    few = claims.learnability_gate(pilot, 6)  # 4 x chance = 4 x 1/6 = 66.7 %, above the floor
+    assert not few.passed and "need 66.7" in few.reason
+    kept = claims.learnability_gate({**pilot, "final_row": [30.0, 30.0, 64.4]}, 50)  # 30 of 59.3 > a third
+    assert not kept.passed and "little forgetting to prevent" in kept.reason
+    assert not claims.learnability_gate(None, 50).passed
+    assert not claims.learnability_gate({**pilot, "status": "failed"}, 50).passed
+
+
+def test_verdicts_below_the_gate_are_uninformative_and_above_it_paired():
+    rows = [{"method": m, "seed": s, "status": "completed", "time_avg": v}
+            for m, vals in (("mfcl", (40, 42, 41)), ("fedavg", (20, 21, 19))) for s, v in enumerate(vals)]
+    claim = claims.Claim("mfcl", "fedavg", "MFCL Table 4", "time_avg", (44.98, 22.27))
+    passed, failed = claims.Gate(True, "numbers"), claims.Gate(False, "numbers")
+    lines = claims.verdicts(rows, (claim,), passed)
+    assert lines[0] == "Learnability gate: passed (numbers)."
+    assert lines[1].startswith("- mfcl above fedavg in time-averaged accuracy (MFCL Table 4; paper: 44.98 vs 22.27): "
+                               "**reproduced in direction** (ours: 41.00 vs 20.00, seeds 0, 1, 2; paired difference")
+    assert claims.verdicts(rows, (claim,), failed)[1].endswith(claims.UNINFORMATIVE)
+    with pytest.raises(ValueError, match="claim metric"):
+        claims.Claim("a", "b", "x", "accuracy")
 
 
 def many_class_row(method: str, seed: int, accuracy: float, status: str = "completed") -> dict:
     return {"method": method, "seed": seed, "status": status, "avg_accuracy": accuracy, "avg_forgetting": 50.0,
+            "time_avg": accuracy + 10, "learned_accuracy": [50.0, 45.0], "final_row": [5.0, 45.0],
             "old_accuracy": [10.0, 5.0], "wall_s": 1800.0, "cpu_s": 3600.0 if seed == 0 else None}
 
 
 def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verdict_per_claim():
     rows = [many_class_row("fedavg", s, a) for s, a in enumerate((10.0, 11.0, 12.0))]
-    rows += [many_class_row("target", s, a) for s, a in enumerate((20.0, 21.0, 22.0))]
+    rows += [many_class_row("target", s, a) for s, a in enumerate((20.0, 21.5, 22.0))]
     rows += [many_class_row("mfcl", s, a) for s, a in enumerate((21.0, 23.0))]
     rows.append(many_class_row("lander", 0, 0.0, status="failed"))
-    rows.append(many_class_row("glfc", 0, 30.0))
     table = many_class_table.markdown(rows, list(many_class_table.METHODS))
     lines = table.splitlines()
     assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | 6.40 ± 0.50 | 1800 ± 0 |" in lines
@@ -109,17 +145,18 @@ def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verd
     assert "| fedewc | 0 | not run yet | | | 7.36 ± 0.60 | |" in lines
     assert any(line.startswith("| mfcl | 2 |") and "| none read |" in line for line in lines)
     assert "Published: Qi et al., FedCBDR (arXiv 2507.07712), Table 2" in table
-    assert ("CPU hours of these 10 runs: 7.50 (the CPU time of all their processes; 5 of them without it, counted as "
+    assert ("CPU hours of these 9 runs: 6.50 (the CPU time of all their processes; 5 of them without it, counted as "
             "wall clock x 1 thread).") in table
-    assert ("- target above fedavg (claimed by TARGET): reproduced in direction (21.00 ± 1.00 against 11.00 ± 1.00)"
-            in lines)
-    assert ("- mfcl above fedavg (claimed by MFCL): reproduced in direction (22.00 ± 1.41 against 11.00 ± 1.00)"
-            in lines)
-    assert ("- target above mfcl (no source here states it): inconclusive (21.00 ± 1.00 against 22.00 ± 1.41)"
-            in lines)
-    assert "- target above fedlwf2t (claimed by TARGET): not measured yet" in lines
-    assert "- glfc above fedavg (no source here states it): not judged yet, one seed (30.00 against 11.00)" in lines
-    assert "- lander above target (claimed by LANDER): not measured yet" in lines
+    assert "Learnability gate: passed (pilot's tasks right after each: 50.0, 45.0 % (need 40.0)" in table
+    target = ("- target above fedavg in final average accuracy (LANDER Table 1 (TARGET's rows); paper: 24.76 vs 7.83): "
+              "**reproduced in direction** (ours: 21.17 vs 11.00")
+    assert any(line.startswith(target) for line in lines)
+    assert any(line.startswith("- mfcl above fedavg in time-averaged accuracy") and "not judged: 2 paired seeds" in line
+               for line in lines)
+    assert any(line.startswith("- target above fedlwf2t") and line.endswith("not measured yet") for line in lines)
+    below = [dict(r, learned_accuracy=[50.0, 20.0]) if r["method"] == "fedavg" else r for r in rows]
+    assert all(claims.UNINFORMATIVE in line for line in many_class_table.markdown(below, ["fedavg"]).splitlines()
+               if line.startswith("- "))
 
 
 def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget():

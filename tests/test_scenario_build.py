@@ -191,3 +191,30 @@ def test_noisy_clients_train_on_random_labels_in_their_first_tasks():
                 assert 0.2 < (seen == true).mean() < 0.7  # uniform over the task's classes (2 here: ~1/2)
             else:
                 assert (seen == true).all()
+
+
+def test_class_subset_is_seeded_relabelled_and_the_same_in_every_build():
+    ds = fake_dataset(num_classes=10, per_class=20)
+    ds = ImageDataset(ds.name, ds.train_x, ds.train_y, ds.test_x, ds.test_y, 10, tuple("abcdefghij"), ds.mean, ds.std)
+    spec = ScenarioSpec(dataset="mnist", class_subset=4, num_tasks=2, num_clients=3, seed=5)
+    s = build_scenario(spec, ds)
+    assert s.num_classes == 4 and len(s.dataset.class_names) == 4
+    kept = [ord(n) - ord("a") for n in s.dataset.class_names]  # the original ids, ascending
+    assert kept == sorted(kept) and len(set(kept)) == 4
+    assert len(s.dataset.train_y) == 4 * 20 and len(s.dataset.test_y) == 4 * 4
+    for new, old in enumerate(kept):  # relabelled in order of id, every sample of the class kept
+        assert np.array_equal(s.dataset.train_x[s.dataset.train_y == new], ds.train_x[ds.train_y == old])
+    assert sorted(np.concatenate([s.task_classes(t) for t in range(2)])) == [0, 1, 2, 3]
+    assert digest(build_scenario(spec, ds)) == digest(s)
+    other = build_scenario(spec.model_copy(update={"seed": 6}), ds)
+    assert other.dataset.class_names != s.dataset.class_names  # another seed, another subset (for these seeds)
+
+
+def test_class_subset_bad_values_are_refused():
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="class_subset=11 exceeds the 10 classes of mnist"):
+        ScenarioSpec(dataset="mnist", class_subset=11)
+    with pytest.raises(ValidationError, match="num_tasks=5 exceeds the 4 classes"):
+        ScenarioSpec(dataset="mnist", class_subset=4, num_tasks=5)
+    with pytest.raises(ValidationError, match="greater than or equal to 2"):
+        ScenarioSpec(dataset="mnist", class_subset=1)

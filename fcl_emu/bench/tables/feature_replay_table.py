@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
+from fcl_emu.bench.tables.claims import accuracy_fields
 from fcl_emu.bench.tables.runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 
@@ -47,6 +48,8 @@ COMMON = {
     "network": {"liveness_timeout_s": 300, "join_timeout_s": 120},
     "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
     "nodes": 1,
+    # the papers' protocols have no defences: every update is averaged as it came
+    "security": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}
@@ -95,11 +98,10 @@ def row(name: str, seed: int, s: RunSummary, paper: dict) -> dict:
         "row": name, "seed": seed, "method": s.method, "status": s.status,
         "ga_per_task": s.accuracy_all, "ga_mean": float(np.mean(s.accuracy_all)) if s.accuracy_all else None,
         "paper_ga_mean": paper.get(s.method),
-        "avg_accuracy": s.average_accuracy, "avg_forgetting": s.average_forgetting,
+        **accuracy_fields(s),
         # AF-FCL's measure: every client on its own tasks' test sets, mean over the tasks (absent before it existed)
         "client_accuracy": float(np.mean(s.accuracy_clients)) if s.accuracy_clients else None,
         "kr_t": kr.temporal, "kr_s": kr.spatial, "private_accuracy": kr.private,
-        "final_row": s.accuracy_matrix[-1] if s.accuracy_matrix else None,
         "mb_sent": sum(sent.values()), "mb_received": sum(received.values()), "mb_workers": to_workers / 1e6,
         "mb_sent_by_type": sent, "mb_received_by_type": received,
         "server_jobs_s": sum(j.run_s for kind, j in jobs.items() if not kind.startswith("device.")),

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
+from fcl_emu.bench.tables.claims import accuracy_fields
 from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 
@@ -43,6 +44,8 @@ BASE = {
     "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
     "model": "cnn",
     "nodes": 2,
+    # the papers' protocols have no defences: every update is averaged as it came
+    "security": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 GLFC = {"memory_size": 200, "proxy_iterations": 40, "proxy_keep": 10}
@@ -68,8 +71,7 @@ def row(name: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
     proxy = s.gpu_jobs.by_kind.get("glfc.proxy") if s.gpu_jobs else None
     return {
         "row": name, "seed": seed, "method": s.method, "status": s.status,
-        "avg_accuracy": s.average_accuracy, "avg_forgetting": s.average_forgetting,
-        "final_row": s.accuracy_matrix[-1] if s.accuracy_matrix else None,
+        **accuracy_fields(s),
         "mb_total": s.bytes_total / 1e6,
         "mb_old_model": s.bytes.get("old_model", {}).get("sent", 0) / 1e6,
         "kb_prototype_gradients_per_task": [b / 1e3 for b in channel],

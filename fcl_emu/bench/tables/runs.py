@@ -131,19 +131,3 @@ def mean_of(runs: list[dict], field: str, digits: int = 1) -> str:
     """The mean of a field over the runs of one row (costs: bytes, seconds), or ``-``."""
     values = [r[field] for r in runs if r.get(field) is not None]
     return f"{np.mean(values):.{digits}f}" if values else "-"
-
-
-#: The verdicts of :func:`verdict`, worded as the results pages word them.
-REPRODUCED, INCONCLUSIVE, NOT_REPRODUCED = "reproduced in direction", "inconclusive", "not reproduced"
-
-
-def verdict(claimed: float, claimed_sd: float, other: float, other_sd: float) -> str:
-    """Whether "``claimed`` is above ``other``" (two means over seeds with their standard deviations) holds, by one
-    rule: :data:`REPRODUCED` when the means differ in the claimed direction by more than the larger of the two
-    standard deviations, :data:`NOT_REPRODUCED` when reversed by more than it, :data:`INCONCLUSIVE` otherwise."""
-    gap, margin = claimed - other, max(claimed_sd, other_sd)
-    if gap > margin:
-        return REPRODUCED
-    if -gap > margin:
-        return NOT_REPRODUCED
-    return INCONCLUSIVE
