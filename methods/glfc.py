@@ -8,8 +8,9 @@ Learning", CVPR 2022. Facts from the paper and its official code
 
 - *Task-transition detection* (eq. 7): the mean prediction entropy
   ``H = mean_i -sum_c p_ic log p_ic`` of the received global model on the
-  local data; a rise ``H - H_last > entropy_threshold`` (paper: 1.2) since the
-  client's previous job means new classes arrived. ``H_last`` starts at 0, as
+  local data; a rise ``H - H_last > entropy_threshold`` (1.2; the paper's
+  value is not legible in the text at hand) since the client's previous job
+  means new classes arrived. ``H_last`` starts at 0, as
   in the code, so a first job with ``H > threshold`` counts as a transition;
   it is kept in the client's store, so it survives a crash.
   ``task_detection = "oracle"`` uses the emulator's task start instead.
@@ -28,15 +29,24 @@ Learning", CVPR 2022. Facts from the paper and its official code
   classes), so both groups weigh the same whatever their sizes:
   ``L_GC = mean_i w_i D_BCE(sigmoid(z_i), y_i)``, ``D_BCE`` eq. 1's binary
   cross-entropy of the sigmoid probabilities against the one-hot label,
-  summed over the classes (:func:`class_bce`). Weights are constants
+  summed over the classes (``glfc_losses.class_bce``). Weights are constants
   (detached). A client with no old classes has ``w_i = 1``.
+  ``compensation = "off"`` is the paper's *w/o CGC* ablation (§5.3, App.
+  C.2): every ``w_i = 1``, eq. 1's plain BCE, in either loss form.
 - *Class-semantic relation distillation* (eq. 5): the target of sample ``i``
   is the one-hot label whose old-class entries are the old model's sigmoid
   probabilities, ``[P_old(x_i), y_i]``, and ``L_RD = mean_i sum_c
   KL(target_ic || P_ic)``, each class's probability a Bernoulli (zero when
-  the student matches the target).
+  the student matches the target). ``distillation = "icarl"`` is the *w/o
+  CRD* ablation, iCaRL's distillation in its place (Rebuffi et al., CVPR
+  2017): ``L_KD = mean_i sum_{c < K_old} D_BCE(sigmoid(z_ic),
+  sigmoid(z_old_ic))``, the old model's sigmoid outputs as soft targets of the
+  student's old-class outputs (code form: divided by the K classes).
+  ``"off"``: no distillation term, what ``w_rd = 0`` gives (the old model's
+  forward pass is then skipped).
 - ``L = w_gc L_GC + w_rd L_RD`` with an old model, ``L_GC`` alone without
-  (``w_gc = w_rd = 0.5``, code). ``loss_form = "code"`` takes the code's
+  (``w_gc = w_rd = 0.5``, code; eq. 6's weights are not legible in the paper's
+  text). ``loss_form = "code"`` takes the code's
   forms: ``G_i`` from the sigmoid probability of the true class (the gradient
   of the binary cross-entropy at its logit), and ``L_GC`` and the binary
   cross-entropy to the relation target averaged over the classes instead of
@@ -44,15 +54,26 @@ Learning", CVPR 2022. Facts from the paper and its official code
   on 100 classes offsets; here the run's learning rate applies to both forms).
 - *Prototype-gradient communication* (eq. 10-11), after a detected
   transition: for every new class, the prototype is the sample whose
-  (normalised) feature is closest to the class mean; it is perturbed by
-  ``perturb_steps`` SGD steps (lr = training lr x ``perturb_lr_ratio``,
-  weight decay 1e-5) that lower the local model's loss of its label, plus
-  Gaussian noise of std ``perturb_noise`` (in the normalised input's units;
-  0: off, as in the code), and
-  the gradient of the cross-entropy of a small gradient-encoding LeNet
-  (:class:`GradientEncoder`, identical everywhere from ``encoder_seed``) at
-  the perturbed prototype is sent as a ``prototype_gradients`` message: no
-  image, no label, never aggregated.
+  (normalised) feature is closest to the class mean
+  (:mod:`fcl_emu.methods.glfc_prototypes`); it is perturbed, and the gradient of
+  the cross-entropy of a small gradient-encoding LeNet (:class:`GradientEncoder`,
+  identical everywhere from ``encoder_seed``) at the perturbed prototype is sent
+  as a ``prototype_gradients`` message: no image, no label, never aggregated.
+  ``perturbation = "code"`` (default): ``perturb_steps`` (50) SGD steps at lr
+  ``perturb_lr`` or else training lr x ``perturb_lr_ratio`` (0.1), weight
+  decay 1e-5, that lower the local model's loss of the label, as the code
+  does. ``"paper"`` (§4.2, §5.1, App. A.2): SGD at the absolute lr
+  ``perturb_lr`` (default 0.1) for ``perturb_steps`` (default 100) steps,
+  each lowering the loss of the label as the head predicts it from the
+  prototype's latent feature plus Gaussian noise ``gamma N(0, sigma_c^2)``,
+  ``sigma_c^2`` the variance of the features of the class's samples. The
+  equations are lost in the text at hand, so these are inferred: the variance
+  is per feature dimension (population variance over the client's fresh
+  samples of the class, under its trained model), the noise is drawn afresh
+  at every step, the loss is eq. 1's BCE in the run's form, the weight decay
+  1e-5 is the code's, and ``gamma = perturb_gamma`` (default 0.1) is a guess:
+  its value is not legible. Either form then adds Gaussian input noise of std
+  ``perturb_noise`` (in the normalised input's units; 0: off, as the code).
 
 **Proxy server** (job ``glfc.proxy`` on the coordinator's GPU workers, after
 each round's FedAvg): the round's gradients, pooled and shuffled with no
@@ -62,22 +83,48 @@ reconstruction by gradient matching (DLG): L-BFGS (lr ``proxy_lr``) on a
 random image so that the encoder's gradient at it matches, for
 ``proxy_iterations`` steps (torch's default 20 evaluations each, as the
 code's); the last ``proxy_keep`` iterates (code: 20 of 250) join the task's
-monitoring set. The round's reconstructions run side by side on the CPU at
+monitoring set. The paper reconstructs with L-BFGS at lr 1.0 for 200
+iterations (§5.1, App. A.2); the defaults are the code's (lr 0.1, 250).
+The round's reconstructions run side by side on the CPU at
 one thread (``methods/glfc_proxy.py``: one batched L-BFGS with each image's
 own steps; small problems, where a GPU or more threads only add overhead). The proxy scores each new global model
 by its accuracy on that set and keeps the best model of the task (on a tie,
 the later one); at the next task that model is the clients' old model (the
-``old_model`` asset, once per task).
+``old_model`` asset, once per task). ``old_model = "last"`` is the *w/o PRS*
+ablation: the old model is the previous task's final global model; clients
+then send no prototype gradients (the server refuses any as bad input) and
+the proxy job never runs.
+
+**Learning rate**: ``lr_schedule = "paper"`` (§5.1, App. A.2) divides the lr by
+5, 25 and 125 once a task's accumulated local epochs reach 100, 150 and 180
+of its 200 (10 rounds of 20 epochs): here 0.5, 0.75 and 0.9 of the task's
+``rounds_per_task x local_epochs``, since runs are far shorter. A client
+arrives at round ``r`` of a task after ``r x local_epochs`` of them, so round
+``r`` takes the divisor of the milestones ``r / rounds_per_task`` has
+reached (the lr is set per round: a milestone inside a round takes effect at
+the next, so the paper's round 7 of 10, half at /25 there, runs at /5 here).
+Default ``"constant"``: the project's result tables were made with it.
+
+**Options and their defaults**: the three ablations, ``compensation``
+(``"gradient"``), ``distillation`` (``"relation"``) and ``old_model``
+(``"proxy"``), default to GLFC itself; ``lr_schedule`` (``"constant"``) and
+``perturbation`` (``"code"``) keep what the existing results used;
+``loss_form`` (``"paper"``) and ``memory_size`` (2,000) are the paper's,
+``w_gc``, ``w_rd``, ``perturb_*`` and ``proxy_*`` the code's (the field
+descriptions say which), ``entropy_threshold`` (1.2) is unchecked (above).
+The iCaRL+FL baseline of the paper's tables is the method ``icarl``
+(:mod:`fcl_emu.methods.icarl`).
 
 Deviations, on purpose:
 
 - The paper's softmax ``G`` and sums over classes are the default; the
   code's sigmoid ``G`` and means over classes are ``loss_form = "code"``.
-- The code's learning-rate schedule is not reproduced: the run's lr stays
-  constant. The code trains 10 rounds per task of 20 local epochs each and
-  rebuilds its optimiser at the lr 2.0 every round, except that the lr is
-  divided by 5 for all of a task's round 5 (counting from 0), by 25 from the
-  11th local epoch of round 7 and by 125 for all of round 9.
+- The code's learning-rate schedule is not reproduced: the code trains 10
+  rounds per task of 20 local epochs each and rebuilds its optimiser at the
+  lr 2.0 every round, except that the lr is divided by 5 for all of a task's
+  round 5 (counting from 0), by 25 from the 11th local epoch of round 7 and by
+  125 for all of round 9. The paper's monotone schedule is ``lr_schedule =
+  "paper"``, per round (above); the default keeps the lr constant.
 - The code sends two candidate old models every round (best of the last and
   of the current task) and each client picks one by its detection signal;
   both are the previous task's best model except for a client that detects
@@ -89,8 +136,15 @@ Deviations, on purpose:
 - The code re-selects every client's exemplars each round with the global
   model; here a client selects candidates with its own trained model after
   each job (what it can do on a device) and keeps them at its next transition.
-- The paper's eq. 10-11 perturbation was not at hand beyond its description;
-  the optimisation-based perturbation is the code's.
+- The perturbation defaults to the code's form (no latent noise); the paper's
+  (``perturbation = "paper"``) rests on the inferences above.
+- The proxy's L-BFGS defaults to the code's lr and iterations, not the
+  paper's (above).
+- The paper (§5.3) says only that its ablations replace a component: CGC by
+  a loss whose symbol is lost in the text at hand (read as eq. 1's BCE), CRD
+  by iCaRL's distillation, and PRS is left out (here: the last global model
+  is the old model); each here swaps that one part and keeps the rest
+  (weights, memory, detection, loss form).
 - A defence neither has: a prototype gradient whose L2 norm lies beyond
   ``security.adaptive_clip`` (default 10) times the median of the round's
   and the task's earlier pooled gradients is left out of the proxy, a
@@ -102,6 +156,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -116,15 +171,17 @@ from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import frozen_classifier, from_uint8, to_uint8
-from fcl_emu.methods.glfc_losses import class_bce, gradient_compensation_loss, relation_distillation
+from fcl_emu.methods.glfc_losses import (gradient_compensation_loss, icarl_distillation, plain_bce_loss,
+                                         relation_distillation)
+from fcl_emu.methods.glfc_prototypes import (herding, merge_memory, perturb_prototype, perturb_prototype_paper,
+                                             prototype_index)
 from fcl_emu.methods.glfc_proxy import (GradientEncoder, gradient_groups, label_from_gradients, reconstruct,
                                  reconstruct_batch)
-from fcl_emu.methods.optim import LocalSGD
 from fcl_emu.methods.registry import MethodSpec, register
 from fcl_emu.scenario.transforms import denormalize
 
 NAME = "glfc"
-OLD = f"{NAME}/old/"  # asset / checkpoint prefix of the proxy's best model of the previous task
+OLD = f"{NAME}/old/"  # asset / checkpoint prefix of the previous task's old model (the proxy's best, or its last)
 BEST = f"{NAME}/best/"  # checkpoint: the best model of the current task so far
 MONITOR = f"{NAME}/monitor/"  # checkpoint: the current task's reconstructions (x, y)
 MEMORY, CANDIDATES = f"{NAME}.memory", f"{NAME}.candidates"  # client store: exemplars {x: uint8, y}
@@ -132,30 +189,69 @@ DETECTOR = f"{NAME}.detector"  # client store: the entropy and classes of the cl
 CHANNEL = "prototype_gradients"
 MONITOR_INPUT = "monitor/"  # job input prefix of the monitoring set
 MATCHED = 1e-3  # a reconstruction whose final gradient distance is below this counts as matched
+# lr_schedule "paper": (fraction of a task's local epochs done, lr divisor), from 100, 150, 180 of 200 epochs
+PAPER_LR_STEPS = ((Fraction(1, 2), 5), (Fraction(3, 4), 25), (Fraction(9, 10), 125))
+PAPER_PERTURBATION = {"perturb_steps": 100, "perturb_lr": 0.1}  # perturbation "paper": its defaults (§5.1)
 
 
-class GLFCOptions(Options):
+class ReplayOptions(Options):
+    """What GLFC and its iCaRL+FL baseline (:mod:`fcl_emu.methods.icarl`) share: the exemplar memory, the task
+    detection, the classification and distillation terms and the lr schedule."""
+
     memory_size: int = pydantic.Field(2000, ge=1, description="exemplars per client in all (paper: 2000)")
     loss_form: Literal["paper", "code"] = pydantic.Field(
         "paper", description="sigmoid BCE / Bernoulli KL summed over the classes (paper) or averaged (code)")
-    w_gc: float = pydantic.Field(0.5, ge=0, description="weight of the gradient-compensation loss (code: 0.5)")
-    w_rd: float = pydantic.Field(0.5, ge=0, description="weight of the relation distillation (code: 0.5)")
+    compensation: Literal["gradient", "off"] = pydantic.Field(
+        "gradient", description="class-aware gradient compensation (eq. 2-4) or plain BCE (the paper's w/o CGC)")
+    distillation: Literal["relation", "icarl", "off"] = pydantic.Field(
+        "relation", description="class-semantic relation distillation (eq. 5), iCaRL's (w/o CRD) or none")
+    w_gc: float = pydantic.Field(0.5, ge=0, description="weight of the classification term from task 1 (code: 0.5)")
+    w_rd: float = pydantic.Field(0.5, ge=0, description="weight of the distillation (code: 0.5)")
     task_detection: Literal["entropy", "oracle"] = pydantic.Field(
         "entropy", description="detect new classes by the entropy rise (paper) or take the task start")
     entropy_threshold: float = pydantic.Field(1.2, gt=0, description="entropy rise that signals a new task (1.2)")
-    perturb_steps: int = pydantic.Field(50, ge=0, description="SGD steps that perturb a prototype (code: 50)")
+    lr_schedule: Literal["constant", "paper"] = pydantic.Field(
+        "constant", description="constant lr, or the paper's /5, /25, /125 at 0.5, 0.75, 0.9 of a task's epochs")
+
+
+class GLFCOptions(ReplayOptions):
+    old_model: Literal["proxy", "last"] = pydantic.Field(
+        "proxy", description="the proxy's best model of the last task, or its final global model (w/o PRS)")
+    perturbation: Literal["code", "paper"] = pydantic.Field(
+        "code", description="prototype perturbation: the code's SGD, or the paper's with latent feature noise")
+    perturb_steps: int = pydantic.Field(
+        50, ge=0, description="SGD steps that perturb a prototype (code: 50; perturbation paper: 100)")
+    perturb_lr: float | None = pydantic.Field(
+        None, gt=0, description="their absolute lr (perturbation paper: 0.1); unset: training lr x perturb_lr_ratio")
     perturb_lr_ratio: float = pydantic.Field(0.1, gt=0, description="their lr / the training lr (code: 0.1)")
+    perturb_gamma: float = pydantic.Field(
+        0.1, ge=0, description="perturbation paper: latent noise std / the class's feature std (value lost: a guess)")
     perturb_noise: float = pydantic.Field(0.0, ge=0, description="std of Gaussian noise added to a prototype")
     encoder_seed: int = pydantic.Field(0, ge=0, description="seed of the shared gradient-encoding LeNet")
-    proxy_iterations: int = pydantic.Field(250, ge=1, description="L-BFGS steps per reconstruction (code: 250)")
-    proxy_lr: float = pydantic.Field(0.1, gt=0, description="L-BFGS learning rate of the reconstruction")
+    proxy_iterations: int = pydantic.Field(
+        250, ge=1, description="L-BFGS steps per reconstruction (code: 250; paper: 200)")
+    proxy_lr: float = pydantic.Field(0.1, gt=0, description="L-BFGS learning rate (code: 0.1; paper: 1.0)")
     proxy_keep: int = pydantic.Field(20, ge=1, description="last iterates kept per gradient (code: 20)")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _paper_perturbation_defaults(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("perturbation") == "paper":
+            data = {**data, **{k: v for k, v in PAPER_PERTURBATION.items() if data.get(k) is None}}
+        return data
 
     @pydantic.model_validator(mode="after")
     def _keep_fits(self) -> GLFCOptions:
         if self.proxy_keep > self.proxy_iterations:
             raise ValueError(f"proxy_keep ({self.proxy_keep}) exceeds proxy_iterations ({self.proxy_iterations})")
         return self
+
+
+def paper_lr(base: float, task_round: int, rounds: int) -> float:
+    """The paper's lr in round ``task_round`` (0-based) of a task of ``rounds``: ``base`` divided by the largest
+    divisor of :data:`PAPER_LR_STEPS` whose fraction of the task's local epochs the earlier rounds have done."""
+    done = Fraction(task_round, max(rounds, 1))
+    return base / max((divisor for fraction, divisor in PAPER_LR_STEPS if done >= fraction), default=1)
 
 
 # ---------------------------------------------------------- task-transition detection
@@ -170,69 +266,6 @@ def mean_entropy(model: nn.Module, x: torch.Tensor, batch: int = 512) -> float:
         total += float(-(logp.exp() * logp).sum())
     model.train(was_training)
     return total / max(len(x), 1)
-
-
-# --------------------------------------------------------- exemplars, prototypes
-def herding(features: torch.Tensor, m: int) -> torch.Tensor:
-    """iCaRL's herding: indices of up to ``m`` samples, in selection order, whose running mean of L2-normalised
-    features stays closest to the class mean."""
-    f = F.normalize(features, dim=1)
-    mu = f.mean(dim=0)
-    chosen: list[int] = []
-    running = torch.zeros_like(mu)
-    available = torch.ones(len(f), dtype=torch.bool)
-    for k in range(1, min(m, len(f)) + 1):
-        dist = (mu - (running + f) / k).norm(dim=1)
-        dist[~available] = math.inf
-        i = int(dist.argmin())
-        chosen.append(i)
-        available[i] = False
-        running += f[i]
-    return torch.tensor(chosen, dtype=torch.long)
-
-
-def prototype_index(features: torch.Tensor) -> int:
-    """The sample whose normalised feature is closest to the (normalised) class mean."""
-    f = F.normalize(features, dim=1)
-    return int((f - F.normalize(f.mean(dim=0), dim=0)).norm(dim=1).argmin())
-
-
-def merge_memory(memory: Mapping[str, np.ndarray] | None, candidates: Mapping[str, np.ndarray] | None,
-                 size: int) -> dict[str, np.ndarray] | None:
-    """The memory after a transition: candidates replace the memory of their classes, then every class keeps
-    its first ``size // classes`` samples (herding order, so the best ones)."""
-    parts = [p for p in (memory, candidates) if p is not None and len(p["y"])]
-    if not parts:
-        return None
-    fresh = set(np.unique(candidates["y"]).tolist()) if candidates is not None else set()
-    xs, ys = [], []
-    for part in parts:
-        keep = np.ones(len(part["y"]), bool) if part is candidates else ~np.isin(part["y"], list(fresh))
-        xs.append(part["x"][keep])
-        ys.append(part["y"][keep])
-    x, y = np.concatenate(xs), np.concatenate(ys)
-    classes = np.unique(y)
-    quota = max(1, size // len(classes))
-    keep = np.concatenate([np.flatnonzero(y == c)[:quota] for c in classes])
-    return {"x": x[keep], "y": y[keep]}
-
-
-def perturb_prototype(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, noise: float,
-                      form: str, generator: torch.Generator) -> torch.Tensor:
-    """The prototype after ``steps`` SGD steps (weight decay 1e-5) that lower ``model``'s loss of label ``y``
-    (:func:`class_bce` in the run's form), plus Gaussian noise of std ``noise``."""
-    x = x.detach().clone().requires_grad_(True)
-    opt = LocalSGD([x], lr=lr, weight_decay=1e-5)
-    for _ in range(steps):
-        logits = model(x)
-        loss = class_bce(logits, F.one_hot(y, logits.shape[1]).float(), form).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    x = x.detach()
-    if noise > 0:
-        x = x + noise * torch.randn(x.shape, generator=generator)
-    return x
 
 
 @jobs.job("glfc.proxy")
@@ -282,14 +315,17 @@ def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], dev
 # ------------------------------------------------------------------- server
 class GLFCServer(ServerPart):
     """FedAvg; pools the prototype gradients (without identities) for the proxy, which picks each task's best
-    global model; that model is the next task's old model."""
+    global model; that model is the next task's old model (``old_model = "last"``: the task's final global
+    model, no proxy)."""
 
     options: GLFCOptions
     side_channels = (CHANNEL,)
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._encoder = GradientEncoder(ctx.input_shape, self._encoder_classes(), self.options.encoder_seed)
+        self._proxy = self.uses_proxy()
+        self._encoder = (GradientEncoder(ctx.input_shape, self._encoder_classes(), self.options.encoder_seed)
+                         if self._proxy else None)
         self._pool: list[dict[str, np.ndarray]] = []  # this round's gradients, in arrival order
         self._pooled_norms: list[float] = []  # the L2 norms of the task's gradients that reached the proxy
         self._monitor: dict[str, np.ndarray] | None = None  # the task's reconstructions {x, y}
@@ -298,18 +334,31 @@ class GLFCServer(ServerPart):
         self._old: Arrays | None = None  # best model of the previous task: the clients' old model
         self._rng = np.random.default_rng([ctx.seed, 0x61FC])
 
+    def uses_proxy(self) -> bool:
+        """Whether the proxy picks the old model (else it is the previous task's final global model)."""
+        return self.options.old_model == "proxy"
+
+    def learning_rate(self, task: int, task_round: int, base: float) -> float:
+        """Constant (lr_schedule constant), or the paper's steps: training.lr divided by 5, 25 and 125 from the
+        rounds that start past 0.5, 0.75 and 0.9 of a task's local epochs (lr_schedule paper)."""
+        if self.options.lr_schedule == "constant":
+            return base
+        return paper_lr(base, task_round, self.ctx.rounds_per_task)
+
     def _encoder_classes(self) -> int:
         return 0 if self.ctx.scenario is None else int(self.ctx.scenario.num_classes)
 
     def on_side_channel(self, task: int, kind: str, tensors: Mapping[str, np.ndarray]) -> None:
         if kind != CHANNEL:
             super().on_side_channel(task, kind, tensors)
+        if not self._proxy:
+            raise ValueError("prototype gradients while the old model is the last global model (no proxy)")
         names = [n for n, _ in self._encoder.named_parameters()]
         self._pool.extend(gradient_groups(tensors, names, self._encoder, prefix=""))
 
     def aggregate(self, task: int, round: int, updates) -> None:
         super().aggregate(task, round, updates)
-        if not self._pool and self._monitor is None:
+        if not self._proxy or (not self._pool and self._monitor is None):
             return
         pool, self._pool = self._within_cohort(self._pool), []
         order = self._rng.permutation(len(pool))  # the proxy learns nothing from the arrival order either
@@ -345,7 +394,7 @@ class GLFCServer(ServerPart):
         return [g for g, out in zip(pool, beyond) if not out]
 
     def end_task(self, task: int) -> None:
-        if self._best is None:  # no reconstruction this task: the final global model
+        if self._best is None or not self._proxy:  # no reconstruction this task, or no proxy: the final model
             self._best = self.global_state
 
     def start_task(self, task: int) -> None:
@@ -392,9 +441,13 @@ class GLFCClient(ClientPart):
 
     @classmethod
     def work_per_sample(cls, options, batch_size: int, task: int) -> float:
-        """A plain step, and from task 1 the old model's forward pass for distillation (1/3 of a step); the prototype
-        gradient computed once per job is left out."""
-        return 1.0 + (1.0 / 3.0 if task > 0 else 0.0)
+        """A plain step, and from task 1 the old model's forward pass for distillation (1/3 of a step; none with
+        distillation off); the prototype gradient computed once per job is left out."""
+        return 1.0 + (1.0 / 3.0 if task > 0 and options.distillation != "off" else 0.0)
+
+    def sends_prototypes(self) -> bool:
+        """Whether a detected transition sends prototype gradients (only the proxy reads them)."""
+        return self.options.old_model == "proxy"
 
     def __init__(self, options: GLFCOptions):
         super().__init__(options)
@@ -435,15 +488,23 @@ class GLFCClient(ClientPart):
 
     def loss(self, ctx: ClientContext, model, x, y, logits) -> torch.Tensor:
         job, o = ctx.job, self.options
-        is_old = torch.isin(y, job["old_classes"]) if len(job["old_classes"]) else None
-        gc = gradient_compensation_loss(logits, y, is_old, o.loss_form)
+        if o.compensation == "off":
+            gc = plain_bce_loss(logits, y, o.loss_form)
+        else:
+            is_old = torch.isin(y, job["old_classes"]) if len(job["old_classes"]) else None
+            gc = gradient_compensation_loss(logits, y, is_old, o.loss_form)
         job["steps"] += 1
         job["sums"][0] += gc.item()
         if job["teacher"] is None:
             return gc
+        if o.distillation == "off":  # as w_rd = 0
+            return o.w_gc * gc
         with torch.no_grad():
             old_logits = job["teacher"](x)
-        rd = relation_distillation(logits, old_logits, y, o.loss_form)
+        if o.distillation == "icarl":
+            rd = icarl_distillation(logits, old_logits, o.loss_form)
+        else:
+            rd = relation_distillation(logits, old_logits, y, o.loss_form)
         job["sums"][1] += rd.item()
         return o.w_gc * gc + o.w_rd * rd
 
@@ -458,14 +519,16 @@ class GLFCClient(ClientPart):
                           for c in sorted(set(y.tolist()))])
         ctx.store.save(CANDIDATES, {"x": to_uint8(denormalize(x[keep], ctx.mean, ctx.std)),
                                     "y": y[keep].numpy()})
-        if job["detected"] and job["new_classes"]:
+        sends = job["detected"] and job["new_classes"] and self.sends_prototypes()
+        if sends:
             tensors = self._prototype_gradients(ctx, model, x, y, features, job["new_classes"])
             ctx.outbox[CHANNEL] = (len(job["new_classes"]), tensors)
         steps = max(job["steps"], 1)
-        ctx.metrics.update(gradient_compensation=float(job["sums"][0] / steps),
-                           prototype_gradients=float(len(job["new_classes"]) if job["detected"] else 0))
-        if job["teacher"] is not None:
-            ctx.metrics["relation_distillation"] = float(job["sums"][1] / steps)
+        classification = "gradient_compensation" if o.compensation == "gradient" else "plain_bce"
+        ctx.metrics.update({classification: float(job["sums"][0] / steps),
+                            "prototype_gradients": float(len(job["new_classes"]) if sends else 0)})
+        if job["teacher"] is not None and o.distillation != "off":
+            ctx.metrics[f"{o.distillation}_distillation"] = float(job["sums"][1] / steps)
         return {}
 
     def _prototype_gradients(self, ctx: ClientContext, model, x, y, features, classes: list[int]) -> Arrays:
@@ -474,13 +537,18 @@ class GLFCClient(ClientPart):
         if self._encoder is None:
             self._encoder = GradientEncoder(tuple(x.shape[1:]), ctx.dataset_classes, o.encoder_seed)
         gen = torch.Generator().manual_seed(ctx.seed)
+        lr = o.perturb_lr if o.perturb_lr is not None else ctx.settings.lr * o.perturb_lr_ratio
         tensors: Arrays = {}
         for k, c in enumerate(classes):
             idx = torch.nonzero(y == c).flatten()
             proto = x[idx[prototype_index(features[idx])]][None]
             label = torch.tensor([c])
-            proto = perturb_prototype(model, proto, label, o.perturb_steps, ctx.settings.lr * o.perturb_lr_ratio,
-                                      o.perturb_noise, o.loss_form, gen)
+            if o.perturbation == "paper":
+                proto = perturb_prototype_paper(model, proto, label, features[idx], o.perturb_steps, lr,
+                                                o.perturb_gamma, o.perturb_noise, o.loss_form, gen)
+            else:
+                proto = perturb_prototype(model, proto, label, o.perturb_steps, lr, o.perturb_noise, o.loss_form,
+                                          gen)
             grads = self._encoder.gradients(proto, label)
             for (name, _), g in zip(self._encoder.named_parameters(), grads):
                 tensors[f"{k}/{name}"] = g.numpy().astype(np.float32)

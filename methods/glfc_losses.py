@@ -1,6 +1,7 @@
 """GLFC's client loss terms (Dong et al., CVPR 2022, eq. 1-5; :mod:`fcl_emu.methods.glfc` describes the method): the
 class-aware gradient compensation and the class-semantic relation distillation, in the paper's form or the
-official code's (``loss_form``)."""
+official code's (``loss_form``), and what the paper's ablations put in their place: the plain BCE (w/o CGC) and
+iCaRL's distillation (w/o CRD)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ def gradient_compensation_loss(logits: torch.Tensor, y: torch.Tensor, is_old: to
     (``is_old``: which samples belong to the client's old classes; None when it has none)."""
     w = compensation_weights(true_class_gradient(logits, y, form), is_old)
     return (w * class_bce(logits, F.one_hot(y, logits.shape[1]).float(), form)).mean()
+
+
+def plain_bce_loss(logits: torch.Tensor, y: torch.Tensor, form: str = "paper") -> torch.Tensor:
+    """The "w/o CGC" ablation's classification loss: eq. 1's :func:`class_bce` against the one-hot label with every
+    sample's weight 1, averaged over the batch."""
+    return class_bce(logits, F.one_hot(y, logits.shape[1]).float(), form).mean()
+
+
+def icarl_distillation(logits: torch.Tensor, old_logits: torch.Tensor, form: str = "paper") -> torch.Tensor:
+    """iCaRL's distillation (Rebuffi et al., CVPR 2017), what the "w/o CRD" ablation puts in eq. 5's place: the
+    binary cross-entropy of the student's sigmoid outputs on the old model's ``K_old`` classes (the first ones)
+    against the old model's sigmoid outputs as soft targets, summed over those classes (``form = "paper"``) or
+    divided by the student's ``K`` classes (``"code"``: 1/K, as every code-form term), averaged over the batch."""
+    k_old = old_logits.shape[1]
+    bce = F.binary_cross_entropy_with_logits(logits[:, :k_old], torch.sigmoid(old_logits), reduction="none")
+    per_sample = bce.sum(dim=1) if form == "paper" else bce.sum(dim=1) / logits.shape[1]
+    return per_sample.mean()
 
 
 def relation_distillation(logits: torch.Tensor, old_logits: torch.Tensor, y: torch.Tensor,

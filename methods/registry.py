@@ -16,7 +16,8 @@ from fcl_emu.methods.base import ClientPart, Options, ServerPart
 
 # The built-in methods, each the module fcl_emu.methods.<name>: the one place a new method is listed (its module
 # registers its spec, and its server-side jobs under <name>.<kind>, methods/jobs.py).
-BUILTIN = ("fedavg", "fedprox", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc", "affcl", "fedcbc")
+BUILTIN = ("fedavg", "fedprox", "fedlwf2t", "fedewc", "mfcl", "target", "lander", "glfc", "icarl", "affcl",
+           "fedcbc")
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,19 @@ and 2 more joining at every task boundary, 10 % of the earlier clients keeping o
 each boundary (GLFC's three client groups), 5 clients per round, 5 rounds per task) per seed; the table
 gives mean ± sample standard deviation over the seeds. GLFC runs
 with a 200-exemplar memory per client and CPU-sized proxy budgets (``GLFC``), once with the emulator's task
-start as its transition signal (``oracle``), once with the paper's entropy-rise detection, and in two
-ablations (no relation distillation; the official code's sigmoid loss forms).
+start as its transition signal (``oracle``), once with the paper's entropy-rise detection, in the paper's three
+ablations (each replacing one component: plain BCE, iCaRL's distillation, the last model for the proxy's pick) and
+as its iCaRL+FL baseline (``icarl``); ``glfc-no-rd`` (no distillation) and ``glfc-code-losses`` (the official
+code's loss forms) on request. Below the table: the learnability gate on FedAvg's first seed and a verdict per
+claim of :data:`CLAIMS` (:mod:`claims`).
 
 Reconstruction quality: for every class, the prototype of its first holder is chosen, perturbed and
 encoded exactly as a GLFC client does (with the first seed's glfc run's final global model), reconstructed exactly as
 the proxy does, and compared: PSNR (pixels in [0, 1]) of the last kept reconstruction against the
 perturbed prototype (what the channel could leak), of the perturbed prototype against the original (what
 the perturbation hides), and whether the label came back right; again with Gaussian noise of std 0.25
-and 1.0 (normalised units) added to the perturbed prototype (``perturb_noise``). The proxy itself never sees a prototype;
-this measurement needs the client's data and runs here, outside the emulation.
+and 1.0 (normalised units) added to the perturbed prototype (``perturb_noise``). The proxy itself never sees a
+prototype; this measurement needs the client's data and runs here, outside the emulation.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ import numpy as np
 import torch
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import accuracy_fields
+from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
 from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.scenario.datasets import NUM_CLASSES
 
+DATASET = "mnist"
 BASE = {
-    "scenario": {"num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2, "old_only_fraction": 0.1},
+    "scenario": {"dataset": DATASET, "num_tasks": 5, "num_clients": 18, "new_clients_per_task": 2,
+                 "old_only_fraction": 0.1},
     # the papers' protocols have no round deadline: every selected client counts, whatever its device
     "rounds": {"clients_per_round": 5, "rounds_per_task": 5, "deadline_s": 86_400, "eval_every": 5},
     "training": {"local_epochs": 1, "batch_size": 32, "lr": 0.05, "weight_decay": 5e-4},
@@ -55,10 +61,29 @@ ROWS = {
     "fedlwf2t": ("fedlwf2t", {}),
     "glfc-oracle": ("glfc", {**GLFC, "task_detection": "oracle"}),
     "glfc-entropy": ("glfc", {**GLFC, "entropy_threshold": 0.3}),
-    # ablations, with the oracle signal: without the relation distillation; the official code's loss forms
+    # the paper's ablations (GLFC Table 1), each replacing one component, with the oracle signal: plain BCE for the
+    # gradient compensation (w/o CGC), iCaRL's distillation for the relation distillation (w/o CRD), the last model
+    # for the proxy's pick (w/o PRS); and its iCaRL+FL baseline (all three replaced)
+    "glfc-no-cgc": ("glfc", {**GLFC, "task_detection": "oracle", "compensation": "off"}),
+    "glfc-no-crd": ("glfc", {**GLFC, "task_detection": "oracle", "distillation": "icarl"}),
+    "glfc-no-prs": ("glfc", {**GLFC, "task_detection": "oracle", "old_model": "last"}),
+    "icarl": ("icarl", {"memory_size": GLFC["memory_size"]}),
+    # without any distillation term; the official code's loss forms
     "glfc-no-rd": ("glfc", {**GLFC, "task_detection": "oracle", "w_rd": 0.0}),
     "glfc-code-losses": ("glfc", {**GLFC, "task_detection": "oracle", "loss_form": "code"}),
 }
+DEFAULT_ROWS = ("fedavg", "fedlwf2t", "glfc-oracle", "glfc-entropy", "glfc-no-cgc", "glfc-no-crd", "glfc-no-prs",
+                "icarl")
+
+# The claims judged (time-averaged accuracy, GLFC Table 1: CIFAR-100, T=10; FedCBC Table 1 for GLFC above FedAvg,
+# there in mean GA): GLFC with the oracle signal against its iCaRL+FL baseline, each ablation and FedAvg.
+CLAIMS: tuple[Claim, ...] = (
+    Claim("glfc-oracle", "icarl", "GLFC Table 1", "time_avg", (66.9, 51.8)),
+    Claim("glfc-oracle", "glfc-no-cgc", "GLFC Table 1", "time_avg", (66.9, 60.1)),
+    Claim("glfc-oracle", "glfc-no-crd", "GLFC Table 1", "time_avg", (66.9, 65.8)),
+    Claim("glfc-oracle", "glfc-no-prs", "GLFC Table 1", "time_avg", (66.9, 64.6)),
+    Claim("glfc-oracle", "fedavg", "FedCBC Table 1, there in mean GA: 55.58 vs 25.28", "time_avg"),
+)
 
 
 def row(name: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
@@ -151,12 +176,14 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
 
 
 def markdown(rows: list[dict]) -> str:
-    """Mean ± standard deviation over the seeds of accuracy and forgetting; means of the rest."""
-    lines = ["| run | seeds | avg. accuracy % | avg. forgetting % | total MB | old model MB | prototype-gradient KB "
-             "per task | jobs with a detected / a true transition | proxy s | wall s |", "| --- |" + " ---: |" * 9]
+    """Mean ± standard deviation over the seeds of accuracy and forgetting; means of the rest; then the gate and
+    the verdicts."""
+    lines = ["| run | seeds | avg. accuracy % | time-avg. accuracy % | avg. forgetting % | total MB | old model MB | "
+             "prototype-gradient KB per task | jobs with a detected / a true transition | proxy s | wall s |",
+             "| --- |" + " ---: |" * 10]
     for name, runs, failed in grouped(rows):
         if not runs:
-            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 7)
+            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 8)
             continue
         kb = ", ".join(f"{v:.0f}" for v in np.mean([r["kb_prototype_gradients_per_task"] for r in runs], axis=0))
         det = "-"
@@ -165,16 +192,19 @@ def markdown(rows: list[dict]) -> str:
             if runs[0]["missed_rate"] is not None:
                 det += f" (missed {mean_of(runs, 'missed_rate', 2)}, false {mean_of(runs, 'false_alarm_rate', 2)})"
         lines.append(f"| {name} | {len(runs)} | {pm([r['avg_accuracy'] for r in runs], 2)} | "
-                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {mean_of(runs, 'mb_total')} | "
+                     f"{pm([r['time_avg'] for r in runs], 2)} | {pm([r['avg_forgetting'] for r in runs], 2)} | "
+                     f"{mean_of(runs, 'mb_total')} | "
                      f"{mean_of(runs, 'mb_old_model')} | {kb if runs[0]['method'] == 'glfc' else '-'} | {det} | "
                      f"{mean_of(runs, 'proxy_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
-    return "\n".join(lines)
+    judged = tuple(c for c in CLAIMS if {c.method, c.other} <= {r["row"] for r in rows})
+    gate = learnability_gate(pilot_row(rows, key="row"), NUM_CLASSES[DATASET])
+    return "\n".join(lines + [""] + verdicts(rows, judged, gate, key="row"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-root", default="../shared/data")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
     add_report_only(ap)
