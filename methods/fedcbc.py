@@ -8,11 +8,18 @@ local VAEs of one class from different clients (a class several clients
 hold, or one only a single client holds) into its global VAE. Metrics GA,
 KR_t, KR_s (monitoring/results.py).
 
-Sources. The paper's text (its equations and the value of every default) was
-not available here: only its abstract. Every formula and default below comes
-from the authors' official code (SkyOfBeginning/FedCBC: ``client.py``,
-``Server.py``, ``utils.py``, ``option.py``, ``models/VAE_PRETRAINED.py``),
-numbered as the paper's equations were quoted to this project.
+Sources: the paper's text (the anonymous submission, as extracted for this
+project) and the authors' official code (SkyOfBeginning/FedCBC: ``client.py``,
+``Server.py``, ``utils.py``, ``option.py``, ``models/VAE_PRETRAINED.py``). The
+paper gives the forms and few values: every default below is the code's.
+Where the two differ the code is followed, except for eq. 6 (*Prediction*):
+
+- eq. 5 weighs ``(1 - a) KL + a MSE``; the code's ``MSE + beta KL`` with
+  ``beta = 0.5`` is that loss at ``a = 2/3``, scaled by 3/2;
+- eq. 7 (fusion) weighs ``a MSE + b KL(prior) + (1 - a - b) KL(sources)``;
+  here, as the code, eq. 5 plus ``alpha`` times the KL to the sources;
+- a class with a single source, the fusion's student and the
+  pseudo-features' noise: under *Server* and *Client*.
 
 **What the VAEs model** (``features``). On MNIST the code flattens each image
 to its 784 pixels and the VAEs model those: no extractor, no pretraining.
@@ -25,7 +32,7 @@ docs/results/glfc-fedcbc-affcl-single-seed.md).
 
 **Feature extractor** (colour images, or ``features = "pretrained"``). The
 code loads a ResNet-18 pretrained beforehand on a server-side subset; the
-paper (as quoted) uses 5% of each class. Here the server pretrains the run's
+paper uses 5% of each class's data. Here the server pretrains the run's
 backbone (``ctx.model_name``) with a linear head over all the data set's
 classes as a GPU-worker job (``fedcbc.pretrain``, before the first round):
 ``pretrain_fraction`` (0.05) of the training samples of *every* class, future
@@ -52,7 +59,8 @@ data: its local VAE of ``c`` is the one kept in its store from its earlier
 jobs, else a copy of the global VAE of ``c``, else a fresh one; the *replay
 source* is the global VAE of ``c`` if there is one, else the client's own
 local VAE; ``pseudo_samples`` (100) latents ``z ~ U(-1, 1)^k`` (code; or
-``N(0, I)``, ``pseudo_noise``) decoded by it join the class's real features.
+the paper's ``N(0, I)``, ``pseudo_noise``) decoded by it join the class's real
+features.
 With a global VAE of ``c`` (the *teacher*) the loss is::
 
     L = eq. 5 + alpha * mean_b KL(q_local(z|f) || q_global(z|f))
@@ -67,11 +75,13 @@ not (the VAEs use Adam at ``vae_lr``). The client uploads every trained VAE as
 ``c`` with uploads: the *sources* are the uploaded local VAEs of ``c`` and
 its previous global VAE, if any. One source (a class only one client holds,
 seen for the first time): that VAE becomes the global one (the code's rule;
-distilling a VAE into a copy of itself changes nothing). Several (public
+distilling a VAE into a copy of itself changes nothing; the paper, for
+privacy, distils it into a new VAE instead). Several (public
 classes, and private classes from their second round on): job
 ``fedcbc.fuse`` draws ``pseudo_samples`` latents, decodes each by every
 source, and trains a student (started from the previous global VAE, else
-from the first uploader's local VAE in client order; code: a random one) for
+from the first uploader's local VAE in client order; code: a random one;
+paper: a new VAE) for
 ``fusion_epochs`` (300, code) over these pseudo-features, batch
 ``fusion_batch`` (32, code), with::
 
@@ -82,10 +92,15 @@ the sources' *sampled* latents instead of their means, a noisy stand-in for
 the same target). Uploads are not weighted by sample counts (code).
 
 **Prediction** (eq. 6, :class:`fcl_emu.methods.models.vae.VAEClassifier`): the class
-whose global VAE has the lowest eq.-5 loss on the features; the logits are
-minus that loss (``-inf`` for a seen class without a VAE yet), so the
-evaluator's argmax is eq. 6. The latent is the posterior mean (the code
-samples it, which makes its evaluation random).
+whose global VAE scores lowest on the features, the latent at the posterior
+mean (the code samples it, which makes its evaluation random); the logits
+are minus the scores (``-inf`` for a seen class without a VAE yet), so the
+evaluator's argmax is eq. 6. ``prediction = "reconstruction"`` (default)
+scores by the squared reconstruction error alone, as eq. 6 states;
+``"loss"`` by the whole eq.-5 loss, ``MSE + beta KL``, as the code does. The
+paper's form is the default: it is the method as published, and no test
+pins the numbers of the code's. FedCBC results measured before this option
+existed scored by the loss (``prediction: loss`` reproduces them).
 
 **Wire.** ``summable = ()``: nothing is summed, no model delta is uploaded
 (the global classifier state is empty), and ``--secagg`` is refused at config
@@ -122,13 +137,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fcl_emu.methods import fedcbc_fusion, jobs
+from fcl_emu.methods.fedcbc_fusion import draw_latents, fit_vae, pseudo_features
 from fcl_emu.aggregation.clipping import beyond_cohort, l2_norm
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.methods.models.state import load_arrays, state_to_arrays
-from fcl_emu.methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
+from fcl_emu.methods.models.vae import VAE, VAEClassifier
 from fcl_emu.methods.registry import MethodSpec, register
 from fcl_emu.scenario.transforms import denormalize, to_tensor
 
@@ -162,6 +178,9 @@ class FedCBCOptions(Options):
     decoder_output: Literal["auto", "sigmoid", "linear"] = pydantic.Field(
         "auto", description="the VAE decoder's last activation: a sigmoid (code), linear, or auto: a sigmoid "
                             "over pixels, linear over an extractor's unbounded features")
+    prediction: Literal["reconstruction", "loss"] = pydantic.Field(
+        "reconstruction", description="eq. 6's score of a class's VAE: its squared reconstruction error alone "
+                                      "(paper) or its eq.-5 loss, MSE + beta KL (code)")
 
 
 def uses_pixels(o: FedCBCOptions, input_shape) -> bool:
@@ -207,61 +226,6 @@ def build_vae(o: FedCBCOptions, input_dim: int, arrays: Mapping[str, np.ndarray]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return make()
-
-
-def pseudo_features(vae: VAE, z: torch.Tensor) -> torch.Tensor:
-    """Features the VAE's decoder makes of the latents ``z`` (no gradients)."""
-    with torch.no_grad():
-        return vae.to(z.device).eval().decode(z)
-
-
-def draw_latents(o: FedCBCOptions, n: int, gen: torch.Generator) -> torch.Tensor:
-    if o.pseudo_noise == "uniform":
-        return torch.rand((n, o.vae_latent), generator=gen) * 2 - 1
-    return torch.randn((n, o.vae_latent), generator=gen)
-
-
-def distillation_loss(student: VAE, x: torch.Tensor, teachers: list[VAE], o: FedCBCOptions,
-                      gen: torch.Generator | None = None) -> tuple[torch.Tensor, float, float]:
-    """Eq. 5 on ``x`` plus ``alpha`` times the mean KL from the student's posterior to the teachers' averaged
-    posterior (one teacher: continual personalization; several: eq. 7); returns the loss and both terms."""
-    recon, mean, log_var = student(x, generator=gen)
-    own = vae_loss(recon, x, mean, log_var, o.beta)
-    if not teachers:
-        return own, own.item(), 0.0
-    with torch.no_grad():
-        posteriors = [t.encode(x) for t in teachers]
-        mean_t = torch.stack([m for m, _ in posteriors]).mean(dim=0)
-        log_var_t = torch.stack([v for _, v in posteriors]).mean(dim=0)
-    kd = gaussian_kl(mean, log_var, mean_t, log_var_t).mean()
-    return own + o.alpha * kd, own.item(), kd.item()
-
-
-def fit_vae(student: VAE, data: torch.Tensor, teachers: list[VAE], o: FedCBCOptions, epochs: int, batch: int,
-            gen: torch.Generator, device: torch.device) -> tuple[float, float, int]:
-    """Train ``student`` on the rows of ``data`` (Adam, shuffled batches) with :func:`distillation_loss`;
-    returns the mean eq.-5 and distillation terms of the last epoch, and the steps taken."""
-    student.to(device).train()
-    for t in teachers:
-        t.to(device).eval()
-    opt = torch.optim.Adam(student.parameters(), lr=o.vae_lr, weight_decay=o.vae_weight_decay)
-    steps = 0
-    for _ in range(epochs):
-        order = torch.randperm(len(data), generator=gen)
-        sums, batches = np.zeros(2), 0
-        for i in range(0, len(data), batch):
-            loss, own, kd = distillation_loss(student, data[order[i:i + batch]].to(device), teachers, o, gen)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"fedcbc: the VAE loss became {loss.item()}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sums += (own, kd)
-            batches += 1
-        steps += batches
-    student.eval()
-    own, kd = sums / max(batches, 1)
-    return float(own), float(kd), steps
 
 
 def split_vaes(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[int, Arrays]:
@@ -341,7 +305,7 @@ def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: t
     students = [build_vae(o, d, starts[c]) for c in classes]
     teachers = [[build_vae(o, d, arrays).to(device) for _, arrays in sorted(sources[c].items())] for c in classes]
     if options.get("sequential", False):
-        terms = [_fuse_one(s, t, o, gen, device) for s, t in zip(students, teachers)]
+        terms = [fedcbc_fusion.fuse_one(s, t, o, gen, device) for s, t in zip(students, teachers)]
     else:
         terms = fedcbc_fusion.fit_students(students, teachers, o, lambda n, g: draw_latents(o, n, g), gen, device)
     out: Arrays = {}
@@ -350,16 +314,6 @@ def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: t
     own, kd = np.mean(terms, axis=0)
     return jobs.JobOutput(out, {"classes": float(len(starts)), "final_vae_loss": float(own),
                                "final_distillation": float(kd)})
-
-
-def _fuse_one(student: VAE, teachers: list[VAE], o: FedCBCOptions, gen: torch.Generator,
-              device: torch.device) -> tuple[float, float]:
-    """One class's fusion on its own (the sequential reference of
-    :func:`fcl_emu.methods.fedcbc_fusion.fit_students`)."""
-    z = draw_latents(o, o.pseudo_samples, gen).to(device)
-    data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
-    own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)
-    return own, kd
 
 
 # ------------------------------------------------------------------- server
@@ -496,7 +450,7 @@ class FedCBCServer(ServerPart):
                 if self._extractor is not None:
                     load_arrays(extractor, self._extractor)
             vaes = {c: build_vae(self.options, self.feature_dim, a) for c, a in self._vaes.items()}
-            self._eval = VAEClassifier(extractor, vaes, self._num_seen, self.options.beta)
+            self._eval = VAEClassifier(extractor, vaes, self._num_seen, self.options.beta, self.options.prediction)
         return self._eval
 
     # --- checkpoints: no classifier state; the extractor, the global VAEs, the seen-class count

