@@ -172,3 +172,14 @@ def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget
     assert "perturb_steps" not in gpu and gpu["proxy_iterations"] == 250  # the code's on a GPU
     # the generative table keeps its half-width generators
     assert generative_table.config("lander", "mnist", 0.125, 0)["method_options"]["generator_width"] == 64
+
+
+def test_option_sets_one_methods_option_in_every_run_of_it():
+    import argparse
+    options = [runs.method_option("mfcl:generator_iterations=200"), runs.method_option("lander:warmup=2")]
+    assert options[0] == ("mfcl", "generator_iterations", 200)
+    mfcl = runs.with_options(many_class_table.config("mfcl", 0.04, 0), options)
+    assert mfcl["method_options"]["generator_iterations"] == 200 and mfcl["method_options"]["generator_width"] == 32
+    assert runs.with_options(many_class_table.config("fedavg", 0.04, 0), options)["method_options"] == {}
+    with pytest.raises(argparse.ArgumentTypeError, match="METHOD:KEY=VALUE"):
+        runs.method_option("generator_iterations=200")

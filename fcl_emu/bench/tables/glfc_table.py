@@ -35,7 +35,8 @@ import torch
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
+                                      seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
@@ -54,6 +55,14 @@ BASE = {
     "security": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
+# The paper's setting at a CPU budget on a 50-class Tiny-ImageNet-32 subset in 5 tasks of 10 (the protocol whose
+# FedAvg pilot passes the learnability gate: docs/reproduction.md), each client holding 60 % of a task's classes
+# (GLFC's class_fraction), 10 rounds a task; memory and proxy steps by --option (e.g. glfc:memory_size=300)
+TINY50 = {**BASE, "scenario": {**BASE["scenario"], "dataset": "tiny-imagenet-32", "class_subset": 50,
+                               "partition": "class_fraction", "class_fraction": 0.6},
+          "rounds": {**BASE["rounds"], "rounds_per_task": 10, "eval_every": 10}, "model": "cnn_bn",
+          "training": {**BASE["training"], "lr": 0.01}}
+PROTOCOLS = {"mnist": BASE, "tiny50": TINY50}
 GLFC = {"memory_size": 200, "proxy_iterations": 40, "proxy_keep": 10}
 NOISE = (None, 0.25, 1.0)  # reconstruction quality with the run's perturbation, then with Gaussian noise added
 ROWS = {
@@ -175,7 +184,7 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
             "psnr_perturbation_mean": float(np.mean([r["psnr_perturbed_vs_prototype"] for r in out]))}
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], classes: int = NUM_CLASSES[DATASET]) -> str:
     """Mean ± standard deviation over the seeds of accuracy and forgetting; means of the rest; then the gate and
     the verdicts."""
     lines = ["| run | seeds | avg. accuracy % | time-avg. accuracy % | avg. forgetting % | total MB | old model MB | "
@@ -197,7 +206,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{mean_of(runs, 'mb_old_model')} | {kb if runs[0]['method'] == 'glfc' else '-'} | {det} | "
                      f"{mean_of(runs, 'proxy_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
     judged = tuple(c for c in CLAIMS if {c.method, c.other} <= {r["row"] for r in rows})
-    gate = learnability_gate(pilot_row(rows, key="row"), NUM_CLASSES[DATASET])
+    gate = learnability_gate(pilot_row(rows, key="row"), classes)
     return "\n".join(lines + [""] + verdicts(rows, judged, gate, key="row"))
 
 
@@ -206,21 +215,26 @@ def main() -> None:
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2])
+    ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default="mnist",
+                    help="mnist: 5 tasks of 2 classes; tiny50: a 50-class Tiny-ImageNet-32 subset in 5 tasks of 10")
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
+    add_method_options(ap)
     add_report_only(ap)
     add_page_options(ap)
     args = ap.parse_args()
     check_page(args, args.out)
+    base = PROTOCOLS[args.protocol]
     rows = []
     for seed in args.seeds:
         for name in args.rows.split(","):
             method, options = ROWS[name]
             run = f"{name}-s{seed}"
-            summary = run_up(run, seeded({**BASE, "method": method, "method_options": options}, seed),
+            cfg = with_options({**base, "method": method, "method_options": options}, args.option)
+            summary = run_up(run, seeded(cfg, seed),
                              args.data_root, args.out, args.report_only)
             if summary is not None:
                 rows.append(row(name, seed, summary, events(args.out, run)))
-    table = markdown(rows)
+    table = markdown(rows, base["scenario"].get("class_subset") or NUM_CLASSES[base["scenario"]["dataset"]])
     glfc_runs = [f"{r['row']}-s{r['seed']}" for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
                for noise in NOISE] if glfc_runs else []

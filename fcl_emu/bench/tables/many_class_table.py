@@ -37,7 +37,7 @@ from pathlib import Path
 
 from fcl_emu.bench.tables import add_page_options, check_page, generative_table, write_page
 from fcl_emu.bench.tables.claims import Claim, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_report_only, fraction, pm, seeds
+from fcl_emu.bench.tables.runs import add_method_options, add_report_only, fraction, pm, seeds, with_options
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
 DATASET = "tiny-imagenet-32"
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=BASE["scenario"]["samples_per_client_task"],
                     help="training samples per client and task (0: the client's whole share of the task)")
     ap.add_argument("--out", type=Path, default=Path("runs/many-class"))
+    add_method_options(ap)
     add_report_only(ap)
     add_page_options(ap)
     args = ap.parse_args()
@@ -159,7 +160,8 @@ def main() -> None:
             "scenario": {**BASE["scenario"], "samples_per_client_task": args.samples or None, "num_tasks": args.tasks,
                          **({} if args.classes == NUM_CLASSES[DATASET] else {"class_subset": args.classes})},
             "rounds": {**BASE["rounds"], "rounds_per_task": args.rounds, "eval_every": args.rounds}}
-    rows = generative_table.sweep(methods, args.seeds, lambda m, seed: config(m, args.budget, seed, base), args)
+    rows = generative_table.sweep(
+        methods, args.seeds, lambda m, seed: with_options(config(m, args.budget, seed, base), args.option), args)
     table = markdown(rows, methods, args.classes)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")

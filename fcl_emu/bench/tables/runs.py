@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import math
@@ -99,6 +100,29 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise SystemExit(f"--budget is a fraction in (0, 1], got {text!r}")
     return value
+
+
+def method_option(text: str) -> tuple[str, str, object]:
+    """``--option mfcl:generator_iterations=200``: a method's option set for every run of that method in a table
+    (the value read as YAML: numbers, booleans and strings)."""
+    method, sep, rest = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not (sep and eq and method and key):
+        raise argparse.ArgumentTypeError(f"--option takes METHOD:KEY=VALUE, got {text!r}")
+    return method, key, yaml.safe_load(value)
+
+
+def add_method_options(parser) -> None:
+    """The tables' ``--option METHOD:KEY=VALUE`` (repeatable; see :func:`method_option`)."""
+    parser.add_argument("--option", type=method_option, action="append", default=[], metavar="METHOD:KEY=VALUE",
+                        help="set a method's option in every run of it (after the budget's), e.g. "
+                             "mfcl:generator_iterations=200")
+
+
+def with_options(config: dict, options: list[tuple[str, str, object]]) -> dict:
+    """``config`` with the ``--option`` values of its method."""
+    mine = {key: value for method, key, value in options if method == config["method"]}
+    return {**config, "method_options": {**config.get("method_options", {}), **mine}} if mine else config
 
 
 def seeded(config: dict, seed: int) -> dict:
