@@ -52,7 +52,11 @@ NUM_CLASSES: dict[str, int] = {
     "cifar100": 100,
     "tiny-imagenet": 200,
     "tiny-imagenet-32": 200,
+    "mnist-fashion": 20,
 }
+#: Data sets made of two others side by side: the second's classes after the first's (AF-FCL's task pools mix
+#: data sets; MNIST + Fashion-MNIST gives 20 classes of 28x28 grey images).
+UNIONS: dict[str, tuple[str, str]] = {"mnist-fashion": ("mnist", "fashion-mnist")}
 DATASETS: tuple[str, ...] = tuple(NUM_CLASSES)
 """Names :func:`load_dataset` accepts."""
 
@@ -144,6 +148,8 @@ def load_dataset(name: str, roots: Sequence[Path], download: bool = False) -> Im
     naming every path looked at, and :class:`DatasetFormatError` for a corrupt
     file.
     """
+    if name in UNIONS:
+        return _union(name, [load_dataset(part, roots, download) for part in UNIONS[name]])
     try:
         layout = _find_layout(name, roots)
     except DatasetNotFoundError:
@@ -173,7 +179,10 @@ def class_subset(dataset: ImageDataset, classes: Sequence[int]) -> ImageDataset:
 
 def find_dataset(name: str, roots: Sequence[Path]) -> Path:
     """Where :func:`load_dataset` would load dataset ``name`` from, without reading it (a check before a run
-    starts). Raises :class:`DatasetNotFoundError` naming every path looked at."""
+    starts; a union: its first part, every part checked). Raises :class:`DatasetNotFoundError` naming every path
+    looked at."""
+    if name in UNIONS:
+        return [find_dataset(part, roots) for part in UNIONS[name]][0]
     return _find_layout(name, roots).path
 
 
@@ -312,6 +321,20 @@ def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, 
         means.append(mean)
         stds.append(float(math.sqrt(max(hist @ values**2 / n - mean**2, 0.0))))
     return tuple(means), tuple(stds)
+
+
+def _union(name: str, parts: list[ImageDataset]) -> ImageDataset:
+    """``parts`` side by side as data set ``name``: each part's labels after the earlier parts' classes."""
+    if len({p.train_x.shape[1:] for p in parts}) != 1:
+        raise DatasetFormatError(f"{name}: its parts' images differ in shape: "
+                                 f"{', '.join(f'{p.name} {p.train_x.shape[1:]}' for p in parts)}")
+    offsets = np.cumsum([0] + [p.num_classes for p in parts[:-1]])
+    arrays = DecodedArrays(np.concatenate([p.train_x for p in parts]),
+                           np.concatenate([p.train_y + o for p, o in zip(parts, offsets)]),
+                           np.concatenate([p.test_x for p in parts]),
+                           np.concatenate([p.test_y + o for p, o in zip(parts, offsets)]),
+                           tuple(n for p in parts for n in p.class_names))
+    return _to_dataset(name, arrays)
 
 
 def _to_dataset(name: str, a: DecodedArrays) -> ImageDataset:

@@ -128,6 +128,23 @@ def test_idx_torchvision_layout(tmp_path, name, subdir):
     np.testing.assert_array_equal(ds.train_x[..., 0], train_x)
 
 
+def test_mnist_fashion_is_both_side_by_side_with_fashions_labels_after_the_digits(tmp_path):
+    mx, my, mtx, mty = write_mnist(tmp_path / "mnist", gz=False, seed=1)
+    fx, fy, ftx, fty = write_mnist(tmp_path / "fashion-mnist", gz=False, seed=2)
+    ds = load_dataset("mnist-fashion", [tmp_path])
+    assert ds.name == "mnist-fashion" and ds.num_classes == 20
+    assert ds.class_names[:10] == datasets._DIGITS and ds.class_names[10:] == datasets.FASHION_MNIST_CLASSES
+    np.testing.assert_array_equal(ds.train_x[..., 0], np.concatenate([mx, fx]))
+    assert ds.train_y.tolist() == my.tolist() + (fy + 10).tolist()
+    assert ds.test_y.tolist() == mty.tolist() + (fty + 10).tolist()
+    both = np.concatenate([mx, fx]) / 255
+    assert ds.mean[0] == pytest.approx(both.mean()) and ds.std[0] == pytest.approx(both.std())
+    assert datasets.find_dataset("mnist-fashion", [tmp_path]) == tmp_path / "mnist"
+    (tmp_path / "fashion-mnist" / datasets._MNIST_FILES[0]).unlink()
+    with pytest.raises(DatasetNotFoundError, match="fashion-mnist"):
+        load_dataset("mnist-fashion", [tmp_path])
+
+
 def test_later_roots_are_searched(tmp_path):
     (tmp_path / "empty").mkdir()
     train_x, *_ = write_mnist(tmp_path / "full" / "mnist", gz=True)
