@@ -192,7 +192,8 @@ def _coverage(teacher, x: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
         predicted = torch.cat([teacher(b).argmax(dim=1) for b in x.split(512)])
     share = torch.bincount(predicted, minlength=teacher.num_classes).float() / len(predicted)
-    return {"images": float(len(x)), "class_share_min": float(share.min()), "class_share_max": float(share.max())}
+    return {"images": float(len(x)), "classes": float(teacher.num_classes), "class_share_min": float(share.min()),
+            "class_share_max": float(share.max())}
 
 
 

@@ -183,3 +183,12 @@ def test_option_sets_one_methods_option_in_every_run_of_it():
     assert runs.with_options(many_class_table.config("fedavg", 0.04, 0), options)["method_options"] == {}
     with pytest.raises(argparse.ArgumentTypeError, match="METHOD:KEY=VALUE"):
         runs.method_option("generator_iterations=200")
+
+
+def test_synthetic_coverage_is_the_rarest_class_share_against_its_even_share_at_the_worst_job():
+    evs = [{"event": "job", "metrics": {"classes": 4.0, "class_share_min": 0.2}},  # 0.2 x 4 = 0.8
+           {"event": "job", "metrics": {"classes": 2.0, "class_coverage_min": 0.15}},  # MFCL's name: 0.3
+           {"event": "job", "metrics": {"class_share_min": 0.0}},  # no classes reported: left out
+           {"event": "round", "metrics": {}}]
+    assert generative_table.synthetic_coverage(evs) == pytest.approx(0.3)
+    assert generative_table.synthetic_coverage(evs[2:]) is None

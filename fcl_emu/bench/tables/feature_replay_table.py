@@ -141,21 +141,28 @@ def row(name: str, seed: int, s: RunSummary, paper: dict) -> dict:
     }
 
 
+def learned(runs: list[dict]) -> str:
+    """Each task's accuracy right after it, mean over the runs (``-`` for a task that introduced no class)."""
+    columns = zip(*[r["learned_accuracy"] for r in runs])
+    return ", ".join("-" if None in c else f"{np.mean(c):.1f}" for c in columns)
+
+
 def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int = 10) -> str:
     """The table, then the learnability gate on the ``fedavg`` row's first seed and a verdict per claim."""
     lines = ["| run | seeds | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % "
-             "| clients' own test sets % | KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB "
+             "| each task right after it % | clients' own test sets % | KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB "
              "| server jobs s | wall s |",
-             "| --- | ---: | --- |" + " ---: |" * 12]
+             "| --- | ---: | --- |" + " ---: |" * 4 + " --- |" + " ---: |" * 8]
     for name, runs, failed in grouped(rows):
         if not runs:
-            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 12)
+            lines.append(f"| {name} | 0 | {failed[0]['status']} |" + " |" * 13)
             continue
         ga = ", ".join(f"{a:.1f}" for a in np.mean([r["ga_per_task"] for r in runs], axis=0))
         paper = runs[0]["paper_ga_mean"]
         lines.append(f"| {name} | {len(runs)} | {ga} | {pm([r['ga_mean'] for r in runs], 2)} | "
                      f"{'-' if paper is None else f'{paper:.2f}'} | {pm([r['avg_accuracy'] for r in runs], 2)} | "
-                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {pm([r['client_accuracy'] for r in runs])} | "
+                     f"{pm([r['avg_forgetting'] for r in runs], 2)} | {learned(runs)} | "
+                     f"{pm([r['client_accuracy'] for r in runs])} | "
                      f"{pm([r['kr_t'] for r in runs])} | "
                      f"{pm([r['kr_s'] for r in runs])} | {pm([r['private_accuracy'] for r in runs])} | "
                      f"{mean_of(runs, 'mb_sent')} / {mean_of(runs, 'mb_received')} | {mean_of(runs, 'mb_workers')} | "

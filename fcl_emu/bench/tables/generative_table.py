@@ -116,10 +116,21 @@ def run_row(method: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
         "old_accuracy": [float(np.mean(row[:t])) for t, row in enumerate(matrix) if t > 0],
         "bounding_mean": float(np.mean(bounding)) if bounding else None,
         "bounding_rounds": [sum(b > 0 for b in bounding), len(bounding)],  # non-zero, reported
+        "coverage_min": synthetic_coverage(evs),
         "mb_total": s.bytes_total / 1e6,
         "server_job_s": sum(k.run_s for kind, k in jobs.items() if not kind.startswith("device.")),
         "wall_s": s.wall_clock_s,
     }
+
+
+def synthetic_coverage(evs: list[dict]) -> float | None:
+    """How evenly the teacher labels a generator's synthetic images, at its worst over the run's synthesis jobs:
+    the rarest class's share times the classes (1: every class its even share; the learnability gate's mechanism
+    check wants at least 0.5). None: no synthesis job reported its classes."""
+    shares = [m.get("class_share_min", m.get("class_coverage_min")) * m["classes"]
+              for e in evs if e["event"] == "job" for m in [e.get("metrics") or {}]
+              if "classes" in m and ("class_share_min" in m or "class_coverage_min" in m)]
+    return min(shares) if shares else None
 
 
 def sweep(methods: list[str], seed_list: list[int], make_config, args) -> list[dict]:
@@ -163,6 +174,11 @@ def markdown(rows: list[dict], methods: list[str], num_classes: int = 10) -> str
         lines.append("\nLANDER's Bounding term (clients' mean per round): "
                      f"{pm([r['bounding_mean'] for r in bounded], 4)} over the seeds, non-zero in {nonzero} of "
                      f"{total} rounds.")
+    covered = [(m, [r["coverage_min"] for r in rows if r["method"] == m and r.get("coverage_min") is not None])
+               for m in methods]
+    if any(values for _, values in covered):
+        lines.append("\nSynthetic images, the rarest class's share of its even share at the worst task (mechanism "
+                     "check: at least 0.5): " + "; ".join(f"{m} {min(v):.2f}" for m, v in covered if v) + ".")
     judged = tuple(c for c in CLAIMS if c.method in methods and c.other in methods)
     return "\n".join(lines + [""] + verdicts(rows, judged, learnability_gate(pilot_row(rows), num_classes)))
 
