@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default="mnist",
                     help="mnist: 5 tasks of 2 classes; tiny50: a 50-class Tiny-ImageNet-32 subset in 5 tasks of 10")
     ap.add_argument("--out", type=Path, default=Path("runs/glfc"))
+    ap.add_argument("--skip-reconstruction", action="store_true",
+                    help="leave out the proxy's reconstruction quality (minutes of CPU after the runs)")
     add_method_options(ap)
     add_report_only(ap)
     add_page_options(ap)
@@ -237,7 +239,7 @@ def main() -> None:
     table = markdown(rows, base["scenario"].get("class_subset") or NUM_CLASSES[base["scenario"]["dataset"]])
     glfc_runs = [f"{r['row']}-s{r['seed']}" for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
-               for noise in NOISE] if glfc_runs else []
+               for noise in NOISE] if glfc_runs and not args.skip_reconstruction else []
     (args.out / "table.md").write_text(table + "\n")
     write_page(args, args.out, table)
     (args.out / "table.json").write_text(json.dumps({"rows": rows, "reconstruction": quality}, indent=1))
