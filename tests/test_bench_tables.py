@@ -95,8 +95,10 @@ def test_paired_verdict_needs_every_seed_in_the_claimed_direction_and_two_standa
     # forgetting: lower is better
     assert claims.paired_verdict([10, 11, 12], [20, 22, 21], lower_is_better=True)[0] == claims.REPRODUCED
     assert claims.paired_verdict([30, 31], [25, 27])[0].startswith("not judged: 2 paired seeds")
-    # identical differences (deterministic runs): se 0, any positive mean holds
-    assert claims.paired_verdict([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])[0] == claims.REPRODUCED
+    # identical differences (deterministic runs): se 0, any mean above the least effect (1 point) holds
+    assert claims.paired_verdict([2.0, 2.0, 2.0], [0.5, 0.5, 0.5])[0] == claims.REPRODUCED
+    # hundredths of a point in every seed: inconclusive however small the spread
+    assert claims.paired_verdict([19.99, 20.01, 20.0], [19.97, 19.97, 19.98])[0] == claims.INCONCLUSIVE
 
 
 def test_the_learnability_gate_wants_every_task_learned_and_forgetting_to_prevent():

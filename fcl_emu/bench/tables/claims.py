@@ -36,6 +36,9 @@ GATE_TIMES_CHANCE = 4.0
 GATE_HEADROOM = 1 / 3
 #: Seeds a verdict needs at least.
 MIN_SEEDS = 3
+#: The least mean difference (percentage points) a verdict other than inconclusive needs, whatever the spread:
+#: deterministic runs that differ by hundredths of a point in every seed say nothing about a method.
+MIN_EFFECT = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,8 @@ def learnability_gate(pilot: dict | None, num_classes: int) -> Gate:
 def paired_verdict(a: list[float], b: list[float], lower_is_better: bool = False) -> tuple[str, str]:
     """The verdict on "``a`` is better than ``b``" from per-seed values in the same seed order, and its numbers:
     :data:`REPRODUCED` when every seed's difference has the claimed sign and their mean exceeds two standard
-    errors, :data:`NOT_REPRODUCED` when every difference is reversed and the mean exceeds two standard errors the
-    other way, :data:`INCONCLUSIVE` otherwise."""
+    errors and :data:`MIN_EFFECT`, :data:`NOT_REPRODUCED` when every difference is reversed and the mean exceeds
+    both the other way, :data:`INCONCLUSIVE` otherwise."""
     if len(a) != len(b):
         raise ValueError(f"paired values: {len(a)} against {len(b)}")
     d = np.array(a, dtype=float) - np.array(b, dtype=float)
@@ -107,9 +110,9 @@ def paired_verdict(a: list[float], b: list[float], lower_is_better: bool = False
         return f"not judged: {len(d)} paired seeds (needs {MIN_SEEDS})", ""
     mean, se = float(d.mean()), float(d.std(ddof=1)) / math.sqrt(len(d))
     text = f"paired difference {mean:+.2f} ± {se:.2f} (standard error), per seed {', '.join(f'{x:+.2f}' for x in d)}"
-    if (d > 0).all() and mean > 2 * se:
+    if (d > 0).all() and mean > max(2 * se, MIN_EFFECT):
         return REPRODUCED, text
-    if (d < 0).all() and -mean > 2 * se:
+    if (d < 0).all() and -mean > max(2 * se, MIN_EFFECT):
         return NOT_REPRODUCED, text
     return INCONCLUSIVE, text
 
