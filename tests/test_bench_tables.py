@@ -194,3 +194,12 @@ def test_synthetic_coverage_is_the_rarest_class_share_against_its_even_share_at_
            {"event": "round", "metrics": {}}]
     assert generative_table.synthetic_coverage(evs) == pytest.approx(0.3)
     assert generative_table.synthetic_coverage(evs[2:]) is None
+
+
+def test_flow_diagnostics_take_the_last_nll_and_the_worst_old_flow_nll():
+    evs = [{"event": "round", "client_metrics": {"flow_nll": 500.0, "flow_nll_old": 0.0}},
+           {"event": "round", "client_metrics": {"flow_nll": 480.0, "flow_nll_old": 9e15}},
+           {"event": "round", "client_metrics": {"flow_nll": 470.0, "flow_nll_old": 850.0}},
+           {"event": "task_end"}]
+    assert feature_replay_table.flow_diagnostics(evs) == {"flow_nll": 470.0, "flow_nll_old_max": 9e15}
+    assert feature_replay_table.flow_diagnostics([{"event": "round", "client_metrics": None}]) == {}

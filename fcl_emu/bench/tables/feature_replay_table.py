@@ -44,7 +44,7 @@ import numpy as np
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_report_only, grouped, mean_of, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
@@ -93,9 +93,10 @@ _FEDCBC_CLAIMS = (Claim("fedcbc", "fedavg", "FedCBC Table 1", "ga_mean", (81.08,
 _AFFCL_CLAIMS = tuple(Claim(f"affcl{n}", f"{other}{n}", "AF-FCL Table 1", metric)
                       for n in ("", "-noisy") for other in ("fedavg", "fedlwf2t")
                       for metric in ("avg_accuracy", "avg_forgetting"))
-CLAIMS = {"affcl-incremental": _AFFCL_CLAIMS, "fedcbc": _FEDCBC_CLAIMS, "fedcbc-incremental": _FEDCBC_CLAIMS, "fedcbc-cifar10": (
-    Claim("fedcbc", "fedavg", "FedCBC Table 2", "ga_mean", (57.93, 21.92)),
-    Claim("fedcbc", "glfc", "FedCBC Table 2", "ga_mean", (57.93, 42.66))), "affcl": _AFFCL_CLAIMS}
+CLAIMS = {"affcl": _AFFCL_CLAIMS, "affcl-incremental": _AFFCL_CLAIMS,
+          "fedcbc": _FEDCBC_CLAIMS, "fedcbc-incremental": _FEDCBC_CLAIMS,
+          "fedcbc-cifar10": (Claim("fedcbc", "fedavg", "FedCBC Table 2", "ga_mean", (57.93, 21.92)),
+                             Claim("fedcbc", "glfc", "FedCBC Table 2", "ga_mean", (57.93, 42.66)))}
 
 TABLES = {
     "fedcbc-incremental": ({**COMMON, "scenario": {"dataset": "mnist", **INCREMENTAL_SCENARIO},
@@ -119,7 +120,17 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
     return {**base, "scenario": scenario, "method": method, "method_options": options}
 
 
-def row(name: str, seed: int, s: RunSummary, paper: dict) -> dict:
+def flow_diagnostics(evs: list[dict]) -> dict:
+    """AF-FCL's mechanism check from its clients' round metrics: the flow's NLL (nats) of the current features in
+    the last round, and the worst NLL the previous task's flow gave them in a later task (a flow that models the
+    old classes' features gives numbers of the same order). Empty for other methods."""
+    metrics = [e.get("client_metrics") or {} for e in evs if e["event"] == "round"]
+    nll = [m["flow_nll"] for m in metrics if "flow_nll" in m]
+    old = [m["flow_nll_old"] for m in metrics if m.get("flow_nll_old")]
+    return {"flow_nll": nll[-1], "flow_nll_old_max": max(old) if old else None} if nll else {}
+
+
+def row(name: str, seed: int, s: RunSummary, paper: dict, evs: list[dict] = ()) -> dict:
     kr = s.knowledge_retention
     clients = {kind: b for kind, b in s.bytes.items() if kind not in WORKER_TYPES}
     sent = {kind: b.get("sent", 0) / 1e6 for kind, b in clients.items()}
@@ -138,6 +149,7 @@ def row(name: str, seed: int, s: RunSummary, paper: dict) -> dict:
         "mb_sent_by_type": sent, "mb_received_by_type": received,
         "server_jobs_s": sum(j.run_s for kind, j in jobs.items() if not kind.startswith("device.")),
         "wall_s": s.wall_clock_s,
+        **flow_diagnostics(evs),
     }
 
 
@@ -150,8 +162,8 @@ def learned(runs: list[dict]) -> str:
 def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int = 10) -> str:
     """The table, then the learnability gate on the ``fedavg`` row's first seed and a verdict per claim."""
     lines = ["| run | seeds | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % "
-             "| each task right after it % | clients' own test sets % | KR_t % | KR_s % | private-class acc. % | client MB sent / received | worker MB "
-             "| server jobs s | wall s |",
+             "| each task right after it % | clients' own test sets % | KR_t % | KR_s % | private-class acc. % "
+             "| client MB sent / received | worker MB | server jobs s | wall s |",
              "| --- | ---: | --- |" + " ---: |" * 4 + " --- |" + " ---: |" * 8]
     for name, runs, failed in grouped(rows):
         if not runs:
@@ -167,6 +179,12 @@ def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int 
                      f"{pm([r['kr_s'] for r in runs])} | {pm([r['private_accuracy'] for r in runs])} | "
                      f"{mean_of(runs, 'mb_sent')} / {mean_of(runs, 'mb_received')} | {mean_of(runs, 'mb_workers')} | "
                      f"{mean_of(runs, 'server_jobs_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
+    flows = [r for r in rows if r.get("flow_nll") is not None]
+    if flows:
+        lines.append("\nAF-FCL's flow (mechanism check), per run: NLL of the current features in the last round / "
+                     "the worst NLL the previous task's flow gave them later (nats): "
+                     + "; ".join(f"{r['row']} s{r['seed']} {r['flow_nll']:.0f} / {r['flow_nll_old_max'] or 0:.3g}"
+                                 for r in flows) + ".")
     gate = learnability_gate(pilot_row(rows, key="row"), num_classes)
     return "\n".join(lines + [""] + verdicts(rows, claims, gate, key="row"))
 
@@ -192,7 +210,7 @@ def main() -> None:
             summary = run_up(f"{name}-s{seed}", seeded(config(base, name, method, options), seed), args.data_root, out,
                              args.report_only)
             if summary is not None:
-                rows.append(row(name, seed, summary, paper))
+                rows.append(row(name, seed, summary, paper, events(out, f"{name}-s{seed}")))
     table = markdown(rows, CLAIMS[args.table], NUM_CLASSES[base["scenario"]["dataset"]])
     (out / "table.md").write_text(table + "\n")
     write_page(args, out, table)
