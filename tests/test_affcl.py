@@ -94,12 +94,14 @@ def test_one_coupling_log_likelihood_by_hand():
     assert torch.allclose(flow.inverse(z, y), x, atol=1e-5)
 
 
-def test_flow_is_invertible_and_its_log_det_matches_autograd():
+@pytest.mark.parametrize("standardize", [False, True])
+def test_flow_is_invertible_and_its_log_det_matches_autograd(standardize):
     torch.manual_seed(0)
-    flow = ConditionalFlow(6, 3, layers=4, hidden=8)
+    flow = ConditionalFlow(6, 3, layers=4, hidden=8, standardize=standardize)
     for p in flow.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    flow.observe(x * 0.1 + 2.0)  # narrow features far from 0: the standardisation's statistics move
     z, logdet = flow(x, y)
     assert torch.allclose(flow.inverse(z, y), x, atol=1e-5)
     for i in range(len(x)):
@@ -121,6 +123,31 @@ def test_flow_scale_is_bounded_like_the_code():
         xp = x[:, flow.perm0]
         assert torch.allclose(z, torch.cat([xp[:, :1], xp[:, 1:] * scale], dim=1))
         assert log_p.item() == pytest.approx(_gauss_logpdf(z).item() + math.log(scale), rel=1e-6)
+
+
+def test_running_standardization_by_hand():
+    """observe() moves mean and var 0.1 of the way to the batch's; log p is the raw flow's density of the
+    standardised features plus -sum log sqrt(var + 1e-6); inverse undoes both."""
+    flow = ConditionalFlow(2, 1, layers=1, hidden=2, blocks=0, standardize=True)
+    raw = ConditionalFlow(2, 1, layers=1, hidden=2, blocks=0)
+    raw.load_state_dict({k: v for k, v in flow.state_dict().items() if k.startswith("couplings.")})
+    batch = torch.tensor([[1.0, 2.0], [3.0, 6.0]])  # mean (2, 4), biased var (1, 4)
+    flow.observe(batch)
+    mean, var = torch.tensor([0.2, 0.4]), torch.tensor([1.0, 1.3])
+    assert torch.allclose(flow.standardization.mean, mean) and torch.allclose(flow.standardization.var, var)
+    x, y = torch.tensor([[0.5, -1.0], [2.0, 3.0]]), torch.tensor([0, 0])
+    log_det = -0.5 * (math.log(1.0 + 1e-6) + math.log(1.3 + 1e-6))
+    assert flow.input_log_det().item() == pytest.approx(log_det, rel=1e-6)
+    log_p, z = flow.log_prob(x, y)
+    raw_log_p, raw_z = raw.log_prob((x - mean) / torch.sqrt(var + 1e-6), y)
+    assert torch.allclose(z, raw_z, atol=1e-6) and torch.allclose(log_p, raw_log_p + log_det, atol=1e-6)
+    assert torch.allclose(flow.inverse(z, y), x, atol=1e-6)
+    assert raw.input_log_det().item() == 0.0
+    raw.observe(batch)  # no standardisation: nothing to move
+    assert set(raw.state_dict()) == {k for k in flow.state_dict() if k.startswith("couplings.")}
+    assert {"standardization.mean", "standardization.var"} <= set(flow.state_dict())  # they travel
+    with pytest.raises(ValueError, match="cannot observe"):
+        flow.observe(torch.tensor([[float("nan"), 0.0]]))
 
 
 def test_fresh_flow_permutes_and_scales_and_state_names_are_stable():
@@ -340,15 +367,18 @@ def _client_job(model_name: str, task: int, **options):
     ("cnn", {}),
     ("cnn_leaky", {"replay": "summed", "credibility": "feature", "kd_classes": "old"}),
     ("cnn", {"classifier_optimizer": "adam"}),
+    ("cnn", {"flow_input": "raw"}),
 ])
 def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread, model_name, options):
     client, ctx, model = _client_job(model_name, 1, **options)
     uploads, metrics = client.train(ctx, model)
     flow_deltas = {k: v for k, v in uploads.items() if k.startswith(FLOW)}
-    assert flow_deltas.keys() == {FLOW + k for k in ConditionalFlow(flow_dim(model), 6, 2, 8).state_dict()}
+    standardize = options.get("flow_input", "standardized") == "standardized"
+    assert flow_deltas.keys() == {FLOW + k for k in ConditionalFlow(flow_dim(model), 6, 2, 8,
+                                                                    standardize=standardize).state_dict()}
     assert any(np.abs(v).max() > 0 for v in flow_deltas.values())
     for term in ("flow_nll", "flow_nll_old", "kd_feature", "kd_output", "kd_generated", "credibility", "p_bar",
-                 "replay"):
+                 "replay", "generated_agreement"):
         assert math.isfinite(metrics[term]), term
     bad = ClientContext(**{**ctx.__dict__, "dataset_classes": 7, "job": {}, "metrics": {}})
     with pytest.raises(ValueError, match="cannot load state"):  # a flow of another label space

@@ -199,7 +199,10 @@ def test_synthetic_coverage_is_the_rarest_class_share_against_its_even_share_at_
 def test_flow_diagnostics_take_the_last_nll_and_the_worst_old_flow_nll():
     evs = [{"event": "round", "client_metrics": {"flow_nll": 500.0, "flow_nll_old": 0.0}},
            {"event": "round", "client_metrics": {"flow_nll": 480.0, "flow_nll_old": 9e15}},
-           {"event": "round", "client_metrics": {"flow_nll": 470.0, "flow_nll_old": 850.0}},
+           {"event": "round", "client_metrics": {"flow_nll": 470.0, "flow_nll_old": 850.0,
+                                                 "generated_agreement": 0.25}},
            {"event": "task_end"}]
-    assert feature_replay_table.flow_diagnostics(evs) == {"flow_nll": 470.0, "flow_nll_old_max": 9e15}
+    assert feature_replay_table.flow_diagnostics(evs) == {"flow_nll": 470.0, "flow_nll_old_max": 9e15,
+                                                          "generated_agreement": 0.25}
+    assert feature_replay_table.flow_diagnostics(evs[:2])["generated_agreement"] is None  # runs before the metric
     assert feature_replay_table.flow_diagnostics([{"event": "round", "client_metrics": None}]) == {}

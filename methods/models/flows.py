@@ -39,6 +39,18 @@ a fresh flow permutes and scales every transformed dimension by
 buffers, so the state dict (what travels on the wire) holds the
 conditioners' weights only.
 
+With ``standardize`` the flow first standardises its input by running
+per-dimension statistics, ``x' = (x - mean) / sqrt(var + 1e-6)`` (log |det|
+``-sum log sqrt(var + 1e-6)``), the running averages of RealNVP's batch
+normalisation (Dinh et al. 2017, section 3.7) without the per-batch
+statistics: ``mean`` and ``var`` are float buffers that :meth:`ConditionalFlow.observe`
+moves towards a batch's statistics (momentum 0.1) and no gradient
+touches; they travel and are averaged with the weights. The bounded scale
+above cannot stretch, so without it features narrower than the standard
+normal (per-dimension spreads of 0.01 are common below a classifier's last
+layers) get a density no higher than the prior's, and samples far wider
+than the features.
+
 Why not a library: ``zuko`` and ``nflows`` install from PyPI and run on the
 CPU, but this module needs stable state-dict names that travel as model
 state and weights a test can set by hand; the flow is a hundred lines, so
@@ -53,7 +65,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AffineCoupling", "ConditionalFlow", "ResidualBlock", "SCALE_SHIFT", "SCALE_FLOOR"]
+__all__ = ["AffineCoupling", "ConditionalFlow", "ResidualBlock", "RunningStandardization", "SCALE_SHIFT",
+           "SCALE_FLOOR"]
 
 LOG_2PI = math.log(2 * math.pi)
 SCALE_SHIFT = 2.0  # s = sigmoid(s_raw + SCALE_SHIFT) + SCALE_FLOOR (nflows' default scale activation)
@@ -109,18 +122,47 @@ class AffineCoupling(nn.Module):
         return torch.cat([z_a, (z_b - t) * torch.exp(-log_s)], dim=1)
 
 
+class RunningStandardization(nn.Module):
+    """``x -> (x - mean) / sqrt(var + eps)`` per dimension, ``mean`` and ``var`` running averages (buffers)
+    that only :meth:`observe` changes; a fresh one (mean 0, var 1) is the identity up to ``eps``."""
+
+    def __init__(self, dim: int, momentum: float = 0.1, eps: float = 1e-6):
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        """Move the statistics towards those of the batch ``x`` (B, dim)."""
+        self.mean.lerp_(x.mean(dim=0), self.momentum)
+        self.var.lerp_(x.var(dim=0, unbiased=False), self.momentum)
+
+    def log_det(self) -> torch.Tensor:
+        """``log |det|`` of the map (the same for every sample)."""
+        return -0.5 * torch.log(self.var + self.eps).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) * torch.rsqrt(self.var + self.eps)
+
+    def inverse(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.sqrt(self.var + self.eps) + self.mean
+
+
 class ConditionalFlow(nn.Module):
     """``layers`` (permutation, affine coupling) pairs over ``dim``-d features, conditioned on one of
     ``num_classes`` classes (class indices, one-hot inside); each conditioner has ``hidden`` units and
-    ``blocks`` residual blocks."""
+    ``blocks`` residual blocks; ``standardize``: a :class:`RunningStandardization` of the input first."""
 
-    def __init__(self, dim: int, num_classes: int, layers: int = 4, hidden: int = 128, blocks: int = 2):
+    def __init__(self, dim: int, num_classes: int, layers: int = 4, hidden: int = 128, blocks: int = 2,
+                 standardize: bool = False):
         super().__init__()
         if dim < 2 or num_classes < 1 or layers < 1 or hidden < 1 or blocks < 0:
             raise ValueError(f"a flow needs dim >= 2, num_classes, layers and hidden >= 1, blocks >= 0; got "
                              f"dim={dim}, num_classes={num_classes}, layers={layers}, hidden={hidden}, "
                              f"blocks={blocks}")
         self.dim, self.num_classes = dim, num_classes
+        self.standardization = RunningStandardization(dim) if standardize else None
         self.couplings = nn.ModuleList(AffineCoupling(dim, num_classes, hidden, blocks) for _ in range(layers))
         for i in range(layers):
             perm = (torch.arange(dim - 1, -1, -1) if i < layers // 2
@@ -141,7 +183,9 @@ class ConditionalFlow(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(z, log|det df/dx|)`` for features ``x`` (B, dim) of classes ``y`` (B,)."""
         context = self._check(x, y, "features")
-        logdet = x.new_zeros(x.shape[0])
+        logdet = x.new_zeros(x.shape[0]) + self.input_log_det()
+        if self.standardization is not None:
+            x = self.standardization(x)
         for i, coupling in enumerate(self.couplings):
             x, ld = coupling(x[:, getattr(self, f"perm{i}")], context)
             logdet = logdet + ld
@@ -153,7 +197,23 @@ class ConditionalFlow(nn.Module):
         for i in reversed(range(len(self.couplings))):
             z = self.couplings[i].inverse(z, context)
             z = z[:, torch.argsort(getattr(self, f"perm{i}"))]
-        return z
+        return z if self.standardization is None else self.standardization.inverse(z)
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Move the input standardisation's statistics towards the features ``x`` (B, dim); nothing without
+        one."""
+        if self.standardization is not None:
+            if x.ndim != 2 or x.shape[1] != self.dim or not torch.isfinite(x).all():
+                raise ValueError(f"flow: cannot observe features of shape {tuple(x.shape)} (finite, (batch, "
+                                 f"{self.dim}) expected)")
+            self.standardization.observe(x)
+
+    def input_log_det(self) -> torch.Tensor:
+        """``log |det|`` of the input standardisation (0 without one): ``log p(x)`` minus the density of the
+        standardised features."""
+        if self.standardization is None:
+            return self.couplings[0].final.weight.new_zeros(())
+        return self.standardization.log_det()
 
     def log_prob(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log p(x | y), z)`` per sample: the standard normal log-density of ``z`` plus log|det J|."""

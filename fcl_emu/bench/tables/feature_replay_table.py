@@ -122,12 +122,16 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
 
 def flow_diagnostics(evs: list[dict]) -> dict:
     """AF-FCL's mechanism check from its clients' round metrics: the flow's NLL (nats) of the current features in
-    the last round, and the worst NLL the previous task's flow gave them in a later task (a flow that models the
-    old classes' features gives numbers of the same order). Empty for other methods."""
+    the last round, the worst NLL the flow gave the previous task's flow's samples in a later task (a flow that
+    models both tasks' features gives numbers of the same order), and how often the classifier labels the
+    generated features as their class in the last round (chance: one in the classes seen). Empty for other
+    methods."""
     metrics = [e.get("client_metrics") or {} for e in evs if e["event"] == "round"]
     nll = [m["flow_nll"] for m in metrics if "flow_nll" in m]
     old = [m["flow_nll_old"] for m in metrics if m.get("flow_nll_old")]
-    return {"flow_nll": nll[-1], "flow_nll_old_max": max(old) if old else None} if nll else {}
+    agreement = [m["generated_agreement"] for m in metrics if "generated_agreement" in m]
+    return {"flow_nll": nll[-1], "flow_nll_old_max": max(old) if old else None,
+            "generated_agreement": agreement[-1] if agreement else None} if nll else {}
 
 
 def row(name: str, seed: int, s: RunSummary, paper: dict, evs: list[dict] = ()) -> dict:
@@ -182,9 +186,11 @@ def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int 
     flows = [r for r in rows if r.get("flow_nll") is not None]
     if flows:
         lines.append("\nAF-FCL's flow (mechanism check), per run: NLL of the current features in the last round / "
-                     "the worst NLL the previous task's flow gave them later (nats): "
-                     + "; ".join(f"{r['row']} s{r['seed']} {r['flow_nll']:.0f} / {r['flow_nll_old_max'] or 0:.3g}"
-                                 for r in flows) + ".")
+                     "the worst NLL it gave the previous task's flow's samples in a later task (nats) / the share "
+                     "of generated features the classifier labels as their class in the last round: "
+                     + "; ".join(f"{r['row']} s{r['seed']} {r['flow_nll']:.0f} / {r['flow_nll_old_max'] or 0:.3g} / "
+                                 + (f"{r['generated_agreement']:.2f}" if r.get("generated_agreement") is not None
+                                    else "-") for r in flows) + ".")
     gate = learnability_gate(pilot_row(rows, key="row"), num_classes)
     return "\n".join(lines + [""] + verdicts(rows, claims, gate, key="row"))
 
