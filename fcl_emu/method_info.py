@@ -23,7 +23,7 @@ from fcl_emu.methods.registry import MethodSpec
 from fcl_emu.methods.requirements import missing_extras, pip_install
 from fcl_emu.runconfig import RunConfig
 
-_TRAINING_KEYS = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size")
+_TRAINING_KEYS = ("optimizer", "lr", "momentum", "weight_decay", "local_epochs", "batch_size")
 
 
 def _role(match: re.Match) -> str:

@@ -73,6 +73,7 @@ class TrainingSettings:
     batch_size: int
     momentum: float = 0.0
     weight_decay: float = 0.0
+    optimizer: str = "sgd"  # or "adam"
 
 
 class JobRun(Protocol):
@@ -312,9 +313,12 @@ class ClientPart:
         What the emulated clock turns into compute time and energy (:mod:`fcl_emu.methods.models.flops`)."""
         return 1.0
 
-    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD:
-        """SGD over the model's parameters."""
+    def make_optimizer(self, ctx: ClientContext, model: nn.Module) -> LocalSGD | torch.optim.Adam:
+        """The run's optimiser over the model's parameters: SGD, or Adam (torch's betas 0.9/0.999, no state
+        kept from an earlier round)."""
         s = ctx.settings
+        if s.optimizer == "adam":
+            return torch.optim.Adam(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         return LocalSGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
 
     def train(self, ctx: ClientContext, model: IncrementalClassifier | None) -> tuple[Arrays, dict[str, float]]:

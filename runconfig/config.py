@@ -44,8 +44,12 @@ class TrainingConfig(pydantic.BaseModel):
         "local learning rate: 0.01 on CIFAR-10, CIFAR-100 and Tiny-ImageNet (both sizes), the default on MNIST, "
         "Fashion-MNIST and EMNIST (a method may bring its own, `fcl-emu methods`)"))
     batch_size: int = pydantic.Field(16, ge=1)
-    momentum: float = pydantic.Field(0.9, ge=0, lt=1)
-    weight_decay: float = pydantic.Field(0.0, ge=0)
+    momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="SGD's momentum (Adam ignores it)")
+    weight_decay: float = pydantic.Field(0.0, ge=0, description="L2 penalty added to the gradient (SGD and Adam)")
+    optimizer: Literal["sgd", "adam"] = pydantic.Field("sgd", description=(
+        "the clients' local optimiser: sgd (lr, momentum, weight_decay) or adam (lr, betas 0.9/0.999, "
+        "weight_decay; AF-FCL's protocol trains every model with Adam at 1e-4); its state starts afresh every "
+        "round"))
 
 
 class RoundConfig(pydantic.BaseModel):

@@ -414,12 +414,12 @@ def test_replay_step_is_its_own_adam_step_on_the_neck_or_head(one_torch_thread, 
     assert loss.item() == pytest.approx(ce + ctx.job["sums"]["replay"], rel=1e-5)
 
 
-@pytest.mark.parametrize("choice", ["sgd", "adam"])
+@pytest.mark.parametrize("choice", ["run", "adam"])
 def test_classifier_optimizer_is_the_runs_sgd_or_the_papers_adam(one_torch_thread, choice):
-    """classifier_optimizer sgd (default): the run's SGD, a step of -lr g (lr 0.05, no momentum yet); adam
-    (paper App. C.3, the code): Adam at lr 1e-4, betas 0.9/0.999, no weight decay, whose first step is
+    """classifier_optimizer run (default): the run's optimiser, here SGD, a step of -lr g (lr 0.05, no momentum
+    yet); adam (paper App. C.3, the code): Adam at lr 1e-4, betas 0.9/0.999, no weight decay, whose first step is
     -lr g / (|g| + 1e-8) per weight. replay: summed, so that only this optimiser moves the model."""
-    assert AFFCLOptions().classifier_optimizer == "sgd" and AFFCLOptions().classifier_lr == 1e-4
+    assert AFFCLOptions().classifier_optimizer == "run" and AFFCLOptions().classifier_lr == 1e-4
     client, ctx, model = _client_job("cnn", 0, replay="summed", classifier_optimizer=choice)
     client.begin_job(ctx, model)
     opt = client.make_optimizer(ctx, model)

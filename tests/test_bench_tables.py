@@ -206,3 +206,31 @@ def test_flow_diagnostics_take_the_last_nll_and_the_worst_old_flow_nll():
                                                           "generated_agreement": 0.25}
     assert feature_replay_table.flow_diagnostics(evs[:2])["generated_agreement"] is None  # runs before the metric
     assert feature_replay_table.flow_diagnostics([{"event": "round", "client_metrics": None}]) == {}
+
+
+def test_every_feature_replay_row_is_a_valid_run_config():
+    """Each table's rows make run configs the emulator accepts (method options included); affcl-mixed trains every
+    row with Adam, and the FedCBC tables sweep GLFC's memory."""
+    from fcl_emu.runconfig import RunConfig
+
+    for name, (base, rows, _) in feature_replay_table.TABLES.items():
+        for row_name, (method, options) in rows.items():
+            cfg = RunConfig(**runs.seeded(feature_replay_table.config(base, row_name, method, options), 1))
+            assert cfg.method == method and cfg.seed == 1, (name, row_name)
+            if name == "affcl-mixed":
+                assert (cfg.training.optimizer, cfg.training.lr, cfg.scenario.dataset) == ("adam", 1e-3,
+                                                                                            "mnist-fashion")
+    _, rows, _ = feature_replay_table.TABLES["fedcbc-cifar10-incremental"]
+    assert sorted(o["memory_size"] for m, o in rows.values() if m == "glfc") == [50, 200, 500, 1000, 2000]
+    assert {c.other for c in feature_replay_table.CLAIMS["fedcbc-cifar10-incremental"]} >= {"glfc-m50", "fedavg"}
+
+
+def test_proxy_picks_count_tasks_that_kept_their_last_model_and_perfect_scores():
+    def proxy(task, rnd, score):
+        return [{"event": "job", "job_kind": "glfc.proxy", "ok": True, "metrics": {"score": score}},
+                {"event": "server_job", "kind": "proxy", "task": task, "round": rnd, "ok": True}]
+    # task 0: best at round 1 (0.9 > 0.8): not the last; task 1: a tie at 1.0, the later (round 4, the last) kept
+    evs = [*proxy(0, 1, 0.9), *proxy(0, 2, 0.8), *proxy(1, 3, 1.0), *proxy(1, 4, 1.0),
+           {"event": "job", "job_kind": "device.matmul", "ok": True, "metrics": {}}]
+    assert glfc_table.proxy_picks(evs) == {"last_picked": 1, "tasks": 2, "perfect": 2, "scored": 4}
+    assert glfc_table.proxy_picks([{"event": "round"}]) is None

@@ -311,3 +311,28 @@ def test_methods_whose_jobs_leave_client_state_say_so():
         source = "".join(inspect.getsource(k) for k in client.__mro__ if k.__module__.startswith("fcl_emu.methods.")
                          and k.__name__ != "ClientPart")
         assert client.keeps_state == ("ctx.store" in source or "ctx.state" in source), name
+
+
+def test_run_optimizer_is_sgd_or_adam_by_hand():
+    """training.optimizer: sgd (default) steps -lr (g + wd p); adam's first step is -lr g' / (|g'| + 1e-8) with
+    g' = g + wd p (bias-corrected moments of one gradient), its state fresh in every job; other names refused."""
+    from fcl_emu.methods.optim import LocalSGD
+    from fcl_emu.runconfig.config import TrainingConfig
+
+    assert TrainingConfig().optimizer == "sgd"
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainingConfig(optimizer="rmsprop")
+    part = registry.get("fedavg").client(registry.get("fedavg").options())
+    for name in ("sgd", "adam"):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        settings = TrainingSettings(local_epochs=1, lr=0.01, batch_size=4, weight_decay=0.1, optimizer=name)
+        opt = part.make_optimizer(SimpleNamespace(settings=settings), model)
+        assert isinstance(opt, torch.optim.Adam if name == "adam" else LocalSGD)
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.ones(1, 3)).sum().backward()
+        grads = [p.grad.clone() + 0.1 * b for p, b in zip(model.parameters(), before)]
+        opt.step()
+        for p, b, g in zip(model.parameters(), before, grads):
+            step = g / (g.abs() + 1e-8) if name == "adam" else g
+            assert torch.allclose(p.detach(), b - 0.01 * step, atol=1e-7), name

@@ -115,8 +115,30 @@ def row(name: str, seed: int, s: RunSummary, evs: list[dict]) -> dict:
         **{f"{k}_rate": float(np.mean([m[f"detection_{k}"] for m in detected]))
            if detected and f"detection_{k}" in detected[0] else None for k in ("missed", "false_alarm")},
         "proxy_s": proxy.run_s if proxy else 0.0,
+        "proxy_picks": proxy_picks(evs),
         "wall_s": s.wall_clock_s,
     }
+
+
+def proxy_picks(evs: list[dict]) -> dict | None:
+    """GLFC's proxy (mechanism check), from the run's events: in how many tasks it kept the task's last global
+    model (its pick is the best-scoring round, the later on a tie, as the server keeps it), and in how many
+    rounds its score (the model's accuracy on the reconstructions) was perfect, where it cannot tell models
+    apart. None without proxy jobs."""
+    jobs = [e for e in evs if e["event"] == "job" and e.get("job_kind") == "glfc.proxy" and e.get("ok")]
+    rounds = [(e["task"], e["round"]) for e in evs if e["event"] == "server_job" and e.get("kind") == "proxy"
+              and e.get("ok")]
+    scored = [(task, rnd, job["metrics"]["score"]) for (task, rnd), job in zip(rounds, jobs)
+              if "score" in job["metrics"]]
+    if not scored:
+        return None
+    tasks = sorted({task for task, _, _ in scored})
+    last = 0
+    for task in tasks:
+        of_task = [(score, rnd) for t, rnd, score in scored if t == task]
+        last += max(of_task)[1] == max(rnd for _, rnd in of_task)
+    return {"last_picked": last, "tasks": len(tasks),
+            "perfect": sum(score >= 1.0 for _, _, score in scored), "scored": len(scored)}
 
 
 def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -205,6 +227,13 @@ def markdown(rows: list[dict], classes: int = NUM_CLASSES[DATASET]) -> str:
                      f"{mean_of(runs, 'mb_total')} | "
                      f"{mean_of(runs, 'mb_old_model')} | {kb if runs[0]['method'] == 'glfc' else '-'} | {det} | "
                      f"{mean_of(runs, 'proxy_s', 0)} | {mean_of(runs, 'wall_s', 0)} |")
+    picks = [r for r in rows if r.get("proxy_picks")]
+    if picks:
+        lines.append("\nGLFC's proxy (mechanism check), per run: tasks whose pick was the task's last global model / "
+                     "rounds whose score was perfect (a tie: the later model kept): "
+                     + "; ".join(f"{r['row']} s{r['seed']} {r['proxy_picks']['last_picked']} of "
+                                 f"{r['proxy_picks']['tasks']} / {r['proxy_picks']['perfect']} of "
+                                 f"{r['proxy_picks']['scored']}" for r in picks) + ".")
     judged = tuple(c for c in CLAIMS if {c.method, c.other} <= {r["row"] for r in rows})
     gate = learnability_gate(pilot_row(rows, key="row"), classes)
     return "\n".join(lines + [""] + verdicts(rows, judged, gate, key="row"))
