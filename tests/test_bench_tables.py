@@ -220,6 +220,10 @@ def test_every_feature_replay_row_is_a_valid_run_config():
             if name == "affcl-mixed":
                 assert (cfg.training.optimizer, cfg.training.lr, cfg.scenario.dataset) == ("adam", 1e-3,
                                                                                             "mnist-fashion")
+    _, rows, _ = feature_replay_table.TABLES["affcl-mixed"]  # the code's mixed-pool command, replay at the lr
+    assert rows["affcl"][1] == {"flow_lr": 1e-3, "k_loss_flow": 0.1, "k_flow_last": 0.0, "theta": 0.0,
+                                "replay_lr": 1e-3}
+    assert rows["affcl-noisy"][1]["theta"] == 0.5 and rows["fedlwf2t-noisy"] == ("fedlwf2t", {})
     _, rows, _ = feature_replay_table.TABLES["fedcbc-cifar10-incremental"]
     assert sorted(o["memory_size"] for m, o in rows.values() if m == "glfc") == [50, 200, 500, 1000, 2000]
     assert {c.other for c in feature_replay_table.CLAIMS["fedcbc-cifar10-incremental"]} >= {"glfc-m50", "fedavg"}

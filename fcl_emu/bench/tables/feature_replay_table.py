@@ -34,7 +34,8 @@ accuracy, over the whole test set (``accuracy_all``); "clients' own test sets" i
   learnability gate.
 - ``affcl-mixed``: AF-FCL's noisy-client study (its Table 1's noisy rows) on MNIST + Fashion-MNIST (20 classes,
   5 class-incremental tasks of 4, 4 clients, at most 1,500 samples a client a task), every row trained with the
-  paper's Adam (at 1e-3 for a budget 25 times smaller than the paper's): ``MIXED_AFFCL``.
+  paper's Adam (at 1e-3 for a budget 25 times smaller than the paper's): ``MIXED_AFFCL``; AF-FCL with its code's
+  README command for the mixed pool (``MIXED_AFFCL_ROWS``).
 - ``fedcbc-cifar10-incremental``: the FedCBC rows on class-incremental CIFAR-10 (``private_classes`` as in
   ``fedcbc-incremental``), GLFC's memory swept over 50, 200, 500, 1,000 and 2,000 exemplars per client.
 """
@@ -79,10 +80,18 @@ NOISY_AFFCL = {"flow_lr": 1e-3, "k_loss_flow": 0.5, "k_flow_last": 0.1, "theta":
 # affcl-strong: every old-knowledge term at weight 1 and no p_bar scaling of the replay (theta = 1)
 STRONG = {"k_loss_flow": 1.0, "k_kd_last": 1.0, "k_kd_feature": 1.0, "theta": 1.0}
 WORKER_TYPES = ("job", "job_result", "worker_hello")  # the GPU worker pool's traffic, not the clients'
-AFFCL_ROWS = {f"{name}{suffix}": (method, {**(NOISY_AFFCL if suffix and method == "affcl" else {}), **options})
-              for suffix in ("", "-noisy")
-              for name, method, options in (("affcl", "affcl", {}), ("affcl-strong", "affcl", STRONG),
-                                            ("fedavg", "fedavg", {}), ("fedlwf2t", "fedlwf2t", {}))}
+
+
+def affcl_rows(clean: dict, noisy: dict) -> dict[str, tuple[str, dict]]:
+    """AF-FCL (defaults, and every old-knowledge weight at 1), FedAvg and FedLwF-2T, clean and ``-noisy``; the
+    AF-FCL rows with ``clean`` / ``noisy`` options."""
+    return {f"{name}{suffix}": (method, {**((noisy if suffix else clean) if method == "affcl" else {}), **options})
+            for suffix in ("", "-noisy")
+            for name, method, options in (("affcl", "affcl", {}), ("affcl-strong", "affcl", STRONG),
+                                          ("fedavg", "fedavg", {}), ("fedlwf2t", "fedlwf2t", {}))}
+
+
+AFFCL_ROWS = affcl_rows({}, NOISY_AFFCL)
 
 # Class-incremental MNIST for FedCBC's claims: 5 tasks of 2 classes, 3 clients, half of each task's classes private
 # to one client (``private_classes``), so old classes do not come back and the baselines have something to forget
@@ -98,6 +107,11 @@ INCREMENTAL_AFFCL = {"num_tasks": 5, "num_clients": 4, "partition": "iid"}
 MIXED_AFFCL = {"dataset": "mnist-fashion", "num_tasks": 5, "num_clients": 4, "partition": "iid",
                "samples_per_client_task": 1500}
 ADAM = {"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.0}
+# AF-FCL there with its code's README command for the mixed pool (MNIST-SVHN-FASHION: --flow_lr 1e-3 --k_loss_flow
+# 0.1 --k_flow_lastflow 0 --flow_explore_theta 0) and for noisy clients, and its replay step at the classifier's lr
+# (the code's --lr serves both)
+MIXED_AFFCL_ROWS = affcl_rows({"flow_lr": 1e-3, "k_loss_flow": 0.1, "k_flow_last": 0.0, "theta": 0.0,
+                               "replay_lr": ADAM["lr"]}, {**NOISY_AFFCL, "replay_lr": ADAM["lr"]})
 
 # The claims each table judges (docs/reproduction.md): FedCBC's Table 1 (MNIST, mean GA), AF-FCL's Table 1 (best
 # in accuracy and forgetting on every benchmark; none of its numbers for these rows survives in the text).
@@ -131,7 +145,7 @@ TABLES = {
                                    {"fedcbc": 57.93, "glfc": 42.66, "fedavg": 21.92}),
     "affcl-mixed": ({**COMMON, "model": "cnn_leaky", "scenario": MIXED_AFFCL,
                      "training": {**COMMON["training"], **ADAM},
-                     "rounds": {**COMMON["rounds"], "clients_per_round": 4}}, AFFCL_ROWS, {}),
+                     "rounds": {**COMMON["rounds"], "clients_per_round": 4}}, MIXED_AFFCL_ROWS, {}),
     "affcl": ({**COMMON, "model": "cnn_leaky", "scenario": {"dataset": "mnist", **POOL_SCENARIO},
                "rounds": {**COMMON["rounds"], "clients_per_round": 4}}, AFFCL_ROWS, {}),
     "affcl-incremental": ({**COMMON, "model": "cnn_leaky", "scenario": {"dataset": "mnist", **INCREMENTAL_AFFCL},
