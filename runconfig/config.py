@@ -35,21 +35,17 @@ from fcl_emu.secagg.settings import SecAggSettings
 class TrainingConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    # Defaults suit the default scenario (MNIST, 300 clients holding ~40 samples
-    # per task): two passes over a few batches are needed to learn a task in
-    # 10 rounds of 30 clients. Override for larger local datasets.
-    local_epochs: int = pydantic.Field(
-        2, ge=1, description="local epochs per round (a method may bring its own, `fcl-emu methods`)")
+    # Defaults suit the default scenario (MNIST, 300 clients holding ~40 samples per task): two passes over a
+    # few batches are needed to learn a task in 10 rounds of 30 clients. Override for larger local datasets.
+    local_epochs: int = pydantic.Field(2, ge=1, description="local epochs a round (a method may bring its own)")
     lr: float = pydantic.Field(0.05, gt=0, description=(
         "local learning rate: 0.01 on CIFAR-10, CIFAR-100 and Tiny-ImageNet (both sizes), the default on MNIST, "
         "Fashion-MNIST and EMNIST (a method may bring its own, `fcl-emu methods`)"))
     batch_size: int = pydantic.Field(16, ge=1)
     momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="SGD's momentum (Adam ignores it)")
     weight_decay: float = pydantic.Field(0.0, ge=0, description="L2 penalty added to the gradient (SGD and Adam)")
-    optimizer: Literal["sgd", "adam"] = pydantic.Field("sgd", description=(
-        "the clients' local optimiser: sgd (lr, momentum, weight_decay) or adam (lr, betas 0.9/0.999, "
-        "weight_decay; AF-FCL's protocol trains every model with Adam at 1e-4); its state starts afresh every "
-        "round"))
+    optimizer: Literal["sgd", "adam"] = pydantic.Field("sgd", description="local optimiser: sgd, or adam (betas "
+                                                       "0.9/0.999, AF-FCL's protocol), its state fresh every round")
 
 
 class RoundConfig(pydantic.BaseModel):

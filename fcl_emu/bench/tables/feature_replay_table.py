@@ -50,7 +50,8 @@ import numpy as np
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_report_only, events, grouped, mean_of, pm, run_up, seeded, seeds
+from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
+                                      seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
@@ -241,6 +242,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="default: runs/<table>")
     ap.add_argument("--seeds", type=seeds, default=[0, 1, 2],
                     help="the runs' seeds (class order, partition, noisy clients, initial weights)")
+    add_method_options(ap)
     add_report_only(ap)
     add_page_options(ap)
     args = ap.parse_args()
@@ -251,8 +253,8 @@ def main() -> None:
     for seed in args.seeds:
         for name in (args.rows.split(",") if args.rows else rows_spec):
             method, options = rows_spec[name]
-            summary = run_up(f"{name}-s{seed}", seeded(config(base, name, method, options), seed), args.data_root, out,
-                             args.report_only)
+            cfg = with_options(config(base, name, method, options), args.option)
+            summary = run_up(f"{name}-s{seed}", seeded(cfg, seed), args.data_root, out, args.report_only)
             if summary is not None:
                 rows.append(row(name, seed, summary, paper, events(out, f"{name}-s{seed}")))
     table = markdown(rows, CLAIMS[args.table], NUM_CLASSES[base["scenario"]["dataset"]])
