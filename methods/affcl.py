@@ -143,15 +143,17 @@ Deviations, on purpose:
   flow; the log-density keeps the map's Jacobian, ``p_bar`` is taken in the
   standardised space, where the code's bound holds); ``"raw"`` is the
   code's. The code's bounded scale can only shrink a dimension on the way to
-  the latent, so it cannot fit features narrower than the standard normal:
-  with ``cnn_leaky`` on MNIST the per-dimension spread is 0.007 (median;
-  0.98 at most), the raw flow's NLL stays at the prior's floor (0.919 nats a
-  dimension at any of 500-3,000 Adam steps at 1e-4 or 1e-3) and its samples
-  have three to five times the features' norm; standardised, after 500 and
-  2,000 steps at 1e-4, the held-out NLL is -1,543 and -1,578 nats (raw:
-  474 and 471), the samples' norm 8.7 and 10.4 (features: 8.1) and a
-  nearest-class-mean rule labels 17 and 27 % of them as their class (raw: 9
-  and 10 %; real features: 79 %).
+  the latent, so it cannot fit features narrower than the standard normal.
+  ``python -m fcl_emu.bench.tables.flow_fit RUN`` measures it on a finished
+  run's features; on ``cnn_leaky``'s MNIST features (per-dimension spread
+  0.007, median) after 500 and 2,000 Adam steps at 1e-4 (2026-11-29): the
+  raw flow's held-out NLL stays at the prior's floor (473 and 471 nats, 0.92
+  a dimension) and its samples have 3-4 times the features' norm (24.8 and
+  29.0 against 8.0); standardised, the NLL is -1,529 and -1,563 nats and
+  the samples' norm 8.6 and 10.0. Neither makes the samples class-faithful
+  yet: a nearest-class-mean rule labels 18 and 27 % of them as their class
+  (raw: 14 and 27 %; the real features: 79 %), and the samples' tails grow
+  with training (largest value 49.6 against the features' 4.6).
   The paper models ``p(h | y)``; the standardisation serves that intent.
 - The conditioners' last layers start at zero (code: PyTorch's default), so
   a fresh flow is a fixed permutation and scaling; see :mod:`fcl_emu.methods.models.flows`.

@@ -37,7 +37,7 @@ layer of the conditioner starts at zero here (nflows: PyTorch's default), so
 a fresh flow permutes and scales every transformed dimension by
 ``sigmoid(2) + 1e-3`` with no shift. Permutations are non-persistent
 buffers, so the state dict (what travels on the wire) holds the
-conditioners' weights only.
+conditioners' weights only (and the standardisation's statistics, below).
 
 With ``standardize`` the flow first standardises its input by running
 per-dimension statistics, ``x' = (x - mean) / sqrt(var + 1e-6)`` (log |det|
