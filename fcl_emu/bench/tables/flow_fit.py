@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fcl_emu.bench.tables.runs import final_model
 from fcl_emu.methods.affcl import AFFCLOptions, build_flow
 
 PRIOR_FLOOR = 0.5 * math.log(2 * math.pi)  # NLL per dimension of a density no higher than the standard normal's
@@ -63,24 +64,12 @@ def fit(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torc
 
 def run_features(run_dir: Path, data_root: str, samples: int, seed: int = 0):
     """``(train, test, num_classes, options)``: the flow-space features of the run's final global model."""
-    import yaml
-
-    from fcl_emu.coordinator import checkpoint
     from fcl_emu.methods.affcl import embed
-    from fcl_emu.methods.models.classifier import build_model
-    from fcl_emu.methods.models.state import load_arrays
-    from fcl_emu.scenario.datasets import load_dataset
     from fcl_emu.scenario.transforms import to_tensor
 
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config, ds, model = final_model(run_dir, data_root)
     if config.get("method") != "affcl":
         raise ValueError(f"{run_dir} is a {config.get('method')} run, not an affcl one")
-    ds = load_dataset(config["scenario"]["dataset"], [Path(data_root)])
-    arrays = {k[len("server/"):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
-              if k.startswith("server/") and "/" not in k[len("server/"):]}
-    model = build_model(config["model"], ds.input_shape, int(arrays["head.weight"].shape[0]))
-    load_arrays(model, arrays)
-    model.eval()
     gen = torch.Generator().manual_seed(seed)
 
     def features(x, y, n):

@@ -35,8 +35,8 @@ import torch
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
 from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
-                                      seeded, seeds, with_options)
+from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, final_model, grouped, mean_of, pm,
+                                      run_up, seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
@@ -149,31 +149,17 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = None) -> dict:
     """Client-side prototypes of every class against the proxy's reconstructions of their gradients
     (``noise``: the clients' ``perturb_noise`` instead of the run's)."""
-    import yaml
-
-    from fcl_emu.coordinator import checkpoint
     from fcl_emu.methods.glfc import (GLFCOptions, GradientEncoder, label_from_gradients,
                               perturb_prototype, prototype_index, reconstruct)
-    from fcl_emu.methods.models.classifier import build_model
-    from fcl_emu.methods.models.state import load_arrays
-    from fcl_emu.scenario.datasets import load_dataset
     from fcl_emu.scenario.scenario import build_scenario
     from fcl_emu.scenario.spec import ScenarioSpec
     from fcl_emu.scenario.transforms import denormalize, to_tensor
 
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config, ds, model = final_model(run_dir, data_root)
     o = GLFCOptions(**config["method_options"])
     if noise is not None:
         o = o.model_copy(update={"perturb_noise": noise})
-    spec = ScenarioSpec(**config["scenario"])
-    ds = load_dataset(spec.dataset, [Path(data_root)])
-    scenario = build_scenario(spec, ds)
-    arrays = {k[len("server/"):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
-              if k.startswith("server/") and "/" not in k[len("server/"):]}
-    model = build_model(config["model"] if config["model"] != "auto" else "cnn", ds.input_shape,
-                        int(arrays["head.weight"].shape[0]))
-    load_arrays(model, arrays)
-    model.eval()
+    scenario = build_scenario(ScenarioSpec(**config["scenario"]), ds)
     encoder = GradientEncoder(ds.input_shape, ds.num_classes, o.encoder_seed)
     names = [n for n, _ in encoder.named_parameters()]
     gen = torch.Generator().manual_seed(0)
