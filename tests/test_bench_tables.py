@@ -161,6 +161,20 @@ def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verd
                if line.startswith("- "))
 
 
+def test_many_class_markdown_in_five_tasks_judges_against_the_papers_five_task_tables():
+    rows = [many_class_row(m, s, a + s) for m, a in (("fedavg", 10.0), ("fedlwf2t", 12.0), ("lander", 20.0))
+            for s in range(3)]
+    rows = [dict(r, avg_forgetting=30.0) if r["method"] == "lander" else r for r in rows]
+    lines = many_class_table.markdown(rows, ["fedavg", "fedlwf2t", "lander"], classes=50, tasks=5).splitlines()
+    assert "| lander | 3 | 21.00 ± 1.00 | 30.00 ± 0.00 | 5.0 ± 0.0 | 30.29 | 1800 ± 0 |" in lines
+    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | none read | 1800 ± 0 |" in lines
+    assert any(line.startswith("Published: LANDER Table 2, Tiny-ImageNet") for line in lines)
+    forgets = ("- lander forgets less than fedlwf2t in average forgetting (LANDER Table 2; paper: 21.65 vs 34.57): "
+               "**reproduced in direction**")
+    assert any(line.startswith(forgets) for line in lines)
+    assert many_class_table.paper_numbers(10) is many_class_table.TEN_TASKS
+
+
 def test_many_class_runs_are_tiny_imagenet_in_ten_tasks_at_the_stated_cpu_budget():
     cfg = many_class_table.config("lander", 0.04, 1)
     assert cfg["scenario"]["dataset"] == "tiny-imagenet-32" and cfg["scenario"]["num_tasks"] == 10
@@ -225,8 +239,8 @@ def test_every_feature_replay_row_is_a_valid_run_config():
                                 "replay_lr": 1e-3}
     assert rows["affcl-noisy"][1]["theta"] == 0.5 and rows["fedlwf2t-noisy"] == ("fedlwf2t", {})
     _, rows, _ = feature_replay_table.TABLES["fedcbc-cifar10-incremental"]
-    assert sorted(o["memory_size"] for m, o in rows.values() if m == "glfc") == [50, 200, 500, 1000, 2000]
-    assert {c.other for c in feature_replay_table.CLAIMS["fedcbc-cifar10-incremental"]} >= {"glfc-m50", "fedavg"}
+    assert sorted(o["memory_size"] for m, o in rows.values() if m == "glfc") == [200, 500, 1000, 2000]
+    assert {c.other for c in feature_replay_table.CLAIMS["fedcbc-cifar10-incremental"]} >= {"glfc-m200", "fedavg"}
 
 
 def test_proxy_picks_count_tasks_that_kept_their_last_model_and_perfect_scores():
