@@ -141,10 +141,11 @@ def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verd
     rows.append(many_class_row("lander", 0, 0.0, status="failed"))
     table = many_class_table.markdown(rows, list(many_class_table.METHODS))
     lines = table.splitlines()
-    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | 6.40 ± 0.50 | 1800 ± 0 |" in lines
+    assert "| fedavg | 3 | 11.00 ± 1.00 | 21.00 ± 1.00 | 50.00 ± 0.00 | 50.0, 45.0" \
+           " | 5.0 ± 0.0 | 6.40 ± 0.50 | 1800 ± 0 |" in lines
     assert any(line.startswith("| mfcl | 2 | 22.00 ± 1.41 |") for line in lines)
-    assert "| lander | 0 | failed | | | 16.36 ± 1.00 | |" in lines
-    assert "| fedewc | 0 | not run yet | | | 7.36 ± 0.60 | |" in lines
+    assert "| lander | 0 | failed | | | | | 16.36 ± 1.00 | |" in lines
+    assert "| fedewc | 0 | not run yet | | | | | 7.36 ± 0.60 | |" in lines
     assert any(line.startswith("| mfcl | 2 |") and "| none read |" in line for line in lines)
     assert "Published: Qi et al., FedCBDR (arXiv 2507.07712), Table 2" in table
     assert ("CPU hours of these 9 runs: 6.50 (the CPU time of all their processes; 5 of them without it, counted as "
@@ -164,10 +165,16 @@ def test_many_class_markdown_gives_the_published_column_the_cpu_hours_and_a_verd
 def test_many_class_markdown_in_five_tasks_judges_against_the_papers_five_task_tables():
     rows = [many_class_row(m, s, a + s) for m, a in (("fedavg", 10.0), ("fedlwf2t", 12.0), ("lander", 20.0))
             for s in range(3)]
-    rows = [dict(r, avg_forgetting=30.0) if r["method"] == "lander" else r for r in rows]
+    rows = [dict(r, avg_forgetting=30.0, bounding_mean=0.02, bounding_rounds=[10, 10], coverage_min=0.6 + r["seed"])
+            if r["method"] == "lander" else r for r in rows]
     lines = many_class_table.markdown(rows, ["fedavg", "fedlwf2t", "lander"], classes=50, tasks=5).splitlines()
-    assert "| lander | 3 | 21.00 ± 1.00 | 30.00 ± 0.00 | 5.0 ± 0.0 | 30.29 | 1800 ± 0 |" in lines
-    assert "| fedavg | 3 | 11.00 ± 1.00 | 50.00 ± 0.00 | 5.0 ± 0.0 | none read | 1800 ± 0 |" in lines
+    assert "LANDER's Bounding term (clients' mean per round): 0.0200 ± 0.0000 over the seeds, non-zero in 30 of 30 " \
+           "rounds." in lines
+    assert any(line.startswith("Synthetic images") and line.endswith(": lander 0.60.") for line in lines)
+    assert "| lander | 3 | 21.00 ± 1.00 | 31.00 ± 1.00 | 30.00 ± 0.00 | 50.0, 45.0" \
+           " | 5.0 ± 0.0 | 30.29 | 1800 ± 0 |" in lines
+    assert "| fedavg | 3 | 11.00 ± 1.00 | 21.00 ± 1.00 | 50.00 ± 0.00 | 50.0, 45.0" \
+           " | 5.0 ± 0.0 | none read | 1800 ± 0 |" in lines
     assert any(line.startswith("Published: LANDER Table 2, Tiny-ImageNet") for line in lines)
     forgets = ("- lander forgets less than fedlwf2t in average forgetting (LANDER Table 2; paper: 21.65 vs 34.57): "
                "**reproduced in direction**")

@@ -147,6 +147,29 @@ def sweep(methods: list[str], seed_list: list[int], make_config, args) -> list[d
     return rows
 
 
+def learned_cell(done: list[dict]) -> str:
+    """Each task's accuracy right after it was learned, averaged over the rows ``done``."""
+    return ", ".join(f"{a:.1f}" for a in np.mean([r["learned_accuracy"] for r in done], axis=0))
+
+
+def mechanism_lines(rows: list[dict], methods: list[str]) -> list[str]:
+    """The mechanism checks of the data-free methods: LANDER's Bounding term is non-zero, and every generator's
+    synthetic images cover every old class (:func:`synthetic_coverage`)."""
+    lines = []
+    bounded = [r for r in rows if r.get("bounding_mean") is not None]
+    if bounded:
+        nonzero, total = (sum(r["bounding_rounds"][i] for r in bounded) for i in (0, 1))
+        lines.append("\nLANDER's Bounding term (clients' mean per round): "
+                     f"{pm([r['bounding_mean'] for r in bounded], 4)} over the seeds, non-zero in {nonzero} of "
+                     f"{total} rounds.")
+    covered = [(m, [r["coverage_min"] for r in rows if r["method"] == m and r.get("coverage_min") is not None])
+               for m in methods]
+    if any(values for _, values in covered):
+        lines.append("\nSynthetic images, the rarest class's share of its even share at the worst task (mechanism "
+                     "check: at least 0.5): " + "; ".join(f"{m} {min(v):.2f}" for m, v in covered if v) + ".")
+    return lines
+
+
 def markdown(rows: list[dict], methods: list[str], num_classes: int = 10) -> str:
     tasks = max((len(r["old_accuracy"]) for r in rows if r["status"] == "completed"), default=0)
     head = ("| method | seeds | avg. accuracy % | time-avg. accuracy % | avg. forgetting % | "
@@ -161,24 +184,14 @@ def markdown(rows: list[dict], methods: list[str], num_classes: int = 10) -> str
             lines.append(f"| {m} | 0 | {failed[0]['status'] if failed else 'not run'} |" + " |" * (tasks + 6))
             continue
         old = [pm([r["old_accuracy"][t] for r in done]) for t in range(tasks)]
-        learned = ", ".join(f"{a:.1f}" for a in np.mean([r["learned_accuracy"] for r in done], axis=0))
+        learned = learned_cell(done)
         lines.append(f"| {m} | {len(done)} | {pm([r['avg_accuracy'] for r in done], 2)} | "
                      f"{pm([r['time_avg'] for r in done], 2)} | {pm([r['avg_forgetting'] for r in done], 2)} | "
                      f"{learned} | " + " | ".join(old)
                      + f" | {np.mean([r['mb_total'] for r in done]):.1f} | "
                        f"{np.mean([r['server_job_s'] for r in done]):.0f} | "
                        f"{np.mean([r['wall_s'] for r in done]):.0f} |")
-    bounded = [r for r in rows if r.get("bounding_mean") is not None]
-    if bounded:
-        nonzero, total = (sum(r["bounding_rounds"][i] for r in bounded) for i in (0, 1))
-        lines.append("\nLANDER's Bounding term (clients' mean per round): "
-                     f"{pm([r['bounding_mean'] for r in bounded], 4)} over the seeds, non-zero in {nonzero} of "
-                     f"{total} rounds.")
-    covered = [(m, [r["coverage_min"] for r in rows if r["method"] == m and r.get("coverage_min") is not None])
-               for m in methods]
-    if any(values for _, values in covered):
-        lines.append("\nSynthetic images, the rarest class's share of its even share at the worst task (mechanism "
-                     "check: at least 0.5): " + "; ".join(f"{m} {min(v):.2f}" for m, v in covered if v) + ".")
+    lines += mechanism_lines(rows, methods)
     judged = tuple(c for c in CLAIMS if c.method in methods and c.other in methods)
     return "\n".join(lines + [""] + verdicts(rows, judged, learnability_gate(pilot_row(rows), num_classes)))
 

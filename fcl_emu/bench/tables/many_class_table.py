@@ -148,19 +148,23 @@ def markdown(rows: list[dict], methods: list[str], classes: int = NUM_CLASSES[DA
     """The accuracy table with the published numbers, the CPU hours, then the learnability gate (chance: one over
     ``classes``, those the runs use) and one line per claim (:func:`paper_numbers` of ``tasks``)."""
     papers = paper_numbers(tasks)
-    lines = ["| method | seeds | avg. accuracy % | avg. forgetting % | old classes after the last task % | "
-             "published, full budget % | wall s per run |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| method | seeds | avg. accuracy % | time-avg. accuracy % | avg. forgetting % | "
+             "each task right after it % | old classes after the last task % | published, full budget % | "
+             "wall s per run |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for m in methods:
         done = [r for r in rows if r["method"] == m and r["status"] == "completed"]
         failed = [r for r in rows if r["method"] == m and r["status"] != "completed"]
         paper = papers.published.get(m, "none read")
         if not done:
-            lines.append(f"| {m} | 0 | {failed[0]['status'] if failed else 'not run yet'} | | | {paper} | |")
+            lines.append(f"| {m} | 0 | {failed[0]['status'] if failed else 'not run yet'} | | | | | {paper} | |")
             continue
         lines.append(f"| {m} | {len(done)} | {pm([r['avg_accuracy'] for r in done], 2)} | "
-                     f"{pm([r['avg_forgetting'] for r in done], 2)} | "
+                     f"{pm([r['time_avg'] for r in done], 2)} | {pm([r['avg_forgetting'] for r in done], 2)} | "
+                     f"{generative_table.learned_cell(done)} | "
                      f"{pm([r['old_accuracy'][-1] if r['old_accuracy'] else None for r in done])} | {paper} | "
                      f"{pm([r['wall_s'] for r in done], 0)} |")
+    lines += generative_table.mechanism_lines(rows, methods)
     hours, estimated = cpu_hours(rows)
     lines.append(f"\n{papers.source}\n")
     lines.append(f"CPU hours of these {len(rows)} runs: {hours:.2f} (the CPU time of all their processes"
