@@ -437,7 +437,7 @@ class AFFCLClient(ClientPart):
         replay_opt = torch.optim.Adam(replay_parameters(model), lr=o.replay_lr) if o.replay == "step" else None
         ctx.job.update(flow=flow, start=read_only(state_to_arrays(flow)), old=old_model, old_flow=old_flow,
                        flow_opt=torch.optim.Adam(flow.parameters(), lr=o.flow_lr), replay_opt=replay_opt,
-                       draw=torch.Generator().manual_seed(ctx.seed), sums={}, steps=0)
+                       draw=torch.Generator().manual_seed(ctx.seed), sums={}, counts={})
 
     def make_optimizer(self, ctx: ClientContext, model) -> LocalSGD | torch.optim.Adam:
         """The run's optimiser, or Adam at ``classifier_lr`` (``classifier_optimizer``; the code's betas, no
@@ -482,6 +482,9 @@ class AFFCLClient(ClientPart):
         replay = generated_ce(logits_gen, y_gen, weights, p_bar, o.theta)
         terms = {"credibility": weights.mean(), "p_bar": p_bar,
                  "generated_agreement": (logits_gen.detach().argmax(dim=1) == y_gen).float().mean()}
+        local = present[y_gen]
+        if local.any():  # eq. 8's own density, on the samples of classes in the batch (the others get p_bar)
+            terms["credibility_local"] = weights[local].mean()
         if old is not None:
             with torch.no_grad():
                 teacher = classify(old, h_gen)
@@ -515,13 +518,12 @@ class AFFCLClient(ClientPart):
             terms.update(kd_feature=kd_feature.detach(), kd_output=kd_output.detach())
         for name, value in terms.items():
             job["sums"][name] = job["sums"].get(name, 0.0) + float(value)
-        job["steps"] += 1
+            job["counts"][name] = job["counts"].get(name, 0) + 1
         return loss if job["replay_opt"] is not None else loss + replay
 
     def after_training(self, ctx: ClientContext, model) -> Arrays:
         job = ctx.job
-        if job["steps"]:
-            ctx.metrics.update({k: v / job["steps"] for k, v in job["sums"].items()})
+        ctx.metrics.update({k: v / job["counts"][k] for k, v in job["sums"].items()})
         new = state_to_arrays(job["flow"].cpu())
         return {FLOW + k: new[k] - job["start"][k] for k in new}
 

@@ -378,7 +378,7 @@ def test_client_trains_model_and_flow_and_reports_its_terms(one_torch_thread, mo
                                                                     standardize=standardize).state_dict()}
     assert any(np.abs(v).max() > 0 for v in flow_deltas.values())
     for term in ("flow_nll", "flow_nll_old", "kd_feature", "kd_output", "kd_generated", "credibility", "p_bar",
-                 "replay", "generated_agreement"):
+                 "replay", "generated_agreement", "credibility_local"):
         assert math.isfinite(metrics[term]), term
     bad = ClientContext(**{**ctx.__dict__, "dataset_classes": 7, "job": {}, "metrics": {}})
     with pytest.raises(ValueError, match="cannot load state"):  # a flow of another label space

@@ -223,8 +223,10 @@ def test_flow_diagnostics_take_the_last_nll_and_the_worst_old_flow_nll():
            {"event": "round", "client_metrics": {"flow_nll": 470.0, "flow_nll_old": 850.0,
                                                  "generated_agreement": 0.25}},
            {"event": "task_end"}]
-    assert feature_replay_table.flow_diagnostics(evs) == {"flow_nll": 470.0, "flow_nll_old_max": 9e15,
-                                                          "generated_agreement": 0.25}
+    evs.append({"event": "round", "client_metrics": {"flow_nll": 460.0, "credibility_local": 0.3, "p_bar": 0.2}})
+    assert feature_replay_table.flow_diagnostics(evs) == {"flow_nll": 460.0, "flow_nll_old_max": 9e15,
+                                                          "generated_agreement": 0.25, "credibility_local": 0.3,
+                                                          "p_bar": 0.2}
     assert feature_replay_table.flow_diagnostics(evs[:2])["generated_agreement"] is None  # runs before the metric
     assert feature_replay_table.flow_diagnostics([{"event": "round", "client_metrics": None}]) == {}
 

@@ -162,15 +162,21 @@ def config(base: dict, name: str, method: str, options: dict) -> dict:
 def flow_diagnostics(evs: list[dict]) -> dict:
     """AF-FCL's mechanism check from its clients' round metrics: the flow's NLL (nats) of the current features in
     the last round, the worst NLL the flow gave the previous task's flow's samples in a later task (a flow that
-    models both tasks' features gives numbers of the same order), and how often the classifier labels the
-    generated features as their class in the last round (chance: one in the classes seen). Empty for other
-    methods."""
+    models both tasks' features gives numbers of the same order), how often the classifier labels the generated
+    features as their class in the last round (chance: one in the classes seen), and the credibility (eq. 8) of
+    the generated features of the batch's own classes beside ``p_bar``, the weight every other one gets, both in
+    the last round. Empty for other methods."""
     metrics = [e.get("client_metrics") or {} for e in evs if e["event"] == "round"]
     nll = [m["flow_nll"] for m in metrics if "flow_nll" in m]
+    if not nll:
+        return {}
     old = [m["flow_nll_old"] for m in metrics if m.get("flow_nll_old")]
-    agreement = [m["generated_agreement"] for m in metrics if "generated_agreement" in m]
+
+    def last(key: str) -> float | None:
+        return next((m[key] for m in reversed(metrics) if key in m), None)
+
     return {"flow_nll": nll[-1], "flow_nll_old_max": max(old) if old else None,
-            "generated_agreement": agreement[-1] if agreement else None} if nll else {}
+            **{key: last(key) for key in ("generated_agreement", "credibility_local", "p_bar")}}
 
 
 def row(name: str, seed: int, s: RunSummary, paper: dict, evs: list[dict] = ()) -> dict:
@@ -202,6 +208,10 @@ def learned(runs: list[dict]) -> str:
     return ", ".join("-" if None in c else f"{np.mean(c):.1f}" for c in columns)
 
 
+def _num(row: dict, key: str) -> str:
+    return "-" if row.get(key) is None else f"{row[key]:.2g}"
+
+
 def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int = 10) -> str:
     """The table, then the learnability gate on the ``fedavg`` row's first seed and a verdict per claim."""
     lines = ["| run | seeds | GA per task % | mean GA % | paper mean GA % | avg. accuracy % | avg. forgetting % "
@@ -226,10 +236,12 @@ def markdown(rows: list[dict], claims: tuple[Claim, ...] = (), num_classes: int 
     if flows:
         lines.append("\nAF-FCL's flow (mechanism check), per run: NLL of the current features in the last round / "
                      "the worst NLL it gave the previous task's flow's samples in a later task (nats) / the share "
-                     "of generated features the classifier labels as their class in the last round: "
-                     + "; ".join(f"{r['row']} s{r['seed']} {r['flow_nll']:.0f} / {r['flow_nll_old_max'] or 0:.3g} / "
-                                 + (f"{r['generated_agreement']:.2f}" if r.get("generated_agreement") is not None
-                                    else "-") for r in flows) + ".")
+                     "of generated features the classifier labels as their class / the credibility (eq. 8) of "
+                     "generated features of the batch's own classes against p_bar, the weight of all others, in the "
+                     "last round: " + "; ".join(
+                         f"{r['row']} s{r['seed']} {r['flow_nll']:.0f} / {r['flow_nll_old_max'] or 0:.3g} / "
+                         f"{_num(r, 'generated_agreement')} / {_num(r, 'credibility_local')} vs {_num(r, 'p_bar')}"
+                         for r in flows) + ".")
     gate = learnability_gate(pilot_row(rows, key="row"), num_classes)
     return "\n".join(lines + [""] + verdicts(rows, claims, gate, key="row"))
 
