@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fcl_emu.runconfig import RunConfig
+from fcl_emu.bench.tables import flow_fit
 from fcl_emu.methods import affcl
 from fcl_emu.methods import registry as methods
 from fcl_emu.methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,
@@ -517,3 +518,8 @@ def test_affcl_end_to_end(tmp_path, mnist_root):
     rounds = [e for e in events if e["event"] == "round"]
     assert all("flow_nll" in r["client_metrics"] for r in rounds)
     assert all("kd_feature" in r["client_metrics"] for r in rounds if r["task"] == 1)
+    assert all(0 <= r["client_metrics"]["credibility_local"] for r in rounds)
+    # the run's own final flow and classifier, each task's held-out features (python -m ...flow_fit)
+    per_task = flow_fit.own_flow(run_dir, str(mnist_root), per_task=30)
+    assert [r["task"] for r in per_task] == [1, 2] and all(math.isfinite(r["nll_per_dim"]) for r in per_task)
+    assert all(0 <= r[k] <= 1 for r in per_task for k in ("real_accuracy", "sample_agreement"))

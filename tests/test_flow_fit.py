@@ -38,3 +38,11 @@ def test_nearest_class_mean_rule_and_report_table():
                                "sample_norm": 25.0, "feature_norm": 8.1, "sample_max": 22.1,
                                "sample_agreement": 0.1}], 0.79)
     assert "| raw | 5 | 470 | 0.919 | 25.0 / 8.1 | 22.1 | 0.10 |" in text and "0.79" in text
+
+
+def test_own_flow_table_gives_one_row_per_task():
+    text = flow_fit.own_flow_markdown([{"task": 1, "classes": [0, 1], "nll_per_dim": -2.271, "real_accuracy": 0.0,
+                                        "sample_agreement": 0.004},
+                                       {"task": 2, "classes": [2, 3], "nll_per_dim": float("inf"),
+                                        "real_accuracy": 0.99, "sample_agreement": 0.57}])
+    assert "| 1 | 0, 1 | -2.27 | 0.00 | 0.00 |" in text and "| 2 | 2, 3 | inf | 0.99 | 0.57 |" in text

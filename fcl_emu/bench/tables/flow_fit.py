@@ -10,6 +10,12 @@ standard normal prior's floor is 0.919), the median norm of class-conditional sa
 median norm, and how often a nearest-class-mean rule over the training features labels a sample as the class
 it was drawn for (beside the rule's accuracy on the real test features). The features are fixed, so this
 measures the flow alone, not the drift of a run's features.
+
+A second table scores the run's own final flow (its checkpoint) on each task's held-out test features: NLL per
+dimension (of the features as they are), how often the run's final classifier labels the real features right,
+and how often it labels the flow's samples of that task's classes as the class they were drawn for. A flow that
+kept the old tasks gives their held-out features an NLL of the last task's order and samples the classifier reads
+as their class.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import argparse
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from fcl_emu.bench.tables.runs import final_model
+from fcl_emu.bench.tables.runs import checkpoint_arrays, final_model
 from fcl_emu.methods.affcl import AFFCLOptions, build_flow
 
 PRIOR_FLOOR = 0.5 * math.log(2 * math.pi)  # NLL per dimension of a density no higher than the standard normal's
@@ -81,6 +88,47 @@ def run_features(run_dir: Path, data_root: str, samples: int, seed: int = 0):
             AFFCLOptions(**config.get("method_options") or {}))
 
 
+def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> list[dict]:
+    """The run's final flow and classifier on up to ``per_task`` held-out test images of each task (see the module
+    docstring)."""
+    from fcl_emu.methods.affcl import FLOW, classify, embed
+    from fcl_emu.scenario.scenario import build_scenario
+    from fcl_emu.scenario.spec import ScenarioSpec
+    from fcl_emu.scenario.transforms import to_tensor
+
+    config, ds, model = final_model(run_dir, data_root)
+    prefix = "server/" + FLOW
+    arrays = {k[len(prefix):]: v for k, v in checkpoint_arrays(run_dir).items() if k.startswith(prefix)}
+    options = AFFCLOptions(**config.get("method_options") or {})
+    flow = build_flow(embed(model, to_tensor(ds.test_x[:1], ds.mean, ds.std)).shape[1], ds.num_classes, options,
+                      arrays).eval()
+    scenario = build_scenario(ScenarioSpec(**config["scenario"]), ds)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(scenario.num_tasks):
+        # the classes the clients trained on in task t (a task pool's tasks introduce none of their own)
+        classes = np.unique(np.concatenate([scenario.client_classes(k, t) for k in scenario.active_clients(t)]))
+        idx = scenario.test_indices(classes)
+        idx = idx[torch.randperm(len(idx), generator=gen)[:per_task].numpy()]
+        y = torch.tensor(scenario.test_labels[idx]).long()  # the scenario's class ids, the model's outputs
+        with torch.no_grad():
+            h = embed(model, to_tensor(ds.test_x[idx], ds.mean, ds.std))
+            samples = flow.sample(y, gen)[0]
+            out.append({"task": t + 1, "classes": classes.tolist(),
+                        "nll_per_dim": -float(flow.log_prob(h, y)[0].mean()) / flow.dim,
+                        "real_accuracy": float((classify(model, h).argmax(dim=1) == y).float().mean()),
+                        "sample_agreement": float((classify(model, samples).argmax(dim=1) == y).float().mean())})
+    return out
+
+
+def own_flow_markdown(rows: list[dict]) -> str:
+    lines = ["| task | classes | held-out NLL per dimension (nats) | classifier on the real features | "
+             "classifier on the flow's samples |", "| ---: | --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['task']} | {', '.join(map(str, r['classes']))} | {r['nll_per_dim']:.3g} | "
+              f"{r['real_accuracy']:.2f} | {r['sample_agreement']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], real_agreement: float) -> str:
     lines = ["| flow input | Adam steps | held-out NLL (nats) | per dimension | sample norm / feature norm | "
              "largest sample value | samples a nearest-class-mean rule labels right |",
@@ -107,6 +155,8 @@ def main() -> None:
             for r in fit(train, test, classes, options.model_copy(update={"flow_input": form}), steps, args.lr)]
     rule = nearest_class_mean(*train, classes)
     print(markdown(rows, float((rule(test[0]) == test[1]).float().mean())))
+    print("\nThe run's own final flow and classifier, per task:\n")
+    print(own_flow_markdown(own_flow(args.run_dir, args.data_root, args.samples // 3)))
 
 
 if __name__ == "__main__":

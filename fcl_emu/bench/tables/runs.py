@@ -69,17 +69,23 @@ def host_cpu_s(out: Path, name: str) -> float | None:
     return cpu["user_s"] + cpu["system_s"]
 
 
+def checkpoint_arrays(run_dir: Path) -> dict:
+    """Every array of a finished run's last checkpoint (the server's state under ``server/``)."""
+    from fcl_emu.coordinator import checkpoint
+
+    return checkpoint.load(run_dir / "checkpoint").arrays
+
+
 def final_model(run_dir: Path, data_root: str):
     """``(config, dataset, model)`` of a finished run: its ``config.yaml`` as a dict, its data set (from
     ``data_root``) and its final global model in eval mode, read from the coordinator's checkpoint."""
-    from fcl_emu.coordinator import checkpoint
     from fcl_emu.methods.models.classifier import build_model
     from fcl_emu.methods.models.state import load_arrays
     from fcl_emu.scenario.datasets import load_dataset
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     ds = load_dataset(config["scenario"]["dataset"], [Path(data_root)])
-    arrays = {k[len("server/"):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
+    arrays = {k[len("server/"):]: v for k, v in checkpoint_arrays(run_dir).items()
               if k.startswith("server/") and "/" not in k[len("server/"):]}
     model = build_model(config["model"], ds.input_shape, int(arrays["head.weight"].shape[0]))
     load_arrays(model, arrays)
