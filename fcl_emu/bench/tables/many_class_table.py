@@ -90,9 +90,7 @@ TEN_TASKS = PaperNumbers(
     "Published: Qi et al., FedCBDR (arXiv 2507.07712), Table 2, Tiny-ImageNet in 10 tasks, ResNet-18, 5 clients, "
     "100 rounds a task, Dirichlet beta = 1.0, 3 seeds; a third party's re-runs of these methods at their full budget "
     "(fedavg: their Finetune; fedlwf2t: their FedLwF); the seed papers give no 10-task Tiny-ImageNet numbers.",
-    (Claim("mfcl", "fedavg", "MFCL Table 4", "time_avg", (44.98, 22.27)),
-     Claim("mfcl", "fedprox", "MFCL Table 4", "time_avg", (44.98, 22.00)),
-     Claim("mfcl", "fedlwf2t", "MFCL Table 4", "time_avg", (44.98, 22.17)),
+    (*generative_table.MFCL_CLAIMS,
      Claim("target", "fedavg", "LANDER Table 1 (TARGET's rows)", paper=(24.76, 7.83)),
      Claim("target", "fedlwf2t", "LANDER Table 1 (TARGET's rows)", paper=(24.76, 23.27)),
      Claim("target", "fedewc", "LANDER Table 1 (TARGET's rows)", paper=(24.76, 8.01)),
@@ -110,18 +108,13 @@ FIVE_TASKS = PaperNumbers(
     {"fedlwf2t": "24.32", "target": "26.25", "lander": "30.29"},
     "Published: LANDER Table 2, Tiny-ImageNet (all 200 classes, 64x64) in 5 tasks of 40, IID, ResNet-18, final "
     "accuracy, no spread given (fedlwf2t: its FedLwF); the seed papers give no numbers for the other rows here.",
-    (Claim("mfcl", "fedavg", "MFCL Table 4", "time_avg", (44.98, 22.27)),
-     Claim("mfcl", "fedprox", "MFCL Table 4", "time_avg", (44.98, 22.00)),
-     Claim("mfcl", "fedlwf2t", "MFCL Table 4", "time_avg", (44.98, 22.17)),
-     Claim("mfcl", "fedavg", "MFCL Table 4", "avg_forgetting", (28.3, 78.77)),
+    (*generative_table.MFCL_CLAIMS,
      Claim("lander", "fedlwf2t", "LANDER Table 2", paper=(30.29, 24.32)),
      Claim("lander", "target", "LANDER Table 2", paper=(30.29, 26.25)),
      Claim("target", "fedlwf2t", "LANDER Table 2 (TARGET's row)", paper=(26.25, 24.32)),
      Claim("lander", "fedlwf2t", "LANDER Table 2", "avg_forgetting", (21.65, 34.57)),
      Claim("lander", "target", "LANDER Table 2", "avg_forgetting", (21.65, 23.43)),
-     Claim("lander", "fedavg", "LANDER Table 1, CIFAR-100, T=5", paper=(52.60, 16.12)),
-     Claim("lander", "fedewc", "LANDER Table 1, CIFAR-100, T=5", paper=(52.60, 16.51)),
-     Claim("target", "fedavg", "LANDER Table 1 (TARGET's rows), CIFAR-100, T=5", paper=(36.31, 16.12)),
+     *(c for c in generative_table.LANDER_T5_CLAIMS if c.other in ("fedavg", "fedewc")),
      Claim("glfc", "fedavg", "FedCBC Table 3, there in mean GA: 10.43 vs 1.51")))
 
 
