@@ -46,3 +46,10 @@ def test_own_flow_table_gives_one_row_per_task():
                                        {"task": 2, "classes": [2, 3], "nll_per_dim": float("inf"),
                                         "real_accuracy": 0.99, "sample_agreement": 0.57}])
     assert "| 1 | 0, 1 | -2.27 | 0.00 | 0.00 |" in text and "| 2 | 2, 3 | inf | 0.99 | 0.57 |" in text
+
+
+def test_a_run_of_another_method_is_refused_before_any_data_is_read(tmp_path):
+    (tmp_path / "config.yaml").write_text("method: glfc\nscenario: {dataset: mnist}\n")
+    for read in (flow_fit.own_flow, flow_fit.run_features):
+        with pytest.raises(ValueError, match="is a run of glfc, not of affcl"):
+            read(tmp_path, str(tmp_path / "no-data"), 10)

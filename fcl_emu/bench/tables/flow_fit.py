@@ -74,9 +74,7 @@ def run_features(run_dir: Path, data_root: str, samples: int, seed: int = 0):
     from fcl_emu.methods.affcl import embed
     from fcl_emu.scenario.transforms import to_tensor
 
-    config, ds, model = final_model(run_dir, data_root)
-    if config.get("method") != "affcl":
-        raise ValueError(f"{run_dir} is a {config.get('method')} run, not an affcl one")
+    config, ds, model = final_model(run_dir, data_root, "affcl")
     gen = torch.Generator().manual_seed(seed)
 
     def features(x, y, n):
@@ -96,7 +94,7 @@ def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> lis
     from fcl_emu.scenario.spec import ScenarioSpec
     from fcl_emu.scenario.transforms import to_tensor
 
-    config, ds, model = final_model(run_dir, data_root)
+    config, ds, model = final_model(run_dir, data_root, "affcl")
     prefix = "server/" + FLOW
     arrays = {k[len(prefix):]: v for k, v in checkpoint_arrays(run_dir).items() if k.startswith(prefix)}
     options = AFFCLOptions(**config.get("method_options") or {})
@@ -122,6 +120,7 @@ def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> lis
 
 
 def own_flow_markdown(rows: list[dict]) -> str:
+    """:func:`own_flow`'s rows as a Markdown table."""
     lines = ["| task | classes | held-out NLL per dimension (nats) | classifier on the real features | "
              "classifier on the flow's samples |", "| ---: | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['task']} | {', '.join(map(str, r['classes']))} | {r['nll_per_dim']:.3g} | "

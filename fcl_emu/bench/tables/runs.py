@@ -76,14 +76,17 @@ def checkpoint_arrays(run_dir: Path) -> dict:
     return checkpoint.load(run_dir / "checkpoint").arrays
 
 
-def final_model(run_dir: Path, data_root: str):
+def final_model(run_dir: Path, data_root: str, method: str | None = None):
     """``(config, dataset, model)`` of a finished run: its ``config.yaml`` as a dict, its data set (from
-    ``data_root``) and its final global model in eval mode, read from the coordinator's checkpoint."""
+    ``data_root``) and its final global model in eval mode, read from the coordinator's checkpoint.
+    ``ValueError`` if ``method`` is given and the run is of another."""
     from fcl_emu.methods.models.classifier import build_model
     from fcl_emu.methods.models.state import load_arrays
     from fcl_emu.scenario.datasets import load_dataset
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if method is not None and config.get("method") != method:
+        raise ValueError(f"{run_dir} is a run of {config.get('method')}, not of {method}")
     ds = load_dataset(config["scenario"]["dataset"], [Path(data_root)])
     arrays = {k[len("server/"):]: v for k, v in checkpoint_arrays(run_dir).items()
               if k.startswith("server/") and "/" not in k[len("server/"):]}
