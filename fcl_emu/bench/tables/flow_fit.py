@@ -89,7 +89,7 @@ def run_features(run_dir: Path, data_root: str, samples: int, seed: int = 0):
 def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> list[dict]:
     """The run's final flow and classifier on up to ``per_task`` held-out test images of each task (see the module
     docstring)."""
-    from fcl_emu.methods.affcl import FLOW, classify, embed
+    from fcl_emu.methods.affcl import FLOW, classify, embed, flow_dim
     from fcl_emu.scenario.scenario import build_scenario
     from fcl_emu.scenario.spec import ScenarioSpec
     from fcl_emu.scenario.transforms import to_tensor
@@ -98,8 +98,7 @@ def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> lis
     prefix = "server/" + FLOW
     arrays = {k[len(prefix):]: v for k, v in checkpoint_arrays(run_dir).items() if k.startswith(prefix)}
     options = AFFCLOptions(**config.get("method_options") or {})
-    flow = build_flow(embed(model, to_tensor(ds.test_x[:1], ds.mean, ds.std)).shape[1], ds.num_classes, options,
-                      arrays).eval()
+    flow = build_flow(flow_dim(model), ds.num_classes, options, arrays).eval()
     scenario = build_scenario(ScenarioSpec(**config["scenario"]), ds)
     gen = torch.Generator().manual_seed(seed)
     out = []
