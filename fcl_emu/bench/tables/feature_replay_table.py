@@ -167,16 +167,15 @@ def flow_diagnostics(evs: list[dict]) -> dict:
     the generated features of the batch's own classes beside ``p_bar``, the weight every other one gets, both in
     the last round. Empty for other methods."""
     metrics = [e.get("client_metrics") or {} for e in evs if e["event"] == "round"]
-    nll = [m["flow_nll"] for m in metrics if "flow_nll" in m]
-    if not nll:
-        return {}
-    old = [m["flow_nll_old"] for m in metrics if m.get("flow_nll_old")]
 
     def last(key: str) -> float | None:
         return next((m[key] for m in reversed(metrics) if key in m), None)
 
-    return {"flow_nll": nll[-1], "flow_nll_old_max": max(old) if old else None,
-            **{key: last(key) for key in ("generated_agreement", "credibility_local", "p_bar")}}
+    if last("flow_nll") is None:
+        return {}
+    old = [m["flow_nll_old"] for m in metrics if m.get("flow_nll_old")]
+    return {"flow_nll_old_max": max(old) if old else None,
+            **{key: last(key) for key in ("flow_nll", "generated_agreement", "credibility_local", "p_bar")}}
 
 
 def row(name: str, seed: int, s: RunSummary, paper: dict, evs: list[dict] = ()) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcl_emu.bench.tables.runs import checkpoint_arrays, final_model
+from fcl_emu.bench.tables.runs import final_model
 from fcl_emu.methods.affcl import AFFCLOptions, build_flow
 
 PRIOR_FLOOR = 0.5 * math.log(2 * math.pi)  # NLL per dimension of a density no higher than the standard normal's
@@ -74,7 +74,7 @@ def run_features(run_dir: Path, data_root: str, samples: int, seed: int = 0):
     from fcl_emu.methods.affcl import embed
     from fcl_emu.scenario.transforms import to_tensor
 
-    config, ds, model = final_model(run_dir, data_root, "affcl")
+    config, ds, model, _ = final_model(run_dir, data_root, "affcl")
     gen = torch.Generator().manual_seed(seed)
 
     def features(x, y, n):
@@ -94,9 +94,8 @@ def own_flow(run_dir: Path, data_root: str, per_task: int, seed: int = 0) -> lis
     from fcl_emu.scenario.spec import ScenarioSpec
     from fcl_emu.scenario.transforms import to_tensor
 
-    config, ds, model = final_model(run_dir, data_root, "affcl")
-    prefix = "server/" + FLOW
-    arrays = {k[len(prefix):]: v for k, v in checkpoint_arrays(run_dir).items() if k.startswith(prefix)}
+    config, ds, model, state = final_model(run_dir, data_root, "affcl")
+    arrays = {k[len(FLOW):]: v for k, v in state.items() if k.startswith(FLOW)}
     options = AFFCLOptions(**config.get("method_options") or {})
     flow = build_flow(flow_dim(model), ds.num_classes, options, arrays).eval()
     scenario = build_scenario(ScenarioSpec(**config["scenario"]), ds)

@@ -155,7 +155,7 @@ def reconstruction_quality(run_dir: Path, data_root: str, noise: float | None = 
     from fcl_emu.scenario.spec import ScenarioSpec
     from fcl_emu.scenario.transforms import denormalize, to_tensor
 
-    config, ds, model = final_model(run_dir, data_root)
+    config, ds, model, _ = final_model(run_dir, data_root)
     o = GLFCOptions(**config["method_options"])
     if noise is not None:
         o = o.model_copy(update={"perturb_noise": noise})

@@ -69,17 +69,19 @@ def host_cpu_s(out: Path, name: str) -> float | None:
     return cpu["user_s"] + cpu["system_s"]
 
 
-def checkpoint_arrays(run_dir: Path) -> dict:
-    """Every array of a finished run's last checkpoint (the server's state under ``server/``)."""
+def server_state(run_dir: Path) -> dict:
+    """Every array of the server's state in a finished run's last checkpoint, by its name under ``server/``."""
     from fcl_emu.coordinator import checkpoint
 
-    return checkpoint.load(run_dir / "checkpoint").arrays
+    prefix = "server/"
+    return {k[len(prefix):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
+            if k.startswith(prefix)}
 
 
 def final_model(run_dir: Path, data_root: str, method: str | None = None):
-    """``(config, dataset, model)`` of a finished run: its ``config.yaml`` as a dict, its data set (from
-    ``data_root``) and its final global model in eval mode, read from the coordinator's checkpoint.
-    ``ValueError`` if ``method`` is given and the run is of another."""
+    """``(config, dataset, model, state)`` of a finished run: its ``config.yaml`` as a dict, its data set (from
+    ``data_root``), its final global model in eval mode and the :func:`server_state` it was read from.
+    ``ValueError`` if ``method`` is given and the run is of another (before anything else is read)."""
     from fcl_emu.methods.models.classifier import build_model
     from fcl_emu.methods.models.state import load_arrays
     from fcl_emu.scenario.datasets import load_dataset
@@ -88,11 +90,11 @@ def final_model(run_dir: Path, data_root: str, method: str | None = None):
     if method is not None and config.get("method") != method:
         raise ValueError(f"{run_dir} is a run of {config.get('method')}, not of {method}")
     ds = load_dataset(config["scenario"]["dataset"], [Path(data_root)])
-    arrays = {k[len("server/"):]: v for k, v in checkpoint_arrays(run_dir).items()
-              if k.startswith("server/") and "/" not in k[len("server/"):]}
+    state = server_state(run_dir)
+    arrays = {k: v for k, v in state.items() if "/" not in k}
     model = build_model(config["model"], ds.input_shape, int(arrays["head.weight"].shape[0]))
     load_arrays(model, arrays)
-    return config, ds, model.eval()
+    return config, ds, model.eval(), state
 
 
 def add_report_only(parser) -> None:
