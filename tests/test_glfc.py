@@ -17,6 +17,7 @@ from fcl_emu.edge_node.store import ArrayStore
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.bench.tables import glfc_table
 from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder, herding,
                           label_from_gradients, mean_entropy, merge_memory, prototype_index, reconstruct)
@@ -359,3 +360,10 @@ def test_glfc_end_to_end_with_clients_joining_at_the_boundary(tmp_path, mnist_ro
     proxy = [e for e in events if e["event"] == "job" and e["job_kind"] == "glfc.proxy"]
     assert proxy and all(e["worker"] != "coordinator" for e in proxy)
     assert sum(e["metrics"]["gradients"] for e in proxy) >= sent["prototype_gradients/received"]  # >= 1 each
+    # the proxy's check read back from the finished run: one prototype per class, each label recovered from its
+    # gradient alone (a one-sample gradient gives it away), the perturbation bounded
+    quality = glfc_table.reconstruction_quality(run_dir, str(mnist_root))
+    assert sorted(r["class"] for r in quality["per_class"]) == list(range(10))
+    assert quality["labels_recovered"] == 1.0
+    assert all(math.isfinite(r["psnr_perturbed_vs_prototype"]) and math.isfinite(r["match_loss"])
+               for r in quality["per_class"])
