@@ -361,7 +361,7 @@ def test_glfc_end_to_end_with_clients_joining_at_the_boundary(tmp_path, mnist_ro
     assert proxy and all(e["worker"] != "coordinator" for e in proxy)
     assert sum(e["metrics"]["gradients"] for e in proxy) >= sent["prototype_gradients/received"]  # >= 1 each
     # the proxy's check read back from the finished run: one prototype per class, each label recovered from its
-    # gradient alone (a one-sample gradient gives it away), the perturbation bounded
+    # gradient alone (a one-sample gradient gives it away), every figure finite
     quality = glfc_table.reconstruction_quality(run_dir, str(mnist_root))
     assert sorted(r["class"] for r in quality["per_class"]) == list(range(10))
     assert quality["labels_recovered"] == 1.0
