@@ -117,6 +117,12 @@ def paired_verdict(a: list[float], b: list[float], lower_is_better: bool = False
     return INCONCLUSIVE, text
 
 
+def between(claims: tuple[Claim, ...], names) -> tuple[Claim, ...]:
+    """The ``claims`` whose two rows are both among ``names`` (the rows a table has): the ones it can judge."""
+    names = set(names)
+    return tuple(c for c in claims if {c.method, c.other} <= names)
+
+
 def verdicts(rows: list[dict], claims: tuple[Claim, ...], gate: Gate, key: str = "method") -> list[str]:
     """One Markdown line per claim: below the gate :data:`UNINFORMATIVE`, else :func:`paired_verdict` on the
     seeds where both rows completed."""

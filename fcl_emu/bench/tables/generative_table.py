@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
+from fcl_emu.bench.tables.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
 from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
 from fcl_emu.methods import registry
 from fcl_emu.monitoring.results import RunSummary
@@ -196,7 +196,7 @@ def markdown(rows: list[dict], methods: list[str], num_classes: int = 10) -> str
                        f"{np.mean([r['server_job_s'] for r in done]):.0f} | "
                        f"{np.mean([r['wall_s'] for r in done]):.0f} |")
     lines += mechanism_lines(rows, methods)
-    judged = tuple(c for c in CLAIMS if c.method in methods and c.other in methods)
+    judged = between(CLAIMS, methods)
     return "\n".join(lines + [""] + verdicts(rows, judged, learnability_gate(pilot_row(rows), num_classes)))
 
 

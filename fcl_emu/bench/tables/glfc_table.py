@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
+from fcl_emu.bench.tables.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
 from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, final_model, grouped, mean_of, pm,
                                       run_up, seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
@@ -220,7 +220,7 @@ def markdown(rows: list[dict], classes: int = NUM_CLASSES[DATASET]) -> str:
                      + "; ".join(f"{r['row']} s{r['seed']} {r['proxy_picks']['last_picked']} of "
                                  f"{r['proxy_picks']['tasks']} / {r['proxy_picks']['perfect']} of "
                                  f"{r['proxy_picks']['scored']}" for r in picks) + ".")
-    judged = tuple(c for c in CLAIMS if {c.method, c.other} <= {r["row"] for r in rows})
+    judged = between(CLAIMS, (r["row"] for r in rows))
     gate = learnability_gate(pilot_row(rows, key="row"), classes)
     return "\n".join(lines + [""] + verdicts(rows, judged, gate, key="row"))
 

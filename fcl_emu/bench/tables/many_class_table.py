@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fcl_emu.bench.tables import add_page_options, check_page, generative_table, write_page
-from fcl_emu.bench.tables.claims import Claim, learnability_gate, pilot_row, verdicts
+from fcl_emu.bench.tables.claims import Claim, between, learnability_gate, pilot_row, verdicts
 from fcl_emu.bench.tables.runs import add_method_options, add_report_only, fraction, pm, seeds, with_options
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
@@ -164,7 +164,7 @@ def markdown(rows: list[dict], methods: list[str], classes: int = NUM_CLASSES[DA
     lines.append(f"CPU hours of these {len(rows)} runs: {hours:.2f} (the CPU time of all their processes"
                  + (f"; {estimated} of them without it, counted as wall clock x 1 thread" if estimated else "")
                  + ").\n")
-    judged = tuple(c for c in papers.claims if {c.method, c.other} <= set(methods))
+    judged = between(papers.claims, methods)
     lines += verdicts(rows, judged, learnability_gate(pilot_row(rows), classes))
     if left := [c.text() for c in papers.claims if c not in judged]:
         lines.append(f"\nNot judged here (a row it needs is not in this table's methods): {'; '.join(left)}.")
