@@ -1,5 +1,5 @@
-"""Shared fixtures: a scratch working directory, the data root, free ports, and a real emulation started as
-processes."""
+"""Shared fixtures: a scratch working directory, the data root, Flower's environment, free ports, and a real
+emulation started as processes."""
 
 from __future__ import annotations
 
@@ -60,6 +60,18 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def mnist_root() -> Path:
     return find_dataset_root("mnist")
+
+
+@pytest.fixture(scope="session")
+def flower_python():
+    """The interpreter of Flower's environment (fcl_emu/bench/flower_env.py: --flower-python's lookup), or a skip
+    saying why there is none that can be used."""
+    from fcl_emu.bench.flower_env import FlowerEnvError, find_python
+
+    try:
+        return find_python()
+    except FlowerEnvError as exc:
+        pytest.skip(f"no usable Flower environment: {exc}")
 
 
 def free_port() -> int:

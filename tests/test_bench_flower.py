@@ -1,61 +1,51 @@
-"""The Flower comparison of ``fcl-emu bench secagg``: Flower's SecAgg+ client driven in process computes real
-masked vectors (they sum to the quantised inputs once the self-masks are off), the bench reports it, and it is
-skipped cleanly without flwr."""
+"""The Flower comparisons, with Flower in an environment of its own (fcl_emu/bench/flower_env.py): Flower's SecAgg+
+client, driven there, computes real masked vectors (its side checks in every run that they sum to the quantised
+inputs once the self-masks are off), the bench reports it, and without a Flower environment the secagg report says
+so while the Flower benchmark refuses in one line. The tests that run Flower skip without its environment; none
+imports flwr."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
-from fcl_emu.bench.flower_secagg import FLOWER_MOD_RANGE, flower_round, measure_flower_masking
+from fcl_emu.bench import flower_env
+from fcl_emu.bench.flower_secagg import FLOWER_MOD_RANGE, FlowerRound, measure_flower_masking, sums_to_inputs
+from fcl_emu.bench.secagg import flower_fields
+from fcl_emu.cli import app
 
-pytest.importorskip("flwr", reason="the Flower comparison needs flwr (the `flower` or `test` extra)")
-
-
-def test_flower_masked_vectors_sum_to_the_quantised_inputs():
-    from flwr.common import bytes_to_ndarray
-    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
-
-    dim, k = 2000, 4
-    x = np.random.default_rng(0).uniform(-0.9, 0.9, dim).astype(np.float32)
-    result = flower_round(x, k)  # all k + 1 clients mask: the pairwise masks cancel in the sum
-    assert sorted(result.masked) == sorted(result.states) and len(result.masked) == k + 1
-    total = [np.zeros(1, np.int64), np.zeros(dim, np.int64)]
-    for nid, arrays in result.masked.items():
-        masked = [bytes_to_ndarray(a) for a in arrays]
-        self_mask = pseudo_rand_gen(result.states[nid].rd_seed, FLOWER_MOD_RANGE, [a.shape for a in masked])
-        for acc, m, s in zip(total, masked, self_mask, strict=True):
-            acc += m - s
-    total = [a % FLOWER_MOD_RANGE for a in total]
-    m = result.target_range
-    assert total[0][0] == (k + 1) * m  # the weight element: q_ratio = target range for weight 1 of 1
-    decoded = total[1] / (k + 1) * 2.0 / m - 1.0  # clip 1: levels back to [-1, 1]
-    np.testing.assert_allclose(decoded, x, atol=1e-6)
-    assert len(result.share_keys_s) == k + 1 and min(result.share_keys_s) > 0
+NO_ENVIRONMENT = "no Flower environment (fcl-emu bench flower-env)"
 
 
-def test_measure_flower_masking_reports_positive_times():
-    out = measure_flower_masking(dim=2000, neighbors=4, repeats=2, clients=10)
+def test_flower_side_times_positive_and_its_masked_vectors_sum_to_the_inputs(flower_python):
+    out = measure_flower_masking(dim=2000, neighbors=4, clients=10)
     assert "error" not in out, out
-    assert {"version", "share_keys_s", "masked_input_s", "target_range", "mod_range"} <= set(out)
+    assert out["sums_to_inputs"] is True and out["version"] == flower_python.flwr
     assert out["masked_input_s"] > 0 and out["share_keys_s"] > 0
-    assert out["neighbors"] == 4 and out["target_range"] == (2**32 - 1) // 10
+    assert out["neighbors"] == 4 and out["target_range"] == (2**32 - 1) // 10 and out["mod_range"] == FLOWER_MOD_RANGE
 
 
-def test_bench_secagg_writes_the_flower_fields(tmp_path):
-    from typer.testing import CliRunner
+def test_the_sum_check_fails_on_a_sum_that_is_not_the_inputs():
+    n, levels = 5, (FLOWER_MOD_RANGE - 1) // 5
+    x = np.random.default_rng(0).uniform(-0.9, 0.9, 100).astype(np.float32)
+    values = np.round(n * (x.astype(np.float64) + 1) * levels / 2).astype(np.int64)
+    result = FlowerRound(target_range=levels, masked_input_s=[1.0] * n,
+                         unmasked_sum=[np.array([n * levels]), values % FLOWER_MOD_RANGE])
+    assert sums_to_inputs(result, x)
+    result.unmasked_sum[1][7] += levels // 100  # one value off by 1 % of the range (a mask that did not cancel)
+    assert not sums_to_inputs(result, x)
 
-    from fcl_emu.cli import app
 
+def test_bench_secagg_writes_the_flower_fields(flower_python, tmp_path):
     path = tmp_path / "sa.json"
     result = CliRunner().invoke(app, ["bench", "secagg", "--clients", "6", "--dim", "2000", "--json", str(path)])
     assert result.exit_code == 0, result.output
     data = json.loads(path.read_text())
-    assert data["flower_version"] and data["flower_masked_input_ms"] > 0 and data["flower_share_keys_ms"] > 0
+    assert data["flower_version"] == flower_python.flwr and data["flower_sums_to_inputs"] is True
+    assert data["flower_masked_input_ms"] > 0 and data["flower_share_keys_ms"] > 0
     assert data["speedup_vs_flower"] == pytest.approx(data["flower_masked_input_ms"] / data["client_masked_input_ms"])
     result = CliRunner().invoke(app, ["bench", "secagg", "--clients", "6", "--dim", "2000", "--no-flower",
                                       "--json", str(path)])
@@ -63,17 +53,43 @@ def test_bench_secagg_writes_the_flower_fields(tmp_path):
     assert not any(key.startswith("flower") for key in json.loads(path.read_text()))
 
 
-def test_without_flwr_there_is_no_comparison(monkeypatch):
-    from fcl_emu.bench.secagg import flower_fields
-
-    monkeypatch.setitem(sys.modules, "flwr", None)  # `import flwr` now raises ImportError
-    assert measure_flower_masking(dim=100, neighbors=4) is None
-    assert flower_fields(None, 1.0) == {"flower": "not installed"}
-
-
-def test_a_different_flower_api_is_reported_not_raised(monkeypatch):
-    # the package re-exports a function of the same name, so take the module from sys.modules
-    mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
-    monkeypatch.delattr(mod, "_collect_masked_vectors")
+def test_a_different_flower_api_is_reported_not_raised(flower_python, tmp_path, monkeypatch):
+    # Flower's side starts with a Flower whose masking stage is gone (sitecustomize runs first in every Python)
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib\n"
+        "del importlib.import_module('flwr.client.mod.secure_aggregation.secaggplus_mod')._collect_masked_vectors\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     out = measure_flower_masking(dim=100, neighbors=4)
-    assert out["error"].startswith("Flower's SecAgg+ client API differs: AttributeError")
+    assert out["error"].startswith("Flower's SecAgg+ client API differs: AttributeError"), out
+    assert out["version"] == flower_python.flwr
+
+
+@pytest.fixture
+def no_flower_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(flower_env.ENV_DIR_VAR, str(tmp_path / "no-flower-env"))
+    monkeypatch.delenv(flower_env.PYTHON_VAR, raising=False)
+
+
+def test_without_a_flower_environment_the_secagg_report_says_so(no_flower_environment, tmp_path):
+    assert measure_flower_masking(dim=100, neighbors=4) is None
+    assert flower_fields(None, 1.0) == {"flower": NO_ENVIRONMENT}
+    path = tmp_path / "sa.json"
+    result = CliRunner().invoke(app, ["bench", "secagg", "--clients", "4", "--dim", "100", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(path.read_text())["flower"] == NO_ENVIRONMENT
+
+
+@pytest.mark.parametrize("command", [["bench", "flower"], ["bench", "secagg", "--flower-python", "/no/python"]])
+def test_a_missing_flower_environment_is_one_line_where_it_is_needed(no_flower_environment, command):
+    result = CliRunner().invoke(app, command)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "--flower-python" in lines[0] and "fcl-emu bench flower-env" in lines[0]
+
+
+def test_an_environment_with_the_pinned_flwr_is_kept(flower_python, monkeypatch):
+    directory = flower_python.path.parent.parent
+    if flower_env.probe(flower_env.env_python(directory))[1] != flower_env.pinned_flwr():
+        pytest.skip("the Flower environment in use is not at constraints/flower.txt's flwr")
+    monkeypatch.setattr(flower_env, "step", lambda command: pytest.fail(f"ran {command}"))
+    assert flower_env.create(directory).flwr == flower_env.pinned_flwr()

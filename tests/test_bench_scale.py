@@ -37,11 +37,10 @@ def test_the_sweep_stops_where_memory_would_not_fit():
     assert reason is not None and "1.00 MB per client measured at 100" in reason
 
 
-def test_flower_side_by_side_on_one_small_point(tmp_path, mnist_root):
-    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray (flwr[simulation])")
+def test_flower_side_by_side_on_one_small_point(tmp_path, mnist_root, flower_python):
     from fcl_emu.bench.flower import point
 
-    row = point(10, 3, 1, 1, [mnist_root], tmp_path)
+    row = point(10, 3, 1, 1, [mnist_root], tmp_path, flower_python)
     assert row["fcl_emu_status"] == "completed"
     assert row["fcl_emu_s"] > 0 and row["flower_s"] > 0 and row["memory_ratio"] > 0
     assert 0 <= row["fcl_emu_accuracy"] <= 100 and 0 <= row["flower_accuracy"] <= 100

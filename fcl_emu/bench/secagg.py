@@ -8,9 +8,9 @@ per phase: the median and maximum client time, the server time, and the
 bytes down (server to all clients) and up (all clients to the server) as
 msgpack would carry them. In the same run it measures the lower bound of a
 client's masking: ``neighbors + 1`` plain ChaCha20 expansions of ``dim``
-values, against the client's masked-input phase; and, if ``flwr`` is
-installed (``--flower``, the default), Flower's SecAgg+ client on the same
-N, K and D (:mod:`fcl_emu.bench.flower_secagg`).
+values, against the client's masked-input phase; and (``--flower``, the
+default) Flower's SecAgg+ client on the same N, K and D, in Flower's own
+environment (:mod:`fcl_emu.bench.flower_secagg`, :mod:`fcl_emu.bench.flower_env`).
 
 This measures the cryptography and the quantisation only: the wire (framing,
 ZeroMQ, the coordinator's event loop) comes with the protocol's integration
@@ -37,7 +37,7 @@ def dropout_pattern(roster: list[str], dropout: float, rng: np.random.Generator)
 
 
 def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dropout: float, seed: int,
-        json_path: Path | None, console: Console, flower: bool = True) -> dict:
+        json_path: Path | None, console: Console, flower: bool = True, flower_python: Path | None = None) -> dict:
     if clients < 3:
         raise ValueError("--clients must be at least 3")
     if not 0 <= dropout < 1:
@@ -79,17 +79,18 @@ def run(clients: int, dim: int, neighbors: int | None, threshold: int | None, dr
              "ratio_masked_input_to_lower_bound": masking["ratio_masked_input"],
              "ratio_mask_to_lower_bound": masking["ratio_mask"]}
     if flower:
-        extra.update(flower_fields(measure_flower_masking(dim=dim, neighbors=k, repeats=3, seed=seed,
-                                                          clients=clients), masking["client_masked_input_s"]))
+        extra.update(flower_fields(measure_flower_masking(dim=dim, neighbors=k, seed=seed, clients=clients,
+                                                          python=flower_python), masking["client_masked_input_s"]))
     return emit("secagg", rows, extra, json_path, console)
 
 
 def flower_fields(measured: dict | None, ours_masked_input_s: float) -> dict:
     """The report's Flower fields: its client times and our speed-up, or why there are none."""
     if measured is None:
-        return {"flower": "not installed"}
+        return {"flower": "no Flower environment (fcl-emu bench flower-env)"}
     if "error" in measured:
         return {"flower_version": measured["version"], "flower": measured["error"]}
     return {"flower_version": measured["version"], "flower_masked_input_ms": 1e3 * measured["masked_input_s"],
             "flower_share_keys_ms": 1e3 * measured["share_keys_s"],
-            "speedup_vs_flower": measured["masked_input_s"] / ours_masked_input_s}
+            "speedup_vs_flower": measured["masked_input_s"] / ours_masked_input_s,
+            "flower_sums_to_inputs": measured["sums_to_inputs"]}
