@@ -23,7 +23,8 @@ def _fail(exc: Exception) -> None:
 
 @cluster_app.command("up")
 def cluster_up(
-    hosts: Annotated[int, typer.Option("--hosts", help="how many hosts (host 1 is the swarm manager)")] = 3,
+    hosts: Annotated[int, typer.Option("--hosts", min=1, max=50, help="how many hosts (host 1 is the swarm "
+                                                                      "manager)")] = 3,
     name: NameOption = "local",
     subnet: Annotated[str, typer.Option("--subnet", help="the hosts' network; the machine takes its first "
                                                          "address, host i the 10+i-th")] = "192.168.213.0/24",

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, TypeVar
 
-from fcl_emu.runtime.process import parse_with
+from fcl_emu.runtime.process import OneLineParser, parse_with
 
 F = TypeVar("F", bound="Flags")
 
@@ -123,7 +123,7 @@ class Flags:
     @classmethod
     def parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
         """The argparse parser of the fields' flags (``prog``: the program its usage names, default the class's)."""
-        parser = argparse.ArgumentParser(prog=prog or cls._flags_prog, description=cls._flags_description)
+        parser = OneLineParser(prog=prog or cls._flags_prog, description=cls._flags_description)
         for spec in _specs(cls):
             names = [spec.flag, *([spec.alias] if spec.alias else [])]
             if spec.switch:
@@ -137,7 +137,7 @@ class Flags:
 
     @classmethod
     def from_argv(cls: type[F], argv: Sequence[str] | None = None, prog: str | None = None) -> F:
-        """The object of the flags ``argv`` (default ``sys.argv[1:]``). A bad value exits 2 with the usage and one
+        """The object of the flags ``argv`` (default ``sys.argv[1:]``). A bad value exits 2 with one
         line naming the flag, as argparse does: one its type or ``parse`` refuses, or one the object refuses with an
         ``ArgsError``."""
         repeated = {spec.name for spec in _specs(cls) if spec.repeat}

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from fcl_emu.runtime.allocator import fix_malloc_thresholds
 
@@ -98,10 +98,18 @@ def check_keys(server_key: Path | None, key: Path | None, insecure: bool) -> Non
               "or --insecure for a coordinator started with --insecure")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a mistake as the fcl-emu commands do: one line, ``error: PROG: what (see: PROG
+    --help)``, exit 2 (argparse prints its whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see: {self.prog} --help)\n")
+
+
 def parse_with(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                build: Callable[[argparse.Namespace], T]) -> T:
     """``build`` of ``argv`` parsed by ``parser``; a bad value, there or in ``build`` (ArgsError), is reported as
-    argparse reports one: the usage and one line naming the flag, exit 2."""
+    ``parser`` reports one (:class:`OneLineParser`: one line naming the flag, exit 2)."""
     namespace = parser.parse_args(argv)
     try:
         return build(namespace)

@@ -74,8 +74,8 @@ class DatasetNotFoundError(FileNotFoundError):
     def __init__(self, dataset: str, looked_at: Sequence[Path], how_to: str):
         self.dataset = dataset
         self.looked_at = list(looked_at)
-        places = "\n".join(f"  - {p}" for p in self.looked_at) or "  (no data roots given)"
-        super().__init__(f"dataset {dataset!r} not found. Looked at:\n{places}\n{how_to}")
+        places = ", ".join(str(p) for p in self.looked_at) or "(no data roots given)"
+        super().__init__(f"dataset {dataset!r} not found (looked at {places}). {how_to}")  # one line
 
 
 @dataclass(frozen=True, eq=False)

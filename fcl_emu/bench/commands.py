@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 
 from fcl_emu import options
-from fcl_emu.command_line import console, folder, writable
+from fcl_emu.bench.flower_env import FlowerEnvError, FlowerPython, NoFlowerEnv, create, created_lines, find_python
+from fcl_emu.command_line import console, fail, folder, writable
 from fcl_emu.runconfig.nodes import CLIENTS_PER_NODE
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against baselines measured in the same run).")
@@ -18,12 +19,26 @@ PerRoundOpt = options.elsewhere("clients_per_round")
 DataRootOpt = options.elsewhere("data_root")
 TasksOpt = options.elsewhere("tasks")
 RoundsOpt = options.elsewhere("rounds_per_task")
+FlowerPythonOpt = Annotated[Optional[Path], typer.Option(
+    help="Python of Flower's environment (default: $FCL_EMU_FLOWER_PYTHON, else the one `fcl-emu bench flower-env` "
+         "creates).")]
+
+
+def int_list(text: str, flag: str, minimum: int) -> list[int]:
+    """``text`` as comma-separated integers, each at least ``minimum``; else a usage error naming ``flag``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: use comma-separated integers", param_hint=flag) from None
+    if not values or min(values) < minimum:
+        raise typer.BadParameter(f"{text!r}: give integers of at least {minimum}", param_hint=flag)
+    return values
 
 
 @bench_app.command("wire")
 def bench_wire(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
-    seconds: Annotated[float, typer.Option(help="Measuring time per case.")] = 2.0,
+    seconds: Annotated[float, typer.Option(min=0.1, help="Measuring time per case.")] = 2.0,
 ) -> None:
     """Framing throughput between two processes vs raw zero-copy pyzmq and pickle."""
     from fcl_emu.bench.wire import run
@@ -34,8 +49,8 @@ def bench_wire(
 
 @bench_app.command("round")
 def bench_round(
-    clients: Annotated[int, typer.Option(help="Emulated clients.")] = 300,
-    rounds: Annotated[int, typer.Option(help="Rounds to time.")] = 5,
+    clients: Annotated[int, typer.Option(min=3, help="Emulated clients.")] = 300,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds to time.")] = 5,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
     data_root: DataRootOpt = None,
 ) -> None:
@@ -67,10 +82,14 @@ def bench_energy(
     class that pays most, low-battery dropouts; ratios against FedAvg in the same run."""
     from fcl_emu.bench.energy import parse_cases, run
 
+    try:
+        chosen = parse_cases(cases)
+    except ValueError as exc:
+        fail(str(exc))
     writable(folder(json_path))
     writable(folder(plot_path))
     try:
-        run(parse_cases(cases), clients, clients_per_round, rounds, samples, seed, target_accuracy, json_path,
+        run(chosen, clients, clients_per_round, rounds, samples, seed, target_accuracy, json_path,
             plot_path, data_root, console)
     except (ValueError, RuntimeError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
@@ -103,10 +122,11 @@ def bench_hierarchy(
     writable(folder(plot_path))
     link = {k: v for k, v in (("uplink_mbps", edge_uplink_mbps), ("downlink_mbps", edge_downlink_mbps),
                               ("latency_ms", edge_latency_ms)) if v}
+    sizes, tiers = int_list(populations, "--populations", 2), int_list(aggregators, "--aggregators", 0)
+    edge_round_counts = int_list(edge_rounds, "--edge-rounds", 1)
     try:
-        run([int(p) for p in populations.split(",")], [int(m) for m in aggregators.split(",")],
-            [int(k) for k in edge_rounds.split(",")], clients_per_round, rounds, seed, link, json_path, plot_path,
-            data_root, console)
+        run(sizes, tiers, edge_round_counts, clients_per_round, rounds, seed, link, json_path, plot_path, data_root,
+            console)
     except (ValueError, RuntimeError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -139,20 +159,26 @@ def bench_secagg(
     clients: Annotated[int, typer.Option(min=3, help="Clients in the round (N).")] = 100,
     dim: Annotated[int, typer.Option(min=1, help="Values per client (D).")] = 1_000_000,
     neighbors: Annotated[Optional[int], typer.Option(
-        help="Neighbours per client (K; default 2*ceil(log2 N); N-1: SecAgg).")] = None,
-    threshold: Annotated[Optional[int], typer.Option(help="Shamir threshold t (default floor(K/2)+1).")] = None,
+        min=2, help="Neighbours per client (K; default 2*ceil(log2 N); N-1: SecAgg).")] = None,
+    threshold: Annotated[Optional[int], typer.Option(min=2, help="Shamir threshold t (default floor(K/2)+1).")] = None,
     dropout: Annotated[float, typer.Option(help="Probability that a client drops, at a random phase.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of the inputs, graph and dropouts.")] = 0,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
     flower: Annotated[bool, typer.Option(
-        "--flower/--no-flower", help="Also time Flower's SecAgg+ client on the same N, K, D (needs flwr).")] = True,
+        "--flower/--no-flower", help="Also time Flower's SecAgg+ client on the same N, K, D, in Flower's "
+                                     "environment (fcl-emu bench flower-env); without one the report says so.")]
+        = True,
+    flower_python: FlowerPythonOpt = None,
 ) -> None:
     """SecAgg+ in one process: client and server time and bytes per phase; masking vs its lower bound and Flower."""
     from fcl_emu.bench.secagg import run
 
+    if flower:
+        flower_interpreter(flower_python, required=False)  # a wrong one fails now, before the measuring
     writable(folder(json_path))
     try:
-        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower)
+        run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower,
+            flower_python=flower_python)
     except ValueError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
@@ -160,7 +186,7 @@ def bench_secagg(
 
 @bench_app.command("metrics")
 def bench_metrics(
-    clients: Annotated[int, typer.Option(help="Clients of the simulated run that fills the registries.")] = 300,
+    clients: Annotated[int, typer.Option(min=1, help="Clients of the simulated run that fills the registries.")] = 300,
     url: Annotated[Optional[list[str]], typer.Option(
         "--url", help="Also time scrapes of this live /metrics URL (repeatable).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
@@ -192,12 +218,7 @@ def bench_scale(
     """Scaling sweep: join time, coordinator overhead, idle CPU and memory per client against the population."""
     from fcl_emu.bench.scale import run
 
-    try:
-        sizes = [int(p) for p in populations.split(",") if p.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{populations!r}: use comma-separated integers", param_hint="--populations") from None
-    if not sizes or min(sizes) < 2:
-        raise typer.BadParameter("every population needs at least 2 clients", param_hint="--populations")
+    sizes = int_list(populations, "--populations", 2)
     writable(out, folder(json_path))
     try:
         run(sizes, cohort, largest_cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root,
@@ -241,9 +262,10 @@ def bench_flower(
     epochs: Annotated[int, typer.Option(min=1, help="Local epochs on both sides.")] = 1,
     data_root: DataRootOpt = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON here.")] = None,
+    flower_python: FlowerPythonOpt = None,
 ) -> None:
     """fcl-emu against Flower's simulation engine on the same FedAvg workload: wall clock, memory, accuracy."""
-    from fcl_emu.bench.flower import flower_version, run
+    from fcl_emu.bench.flower import run
 
     try:
         parsed = [tuple(int(v) for v in p.split(":")) for p in points.split(",") if p.strip()]
@@ -251,16 +273,38 @@ def bench_flower(
     except (ValueError, AssertionError):
         raise typer.BadParameter(f"{points!r}: use N:K pairs with 0 < K <= N, e.g. 100:10,300:30",
                                  param_hint="--points") from None
-    if flower_version() is None:
-        console.print("error: the comparison needs Flower's simulation engine: pip install 'flwr[simulation]'",
-                      style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
+    flower = flower_interpreter(flower_python, required=True)
     writable(folder(json_path))
     try:
-        run(parsed, rounds, epochs, data_root, json_path, console)
+        run(parsed, rounds, epochs, data_root, json_path, console, flower)
     except RuntimeError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
+
+
+@bench_app.command("flower-env")
+def bench_flower_env(
+    directory: Annotated[Optional[Path], typer.Option(
+        "--dir", help="Where (default: $FCL_EMU_FLOWER_ENV, else ~/.cache/fcl-emu/flower-env).")] = None,
+) -> None:
+    """Create Flower's environment for the Flower comparisons (bench flower, bench secagg), kept if already there."""
+    try:
+        flower = create(directory)
+    except FlowerEnvError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    print("\n".join(created_lines(flower)))
+
+
+def flower_interpreter(explicit: Optional[Path], required: bool) -> Optional[FlowerPython]:
+    """The interpreter of Flower's environment (:func:`fcl_emu.bench.flower_env.find_python`); one that cannot be
+    used, or none where ``required``, is a usage error on --flower-python."""
+    try:
+        return find_python(explicit)
+    except FlowerEnvError as exc:
+        if isinstance(exc, NoFlowerEnv) and not required:
+            return None
+        raise typer.BadParameter(str(exc), param_hint="--flower-python") from None
 
 
 @bench_app.command("churn")
@@ -312,10 +356,11 @@ def bench_churn(
         if unknown:
             raise ValueError(f"--faults: unknown {', '.join(unknown)}; choose from {', '.join(churn.FAULT_MODES)}")
         method_list = churn.parse_list(methods, "--methods")
+        policies = straggler_rows.parse_aggregations(aggregations)  # checked with or without --stragglers
         rate_list = churn.parse_rates(rates) if rates else [] if stragglers else list(churn.DEFAULT_RATES)
         straggler_points = [] if not stragglers else straggler_rows.points(
             base, method_list, straggler_rows.parse_shares(stragglers),
-            straggler_rows.parse_aggregations(aggregations), seed, out)
+            policies, seed, out)
         sweep = churn.run(method_list, rate_list, crash_rate, seed, out, base, console, modes,
                           stragglers=straggler_points, target=target_accuracy)
     except ValueError as exc:
