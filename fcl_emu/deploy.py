@@ -1,7 +1,7 @@
 """A whole run as files a user deploys and edits: a Swarm stack, a plain Compose file, their keys, Prometheus and
 Grafana.
 
-``fcl-emu deploy OUT_DIR ...`` (same run flags as ``up``) writes:
+``fcl-emu deploy OUT_DIR ...`` (``up``'s run flags but :data:`fcl_emu.options.NOT_DEPLOYED`) writes:
 
 - ``stack.yml``: for ``docker stack deploy -c stack.yml NAME`` on a swarm manager. The coordinator, one service
   per edge node, Prometheus (from the project's image) and Grafana, on an attachable overlay network, with
@@ -10,9 +10,16 @@ Grafana.
   the configuration files as Swarm configs.
 - ``compose.yml``: the same services for ``docker compose up`` on one host (limits kept, no placement).
 - ``config.yaml`` (the run's configuration, data under ``/data`` in the containers, the run's id fixed),
-  ``keys/`` (the run's keys; keep the directory private), ``prometheus.yml`` (the run's targets: every service
+  ``keys/`` (the run's keys and ``grafana.env``, Grafana's generated admin password; the directory and its files
+  are private to the user, 0700 and 0600), ``prometheus.yml`` (the run's targets: every service
   by name, each labelled with ``run_id``, ``role`` and ``process`` as the dashboards expect), ``grafana/`` (the
   Prometheus data source at the Prometheus service, the dashboard provider and the project's dashboards).
+
+Prometheus and Grafana stay on the manager unless published (``publish_monitoring``): the Compose file binds
+them to the host's loopback (Grafana with anonymous viewers), the stack publishes neither (Swarm binds a published
+port on every interface: it takes no host address), so they are reached from the manager through a forwarder on
+the stack's attachable network (docs/containers.md). Published, both listen on every interface of the manager
+(the stack: ``mode: host``, the manager only) and Grafana takes no anonymous viewers.
 
 The coordinator writes its run directory to ``./runs/run`` beside the files (bind-mounted); the host's data root
 is mounted read-only at ``/data`` (on a multi-host swarm it must be at that host path on every host). Writing the
@@ -25,8 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import os
 import shutil
 import uuid
+from secrets import token_urlsafe
 
 import yaml
 
@@ -44,7 +53,9 @@ COORDINATOR_PORT = 5555
 METRICS_PORT = 9100
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
+GRAFANA_ENV = "grafana.env"  # in keys/: GF_SECURITY_ADMIN_PASSWORD, Grafana's admin password
 GRAFANA_IMAGE = "grafana/grafana:11.2.0"  # as monitoring/docker-compose.yml; from a registry, or `docker load`
+LOOPBACK = "127.0.0.1"
 DATA = "/data"
 SECRETS = "/run/secrets"
 
@@ -77,7 +88,20 @@ class Deployment:
     keys: Path
     prometheus: Path
     grafana: Path  # the folder of Grafana's provisioning and dashboards
+    grafana_env: Path  # Grafana's admin password (GF_SECURITY_ADMIN_PASSWORD=...), mode 0600
     run_id: str  # the run_id label the dashboards select
+    published: bool  # Prometheus and Grafana on every interface of the manager, not on its loopback
+
+    def monitoring(self) -> str:
+        """Where Prometheus and Grafana are, in one line: published, exactly what is exposed."""
+        login = f"user admin, password in {self.grafana_env}"
+        if self.published:
+            return (f"published on every interface of the manager (compose: of this host): Grafana on port "
+                    f"{GRAFANA_PORT} ({login}; no anonymous viewers) and Prometheus on port {PROMETHEUS_PORT} "
+                    f"(no login: whoever reaches the port reads every metric)")
+        return (f"compose: Grafana http://{LOOPBACK}:{GRAFANA_PORT} (anonymous viewers; to edit, {login}), "
+                f"Prometheus http://{LOOPBACK}:{PROMETHEUS_PORT}; swarm: neither published, "
+                f"reach them from the manager (docs/containers.md) or write the files with --publish-monitoring")
 
 
 def deployment_image(tag: str | None) -> str:
@@ -99,8 +123,11 @@ def _secret_names(config: RunConfig) -> list[str]:
             *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
-def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) -> Deployment:
-    """Write the stack, compose, config, keys, Prometheus and Grafana files of ``config``'s run into ``out``."""
+def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path,
+                     publish_monitoring: bool = False) -> Deployment:
+    """Write the stack, compose, config, keys, Prometheus and Grafana files of ``config``'s run into ``out``;
+    ``publish_monitoring``: Prometheus and Grafana on every interface of the manager (else on its loopback in
+    the Compose file, not published by the stack)."""
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)  # the coordinator's bind mount must exist
     specs = node_specs(config)
@@ -110,7 +137,8 @@ def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) 
     run_id = config.metrics.run_id or uuid.uuid4().hex[:12]
     inside = config.model_copy(update={
         "data_root": [Path(DATA)], "run_dir": Path("/runs/run"),
-        "metrics": config.metrics.model_copy(update={"port": METRICS_PORT, "host": "0.0.0.0", "run_id": run_id}),
+        "metrics": config.metrics.model_copy(update={"port": METRICS_PORT, "host": "0.0.0.0", "run_id": run_id,
+                                                     "prometheus": False}),  # the stack's Prometheus scrapes it
         "network": config.network.model_copy(update={"bind": f"tcp://0.0.0.0:{COORDINATOR_PORT}"}),
         "security": config.security.model_copy(update={"keys": Path(SECRETS)})})
     config_file = out / "config.yaml"
@@ -119,9 +147,10 @@ def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) 
     prometheus.write_text(yaml.safe_dump(stack.static_prometheus_config(
         _targets(inside, specs), run_id, config.metrics.scrape_interval_s), sort_keys=False))
     grafana_configs = _write_grafana(out / "grafana", config.metrics.scrape_interval_s)
+    grafana_env = _write_grafana_env(keys / GRAFANA_ENV)
 
     services = {"coordinator": _coordinator(image, data_root), "prometheus": _prometheus(image),
-                "grafana": _grafana(grafana_configs)}
+                "grafana": _grafana(grafana_configs, anonymous=not publish_monitoring)}
     for name in ("coordinator", "prometheus", "grafana"):  # ./runs and the published ports: on the deploying host
         services[name]["deploy"] = {**services[name]["deploy"], "placement": {"constraints": ["node.role == manager"]}}
     for spec in specs:
@@ -130,14 +159,20 @@ def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path) 
     configs = {"config.yaml": {"file": "./config.yaml"}, "prometheus.yml": {"file": "./prometheus.yml"},
                **{name: {"file": f"./{path.relative_to(out).as_posix()}"}
                   for name, (path, _) in grafana_configs.items()}}
-    compose = {"services": {name: _without_swarm(s) for name, s in services.items()},
+    plain = {name: _without_swarm(s) for name, s in services.items()}
+    for name, port in (("prometheus", PROMETHEUS_PORT), ("grafana", GRAFANA_PORT)):
+        plain[name]["ports"] = [f"{port}:{port}" if publish_monitoring else f"{LOOPBACK}:{port}:{port}"]
+        if publish_monitoring:  # the stack's services take no host address: published, on every interface
+            services[name]["ports"] = [{"target": port, "published": port, "mode": "host"}]
+    compose = {"services": plain,
                "networks": {"fcl": {"driver": "bridge"}}, "secrets": secrets, "configs": configs}
     swarm = {"version": "3.8", "services": services,
              "networks": {"fcl": {"driver": "overlay", "attachable": True}}, "secrets": secrets, "configs": configs}
     compose_file, stack_file = out / "compose.yml", out / "stack.yml"
     compose_file.write_text(yaml.safe_dump(compose, sort_keys=False))
     stack_file.write_text(yaml.safe_dump(swarm, sort_keys=False))
-    return Deployment(stack_file, compose_file, config_file, keys, prometheus, out / "grafana", run_id)
+    return Deployment(stack_file, compose_file, config_file, keys, prometheus, out / "grafana", grafana_env, run_id,
+                      publish_monitoring)
 
 
 def _targets(inside: RunConfig, specs) -> list[stack.Target]:
@@ -166,6 +201,15 @@ def _write_grafana(folder: Path, scrape_interval_s: float) -> dict[str, tuple[Pa
     return files
 
 
+def _write_grafana_env(path: Path) -> Path:
+    """Write a new random admin password for Grafana to ``path`` as an env file, readable by the user alone (the
+    docker CLI reads it, so neither the file nor its mode needs to suit Grafana's user in the container)."""
+    path.touch(mode=0o600)
+    os.chmod(path, 0o600)
+    path.write_text(f"GF_SECURITY_ADMIN_PASSWORD={token_urlsafe(24)}\n")
+    return path
+
+
 def _common(image: str) -> dict:
     return {"image": image, "networks": ["fcl"], "init": True,
             "deploy": {"endpoint_mode": "dnsrr", "restart_policy": {"condition": "none"}}}
@@ -183,18 +227,18 @@ def _prometheus(image: str) -> dict:
     return {**_common(image), "entrypoint": ["prometheus"],
             "command": ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/tmp/prometheus",
                         f"--web.listen-address=:{PROMETHEUS_PORT}"],
-            "configs": [{"source": "prometheus.yml", "target": "/etc/prometheus/prometheus.yml"}],
-            "ports": [{"target": PROMETHEUS_PORT, "published": PROMETHEUS_PORT, "mode": "host"}]}
+            "configs": [{"source": "prometheus.yml", "target": "/etc/prometheus/prometheus.yml"}]}
 
 
-def _grafana(configs: dict[str, tuple[Path, str]]) -> dict:
-    """Grafana (anonymous viewers; admin/admin to edit) provisioned with ``configs``, the overview as home."""
+def _grafana(configs: dict[str, tuple[Path, str]], anonymous: bool) -> dict:
+    """Grafana provisioned with ``configs``, the overview as home, its admin password from ``keys/grafana.env``;
+    ``anonymous``: anyone who reaches it views the dashboards without logging in."""
     home = next(target for _, target in configs.values() if target.endswith("/overview.json"))
-    return {**_common(GRAFANA_IMAGE),
-            "environment": {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
-                            "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": home},
-            "configs": [{"source": name, "target": target} for name, (_, target) in configs.items()],
-            "ports": [{"target": GRAFANA_PORT, "published": GRAFANA_PORT, "mode": "host"}]}
+    anonymous_access = {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer"} if anonymous \
+        else {"GF_AUTH_ANONYMOUS_ENABLED": "false"}
+    return {**_common(GRAFANA_IMAGE), "env_file": [f"./keys/{GRAFANA_ENV}"],
+            "environment": {**anonymous_access, "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": home},
+            "configs": [{"source": name, "target": target} for name, (_, target) in configs.items()]}
 
 
 def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:
@@ -226,6 +270,4 @@ def _without_swarm(service: dict) -> dict:
     plain["restart"] = "no"
     if deploy:
         plain["deploy"] = deploy
-    if "ports" in plain:
-        plain["ports"] = [f"{p['published']}:{p['target']}" for p in plain["ports"]]
     return plain

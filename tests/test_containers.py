@@ -327,7 +327,8 @@ def test_deployed_stack_runs_and_prometheus_scrapes_it(tmp_path, image, swarm, m
     done = subprocess.run([sys.executable, "-m", "fcl_emu", "deploy", str(out), "--clients", "12",
                            "--clients-per-round", "4", "--tasks", "2", "--rounds-per-task", "1", "--local-epochs",
                            "1", "--nodes", "2", "--image", image, "--data-root", str(mnist_root), "--config",
-                           str(config)], capture_output=True, text=True, timeout=300)
+                           str(config), "--publish-monitoring"],  # Prometheus on the manager's port 9090
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compose = yaml.safe_load((out / "compose.yml").read_text())
     assert set(compose["services"]) == {"coordinator", "prometheus", "grafana", "node-0", "node-1"}

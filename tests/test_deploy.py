@@ -1,5 +1,6 @@
 """`fcl-emu deploy`'s files, checked without Docker: written with --image and no engine, Prometheus labelling
-every target as the dashboards select, Grafana provisioned with the data source and the dashboards."""
+every target as the dashboards select, Grafana provisioned with the data source and the dashboards, both kept on
+the manager's loopback unless published, Grafana's admin password generated into a private file."""
 
 from __future__ import annotations
 
@@ -14,24 +15,37 @@ import yaml
 from typer.testing import CliRunner
 
 from fcl_emu.cli import app
-from fcl_emu.deploy import PROMETHEUS_PORT
+from fcl_emu.deploy import GRAFANA_PORT, PROMETHEUS_PORT
+from fcl_emu.options import NOT_DEPLOYED, OPTIONS
 from fcl_emu.monitoring.stack import DASHBOARDS_DIR
 from fcl_emu.runconfig import load_config
 
 RUN_LABELS = {"run_id", "role", "process"}  # what prometheus_targets.json gives `up`'s runs
 
 
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory) -> Path:
-    """The files of a two-node deployment with a GPU worker, written where no Docker engine answers."""
-    out = tmp_path_factory.mktemp("deploy") / "out"
-    data = tmp_path_factory.mktemp("data")
+def deploy(out: Path, data: Path, *flags: str) -> str:
+    """Write a two-node deployment with a GPU worker where no Docker engine answers; return what it printed."""
     result = CliRunner().invoke(app, ["deploy", str(out), "--image", "fcl-emu:somewhere-else", "--data-root",
-                                      str(data), "--nodes", "2", "--clients", "8", "--gpu-workers", "1"],
+                                      str(data), "--nodes", "2", "--clients", "8", "--gpu-workers", "1", *flags],
                                 env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
     assert result.exit_code == 0, result.output
-    assert "Grafana on port 3000" in result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory) -> Path:
+    """The files of the deployment :func:`deploy` writes, monitoring not published."""
+    out = tmp_path_factory.mktemp("deploy") / "out"
+    printed = deploy(out, tmp_path_factory.mktemp("data"))
+    assert f"Grafana http://127.0.0.1:{GRAFANA_PORT}" in printed and "swarm: neither published" in printed
     return out
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory) -> tuple[Path, str]:
+    """The files of the same deployment with --publish-monitoring, and what it printed."""
+    out = tmp_path_factory.mktemp("published") / "out"
+    return out, deploy(out, tmp_path_factory.mktemp("data"), "--publish-monitoring")
 
 
 def load(path: Path) -> dict:
@@ -101,10 +115,73 @@ def test_grafana_is_provisioned_with_prometheus_and_every_dashboard(deployed, fi
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{folder}/overview.json"
     assert grafana["networks"] == prometheus["networks"]
     if file == "stack.yml":
-        assert grafana["ports"] == [{"target": 3000, "published": 3000, "mode": "host"}]
         assert grafana["deploy"]["placement"] == {"constraints": ["node.role == manager"]}
-    else:
-        assert grafana["ports"] == ["3000:3000"]
+
+
+def test_monitoring_stays_on_the_managers_loopback_by_default(deployed):
+    """Compose binds Prometheus and Grafana to 127.0.0.1; the stack, whose ports take no host address, publishes
+    neither; Grafana keeps its anonymous viewers there, and nothing else publishes a port."""
+    compose, stack = load(deployed / "compose.yml"), load(deployed / "stack.yml")
+    assert {n: s["ports"] for n, s in compose["services"].items() if "ports" in s} == {
+        "prometheus": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
+        "grafana": [f"127.0.0.1:{GRAFANA_PORT}:{GRAFANA_PORT}"]}
+    assert not [n for n, s in stack["services"].items() if "ports" in s]
+    for spec in (compose, stack):
+        assert spec["services"]["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+
+
+def test_grafanas_admin_password_is_generated_into_a_private_file(deployed, published):
+    """Each deployment draws its own password, kept in keys/grafana.env (0600) that both files hand to Grafana."""
+    passwords = set()
+    for out in (deployed, published[0]):
+        env = out / "keys" / "grafana.env"
+        assert env.stat().st_mode & 0o777 == 0o600
+        key, password = env.read_text().strip().split("=", 1)
+        assert key == "GF_SECURITY_ADMIN_PASSWORD" and len(password) >= 24 and password != "admin"
+        passwords.add(password)
+        for file in ("stack.yml", "compose.yml"):
+            grafana = load(out / file)["services"]["grafana"]
+            assert grafana["env_file"] == ["./keys/grafana.env"]
+            assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
+    assert len(passwords) == 2
+
+
+def test_publish_monitoring_binds_every_interface_and_says_what_it_exposes(published):
+    out, printed = published
+    compose, stack = load(out / "compose.yml"), load(out / "stack.yml")
+    for name, port in (("prometheus", PROMETHEUS_PORT), ("grafana", GRAFANA_PORT)):
+        assert compose["services"][name]["ports"] == [f"{port}:{port}"]
+        assert stack["services"][name]["ports"] == [{"target": port, "published": port, "mode": "host"}]
+        assert stack["services"][name]["deploy"]["placement"] == {"constraints": ["node.role == manager"]}
+    for spec in (compose, stack):
+        assert spec["services"]["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    line, = [line for line in printed.splitlines() if "published on every interface" in line]
+    assert f"Grafana on port {GRAFANA_PORT}" in line and f"Prometheus on port {PROMETHEUS_PORT}" in line
+    assert "no anonymous viewers" in line and f"password in {out / 'keys' / 'grafana.env'}" in line
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI")
+@pytest.mark.parametrize("which", ["deployed", "published"])
+def test_the_docker_cli_accepts_the_stack(which, request):
+    """`docker stack config` (the CLI alone, no engine) checks stack.yml against the stack format's schema."""
+    out = request.getfixturevalue(which)
+    out = out[0] if which == "published" else out
+    checked = subprocess.run(["docker", "stack", "config", "-c", "stack.yml"], cwd=out, capture_output=True,
+                             text=True, timeout=60)
+    if "unknown command" in checked.stderr:
+        pytest.skip(f"this docker CLI has no `stack config`: {checked.stderr.strip()}")
+    assert checked.returncode == 0, checked.stderr
+    assert "GF_SECURITY_ADMIN_PASSWORD" in checked.stdout  # read from keys/grafana.env
+
+
+def test_deploy_help_shows_only_what_deploy_takes():
+    """No --resume or --verbose (it starts no run), none of `up`'s flags it sets itself or has no use for."""
+    result = CliRunner().invoke(app, ["deploy", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "{out}" not in result.output and "OUT_DIR" in result.output.splitlines()[1]
+    shown = set(re.findall(r"^│ (--[a-z-]+)", result.output, re.MULTILINE))  # each row's flag, not the help texts
+    assert {"--publish-monitoring", "--image", "--nodes", "--data-root", "--node-cpus"} <= shown
+    assert not shown & {"--resume", "--verbose", *(OPTIONS[name].flag for name in NOT_DEPLOYED)}
 
 
 @pytest.mark.parametrize("data_root,env,expected", [
