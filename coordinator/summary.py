@@ -44,6 +44,7 @@ class SummaryBuilder:
         for r in rounds:
             phases.update(r.phases_s)
         seen = [st.seen_accuracy(row[: t + 1], t) for t, row in enumerate(matrix)]
+        bytes_by_type, tier_bytes = st.counters.nested(), self._tier_bytes()
         return results.RunSummary(
             status=status,
             run_id=st.run_id,
@@ -64,7 +65,7 @@ class SummaryBuilder:
             average_forgetting=average_forgetting(matrix) if complete else None,
             learned_accuracy=learned_accuracy(matrix),
             knowledge_retention=self._knowledge_retention(matrix, class_hits),
-            bytes=st.counters.nested(),
+            bytes=bytes_by_type,
             messages={f"{t}/{d}": n for (t, d), n in sorted(st.counters.messages.items())},
             bytes_total=sum(st.counters.bytes.values()),
             rounds=len(rounds),
@@ -105,7 +106,8 @@ class SummaryBuilder:
             privacy=run_privacy(self.config, rounds),
             edge_node_hosts=dict(node_hosts or {}),
             energy_joules=self._energy(rounds, seen),
-            tier_bytes=self._tier_bytes(),
+            tier_bytes=tier_bytes,
+            link_bytes=results.link_bytes(bytes_by_type, tier_bytes),
         )
 
     def _tier_bytes(self) -> dict[str, dict[str, int]]:

@@ -1,10 +1,12 @@
-"""Several runs side by side: average accuracy, average forgetting, total bytes and wall clock.
+"""Several runs side by side: average accuracy, average forgetting, bytes (per tier under edge aggregators) and
+wall clock.
 
 ``compare_runs`` loads each run directory (``monitoring.run_dir.load_run``, so
 a malformed run fails the same way, naming the file), returns a
 :class:`Comparison` (one row per run, the notes and warnings to print) and
-writes one PNG of four bar charts; ``format_table`` turns the rows into a rich
-table for printing.
+writes one PNG of bar charts; ``format_table`` turns the rows into what the
+console prints: what every run shares once, a table of the numbers, a line per
+run with what differs.
 
 What is compared, and what is said about it:
 
@@ -22,8 +24,9 @@ What is compared, and what is said about it:
   :mod:`fcl_emu.monitoring.settings_diff`) get one warning per setting, as
   then the comparison is not of the method alone; methods and their options
   are what a comparison varies, and are not warned about;
-- given the defaults, each run's row names the settings it did not leave at
-  their default.
+- given the defaults, the settings every run changed alike are named once
+  (:attr:`Comparison.shared_settings`) and each run's own line names the others
+  it did not leave at their default.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from fcl_emu.monitoring.plots import emulated, new_figure, no_data, save_figure, task_end_times
+from fcl_emu.monitoring.results import LinkBytes
 from fcl_emu.monitoring.run_dir import NotARunError, Run, load_run
-from fcl_emu.monitoring.settings_diff import Defaults, non_default_settings, settings_text, system_differences
+from fcl_emu.monitoring.settings_diff import (Defaults, Setting, non_default_settings, settings_text,
+                                              system_differences)
 
 COMPARE_PNG = "compare.png"
 SCENARIO_NAMES = {"dataset": "dataset", "num_tasks": "tasks", "classes_per_task": "classes per task",
@@ -63,10 +70,12 @@ class RunRow:
     bytes_total: int
     wall_clock_s: float
     emulated_s: Optional[float] = None  # emulated clock (None: a --clock real run, or a run before clocks)
-    settings: Optional[str] = None  # the settings not at their default (None: no defaults given)
+    # the settings not at their default but those every run shares (None: no defaults given)
+    settings: Optional[str] = None
     # (seconds since the start, accuracy on seen classes) at each evaluation, on the host's and the emulated clock
     host_curve: tuple[tuple[float, float], ...] = ()
     emulated_curve: tuple[tuple[float, float], ...] = ()
+    links: Optional[LinkBytes] = None  # bytes per kind of link (None: not known, a partial run)
 
     @property
     def completed(self) -> bool:
@@ -75,6 +84,19 @@ class RunRow:
     @property
     def megabytes(self) -> float:
         return self.bytes_total / 1e6
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the run had edge aggregators: its coordinator's links and its clients' carried different bytes."""
+        return self.links is not None and self.links.tiers > 1
+
+    @property
+    def coordinator_megabytes(self) -> Optional[float]:
+        return None if self.links is None else self.links.coordinator.total / 1e6
+
+    @property
+    def client_link_megabytes(self) -> Optional[float]:
+        return None if self.links is None else self.links.clients.total / 1e6
 
 
 def _number(v: Optional[float]) -> Optional[float]:
@@ -111,6 +133,7 @@ class Comparison:
     png: Path
     notes: list[str]  # folders skipped, incomplete runs left out, the seeds compared
     warnings: list[str]  # scenario and system settings that differ between the runs compared
+    shared_settings: Optional[str] = None  # the settings not at their default that every run shares (None: none)
 
 
 def _load_comparable(run_dirs: Sequence[Path | str], include_incomplete: bool) -> tuple[list[Run], list[str]]:
@@ -169,11 +192,18 @@ def accuracy_over_time(run: Run) -> tuple[list[tuple[float, float]], list[tuple[
     return host, (points("emulated_clock_s", task_end_times(run, "emulated_clock_s")) if emulated(run) else [])
 
 
-def _settings(run: Run, defaults: Optional[Defaults]) -> Optional[str]:
+def _settings(runs: Sequence[Run], defaults: Optional[Defaults]) -> tuple[list[Optional[str]], Optional[str]]:
+    """Each run's settings not at their default, but those every run shares; and those (None: none shared, or no
+    defaults given, or a run without config.yaml)."""
     if defaults is None:
-        return None
-    return "- (no config.yaml)" if run.config is None else settings_text(
-        non_default_settings(run.config, defaults(run.config)))
+        return [None] * len(runs), None
+    changed: list[Optional[list[Setting]]] = [None if run.config is None else
+                                              non_default_settings(run.config, defaults(run.config)) for run in runs]
+    shared = ([] if len(runs) < 2 or None in changed else
+              [s for s in changed[0] if all(s in others for others in changed[1:])])
+    own = ["- (no config.yaml)" if settings is None else settings_text([s for s in settings if s not in shared])
+           for settings in changed]
+    return own, settings_text(shared) if shared else None
 
 
 def _seed_note(runs: Sequence[Run]) -> list[str]:
@@ -195,6 +225,7 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str, include_in
                                                       " (runs not completed are left out without "
                                                       "--include-incomplete)"), notes)
     labels = _labels([r.run_dir for r in runs], [r.label for r in runs])
+    settings, shared_settings = _settings(runs, defaults)
     rows = [
         RunRow(
             label=label,
@@ -210,25 +241,37 @@ def compare_runs(run_dirs: Sequence[Path | str], out_dir: Path | str, include_in
             bytes_total=run.summary.bytes_total,
             wall_clock_s=run.summary.wall_clock_s,
             emulated_s=run.summary.emulated_s,
-            settings=_settings(run, defaults),
+            settings=own,
             host_curve=tuple(host),
             emulated_curve=tuple(emulated_curve),
+            links=run.summary.link_bytes,
         )
-        for run, label, (host, emulated_curve) in zip(runs, labels, map(accuracy_over_time, runs))
+        for run, label, own, (host, emulated_curve) in zip(runs, labels, settings, map(accuracy_over_time, runs))
     ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return Comparison(rows, plot_comparison(rows, out / COMPARE_PNG), notes + _seed_note(runs),
-                      scenario_warnings(runs) + system_warnings(runs))
+                      scenario_warnings(runs) + system_warnings(runs), shared_settings)
 
 
-QUANTITIES = [  # (title, value, format, percent scale)
+ACCURACIES = [  # (title, value, format, percent scale)
     ("average accuracy (%)", lambda r: r.average_accuracy, "{:.1f}", True),
     ("average forgetting (%)", lambda r: r.average_forgetting, "{:.1f}", True),
-    ("total bytes (MB)", lambda r: r.megabytes, "{:.1f}", False),
+]
+BYTES = [("total bytes (MB)", lambda r: r.megabytes, "{:.1f}", False)]
+TIER_BYTES = [  # some run had edge aggregators: each tier's links
+    ("bytes at the coordinator (MB)", lambda r: r.coordinator_megabytes, "{:.1f}", False),
+    ("bytes on clients' links (MB)", lambda r: r.client_link_megabytes, "{:.1f}", False),
+]
+TIMES = [
     ("wall clock (s)", lambda r: r.wall_clock_s, "{:.1f}", False),
     ("emulated time (s)", lambda r: r.emulated_s, "{:.1f}", False),
 ]
+
+
+def quantities(rows: Sequence[RunRow]) -> list:
+    """The bar charts' quantities: bytes per tier where some run had edge aggregators, else in all."""
+    return ACCURACIES + (TIER_BYTES if any(r.tiered for r in rows) else BYTES) + TIMES
 CLOCKS = [  # (curve, x-axis label, title, what a figure without such a run says)
     ("host_curve", "host time since start (s, wall clock)", "over the host's time", "no evaluation recorded"),
     ("emulated_curve", "emulated time since start (s)", "over the federation's (emulated) time",
@@ -237,8 +280,9 @@ CLOCKS = [  # (curve, x-axis label, title, what a figure without such a run says
 
 
 def plot_comparison(rows: list[RunRow], path: Path) -> Path:
-    """Five horizontal bar charts sharing the run axis (one colour per run; runs not completed hatched and
-    starred) over two line charts of the accuracy on seen classes against the host's clock and the emulated one."""
+    """Five horizontal bar charts (six: bytes per tier) sharing the run axis (one colour per run; runs not completed
+    hatched and starred) over two line charts of the accuracy on seen classes against the host's clock and the
+    emulated one."""
     from matplotlib import colormaps
 
     n = len(rows)
@@ -247,10 +291,11 @@ def plot_comparison(rows: list[RunRow], path: Path) -> Path:
     bars_height = 1.6 + 0.45 * n
     fig = new_figure(15, bars_height + 3.6)
     top, bottom = fig.subfigures(2, 1, height_ratios=[bars_height, 3.6])
-    axes = top.subplots(1, len(QUANTITIES), sharey=True)
+    shown = quantities(rows)
+    axes = top.subplots(1, len(shown), sharey=True)
     ys = list(range(n))
     names = [r.label + ("" if r.completed else " *") for r in rows]
-    for ax, (title, value, fmt, percent) in zip(axes, QUANTITIES):
+    for ax, (title, value, fmt, percent) in zip(axes, shown):
         values = [value(r) for r in rows]
         bars = ax.barh(ys, [v or 0.0 for v in values], color=colors, height=0.6)
         for bar, row, v in zip(bars, rows, values):
@@ -287,31 +332,43 @@ def plot_comparison(rows: list[RunRow], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def format_table(rows: Sequence[RunRow]) -> Table:
-    """The comparison as a rich table (one line per run)."""
+def format_table(rows: Sequence[RunRow], shared_settings: Optional[str] = None) -> RenderableType:
+    """The comparison for the console, narrow enough for 80 columns: what every run shares said once (a status all
+    have; ``shared_settings``, the settings not at their default that every run changed alike), a table of the
+    numbers with one line a run (bytes one column, or one a tier where some run had edge aggregators), then a key
+    of the runs by their number with what differs per run (the status, the other settings not at their
+    default)."""
+    statuses = {r.status for r in rows}
+    tiered = any(r.tiered for r in rows)
+    emulated_clock = any(r.emulated_s is not None for r in rows)
     table = Table(title="fcl-emu runs compared")
-    table.add_column("run", overflow="fold")
-    table.add_column("status", overflow="fold")
-    table.add_column("tasks", justify="right", no_wrap=True)
-    table.add_column("acc. %", justify="right", no_wrap=True)
-    table.add_column("forget. %", justify="right", no_wrap=True)
-    table.add_column("MB", justify="right", no_wrap=True)
-    table.add_column("wall s", justify="right", no_wrap=True)
-    table.add_column("emulated s", justify="right", no_wrap=True)
-    named = any(r.settings is not None for r in rows)
-    if named:
-        table.add_column("settings (not default)", overflow="fold")
-    table.caption = ("acc.: average accuracy, forget.: average forgetting (docs/metrics.md); MB: total bytes / 1e6; "
-                     "wall: the host's clock, emulated: the federation's (docs/edge.md; - under --clock real)")
+    table.add_column("#", justify="right", no_wrap=True)
+    for name in ("tasks", "acc %", "forget %", *(("MB coord", "MB clients") if tiered else ("MB",)), "wall s",
+                 *(("emul. s",) if emulated_clock else ())):
+        table.add_column(name, justify="right", no_wrap=True)
 
-    def pct(v: Optional[float]) -> str:
-        return "-" if v is None else f"{v:.2f}"
+    def number(v: Optional[float], fmt: str = "{:.1f}") -> str:
+        return "-" if v is None else fmt.format(v)
 
+    for k, r in enumerate(rows, start=1):
+        megabytes = [r.coordinator_megabytes, r.client_link_megabytes] if tiered else [r.megabytes]
+        table.add_row(str(k), f"{r.tasks_finished}/{r.num_tasks}", number(r.average_accuracy, "{:.2f}"),
+                      number(r.average_forgetting, "{:.2f}"), *map(number, megabytes), number(r.wall_clock_s),
+                      *([number(r.emulated_s)] if emulated_clock else []))
+    lines = [f"status of every run: {next(iter(statuses))}"] if len(statuses) == 1 else []
+    if shared_settings:
+        lines.append(f"settings (not default) of every run: {shared_settings}")
+    key = []
+    for k, r in enumerate(rows, start=1):
+        line = f"{k}  {r.label}" + ("" if r.completed else " *") + (f": {r.status}" if len(statuses) > 1 else "")
+        if r.settings is not None:
+            line += f"; {'other settings' if shared_settings else 'settings (not default)'}: {r.settings}"
+        key.append(line)
+    notes = ["acc: average accuracy, forget: average forgetting (docs/metrics.md)",
+             "MB coord: bytes at the coordinator, MB clients: on the clients' links, both ways / 1e6 "
+             "(docs/hierarchy.md; in a star they are the same links)" if tiered else "MB: total bytes / 1e6",
+             "wall: the host's clock" + (", emul.: the federation's, emulated (docs/edge.md; - under --clock real)"
+                                         if emulated_clock else "")]
     if not all(r.completed for r in rows):
-        table.caption += "; * run not completed: its metrics cover the tasks it finished"
-    for r in rows:
-        table.add_row(r.label + ("" if r.completed else " *"), r.status, f"{r.tasks_finished}/{r.num_tasks}",
-                      pct(r.average_accuracy), pct(r.average_forgetting), f"{r.megabytes:.1f}", f"{r.wall_clock_s:.1f}",
-                      "-" if r.emulated_s is None else f"{r.emulated_s:.1f}",
-                      *([r.settings or "-"] if named else []))
-    return table
+        notes.append("* run not completed: its metrics cover the tasks it finished")
+    return Group(*map(Text, lines), table, *map(Text, key), Text("; ".join(notes), style="dim"))

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from fcl_emu.monitoring.plots import (emulated, plot_accuracy_matrix, plot_accuracy_seen, plot_bytes_per_round,
                                       plot_online_clients, plot_round_phases)
 from fcl_emu.monitoring.run_dir import Run, load_run
-from fcl_emu.monitoring.results import energy_text, epsilon_text
+from fcl_emu.monitoring.results import RunSummary, energy_text, epsilon_text, link_rows, link_text
 from fcl_emu.monitoring.settings_diff import Defaults, non_default_settings, settings_text
 
 PLOTS = {
@@ -79,7 +79,7 @@ def summary_rows(run: Run, defaults: Optional[Defaults] = None) -> list[tuple[st
         ("average accuracy (%)", _pct(s.average_accuracy)),
         ("average incremental accuracy (%)", _pct(s.average_incremental_accuracy)),
         ("average forgetting (%)", _pct(s.average_forgetting)),
-        ("total bytes (MB)", f"{s.bytes_total / 1e6:.1f}"),
+        *((name, link_text(link, s.bytes_total)) for name, link in link_rows(s)),
         ("rounds (skipped)", f"{s.rounds} ({s.rounds_skipped})"),
         ("wall clock (s)", f"{s.wall_clock_s:.1f}"),
         ("emulated time (s)", "– (real clock)" if s.emulated_s is None else f"{s.emulated_s:.1f}"),
@@ -109,6 +109,17 @@ def write_report(run: Run | Path | str, out_dir: Path | str | None = None,
     path = out / REPORT
     path.write_text(_markdown(run, defaults))
     return path
+
+
+def _tiers_note(s: RunSummary) -> str:
+    """Under edge aggregators: what the per-type bytes count, against what the coordinator's links carried."""
+    if s.link_bytes is None or s.link_bytes.tiers == 1:
+        return ""
+    links = s.link_bytes
+    return (f" With edge aggregators a message to a client is counted as its own link carried it, so these "
+            f"{s.bytes_total / 1e6:.1f} MB add the clients' downloads to the aggregators' uploads, which no link "
+            f"carried: the coordinator's links carried {links.coordinator.total / 1e6:.1f} MB (a round's model "
+            f"once per aggregator), the clients' links {links.clients.total / 1e6:.1f} MB.")
 
 
 def _markdown(run: Run, defaults: Optional[Defaults]) -> str:
@@ -144,9 +155,10 @@ def _markdown(run: Run, defaults: Optional[Defaults]) -> str:
         "",
         f"![bytes per round]({PLOTS['bytes_per_round']})",
         "",
-        f"Bytes on the wire in each round by message type, sent and received by the coordinator. "
-        f"The rounds account for {per_round / 1e6:.1f} of the run's {s.bytes_total / 1e6:.1f} MB; the rest "
-        f"is traffic outside rounds (joins, heartbeats between rounds, shutdown).",
+        f"Bytes in each round by message type, sent and received by the coordinator, each message counted "
+        f"whole. The rounds account for {per_round / 1e6:.1f} of the run's {s.bytes_total / 1e6:.1f} MB so "
+        f"counted; the rest is traffic outside rounds (joins, heartbeats between rounds, shutdown)."
+        + _tiers_note(s),
         "",
         "## Round wall-clock by phase",
         "",

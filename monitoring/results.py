@@ -357,6 +357,57 @@ def epsilon_text(privacy: Privacy) -> str:
     return f"{epsilon} ({privacy.delta:g})"
 
 
+class LinkTraffic(SummaryPart):
+    """Bytes one kind of link carried: ``down`` towards the clients, ``up`` towards the coordinator."""
+
+    down: int = 0
+    up: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.down + self.up
+
+
+class LinkBytes(SummaryPart):
+    """Bytes as the links saw them. ``coordinator``: the coordinator's own links (to its edge aggregators; in a
+    star, to each client); ``clients``: the clients' links (to their edge aggregator, as the aggregators report
+    them; in a star they are the coordinator's). ``tiers``: 1 in a star, 2 under edge aggregators."""
+
+    coordinator: LinkTraffic
+    clients: LinkTraffic
+    tiers: int = 1
+
+
+def link_bytes(bytes_by_type: dict[str, dict[str, int]], tier_bytes: dict[str, dict[str, int]]) -> LinkBytes:
+    """:class:`LinkBytes` from summary.json's ``bytes`` (a star) or ``tier_bytes`` (edge aggregators)."""
+    if not tier_bytes:  # every client's link is one of the coordinator's, each message counted whole
+        star = LinkTraffic(down=sum(d.get("sent", 0) for d in bytes_by_type.values()),
+                           up=sum(d.get("received", 0) for d in bytes_by_type.values()))
+        return LinkBytes(coordinator=star, clients=star)
+    coordinator, clients = tier_bytes["edge_cloud"], tier_bytes["client_edge"]
+    return LinkBytes(coordinator=LinkTraffic(down=coordinator.get("sent", 0), up=coordinator.get("received", 0)),
+                     clients=LinkTraffic(down=clients.get("sent", 0), up=clients.get("received", 0)), tiers=2)
+
+
+def link_rows(summary: RunSummary) -> list[tuple[str, LinkTraffic | None]]:
+    """The run's bytes as summaries print them, (name, link): one row in a star, ``bytes on the wire``; under edge
+    aggregators one per tier, ``bytes at the coordinator`` and ``bytes on clients' links``. A run whose links are
+    not known (partial: no summary.json) gives ``bytes counted at the coordinator`` without a link."""
+    links = summary.link_bytes
+    if links is None:
+        return [("bytes counted at the coordinator", None)]
+    if links.tiers == 1:
+        return [("bytes on the wire", links.coordinator)]
+    return [("bytes at the coordinator", links.coordinator), ("bytes on clients' links", links.clients)]
+
+
+def link_text(link: LinkTraffic | None, bytes_total: int) -> str:
+    """``27.3 MB (13.6 down, 13.7 up)``; ``bytes_total`` in MB where the link is not known."""
+    if link is None:
+        return f"{bytes_total / 1e6:.1f} MB"
+    return f"{link.total / 1e6:.1f} MB ({link.down / 1e6:.1f} down, {link.up / 1e6:.1f} up)"
+
+
 class RunSummary(SummaryPart, kw_only=True):
     """``summary.json``: results, costs and counts of a finished or ended run (keys: docs/metrics.md).
 
@@ -418,6 +469,9 @@ class RunSummary(SummaryPart, kw_only=True):
     # --edge-aggregators: bytes on each tier's links, {tier: {"sent"/"received": bytes}} seen from the tier's upper
     # end: "edge_cloud" (the coordinator's, as ``bytes``) and "client_edge" (the aggregators' reports); {}: a star
     tier_bytes: dict[str, dict[str, int]] = {}
+    # bytes per kind of link and direction (``link_bytes``; a file without it gets it from ``bytes`` and
+    # ``tier_bytes`` on loading); None: not known (a partial run, read from its events)
+    link_bytes: LinkBytes | None = None
 
     @property
     def completed(self) -> bool:
@@ -443,8 +497,12 @@ class RunSummary(SummaryPart, kw_only=True):
 
     @classmethod
     def from_dict(cls, data: Any) -> RunSummary:
-        """The record of a summary.json object; ``msgspec.ValidationError`` names the field at fault."""
-        return msgspec.convert(data, cls)
+        """The record of a summary.json object; ``msgspec.ValidationError`` names the field at fault. A file from
+        before ``link_bytes`` gets it from its ``bytes`` and ``tier_bytes``."""
+        summary = msgspec.convert(data, cls)
+        if summary.link_bytes is None and (summary.bytes or summary.tier_bytes):
+            summary = msgspec.structs.replace(summary, link_bytes=link_bytes(summary.bytes, summary.tier_bytes))
+        return summary
 
     @classmethod
     def load(cls, path: Path) -> RunSummary:

@@ -22,7 +22,7 @@ GROUPS: dict[str, tuple[str, ...]] = {  # group -> the top-level keys of config.
     "rounds & aggregation": ("rounds", "aggregation"),
     "churn & devices": ("edge",),
     "security & privacy": ("security", "secagg", "privacy"),
-    "deployment": ("nodes", "device", "coordinator_threads", "containers", "gpu", "network"),
+    "deployment": ("nodes", "device", "coordinator_threads", "containers", "gpu", "network", "topology"),
 }
 OTHER = "other"  # a top-level key no group names (a section newer than this list)
 NOT_SETTINGS = ("run_dir", "data_root", "download", "metrics", "network.bind", "security.keys", "containers.image",

@@ -214,7 +214,6 @@ def base(**topology) -> dict:
     ({"security": {"aggregator": "median"}}, "needs every update"),
     ({"rounds": {"clients_per_round": 8, "late_updates": "next_round"}}, "--late-updates drop"),
     ({"topology": {"edge_aggregators": 2, "edge_rounds": 2}, "secagg": {"enabled": True}}, "--edge-rounds 1"),
-    ({"topology": {"edge_rounds": 2}}, "needs edge aggregators"),
     ({"network": {"client_connections": "own"}}, "client_connections: shared"),
 ])
 def test_runs_an_edge_aggregator_cannot_serve_are_refused_in_one_line(extra, words):
@@ -382,6 +381,10 @@ def test_up_with_edge_aggregators_and_edge_rounds(tmp_path, mnist_root):
                                                                       rel=0.05)
     assert two.bytes["edge_aggregate"]["received"] == pytest.approx(one.bytes["edge_aggregate"]["received"], rel=0.05)
     assert two.emulated_s > one.emulated_s  # two trainings and uploads a client
+    for summary in (one, two):  # the links as they saw them: the model down once per aggregator, to every client
+        links = summary.link_bytes
+        assert links.tiers == 2 and links.clients.down > 3 * links.coordinator.down
+        assert links.coordinator.total < summary.bytes_total < links.clients.total  # no link carried bytes_total
     rounds = [e for e in events(tmp_path / "k1") if e["event"] == "round"]
     assert sum(r["client_edge_bytes"]["received"] for r in rounds) == one.tier_bytes["client_edge"]["received"]
 

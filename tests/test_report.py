@@ -108,7 +108,7 @@ def test_report_writes_every_plot_and_a_markdown_summary(tmp_path):
     assert "| average accuracy (%) | 50.00 |" in text
     assert "| average forgetting (%) | 45.00 |" in text
     assert "| average incremental accuracy (%) | 70.00 |" in text
-    assert "| total bytes (MB) | 12.3 |" in text
+    assert "| bytes on the wire | 12.3 MB (6.0 down, 6.3 up) |" in text
     assert "| rounds (skipped) | 6 (1) |" in text
     assert "| clients joined / left / dropped | 20 / 2 / 3 |" in text
     assert "| rejected messages | 3 |" in text
@@ -240,6 +240,49 @@ def test_compare_two_runs(tmp_path):
     console.print(format_table(rows))
     out = console.export_text()
     assert "50.00" in out and "45.00" in out and "12.3" in out and "42.5" in out
+
+
+# two edge aggregators: the coordinator's socket counted each client's model whole, its links carried it once per
+# aggregator; the clients' links, as the aggregators reported them
+TIER_BYTES = {"edge_cloud": {"sent": 2_400_000, "received": 1_200_000},
+              "client_edge": {"sent": 6_000_000, "received": 6_000_000}}
+
+
+def test_report_gives_the_bytes_of_each_tier_under_edge_aggregators(tmp_path):
+    star = write_report(make_run(tmp_path / "star"), tmp_path / "star-report").read_text()
+    assert "| bytes on the wire | 12.3 MB (6.0 down, 6.3 up) |" in star and "bytes at the coordinator" not in star
+    tiered = write_report(make_run(tmp_path / "tiered", {**summary(), "tier_bytes": TIER_BYTES}),
+                          tmp_path / "tiered-report").read_text()
+    assert "| bytes at the coordinator | 3.6 MB (2.4 down, 1.2 up) |" in tiered
+    assert "| bytes on clients' links | 12.0 MB (6.0 down, 6.0 up) |" in tiered
+    assert "bytes on the wire |" not in tiered and "which no link carried" in tiered
+
+
+def test_compare_at_80_columns_says_what_the_runs_share_once(tmp_path):
+    from fcl_emu.runconfig.defaults import defaults_for
+    from tests.test_settings_diff import with_config
+
+    shared = {"scenario": {"num_tasks": 2, "num_clients": 20}, "training": {"local_epochs": 1}}
+    star = with_config(make_run(tmp_path / "20261202-101010-fedavg-mnist-s0"), **shared)
+    tiered = with_config(make_run(tmp_path / "20261202-102020-fedavg-mnist-s0",
+                                  {**summary(), "tier_bytes": TIER_BYTES}), **shared,
+                         topology={"edge_aggregators": 2})
+    found = compare_runs([star, tiered], tmp_path / "cmp", defaults=defaults_for)
+    assert found.shared_settings == ("scenario: scenario.num_tasks=2, scenario.num_clients=20; "
+                                     "method: training.local_epochs=1")
+    assert [r.settings for r in found.rows] == ["none", "deployment: topology.edge_aggregators=2"]
+    console = Console(record=True, width=80)
+    console.print(format_table(found.rows, found.shared_settings))
+    out = console.export_text()
+    assert max(map(len, out.splitlines())) <= 80
+    assert out.count("scenario.num_clients=20") == 1 and out.count("completed") == 1  # said once
+    assert "MB coord" in out and "MB clients" in out
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    # run, tasks, accuracy, forgetting, the coordinator's links, the clients' (in a star the same), wall clock
+    assert cells == [["1", "3/3", "50.00", "45.00", "12.3", "12.3", "42.5"],
+                     ["2", "3/3", "50.00", "45.00", "3.6", "12.0", "42.5"]]
+    assert "2  fedavg/mnist/s0 (20261202-102020-fedavg-mnist-s0); other settings:" in out
+    assert "deployment: topology.edge_aggregators=2" in out
 
 
 def test_compare_fails_clearly_on_a_missing_or_malformed_run(tmp_path):

@@ -8,10 +8,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from fcl_emu.monitoring.results import (Checkpoints, Clients, GpuJobs, JobTotals, KnowledgeRetention, Liveness,
-                                        RunRecorder, RunSummary, SecAggTotals, TimeAccounting, average_accuracy,
-                                        average_forgetting, average_incremental_accuracy, client_test_accuracy,
-                                        spatial_retention, temporal_retention)
+from fcl_emu.monitoring.results import (Checkpoints, Clients, GpuJobs, JobTotals, KnowledgeRetention, LinkBytes,
+                                        LinkTraffic, Liveness, RunRecorder, RunSummary, SecAggTotals, TimeAccounting,
+                                        average_accuracy, average_forgetting, average_incremental_accuracy,
+                                        client_test_accuracy, link_bytes, link_rows, link_text, spatial_retention,
+                                        temporal_retention)
 
 # After task 0: 90 on task 0. After task 1: 60 on task 0, 80 on task 1.
 # After task 2: 30 on task 0, 50 on task 1, 70 on task 2.
@@ -88,7 +89,9 @@ def full_summary() -> RunSummary:
         refused_handshakes={"unknown_key": 4}, rejected_gpu_pool={"frame_count": 1},
         secagg=SecAggTotals(completed=5, aborted=1, phase_s={"keys": 0.2}, dropouts={"masked": 1}),
         gpu_jobs=GpuJobs(workers=1, device="cpu", by_kind={"glfc.proxy": JobTotals(jobs=3, attempts=3, run_s=4.5)}),
-        resumes=1, checkpoints=Checkpoints(saved=7, seconds=0.07, bytes=1_170_000))
+        resumes=1, checkpoints=Checkpoints(saved=7, seconds=0.07, bytes=1_170_000),
+        link_bytes=LinkBytes(coordinator=LinkTraffic(down=6_000_000, up=5_900_000),
+                             clients=LinkTraffic(down=6_000_000, up=5_900_000)))
 
 
 def test_summary_round_trips_through_its_json_file(tmp_path):
@@ -113,6 +116,48 @@ def test_summary_of_an_older_run_loads_with_defaults():
     assert record.refused_handshakes is None and record.rejected_gpu_pool == {}
     with pytest.raises(msgspec.ValidationError, match="missing required field `status`"):
         RunSummary.from_dict({k: v for k, v in old.items() if k != "status"})
+
+
+# Under two edge aggregators: the coordinator's socket counted each client's model whole (12 MB sent) but put it on
+# the wire once per aggregator (2.4 MB); it received the aggregators' notices and aggregates (1.2 MB). The clients'
+# links, as the aggregators reported them, carried the model to each client and each client's update up.
+TIERED = {"bytes": {"train_request": {"sent": 12_000_000}, "edge_aggregate": {"received": 1_200_000}},
+          "bytes_total": 13_200_000,
+          "tier_bytes": {"edge_cloud": {"sent": 2_400_000, "received": 1_200_000},
+                         "client_edge": {"sent": 12_000_000, "received": 11_900_000}}}
+
+
+def test_link_bytes_are_the_coordinators_and_the_clients_links_each_direction():
+    star = link_bytes({"train_request": {"sent": 6_000_000}, "update": {"received": 5_900_000}}, {})
+    assert star.tiers == 1 and star.coordinator == star.clients == LinkTraffic(down=6_000_000, up=5_900_000)
+    tiered = link_bytes(TIERED["bytes"], TIERED["tier_bytes"])
+    assert tiered.tiers == 2
+    assert tiered.coordinator == LinkTraffic(down=2_400_000, up=1_200_000)  # what the coordinator's links carried
+    assert tiered.clients == LinkTraffic(down=12_000_000, up=11_900_000) and tiered.clients.total == 23_900_000
+
+
+def test_a_summary_from_before_link_bytes_gets_them_from_its_byte_counts():
+    old = {"status": "completed", "method": "fedavg", "dataset": "mnist", "accuracy_matrix": [[80.0]], "rounds": 2,
+           "wall_clock_s": 3.0}
+    tiered = RunSummary.from_dict({**old, **TIERED})
+    assert tiered.link_bytes == link_bytes(TIERED["bytes"], TIERED["tier_bytes"])
+    star = RunSummary.from_dict({**old, "bytes": {"update": {"received": 10}}, "bytes_total": 10})
+    assert star.link_bytes.tiers == 1 and star.link_bytes.coordinator.up == 10
+    assert RunSummary.from_dict({**old, "bytes_total": 10}).link_bytes is None  # nothing to tell the links apart
+
+
+def test_summaries_print_one_byte_row_in_a_star_and_one_per_tier_under_edge_aggregators():
+    def printed(summary: RunSummary) -> list[tuple[str, str]]:
+        return [(name, link_text(link, summary.bytes_total)) for name, link in link_rows(summary)]
+
+    old = {"status": "completed", "method": "fedavg", "dataset": "mnist", "accuracy_matrix": [[80.0]], "rounds": 2,
+           "wall_clock_s": 3.0}
+    assert printed(full_summary()) == [("bytes on the wire", "11.9 MB (6.0 down, 5.9 up)")]
+    assert printed(RunSummary.from_dict({**old, **TIERED})) == [
+        ("bytes at the coordinator", "3.6 MB (2.4 down, 1.2 up)"),
+        ("bytes on clients' links", "23.9 MB (12.0 down, 11.9 up)")]  # not the 13.2 MB that no link carried
+    assert printed(RunSummary.from_dict({**old, "bytes_total": 10_000_000})) == [
+        ("bytes counted at the coordinator", "10.0 MB")]
 
 
 def test_every_documented_summary_key_is_a_field_and_every_field_is_documented():

@@ -116,7 +116,10 @@ def run(cases: list[str], clients: int, clients_per_round: int, rounds: int, sam
     if plot_path is not None:
         plot(rows, plot_path)
         console.print(f"wrote {plot_path}")
+    unreached = [f"-: the run's accuracy on the seen classes never reached {target:g} % (to-target ratio: the "
+                 f"case's or FedAvg's)"] if any(row[key] is None for row in rows) else []
     return emit("energy", rows, {
         "clients": clients, "clients_per_round": clients_per_round, "rounds": 2 * rounds,
         "samples_per_client_task": samples, "seed": seed, "target_accuracy": target,
-        "baselines": "FedAvg (synchronous) on the same scenario, seed and device mix"}, json_path, console)
+        "baselines": "FedAvg (synchronous) on the same scenario, seed and device mix"}, json_path, console,
+        notes=unreached)
