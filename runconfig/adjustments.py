@@ -6,12 +6,14 @@ once at its start (a warning line and a ``config_warning`` event in ``events.jso
 - ``rounds.late_updates: next_round`` drops late updates all the same for a method that uploads more than the
   model delta;
 - ``secagg.neighbors`` is capped at n - 1 for a round of n sampled clients;
-- ``network.heartbeat_interval_s`` and ``liveness_timeout_s`` are stretched to the heartbeat budget.
+- ``network.heartbeat_interval_s`` and ``liveness_timeout_s`` are stretched to the heartbeat budget;
+- a config file's value of a setting that the config ignores is back at its default (:mod:`fcl_emu.runconfig.ignored`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from fcl_emu.runconfig.config import RunConfig
@@ -59,6 +61,7 @@ def adjustments(config: RunConfig) -> list[Adjustment]:
             f"heartbeat interval {network.heartbeat_interval_s:g} s stretched to {interval:.3g} s and the "
             f"liveness timeout {network.liveness_timeout_s:g} s to {timeout:.3g} s: {clients} clients exceed "
             f"the budget of {network.heartbeat_budget_per_s:g} heartbeats a second")))
+    found += [Adjustment(i.setting, attrgetter(i.setting)(config), f"config file: {i}") for i in config.ignored]
     return found
 
 

@@ -21,7 +21,9 @@ from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MOD
 from fcl_emu.runconfig.aggregation import check_aggregation
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
+from fcl_emu.runconfig.ignored import Ignored, settle
 from fcl_emu.runconfig.nodes import NODES_HELP, Nodes, unset_null_nodes
+from fcl_emu.runconfig.secure import check_distributed_privacy, check_secagg
 from fcl_emu.runconfig.topology import TopologyConfig, check_topology
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
@@ -252,6 +254,10 @@ class PrivacyConfig(pydantic.BaseModel):
     noise_seed: int | None = pydantic.Field(
         None, description="central DP: seed of the noise (unset: drawn from the OS, so that nobody who knows the "
                           "run's seed can subtract the noise; set it only to repeat a run exactly)")
+    on_divergence: Literal["stop", "continue"] = pydantic.Field(
+        "stop", description="what a DP run does at the first round whose model diverged (NaN or infinite values, "
+                            "or an exploded training loss): stop there, the status failed: diverged ...; or "
+                            "continue to the end, the status degraded: diverged ... (docs/privacy.md)")
 
     @property
     def central(self) -> bool:
@@ -374,10 +380,14 @@ class RunConfig(pydantic.BaseModel):
         description="where datasets are looked for (default: $FCL_EMU_DATA_ROOT, os.pathsep-separated, or ./data)")
     download: bool = pydantic.Field(False, description="download a missing dataset with torchvision")
     seed: int = pydantic.Field(0, description="seed of the scenario, sampling and training")
-    run_dir: Path | None = pydantic.Field(None, description="run directory (unset: runs/<time>-...)")
+    run_dir: Path | None = pydantic.Field(None, description="run directory (unset: a new runs/<time>-...); one "
+                                                            "that holds a run is refused, unless --resume or "
+                                                            "--overwrite (docs/resume.md)")
 
     # the default clients_per_round that a smaller population replaced (None: the config's own value)
     _capped_cohort: int | None = pydantic.PrivateAttr(None)
+    # the config file's values that this config ignores, back at their defaults (runconfig/ignored.py)
+    _ignored: tuple[Ignored, ...] = pydantic.PrivateAttr(())
 
     @pydantic.model_validator(mode="wrap")
     @classmethod
@@ -401,6 +411,11 @@ class RunConfig(pydantic.BaseModel):
     def capped_cohort(self) -> int | None:
         """The default ``rounds.clients_per_round`` that this config's smaller population replaced, if it did."""
         return self._capped_cohort
+
+    @property
+    def ignored(self) -> tuple[Ignored, ...]:
+        """The settings its config file set that this config ignores (:mod:`fcl_emu.runconfig.ignored`)."""
+        return self._ignored
 
     def __eq__(self, other: object) -> bool:
         """The same settings, however they were given (:attr:`capped_cohort` says how, not what)."""
@@ -454,11 +469,11 @@ class RunConfig(pydantic.BaseModel):
                              f"model {self.model!r} has none: use "
                              f"{one_of([m for m in MODEL_NAMES if m not in NO_BATCHNORM])}")
         if self.secagg.enabled:
-            self._check_secagg(spec)
+            check_secagg(self, spec.refusals)
         if self.privacy.central:
             self._check_privacy(spec)
         if self.privacy.distributed:
-            self._check_distributed_privacy()
+            check_distributed_privacy(self)
         if self.security.aggregator != "mean":
             self._check_aggregator(spec)
         if self.aggregation.asynchronous:
@@ -493,20 +508,6 @@ class RunConfig(pydantic.BaseModel):
             return self.containers.backend == "process"
         return self.rounds.clock == "emulated"
 
-    def _check_secagg(self, spec) -> None:
-        from fcl_emu.methods.requirements import SECAGG
-
-        if SECAGG in spec.refusals:
-            raise ValueError(f"--secagg: {spec.refusals[SECAGG]}")
-        if self.security.max_update_norm is not None or self.security.clip_norm is not None:
-            raise ValueError("--secagg hides each client's delta from the server, so the server cannot bound or "
-                             "clip its norm: --max-update-norm and --clip-norm need plain aggregation")
-        if self.rounds.late_updates == "next_round":
-            raise ValueError("--secagg cannot be combined with --late-updates next_round: a late masked input "
-                             "cannot join another round's sum")
-        if self.rounds.clients_per_round < 3:
-            raise ValueError("--secagg needs at least 3 clients per round")
-
     def _check_privacy(self, spec) -> None:
         from fcl_emu.methods.requirements import CENTRAL_DP
 
@@ -530,28 +531,6 @@ class RunConfig(pydantic.BaseModel):
             raise ValueError(f"--dp-adaptive-clipping: the noise multiplier {z:g} must be less than twice the "
                              f"count noise sigma_b = {adaptive.count_noise(cohort):g} (privacy.adaptive."
                              f"count_stddev, default clients_per_round / 20), which it includes")
-
-    def _check_distributed_privacy(self) -> None:
-        """Distributed DP runs under SecAgg+ (whose checks cover the method, the aggregator and late updates)
-        with a fixed clip norm, and its ring must hold the clipped sum plus the noise."""
-        from fcl_emu.secagg.noise import DistributedNoise
-
-        if importlib.util.find_spec("dp_accounting") is None:
-            raise ValueError("--privacy distributed needs Google's dp-accounting library for its privacy "
-                             "accountant: pip install 'fcl-emu[dp]'")
-        if not self.secagg.enabled:
-            raise ValueError("--privacy distributed adds the noise under SecAgg+ masks: it needs --secagg (without "
-                             "it, use --privacy central)")
-        if self.privacy.adaptive.enabled:
-            raise ValueError("--privacy distributed clips to a fixed norm (--dp-clip): adaptive clipping needs the "
-                             "count of unclipped updates, which the server cannot see under SecAgg+")
-        rounds = self.rounds
-        sampled = rounds.planned_cohort
-        noise = DistributedNoise(self.privacy.noise_multiplier, rounds.clients_per_round)
-        if not noise.fits(self.secagg.ring_bits, sampled, 1):
-            raise ValueError(f"--privacy distributed: a {self.secagg.ring_bits}-bit ring cannot hold the clipped sum "
-                             f"of {sampled} clients plus noise of multiplier {noise.multiplier:g} without wrapping "
-                             f"around; raise secagg.ring_bits (at most 32) or lower the noise")
 
     def _check_aggregator(self, spec) -> None:
         from fcl_emu.methods.requirements import ROBUST
@@ -585,7 +564,8 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> RunConfig:
-    """Build a RunConfig from an optional YAML file plus nested overrides (flags)."""
+    """Build a RunConfig from an optional YAML file plus nested overrides (flags); a flag that the config ignores
+    is refused, a file's value that it ignores is listed (:mod:`fcl_emu.runconfig.ignored`)."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -593,8 +573,10 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> RunConfig:
         except OSError as exc:
             raise ValueError(f"--config: cannot read {path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
-            raise ValueError(f"--config: {path} is not valid YAML: {exc}") from None
+            raise ValueError(f"--config: {path} is not valid YAML: {' '.join(str(exc).split())}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"--config: {path} must hold a mapping at the top level")
         data = loaded or {}
-    return RunConfig.model_validate(_merge(data, overrides))
+    def build(file_data: dict[str, Any]) -> RunConfig:
+        return RunConfig.model_validate(_merge(file_data, overrides))
+    return settle(build(data), data, overrides, build)

@@ -52,9 +52,9 @@ def test_the_settings_not_default_are_listed_by_group():
     assert settings_text(settings) == (
         "scenario: scenario.num_clients=10, seed=3; method: method=fedprox, method_options.mu=0.1; "
         "rounds & aggregation: aggregation.kind=fedbuff; churn & devices: edge.availability=onoff:60:30")
-    robust = config_dict(security={"aggregator": "median"}, secagg={"clip": 2.0}, nodes=4)
+    robust = config_dict(security={"aggregator": "trimmed_mean", "trim_fraction": 0.2}, nodes=4)
     assert settings_text(non_default_settings(robust, defaults_for(robust))) == (
-        "security & privacy: secagg.clip=2.0, security.aggregator=median; deployment: nodes=4")
+        "security & privacy: security.aggregator=trimmed_mean, security.trim_fraction=0.2; deployment: nodes=4")
 
     default = RunConfig().model_dump(mode="json")
     assert non_default_settings(default, defaults_for(default)) == []
