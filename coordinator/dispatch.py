@@ -33,6 +33,7 @@ from fcl_emu.coordinator.collection import Collection
 from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.runtime.run_log import NONFINITE_LOSS
 from fcl_emu.scenario.devices import DeviceProfile
 from fcl_emu.wire.framing import Message, WireError, link_nbytes
 from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
@@ -192,6 +193,8 @@ class Dispatcher:
             r = self.round
             if r is not None and peer in r.selected and msg.round == r.number:
                 r.failed.add(peer)
+                if msg.body.code == "train_failed" and NONFINITE_LOSS.search(msg.body.detail):
+                    r.nonfinite_loss.add(peer)
                 self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             self.state.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}", budget="reported")

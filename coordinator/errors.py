@@ -9,6 +9,11 @@ class JobFailed(RunAborted):
     """A server-side job failed after its retries: the run ends cleanly with the job's errors."""
 
 
+class Diverged(RuntimeError):
+    """A DP run's model diverged and ``privacy.on_divergence`` is ``stop``: the run ends ``failed: diverged ...``
+    after that round, without its checkpoint."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run was stopped by a signal (SIGINT: Ctrl-C; SIGTERM: ``timeout``, Slurm, systemd, ``docker stop``).
     ``exit_code`` is the shell's convention, 128 + the signal's number."""

@@ -40,7 +40,7 @@ from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
-from fcl_emu.coordinator.errors import BindError, Interrupted, JobFailed, RunAborted
+from fcl_emu.coordinator.errors import BindError, Diverged, Interrupted, JobFailed, RunAborted
 from fcl_emu.coordinator.evaluation import Evaluator
 from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
 from fcl_emu.coordinator.guard import CONTROL_RATE_PER_S, LogOnce, on_refused_handshake, RateLimiter
@@ -61,6 +61,7 @@ from fcl_emu.monitoring.metrics import CoordinatorMetrics
 from fcl_emu.monitoring.results import (RoundRecord, RunRecorder, RunSummary, average_accuracy, average_forgetting,
                                 average_incremental_accuracy, failure_status)
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port
+from fcl_emu.runconfig.config import PrivacyConfig
 from fcl_emu.runconfig.adjustments import Adjustment, adjustments
 from fcl_emu.runtime.run_log import LOG_NAME, run_log
 from fcl_emu.scenario.datasets import load_dataset
@@ -73,8 +74,8 @@ from fcl_emu.wire.framing import Limits
 from fcl_emu.wire.messages import Shutdown
 from fcl_emu.wire.sockets import ServerEndpoint, tee
 
-__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "Interrupted", "JobFailed", "NodeExit", "RunAborted",
-           "run_fingerprint"]
+__all__ = ["BindError", "CHECKPOINT_DIR", "Coordinator", "Diverged", "Interrupted", "JobFailed", "NodeExit",
+           "RunAborted", "run_fingerprint"]
 
 
 def _trained_status(rounds: list[RoundRecord], task_end_accuracy: Sequence[float] = (),
@@ -94,6 +95,15 @@ def _trained_status(rounds: list[RoundRecord], task_end_accuracy: Sequence[float
         return (f"degraded: task{'s' * (len(idle) > 1)} {', '.join(map(str, idle))} trained nothing (every round "
                 f"was skipped: no usable client update arrived)")
     return "completed"
+
+
+def _stop_if_diverged(record: RoundRecord, privacy: PrivacyConfig) -> None:
+    """Raise :class:`Diverged` after a round of a DP run whose model diverged (:attr:`RoundRecord.diverged`: NaN or
+    infinite values, or an exploded training loss, from which the model does not come back), unless
+    ``privacy.on_divergence`` is ``continue``. An accuracy fallen to chance is judged at the run's end
+    (:func:`_trained_status`): it may recover."""
+    if record.diverged is not None and privacy.mode != "off" and privacy.on_divergence == "stop":
+        raise Diverged(f"diverged at round {record.round} ({record.diverged})")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -365,6 +375,7 @@ class Coordinator:
                         record = self.rounds.run_round(task, task_round)
                     rounds.append(record)
                     self.progress("round", asdict(record))
+                    _stop_if_diverged(record, config.privacy)
                     if task_round < last_round:  # after a task's last round: below, once the task has ended
                         save(task, task_round + 1)
                 class_hits = self._end_task(task, matrix)
@@ -377,6 +388,8 @@ class Coordinator:
         except RunAborted as exc:
             status = f"aborted: {exc}"
             raise
+        except Diverged as exc:  # ends the run like its end: the summary is returned
+            status = f"failed: {exc}"
         except Exception as exc:  # a bug or a broken environment (a full disk): never recorded as completed
             status = failure_status(exc)
             raise
@@ -403,12 +416,15 @@ class Coordinator:
 
     def _noisy_privacy(self) -> list[Adjustment]:
         """Differential privacy whose noise on a round's mean is larger than the clipped mean can be
-        (:func:`~fcl_emu.coordinator.privacy.noise_to_update`), with the cohort that would bring it under. Told as
-        an adjustment is, though it changes no setting."""
+        (:func:`~fcl_emu.coordinator.privacy.noise_to_update`), with the cohort that would bring it under, for the
+        run's largest model: its head over every class, in the last task. Told as an adjustment is, though it
+        changes no setting."""
         settings, cohort = self.config.privacy, self.config.rounds.clients_per_round
         if self.privacy is None or not settings.noise_multiplier:
             return []
-        dim = DeltaLayout.of(self.state.server.global_state).dim
+        server, scenario = self.state.server, self.state.scenario
+        new_classes = len(scenario.seen_classes(scenario.num_tasks - 1)) - server.model.num_classes
+        dim = DeltaLayout.of(server.global_state).dim + new_classes * (server.model.feature_dim + 1)  # weights, bias
         ratio = noise_to_update(settings, cohort, dim)
         if ratio <= 1:
             return []
@@ -422,7 +438,7 @@ class Coordinator:
             f"the DP noise on each round's mean ({sigma:.3g} on each of the model's {dim:,} values, a norm of about "
             f"{sigma * dim ** 0.5:.3g}) is {ratio:.1f} times the clipped mean's largest norm ({clip}): the "
             f"model learns only what the rounds average out, and may diverge; {bring} (--clients-per-round, "
-            f"docs/security.md)"))]
+            f"docs/privacy.md)"))]
 
     def _slow_classes(self) -> list[Adjustment]:
         """Device classes whose clients cannot make the round deadline even alone on their link: the model

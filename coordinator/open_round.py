@@ -27,6 +27,7 @@ class OpenRound:
     # the dispatcher, as answers arrive
     updates: list[ClientUpdate] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # reported an error, or its update was refused
+    nonfinite_loss: set[str] = field(default_factory=set)  # of the failed: their training loss became NaN or inf
     lost: set[str] = field(default_factory=set)  # left or crashed and joined again during the round
     masked: set[str] = field(default_factory=set)  # secure aggregation: sent a masked input in time
     reported_s: dict[str, float] = field(default_factory=dict)  # client -> its reported local training time

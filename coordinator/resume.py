@@ -34,12 +34,14 @@ SERVER, TORCH_RNG, CUDA_RNG = "server/", "rng/torch", "rng/cuda/"  # checkpoint 
 
 def run_fingerprint(config: RunConfig) -> str:
     """A hash of what decides a run's results: the config less data location, metrics, run directory, the GPU
-    pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys, and
-    whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work)."""
+    pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys,
+    whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work) and whether
+    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop)."""
     data = config.model_dump(mode="json", exclude={"metrics": True, "data_root": True, "run_dir": True,
                                                    "download": True, "gpu": True, "containers": True,
                                                    "coordinator_threads": True, "rounds": {"skip_late"},
-                                                   "security": {"transport", "keys"}})
+                                                   "security": {"transport", "keys"},
+                                                   "privacy": {"on_divergence"}})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

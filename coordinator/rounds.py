@@ -71,8 +71,9 @@ class RoundRunner:
                 self.state.server.aggregate(r.task, r.number, self._released(gathered.updates, r.number))
         accuracy = meter.evaluate(task, task_round)
         return meter.record(
-            useful=gathered.updates, losses=gathered.losses, accuracy_seen=accuracy,
-            task=task, round=r.number, task_round=task_round, selected=len(r.chosen),
+            # a client whose loss became NaN or infinite reports none: it counts as an infinite one
+            useful=gathered.updates, losses=[*gathered.losses, *[math.inf] * len(r.nonfinite_loss)],
+            accuracy_seen=accuracy, task=task, round=r.number, task_round=task_round, selected=len(r.chosen),
             participants=len(r.counted) + len(r.masked), late=r.late, failed=len(r.failed), skipped=skipped,
             dropped=r.dropped, overcommitted=len(r.chosen) - min(self.config.rounds.clients_per_round, len(r.chosen)),
             stale_used=0 if skipped else gathered.stale, secagg=gathered.secagg,

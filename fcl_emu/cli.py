@@ -9,10 +9,10 @@ container image; ``trace`` writes and measures population behaviour traces.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import click
 import pydantic
 import typer
 from rich.console import Console
@@ -20,12 +20,12 @@ from rich.console import Console
 from fcl_emu import options
 from fcl_emu.bench.commands import bench_app
 from fcl_emu.cluster_commands import cluster_app
-from fcl_emu.command_line import console, unwrap_help, writable
+from fcl_emu.command_line import OneLineErrors, console, fail, unwrap_help, writable
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.errors import error_lines
 from fcl_emu.trace_commands import trace_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True,
                   help="Emulate federated class-incremental learning at the edge.")
 app.add_typer(bench_app, name="bench")
 image_app = typer.Typer(no_args_is_help=True, help="The container image of edge nodes, coordinator, GPU workers and "
@@ -48,9 +48,9 @@ def build_config(config_file: Optional[Path], **flags: Any) -> RunConfig:
     try:
         return load_config(config_file, options.overrides(flags))
     except pydantic.ValidationError as exc:
-        raise click.UsageError("\n".join(error_lines(exc, RunConfig, options.flag_for))) from None
+        fail("\n".join(error_lines(exc, RunConfig, options.flag_for)))
     except (ValueError, KeyError) as exc:
-        raise click.UsageError(str(exc).strip("'\"")) from None
+        fail(str(exc).strip("'\""))
 
 
 def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
@@ -113,14 +113,27 @@ def _check_devices(cfg: RunConfig) -> None:
             raise typer.Exit(2)
 
 
+def _check_run_dir(cfg: RunConfig, overwrite: bool) -> None:
+    """Exit 2 with one line where the run directory holds another run and may not be emptied for it (``overwrite``):
+    before the run starts anything. A run directory left to its default is a new one."""
+    from fcl_emu.run_directory import RunDirInUse, check_new_run_dir
+
+    if cfg.run_dir is not None:
+        try:
+            check_new_run_dir(Path(cfg.run_dir), overwrite, cfg.security.keys)
+        except RunDirInUse as exc:
+            fail(str(exc))
+
+
 def _resume(runner_name: str, run_dir: Path, config_file: Optional[Path], flags: dict[str, Any],
             fork_nodes: bool = False) -> None:
     """``up --resume`` / ``coordinator --resume``: refuse flags that would change the run, load and check
     RUN_DIR's config and checkpoint (exit 1 with one line if unusable), then continue the run."""
-    import functools
-
     from fcl_emu import run
 
+    if flags.pop("overwrite"):
+        raise typer.BadParameter("--resume continues the run in RUN_DIR, --overwrite would delete it: give one of "
+                                 "them", param_hint="--overwrite")
     refused = ["--config"] * (config_file is not None) + sorted(options.refused_with_resume(flags))
     if refused:
         raise typer.BadParameter(f"{', '.join(refused)} cannot be combined with --resume: a resumed run keeps "
@@ -143,46 +156,56 @@ ClientsOpt = options.elsewhere("clients")
 
 
 @app.command()
-@options.run_command(options.UP)
+@options.run_command(options.UP, options.OVERWRITE)
 def up(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Run a whole emulation here: the coordinator plus --nodes edge-node processes."""
     if resume is not None:
         _logging(verbose)
         return _resume("run_local", resume, config, flags, fork_nodes=True)
+    overwrite = flags.pop("overwrite")
     cfg = build_config(config, **flags)
+    _check_run_dir(cfg, overwrite)
     _logging(verbose)
     from fcl_emu.run import run_local
 
-    _finish(run_local, cfg, fork_nodes=True)
+    _finish(functools.partial(run_local, overwrite=overwrite), cfg, fork_nodes=True)
 
 
 @app.command()
-@options.run_command(options.COORDINATOR)
+@options.run_command(options.COORDINATOR, options.OVERWRITE)
 def coordinator(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
     """Run only the coordinator; edge nodes connect with `fcl-emu node --connect`."""
     if resume is not None:
         _logging(verbose)
         return _resume("run_coordinator", resume, config, flags)
+    overwrite = flags.pop("overwrite")
     cfg = build_config(config, nodes=1, **flags)
+    _check_run_dir(cfg, overwrite)
     _logging(verbose)
     from fcl_emu.run import run_coordinator
 
-    _finish(run_coordinator, cfg)
+    _finish(functools.partial(run_coordinator, overwrite=overwrite), cfg)
+
+
+PublishMonitoringOpt = Annotated[bool, typer.Option(
+    "--publish-monitoring/--no-publish-monitoring", show_default=False, rich_help_panel=options.MONITORING,
+    help="Publish Prometheus (no login) and Grafana (a login, no anonymous viewers) on every interface of the "
+         "manager. Without it the Compose file binds both to the host's loopback and the stack publishes neither "
+         "(docs/containers.md). Default off.")]
 
 
 @app.command()
-@options.run_command(options.UP, ("out", Annotated[Path, typer.Argument(help="Where the files go.")]))
-def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags: dict[str, Any]) -> None:
+@options.run_command(options.DEPLOY,
+                     ("out", Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where the files go.")]),
+                     ("publish_monitoring", PublishMonitoringOpt, False))
+def deploy(config: Optional[Path], flags: dict[str, Any]) -> None:
     """Write the run as a Swarm stack and a Compose file (coordinator, edge nodes, Prometheus, Grafana) to deploy and
     edit yourself (docs/containers.md). With --image no Docker engine is needed here."""
     from fcl_emu.containers.docker_client import EngineError
     from fcl_emu.containers.image import ImageError
-    from fcl_emu.deploy import (GRAFANA_PORT, PROMETHEUS_PORT, MountError, check_mounts, deployment_image,
-                                write_deployment)
+    from fcl_emu.deploy import MountError, check_mounts, deployment_image, write_deployment
 
-    if resume is not None:
-        raise typer.BadParameter("a deployment starts a new run", param_hint="--resume")
-    out = flags.pop("out")
+    out, publish_monitoring = flags.pop("out"), flags.pop("publish_monitoring")
     cfg = build_config(config, **flags)
     if not cfg.data_root:
         raise typer.BadParameter("give the data root to mount", param_hint="--data-root")
@@ -197,13 +220,13 @@ def deploy(config: Optional[Path], resume: Optional[Path], verbose: bool, flags:
     except (EngineError, ImageError) as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
-    files = write_deployment(cfg, out, image, cfg.data_root[0])
+    files = write_deployment(cfg, out, image, cfg.data_root[0], publish_monitoring)
     Console(width=1000).print(
         f"{files.stack} and {files.compose} (image {image}; keys in {files.keys}, keep them private)\n"
         f"  swarm:   cd {out} && docker stack deploy -c stack.yml fcl-emu\n"
         f"  compose: cd {out} && docker compose -f compose.yml up\n"
-        f"  results: {Path(out) / 'runs' / 'run'}; on the manager: Grafana on port {GRAFANA_PORT} (run "
-        f"{files.run_id}), Prometheus on port {PROMETHEUS_PORT}", markup=False, highlight=False)
+        f"  results: {Path(out) / 'runs' / 'run'} (run {files.run_id})\n"
+        f"  monitoring: {files.monitoring()}", markup=False, highlight=False)
 
 
 # `node` and `gpu-worker` take no options of their own: their arguments go to the argparse parser of the object
@@ -356,7 +379,7 @@ def compare(
         stdout.print(note, markup=False, highlight=False, soft_wrap=True)
     for warning in found.warnings:
         stdout.print(f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True)
-    stdout.print(format_table(found.rows))
+    stdout.print(format_table(found.rows, found.shared_settings))
     stdout.print(f"plot: {found.png}", markup=False, highlight=False)
 
 

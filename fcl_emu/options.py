@@ -25,7 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from fcl_emu.runconfig import RunConfig
 
-UP, COORDINATOR = "up", "coordinator"
+UP, COORDINATOR, DEPLOY = "up", "coordinator", "deploy"
 BOTH = frozenset({UP, COORDINATOR})
 
 # The help panels of a run's flags, in the order `--help` shows them.
@@ -262,7 +262,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("dp_target_quantile", "privacy.adaptive.target_quantile"),
             _option("dp_clip_learning_rate", "privacy.adaptive.learning_rate"),
             _option("dp_delta", "privacy.delta"),
-            _option("dp_noise_seed", "privacy.noise_seed")),
+            _option("dp_noise_seed", "privacy.noise_seed"),
+            _option("dp_on_divergence", "privacy.on_divergence", with_resume=True)),
     *_panel(MONITORING,
             _option("metrics_port", "metrics.port", with_resume=True),
             _option("metrics_host", "metrics.host", with_resume=True),
@@ -271,6 +272,22 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("keep_prometheus", "metrics.keep_prometheus", with_resume=True)),
 )
 OPTIONS = {o.name: o for o in RUN_OPTIONS}
+
+# `up`'s flags that `deploy` does not take: what its files set themselves (the run directory, the coordinator's
+# address, the metrics ports, the keys and the Prometheus of the containers), what acts on `up`'s own containers,
+# edge aggregators (no service of theirs is written) and --download (the data root is mounted read-only).
+NOT_DEPLOYED = frozenset({
+    "run_dir", "download", "bind", "keys", "backend", "faults", "advertise", "cluster", "edge_aggregators",
+    "edge_rounds", "edge_uplink_mbps", "edge_downlink_mbps", "edge_latency_ms", "metrics_port", "metrics_host",
+    "prometheus", "prometheus_port", "keep_prometheus"})
+
+
+def offered(command: str) -> list[RunOption]:
+    """The run options ``command`` takes: ``deploy`` takes ``up``'s but :data:`NOT_DEPLOYED`."""
+    if command == DEPLOY:
+        return [o for o in offered(UP) if o.name not in NOT_DEPLOYED]
+    return [o for o in RUN_OPTIONS if command in o.commands]
+
 
 # Where each config field is set on the command line, for validation errors.
 FLAG_OF: dict[tuple[str, ...], str] = {path: o.flag for o in RUN_OPTIONS for path in o.fields}
@@ -310,27 +327,34 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
     help=f"Continue the interrupted run in RUN_DIR from its last checkpoint, same address and run id "
          f"(docs/resume.md). Only {', '.join(o.flag for o in RUN_OPTIONS if o.with_resume)} and --verbose may go "
          f"with it.")]
+OVERWRITE = ("overwrite", Annotated[bool, typer.Option(
+    "--overwrite/--no-overwrite", show_default=False, rich_help_panel=RUN,
+    help="Delete the run that the run directory holds, its files only, and start this one there; without it a run "
+         "directory that holds a run is refused (docs/resume.md). Default off.")], False)
 VerboseOpt = Annotated[bool, typer.Option("--verbose/--no-verbose", "-v", help="Log debug messages too. Default off.",
                                           show_default=False, rich_help_panel=RUN)]
 
 
-def run_command(command: str, *arguments: tuple[str, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def run_command(command: str, *arguments: tuple) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command body ``(config, resume, verbose, flags)`` the parameters of :data:`RUN_OPTIONS` that
-    ``command`` offers, as typer reads them from the signature; ``arguments`` ((name, typer annotation) pairs)
-    come first, as required positional arguments, and reach the body in ``flags``."""
+    ``command`` offers (:func:`offered`), as typer reads them from the signature; ``deploy``, which writes files
+    and starts no run, takes neither --resume nor --verbose: its body is ``(config, flags)``. ``arguments``
+    ((name, typer annotation) pairs: required; (name, annotation, default) triples: the command's own options)
+    come first and reach the body in ``flags``."""
     def decorate(body: Callable[..., None]) -> Callable[..., None]:
-        offered = [o for o in RUN_OPTIONS if command in o.commands]
-        params = [*(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
-                    for name, annotation in arguments),
+        controls = [] if command == DEPLOY else [
+            inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=ResumeOpt, default=None),
+            inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt, default=False)]
+        params = [*(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                      default=default[0] if default else inspect.Parameter.empty)
+                    for name, annotation, *default in arguments),
                   inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigOpt, default=None),
                   *(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.annotation,
-                                      default=None) for o in offered),
-                  inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=ResumeOpt, default=None),
-                  inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
-                                    default=False)]
+                                      default=None) for o in offered(command)),
+                  *controls]
 
         def command_function(**values: Any) -> None:
-            body(values.pop("config"), values.pop("resume"), values.pop("verbose"), values)
+            body(values.pop("config"), *(values.pop(p.name) for p in controls), values)
 
         command_function.__name__ = body.__name__
         command_function.__doc__ = body.__doc__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import signal
@@ -32,16 +33,19 @@ from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
 from fcl_emu.writable import check_writable
 from fcl_emu.monitoring import stack
-from fcl_emu.monitoring.results import RunSummary, SummaryNotWritten, energy_text, epsilon_text, failure_status
+from fcl_emu.monitoring.results import (RunSummary, SummaryNotWritten, energy_text, epsilon_text, failure_status,
+                                        link_rows, link_text)
 from fcl_emu.monitoring.settings_diff import non_default_settings, settings_text
 from fcl_emu.progress import ProgressView
+from fcl_emu.run_directory import empty_run_dir
 from fcl_emu.runconfig.defaults import defaults_for
 from fcl_emu.runconfig.nodes import CLIENTS_PER_NODE, nodes_chosen
 from fcl_emu.scenario.datasets import find_dataset
 
 
 def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table:
-    """The closing table of a run; with its ``config``, the settings it did not leave at their defaults."""
+    """The closing table of a run; with its ``config``, the settings it did not leave at their defaults and those
+    of its config file that it ignored."""
     table = Table(title=f"fcl-emu run: {summary.method} on {summary.dataset}", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -60,11 +64,8 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
     if summary.overlapping_shares:
         table.add_row("clients sharing samples", Text(summary.overlapping_shares, justify="left"))
     table.add_row("rounds (skipped)", f"{summary.rounds} ({summary.rounds_skipped})")
-    table.add_row("bytes on the wire", f"{summary.bytes_total / 1e6:.1f} MB")
-    if summary.tier_bytes:  # edge aggregators: what each tier's links carried, down / up
-        table.add_row("tiers: edge-cloud / client-edge", " / ".join(
-            f"{summary.tier_bytes[tier]['sent'] / 1e6:.1f} MB down, {summary.tier_bytes[tier]['received'] / 1e6:.1f} "
-            f"MB up" for tier in ("edge_cloud", "client_edge")))
+    for name, link in link_rows(summary):  # a star: one row; edge aggregators: one a tier
+        table.add_row(name, link_text(link, summary.bytes_total))
     c = summary.clients
     table.add_row("clients joined / left / dropped", f"{c.joined} / {c.left} / {c.dropped}")
     table.add_row("rejected messages", str(sum(summary.rejected_messages.values())))
@@ -79,13 +80,18 @@ def summary_table(summary: RunSummary, config: RunConfig | None = None) -> Table
         settings = config.model_dump(mode="json")
         changed = non_default_settings(settings, defaults_for(settings))
         table.add_row("settings (not default)", Text(settings_text(changed, separator="\n"), justify="left"))
+        if config.ignored:
+            table.add_row("ignored (config file)", Text("\n".join(map(str, config.ignored)), justify="left"))
     table.add_row("run directory", summary.run_dir)
     return table
 
 
 def default_run_dir(config: RunConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{config.method}-{config.scenario.dataset}-s{config.seed}"
+    """A new folder: ``runs/<date>-<time>-<method>-<dataset>-s<seed>``, then ``-2``, ``-3`` ... where a run started
+    in the same second has it."""
+    first = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.method}-{config.scenario.dataset}-s{config.seed}"
+    candidates = itertools.chain([first], (first.with_name(f"{first.name}-{n}") for n in itertools.count(2)))
+    return next(path for path in candidates if not path.exists())
 
 
 def resolve_metrics(config: RunConfig, start_nodes: bool) -> RunConfig:
@@ -209,9 +215,14 @@ def _check_bind(endpoint: str) -> None:
             raise BindError(f"cannot bind {endpoint}: {exc.strerror}") from None
 
 
-def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None) -> RunSummary:
+def _run(config: RunConfig, console: Console, start_nodes: bool, resume: Checkpoint | None = None,
+         overwrite: bool = False) -> RunSummary:
+    """Run (``resume``: continue) the run in its run directory; ``overwrite``: empty it first of the run it holds,
+    once the checks before the start have passed (:func:`fcl_emu.run_directory.empty_run_dir`)."""
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     config = check_before_start(config, start_nodes, resume, run_dir)
+    if overwrite:
+        empty_run_dir(run_dir, config.security.keys)
     keys = RunKeys(run_dir)
     if config.security.transport == "curve" and start_nodes:
         config = keys.write(config)
@@ -391,14 +402,16 @@ def _read_summary(run_dir: Path) -> RunSummary:
     return RunSummary.load(run_dir / "summary.json")
 
 
-def run_local(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> RunSummary:
+def run_local(config: RunConfig, console: Console, resume: Checkpoint | None = None,
+              overwrite: bool = False) -> RunSummary:
     """``fcl-emu up``: coordinator in this process, edge nodes as child processes."""
-    return _run(config, console, start_nodes=True, resume=resume)
+    return _run(config, console, start_nodes=True, resume=resume, overwrite=overwrite)
 
 
-def run_coordinator(config: RunConfig, console: Console, resume: Checkpoint | None = None) -> RunSummary:
+def run_coordinator(config: RunConfig, console: Console, resume: Checkpoint | None = None,
+                    overwrite: bool = False) -> RunSummary:
     """``fcl-emu coordinator``: nodes are started elsewhere by the user."""
-    return _run(config, console, start_nodes=False, resume=resume)
+    return _run(config, console, start_nodes=False, resume=resume, overwrite=overwrite)
 
 
 class ResumeError(Exception):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LOG_NAME = "coordinator.log"
-_NONFINITE_LOSS = re.compile(r"loss became (?:nan|-?inf)\b")
+NONFINITE_LOSS = re.compile(r"loss became (?:nan|-?inf)\b")  # in a client's report of a failed training
 # what a record kept off the console is: (one, several)
 KINDS = {"library": ("library warning", "library warnings"),
          "loss": ("report of a NaN or infinite training loss", "reports of a NaN or infinite training loss")}
@@ -30,7 +30,7 @@ def kept_off_console(record: logging.LogRecord) -> str | None:
         return None
     if record.name != "fcl_emu" and not record.name.startswith("fcl_emu."):
         return "library"
-    if _NONFINITE_LOSS.search(record.getMessage()):
+    if NONFINITE_LOSS.search(record.getMessage()):
         return "loss"
     return None
 

@@ -108,10 +108,11 @@ def update(cid: str, value: float, samples: int = 10) -> ClientUpdate:
 # ------------------------------------------------------------------------------------------- round runner
 class PlayingDispatcher:
     """Stands in for the dispatcher: records sends; ``serve`` lets every selected client answer at once, except
-    those in ``silent`` (which never answer) and those in ``failing`` (which report an error)."""
+    those in ``silent`` (which never answer) and those in ``failing`` (which report an error; those also in
+    ``nonfinite``, that their loss became NaN)."""
 
-    def __init__(self, state: RunState, silent=(), failing=()):
-        self.state, self.silent, self.failing = state, set(silent), set(failing)
+    def __init__(self, state: RunState, silent=(), failing=(), nonfinite=()):
+        self.state, self.silent, self.failing, self.nonfinite = state, set(silent), set(failing), set(nonfinite)
         self.sent: list[tuple[str, str]] = []
         self.round: OpenRound | None = None
         self.served = 0
@@ -141,6 +142,8 @@ class PlayingDispatcher:
                 continue
             if cid in self.failing:
                 r.failed.add(cid)
+                if cid in self.nonfinite:
+                    r.nonfinite_loss.add(cid)
             else:
                 r.updates.append(update(cid, float(int(cid[-4:]))))
             samples = SAMPLES * self.state.config.training.local_epochs if cid not in self.failing else 0
@@ -568,7 +571,7 @@ def test_every_field_of_the_open_round_has_one_writer():
     writers = _open_round_writers()
     assert {name: files for name, files in writers.items() if len(files) > 1} == {}
     assert {name for name, files in writers.items() if files == {"dispatch.py"}} == {
-        "updates", "failed", "lost", "masked", "reported_s", "held_at"}
+        "updates", "failed", "nonfinite_loss", "lost", "masked", "reported_s", "held_at"}
     assert {name for name, files in writers.items() if files == {"clock.py"}} == {
         "started_at", "timeline", "side", "cancelled", "counted", "masked_in_time", "late", "dropped", "train_s",
         "emulated_s", "host_timeout", "kept_late", "bytes_discarded", "host_cpu_saved_s", "energy", "low_battery",

@@ -1,7 +1,7 @@
 """A run whose model diverged ends ``degraded`` and says why (coordinator/round_record.py, the status in
 coordinator/lifecycle.py): NaN or infinite values, an exploded training loss, or an accuracy fallen to chance after
-having learned, while ordinary class-incremental forgetting completes; DP whose noise outweighs the clipped mean
-is warned of before the start; the library warnings and the clients' NaN-loss reports go to the run's log, not to
+having learned, while ordinary class-incremental forgetting completes; a DP run stops at the round that diverged
+unless told to continue; DP whose noise outweighs the clipped mean is warned of before the start; the library warnings and the clients' NaN-loss reports go to the run's log, not to
 the console (runtime/run_log.py)."""
 
 from __future__ import annotations
@@ -15,13 +15,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fcl_emu.coordinator.lifecycle import Coordinator, _trained_status
+from fcl_emu.aggregation.update import DeltaLayout
+from fcl_emu.coordinator.lifecycle import Coordinator, Diverged, _stop_if_diverged, _trained_status
 from fcl_emu.coordinator.privacy import cohort_for_noise, noise_to_update
 from fcl_emu.coordinator.round_record import round_divergence
+from fcl_emu.methods.models.classifier import build_model
+from fcl_emu.methods.models.state import state_to_arrays
 from fcl_emu.monitoring.results import RoundRecord
 from fcl_emu.runconfig.config import PrivacyConfig
 from fcl_emu.runtime.run_log import run_log
-from tests.test_coordinator_parts import join_all, make_state, runner
+from fcl_emu.coordinator.open_round import OpenRound
+from fcl_emu.wire.messages import Error
+from tests.test_coordinator_parts import dispatcher, join_all, make_state, runner
 
 MNIST_TEST = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]  # test samples per class
 # chance on the seen classes after each task of the default scenario's shape (5 tasks of 2 classes, in this order)
@@ -69,6 +74,21 @@ def test_the_round_runner_records_a_model_that_holds_nan():
     assert _trained_status([rec]).startswith(f"degraded: diverged at round {rec.round} (the model holds NaN")
 
 
+def test_a_round_whose_clients_failed_on_a_nan_loss_is_diverged_though_they_reported_none():
+    state = make_state()
+    ids = join_all(state)
+    d, endpoint = dispatcher(state)
+    d.round = r = OpenRound(task=0, number=1, chosen=ids[:2], selected=set(ids[:2]), wanted=2)
+    endpoint.push(ids[0], "error", Error(code="train_failed", detail=f"FloatingPointError: client {ids[0]}: loss "
+                                                                     f"became nan"), task=0, round=1)
+    endpoint.push(ids[1], "error", Error(code="train_failed", detail="RuntimeError: out of memory"), task=0, round=1)
+    d.drain()
+    assert r.failed == set(ids[:2]) and r.nonfinite_loss == {ids[0]}
+    run_round, _ = runner(state, failing=ids, nonfinite=ids)
+    rec = run_round.run_round(task=0, task_round=0)  # the round's 3 clients: no update, no loss reported
+    assert rec.skipped and rec.diverged == "training loss became NaN or infinite on 3 of 3 clients"
+
+
 # ------------------------------------------------------------------------------------------ a whole run
 def test_the_first_diverged_round_makes_the_run_degraded_with_its_reason():
     rounds = [record(0, r) for r in range(3)] + [
@@ -101,6 +121,18 @@ def test_a_dip_to_chance_that_recovers_or_one_that_never_learned_is_not_divergen
     assert _trained_status(never, task_end, CHANCE) == "completed"
 
 
+def test_a_dp_round_that_diverged_stops_the_run_unless_it_is_to_continue():
+    diverged = record(0, 3, diverged="median training loss 1.36e+31, over 693 (1000 x ln 2)")
+    for mode in ("central", "distributed"):
+        with pytest.raises(Diverged) as stopped:
+            _stop_if_diverged(diverged, PrivacyConfig(mode=mode))
+        assert f"failed: {stopped.value}" == ("failed: diverged at round 4 (median training loss 1.36e+31, over 693 "
+                                              "(1000 x ln 2))")  # the run's status
+    _stop_if_diverged(diverged, PrivacyConfig(mode="central", on_divergence="continue"))  # to its end: degraded
+    _stop_if_diverged(diverged, PrivacyConfig())  # without DP the run goes on, as before
+    _stop_if_diverged(record(0, 3), PrivacyConfig(mode="central"))
+
+
 # ------------------------------------------------------------------------------------------ DP's noise
 def test_the_noise_to_update_ratio_and_the_cohort_that_brings_it_under_one_by_hand():
     dim = 281_730  # the MNIST CNN's float values (2 classes)
@@ -118,11 +150,23 @@ def test_the_noise_to_update_ratio_and_the_cohort_that_brings_it_under_one_by_ha
     assert cohort_for_noise(fixed, dim) == 613
 
 
+def test_the_figures_of_docs_privacy_are_the_mnist_cnns_with_its_head_over_every_class():
+    dim = DeltaLayout.of(state_to_arrays(build_model("cnn", (1, 28, 28), 10))).dim
+    z1 = PrivacyConfig(mode="central", noise_multiplier=1.0, clip=1.0)
+    assert dim == 283_786
+    assert (round(noise_to_update(z1, 30, dim), 1), round(noise_to_update(z1, 8, dim), 1)) == (17.8, 66.6)
+    assert cohort_for_noise(z1, dim) == 533
+
+
 def test_the_coordinator_warns_before_the_start_when_the_noise_outweighs_the_clipped_mean():
     def warned(privacy: dict, clients_per_round: int) -> list:
         config = SimpleNamespace(privacy=PrivacyConfig.model_validate(privacy), scenario=SimpleNamespace(
             num_clients=300), rounds=SimpleNamespace(clients_per_round=clients_per_round))
-        state = SimpleNamespace(server=SimpleNamespace(global_state={"w": np.zeros(10_000, np.float32)}))
+        # a model of 9,800 values whose head of 2 classes (of 100 values each) grows to 4 in the last task: 10,000
+        server = SimpleNamespace(global_state={"w": np.zeros(9_800, np.float32), "steps": np.array(3)},
+                                 model=SimpleNamespace(num_classes=2, feature_dim=99))
+        scenario = SimpleNamespace(num_tasks=2, seen_classes=lambda task: range(2 * task + 2))
+        state = SimpleNamespace(server=server, scenario=scenario)
         return Coordinator._noisy_privacy(SimpleNamespace(config=config, state=state, privacy=object()))
 
     warning, = warned({"mode": "central", "noise_multiplier": 1.0, "clip": 0.5}, 8)

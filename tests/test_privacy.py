@@ -181,10 +181,20 @@ def _config(**privacy) -> dict:
 
 def test_the_flags_set_the_privacy_section():
     flags = {"privacy": "central", "dp_noise_multiplier": 0.5, "dp_clip": 2.0, "dp_adaptive_clipping": True,
-             "dp_target_quantile": 0.7, "dp_clip_learning_rate": 0.1, "dp_delta": 1e-6, "dp_noise_seed": 3}
+             "dp_target_quantile": 0.7, "dp_clip_learning_rate": 0.1, "dp_delta": 1e-6, "dp_noise_seed": 3,
+             "dp_on_divergence": "continue"}
     assert options.overrides(flags)["privacy"] == {
         "mode": "central", "noise_multiplier": 0.5, "clip": 2.0, "delta": 1e-6, "noise_seed": 3,
-        "adaptive": {"enabled": True, "target_quantile": 0.7, "learning_rate": 0.1}}
+        "on_divergence": "continue", "adaptive": {"enabled": True, "target_quantile": 0.7, "learning_rate": 0.1}}
+
+
+def test_whether_a_diverged_run_stops_may_change_on_resume():
+    """``privacy.on_divergence`` decides whether the run goes on, not its rounds: --resume takes it, and the
+    checkpoints of runs from before the setting existed still match."""
+    from fcl_emu.coordinator.resume import run_fingerprint
+
+    assert options.refused_with_resume({"dp_on_divergence": "continue"}) == []
+    assert run_fingerprint(RunConfig()) == run_fingerprint(RunConfig(privacy={"on_divergence": "continue"}))
 
 
 @needs_accountant

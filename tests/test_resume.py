@@ -1,4 +1,5 @@
-"""Checkpoints and ``--resume``: the format, server-state restore, and a coordinator killed mid-round."""
+"""Checkpoints and ``--resume``: the format, server-state restore, and a coordinator killed mid-round; one run
+per run directory (``--overwrite``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.methods.base import ServerContext
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.monitoring.results import RunRecorder, RunSummary, SummaryNotWritten, failure_status, write_json_atomic
+from fcl_emu.run_directory import RunDirInUse, check_new_run_dir, empty_run_dir
 from tests.conftest import device_keys, events, fcl_emu, free_port, kill_left, small_config, wait_for
 
 SHAPE = (1, 28, 28)
@@ -286,6 +288,90 @@ def test_bad_resume_inputs_give_one_line_errors(tmp_path):
     assert code == 2 and "--bind" in out
 
 
+# ------------------------------------------------------------ one run, one run directory
+def _used_run_dir(run_dir) -> dict[str, bytes]:
+    """A run directory as a run leaves it; then :func:`_files` of it."""
+    for name, text in {"config.yaml": RunConfig().to_yaml(), "events.jsonl": '{"event": "start", "time": 0}\n',
+                       "summary.json": '{"status": "completed"}\n', "checkpoint/state.json": "{}",
+                       "logs/coordinator.log": "started\n", "summary.json.tmp": "{"}.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    return _files(run_dir)
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("command", [["up", "--nodes", "1"], ["coordinator", "--insecure"]])
+def test_a_run_directory_that_holds_a_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, command):
+    run_dir = tmp_path / "run"
+    before = _used_run_dir(run_dir)
+    result = runner.invoke(app, [*command, "--clients", "4", "--run-dir", str(run_dir),
+                                 "--data-root", str(tmp_path / "no-data")])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"error: {run_dir} holds a run already (config.yaml, events.jsonl, summary.json, checkpoint): give another "
+        f"--run-dir, replace that run with --overwrite, or continue it with --resume {run_dir} if it did not end"]
+    assert _files(run_dir) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    code, out = _invoke(command[0], "--resume", str(run_dir), "--overwrite")
+    assert code == 2 and "--resume continues the run in RUN_DIR, --overwrite would delete it" in out
+    assert _files(run_dir) == before
+
+
+def test_an_empty_folder_or_one_without_a_runs_record_takes_a_new_run(tmp_path):
+    check_new_run_dir(tmp_path / "new", overwrite=False)
+    check_new_run_dir(tmp_path, overwrite=False)
+    (tmp_path / "logs").mkdir()  # a start that ended before the run wrote anything of its record
+    check_new_run_dir(tmp_path, overwrite=False)
+
+
+def test_overwrite_empties_the_run_directory_of_its_run_once_the_checks_pass_and_runs(tmp_path, monkeypatch):
+    from fcl_emu import run as run_module
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    _used_run_dir(run_dir)
+    elsewhere.mkdir()
+    (elsewhere / "plot.png").write_text("kept")
+    (run_dir / "report").symlink_to(elsewhere)  # a link of the run's is removed, not what it points to
+    found = []
+
+    def start_and_run(config, run_dir, *args, **kwargs):
+        found.append(sorted(p.name for p in run_dir.iterdir()))
+        return SimpleNamespace(exit_code=0)
+
+    monkeypatch.setattr(run_module, "_start_and_run", start_and_run)
+    code, out = _invoke("coordinator", "--insecure", "--download", "--clients", "4", "--bind", "tcp://127.0.0.1:0",
+                        "--run-dir", str(run_dir), "--overwrite")
+    assert code == 0, out
+    assert found == [[]] and _files(elsewhere) == {"plot.png": b"kept"}
+
+
+def test_overwrite_never_empties_a_folder_that_holds_more_than_a_run_nor_the_runs_keys(tmp_path):
+    before = _used_run_dir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirInUse, match=r"holds more than a run's files \(notes.txt\): remove the run yourself"):
+        empty_run_dir(tmp_path)
+    assert _files(tmp_path) == {**before, "notes.txt": b"mine"}
+    (tmp_path / "notes.txt").unlink()
+    with pytest.raises(RunDirInUse, match="would delete the run's keys"):
+        empty_run_dir(tmp_path, keys=tmp_path / "keys")
+    assert _files(tmp_path) == before
+    empty_run_dir(tmp_path, keys=tmp_path.parent / "keys")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_run_directory_is_a_new_one_for_each_run(tmp_path, monkeypatch):
+    from fcl_emu.run import default_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000")  # two runs in the same second
+    first = default_run_dir(RunConfig())
+    first.mkdir(parents=True)
+    assert first.parent.name == "runs" and first.name.startswith("20261201-120000-fedavg-")
+    assert default_run_dir(RunConfig()) == first.with_name(first.name + "-2")
+
+
 # ------------------------------------------------------------ real processes
 def _final_model(run_dir) -> dict[str, np.ndarray]:
     ckpt = checkpoint.load(run_dir / "checkpoint")
@@ -532,7 +618,7 @@ def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
     completes the run."""
     import io
 
-    import click
+    import typer
     from rich.console import Console
 
     from fcl_emu import cli
@@ -559,7 +645,7 @@ def test_a_full_disk_fails_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
                          {"data_root": [str(mnist_root)], "run_dir": str(run_dir)})
     out = io.StringIO()
     monkeypatch.setattr(cli, "console", Console(file=out, width=300))
-    with pytest.raises(click.exceptions.Exit) as ended:
+    with pytest.raises(typer.Exit) as ended:
         cli._finish(run_module.run_local, config)
     assert ended.value.exit_code == 1
     summary = RunSummary.load(run_dir / "summary.json")
