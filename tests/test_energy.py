@@ -203,13 +203,6 @@ def test_bench_energy_measures_its_baseline_and_plots_it(tmp_path, mnist_root):
     assert plot.stat().st_size > 0
 
 
-def test_bench_energy_refuses_an_unknown_case():
-    proc = fcl_emu("bench", "energy", "--cases", "fedavg,nope", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                   text=True)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "--cases: give some of fedavg, fedbuff" in output, output
-
-
 def test_a_run_warns_of_device_classes_that_cannot_make_the_deadline(tmp_path, mnist_root):
     """The MNIST CNN's round takes every class a few seconds; a 2 s deadline is too short for the LTE phones
     (a 1.1 MB update at 2 or 6 Mbit/s), not for Wi-Fi's."""
