@@ -25,6 +25,7 @@ FILES = {
     "badmethod.yaml": "method: nosuch\n",
     "negative.yaml": "scenario:\n  num_clients: -3\n",
     "afile": "not a folder\n",
+    "usedrun/config.yaml": "method: fedavg\n",
 }
 
 # (arguments, exit code, a phrase of the one line)
@@ -61,6 +62,12 @@ CASES: list[tuple[list[str], int, str]] = [
     (["up", "--resume", "empty", "--clients", "5"], 2, "cannot be combined with --resume"),
     (["up", "--data-root", "nowhere"], 1, "not found"),
     (["up", "--run-dir", "afile/run"], 1, "cannot write"),
+    (["up", "--run-dir", "usedrun"], 2, "holds a run already"),
+    (["up", "--resume", "usedrun", "--overwrite"], 2, "--overwrite"),
+    # up: settings the configuration ignores, and what cannot work
+    (["up", "--dp-noise-multiplier", "1.0"], 2, "needs --privacy"),
+    (["up", "--buffer", "5"], 2, "needs --aggregation fedbuff"),
+    (["up", "--secagg", "--clients-per-round", "5", "--secagg-threshold", "6"], 2, "every round would be skipped"),
     # up: config files
     (["up", "--config", "missing.yaml"], 2, "cannot read"),
     (["up", "--config", "badsyntax.yaml"], 2, "not valid YAML"),
@@ -127,6 +134,7 @@ def outcomes(tmp_path_factory) -> dict[int, subprocess.CompletedProcess]:
         pytest.skip(f"no installed entry point at {FCL_EMU} (install the project: pip install -e .)")
     work = tmp_path_factory.mktemp("mistakes")
     for name, text in FILES.items():
+        (work / name).parent.mkdir(exist_ok=True)
         (work / name).write_text(text)
     (work / "empty").mkdir()
 
