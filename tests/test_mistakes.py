@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 FCL_EMU = Path(sys.executable).with_name("fcl-emu")
-pytestmark = pytest.mark.timeout(1200)  # the fixture runs every case: about 2 minutes on a quiet 2-core machine
+pytestmark = [pytest.mark.slow,  # real processes: every case in a fresh interpreter
+              pytest.mark.timeout(1200)]  # the fixture runs every case: about 2.5 minutes on a quiet 2-core machine
 
 FILES = {
     "badsyntax.yaml": "scenario: [1, 2\n",
