@@ -76,11 +76,9 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
         summary = runner(cfg, console)
     except (DatasetNotFoundError, BindError, CheckpointError, KeyFileError, EngineError, ImageError,
             NotWritableError, RunNotRecorded) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     except PortInUseError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     finally:
         if forks is not None:
             forks.close()
@@ -212,14 +210,12 @@ def deploy(config: Optional[Path], flags: dict[str, Any]) -> None:
     try:
         check_mounts(cfg, given=bool(flags.get("data_root")))
     except MountError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     writable(out)
     try:
         image = deployment_image(cfg.containers.image)
     except (EngineError, ImageError) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     files = write_deployment(cfg, out, image, cfg.data_root[0], publish_monitoring)
     Console(width=1000).print(
         f"{files.stack} and {files.compose} (image {image}; keys in {files.keys}, keep them private)\n"
@@ -301,8 +297,7 @@ def image_build() -> None:
     try:
         built = build_image(log=lambda msg: console.print(msg, markup=False, highlight=False))
     except (EngineError, ImageError) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     what = "reused (nothing changed)" if built.reused else "built"
     Console().print(f"{built.tag} {what}: {built.size_bytes / 1e6:,.0f} MB, {built.seconds:.1f} s (base {built.base}); "
                     f"also tagged fcl-emu:latest", markup=False, highlight=False)
@@ -342,8 +337,7 @@ def report(
         run = load_run(run_dir)
         path = write_report(run, out, defaults_for)
     except RunDirError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     Console().print(f"report: {path} (plots beside it); run status: {run.status}", markup=False, highlight=False,
                     style=None if run.completed else "yellow")
 
@@ -370,11 +364,9 @@ def compare(
     except NothingToCompare as exc:
         for note in exc.notes:
             stdout.print(note, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     except RunDirError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     for note in found.notes:
         stdout.print(note, markup=False, highlight=False, soft_wrap=True)
     for warning in found.warnings:

@@ -8,17 +8,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fcl_emu.command_line import console
+from fcl_emu.command_line import console, fail
 
 cluster_app = typer.Typer(no_args_is_help=True, help="A local cluster of emulated hosts joined in one Swarm, for "
                                                      "`up --backend swarm --cluster NAME` (docs/containers.md).")
 
 NameOption = Annotated[str, typer.Option("--name", help="the cluster's name (1-8 lower-case letters or digits)")]
-
-
-def _fail(exc: Exception) -> None:
-    console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-    raise typer.Exit(1) from None
 
 
 @cluster_app.command("up")
@@ -44,13 +39,13 @@ def cluster_up(
     for item in device_class or []:
         host, sep, cls = item.partition("=")
         if not sep or not host or not cls:
-            _fail(ValueError(f"--device-class {item!r}: HOST=CLASS"))
+            fail(f"--device-class {item!r}: HOST=CLASS", 1)
         classes[host] = cls
     try:
         cluster = up(name, hosts, subnet, image, classes,
                      log=lambda msg: console.print(msg, markup=False, highlight=False))
     except (ClusterError, EngineError, ImageError, ValueError) as exc:
-        _fail(exc)
+        fail(str(exc), 1)
     console.print(f"cluster {cluster.name}: {len(cluster.hosts)} hosts "
                   f"({', '.join(f'{h.name} {h.address}' for h in cluster.hosts)}), manager {cluster.manager.name}; "
                   f"the coordinator is reached at {cluster.advertise}. Run: fcl-emu up --backend swarm --cluster "
@@ -66,7 +61,7 @@ def cluster_status(name: NameOption = "local") -> None:
     try:
         cluster = load_cluster(name)
     except ValueError as exc:
-        _fail(exc)
+        fail(str(exc), 1)
     table = Table("host", "address", "role", "engine", "swarm", "link", "cpus", "containers",
                   title=f"cluster {cluster.name} ({cluster.kind})")
     for row in status(cluster):
@@ -85,7 +80,7 @@ def cluster_down(name: NameOption = "local") -> None:
     try:
         check_prerequisites()
     except ClusterError as exc:
-        _fail(exc)
+        fail(str(exc), 1)
     removed = down(name)
     console.print(f"cluster {name}: " + (f"removed {len(removed)} parts" if removed else "nothing to remove"),
                   markup=False, highlight=False)

@@ -68,8 +68,7 @@ def writable(*directories: Optional[Path]) -> None:
             if directory is not None:
                 check_writable(directory)
     except NotWritableError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 def folder(file: Optional[Path]) -> Optional[Path]:

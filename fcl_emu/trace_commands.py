@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from fcl_emu.command_line import console, folder, writable
+from fcl_emu.command_line import fail, folder, writable
 
 trace_app = typer.Typer(no_args_is_help=True, help="Population behaviour traces in FedScale's format, for "
                                                    "`--availability trace:PATH` (docs/edge.md).")
@@ -56,6 +56,5 @@ def trace_stats(
     try:
         stats = measure(load_trace(path))
     except ValueError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     _say(f"{path}: {stats.line()}")

@@ -92,8 +92,7 @@ def bench_energy(
         run(chosen, clients, clients_per_round, rounds, samples, seed, target_accuracy, json_path,
             plot_path, data_root, console)
     except (ValueError, RuntimeError) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("hierarchy")
@@ -128,8 +127,7 @@ def bench_hierarchy(
         run(sizes, tiers, edge_round_counts, clients_per_round, rounds, seed, link, json_path, plot_path, data_root,
             console)
     except (ValueError, RuntimeError) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("overcommit")
@@ -150,8 +148,7 @@ def bench_overcommit(
     try:
         run(clients, clients_per_round, overcommit, rounds, samples, seed, json_path, data_root, console)
     except RuntimeError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("secagg")
@@ -180,8 +177,7 @@ def bench_secagg(
         run(clients, dim, neighbors, threshold, dropout, seed, json_path, console, flower=flower,
             flower_python=flower_python)
     except ValueError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
 
 
 @bench_app.command("metrics")
@@ -224,8 +220,7 @@ def bench_scale(
         run(sizes, cohort, largest_cohort, rounds, share, clients_per_node, idle_s, out, json_path, data_root,
             console)
     except RuntimeError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("containers")
@@ -250,8 +245,7 @@ def bench_containers(
         run(clients, cohort, rounds, nodes, [Path(p) for p in data_root] if data_root else default_data_roots(),
             json_path, Console(), samples)
     except (EngineError, ImageError) as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("flower")
@@ -278,8 +272,7 @@ def bench_flower(
     try:
         run(parsed, rounds, epochs, data_root, json_path, console, flower)
     except RuntimeError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
 
 
 @bench_app.command("flower-env")
@@ -291,8 +284,7 @@ def bench_flower_env(
     try:
         flower = create(directory)
     except FlowerEnvError as exc:
-        console.print(f"error: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1)
     print("\n".join(created_lines(flower)))
 
 
