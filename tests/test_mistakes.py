@@ -1,22 +1,23 @@
-"""A new user's mistakes, run through the installed `fcl-emu` entry point as a user runs it: each is one line on
-stderr (`error: ...`) and exit 2 (a usage or configuration mistake) or 1 (an input that is not there or cannot be
-written: docs/commands.md#exit-codes), never a traceback.
+"""A new user's mistakes, run as a user runs them: each is one line on stderr (`error: ...`) and exit 2 (a usage or
+configuration mistake) or 1 (an input that is not there or cannot be written: docs/commands.md#exit-codes), never a
+traceback.
 
-The cases run two at a time in one module fixture (each is a fresh interpreter that imports the CLI, most also
-torch); each case is then its own test."""
+Each case is a process of its own, forked from one interpreter that imported the CLI and torch once (what most
+cases import: a fresh interpreter per case cost about 3 s each); a few cases also run through the installed
+`fcl-emu` entry point, so the script itself is tested too. Each case is then its own test."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 FCL_EMU = Path(sys.executable).with_name("fcl-emu")
-pytestmark = [pytest.mark.slow,  # real processes: every case in a fresh interpreter
-              pytest.mark.timeout(1200)]  # the fixture runs every case: about 2.5 minutes on a quiet 2-core machine
+pytestmark = [pytest.mark.slow,  # real processes: every case a process of its own
+              pytest.mark.timeout(600)]
 
 FILES = {
     "badsyntax.yaml": "scenario: [1, 2\n",
@@ -128,23 +129,60 @@ CASES: list[tuple[list[str], int, str]] = [
 ]
 
 
+ENTRY_POINT_CASES = (0, 3)  # also through the installed script: an up option value and an unknown option
+
+# The fork server: imports what most cases import, then forks one child per case (sequentially: a child is a fresh
+# process but for those imports), whose stdout and stderr go to files and whose exit status is the case's.
+FORK_SERVER = """
+import json, os, sys
+import importlib
+for module in ("torch", "matplotlib.pyplot", "fcl_emu.run", "fcl_emu.monitoring.report", "fcl_emu.monitoring.compare",
+               "fcl_emu.deploy", "fcl_emu.keys", "fcl_emu.edge_node.args", "fcl_emu.bench.commands"):
+    importlib.import_module(module)  # what the cases import, once
+from fcl_emu.cli import app
+from fcl_emu.methods import registry
+registry.names()
+results = []
+for i, args in enumerate(json.loads(sys.argv[1])):
+    out, err = f"case-{i}.out", f"case-{i}.err"
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, out), (2, err)):
+            os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.argv = ["fcl-emu", *args]
+        code = 0
+        try:
+            app()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    results.append([os.waitstatus_to_exitcode(status), open(out).read(), open(err).read()])
+print(json.dumps(results))
+"""
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[int, subprocess.CompletedProcess]:
-    """Every case's process, run in a fresh folder holding the case files."""
-    if not FCL_EMU.exists():
-        pytest.skip(f"no installed entry point at {FCL_EMU} (install the project: pip install -e .)")
+def work(tmp_path_factory) -> Path:
+    """A fresh folder holding the case files."""
     work = tmp_path_factory.mktemp("mistakes")
     for name, text in FILES.items():
         (work / name).parent.mkdir(exist_ok=True)
         (work / name).write_text(text)
     (work / "empty").mkdir()
+    return work
 
-    def run(args: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([str(FCL_EMU), *args], cwd=work, capture_output=True, text=True, timeout=120,
-                              stdin=subprocess.DEVNULL)
 
-    with ThreadPoolExecutor(2) as pool:
-        return dict(enumerate(pool.map(run, [args for args, _, _ in CASES])))
+@pytest.fixture(scope="module")
+def outcomes(work) -> dict[int, subprocess.CompletedProcess]:
+    """Every case's process (forked from the fork server, in ``work``)."""
+    server = subprocess.run([sys.executable, "-c", FORK_SERVER, json.dumps([args for args, _, _ in CASES])], cwd=work,
+                            capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
+    assert server.returncode == 0, server.stderr[-3000:]
+    return {i: subprocess.CompletedProcess(CASES[i][0], code, out, err)
+            for i, (code, out, err) in enumerate(json.loads(server.stdout.splitlines()[-1]))}
 
 
 def test_the_table_is_a_new_users_first_hour():
@@ -156,8 +194,19 @@ def test_the_table_is_a_new_users_first_hour():
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(args) for args, _, _ in CASES])
 def test_a_mistake_is_one_line_and_its_exit_code(outcomes, index):
-    args, code, phrase = CASES[index]
-    done = outcomes[index]
+    check_one_line(outcomes[index], *CASES[index][1:])
+
+
+@pytest.mark.parametrize("index", ENTRY_POINT_CASES, ids=[" ".join(CASES[i][0]) for i in ENTRY_POINT_CASES])
+def test_the_installed_entry_point_says_the_same(work, index):
+    if not FCL_EMU.exists():
+        pytest.skip(f"no installed entry point at {FCL_EMU} (install the project: pip install -e .)")
+    done = subprocess.run([str(FCL_EMU), *CASES[index][0]], cwd=work, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    check_one_line(done, *CASES[index][1:])
+
+
+def check_one_line(done: subprocess.CompletedProcess, code: int, phrase: str) -> None:
     output = done.stdout + done.stderr
     assert "Traceback" not in output and "╭" not in output, output
     lines = done.stderr.splitlines()
