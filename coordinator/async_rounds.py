@@ -12,6 +12,15 @@ once with the then current version. An update whose *staleness* (versions applie
 ``max_staleness`` is discarded; every ``policy.needed`` kept updates are aggregated, each weighed by the policy
 (FedBuff: ``1 / sqrt(1 + staleness)``; FedAsync: mixed in with ``alpha (1 + staleness)^-a``).
 
+Each aggregation's updates are bounded first as a plain round's cohort is
+(:func:`fcl_emu.aggregation.defences.bound`: ``--max-update-norm`` on arrival, then the direction check,
+``--clip-norm`` and the adaptive bound), over the buffer together with the last :data:`WINDOW` updates applied
+in the task (FedAsync's buffer is one update): an update that agrees with nothing of them is refused
+(``off_cohort``) and the rest are aggregated without it; one beyond ``--adaptive-clip`` times their median norm is
+scaled down to it. The robust rules do not apply (the configuration refuses them: the staleness weights replace
+the mean). As in a plain round of fewer than 3 updates, the first two updates of a FedAsync task are not checked
+for direction.
+
 Each aggregation is one round record (``events.jsonl``'s ``round``; reports and accuracy matrices read them
 as they read synchronous rounds), followed by an ``async_aggregation`` event with every applied update's client,
 staleness and weight; the staleness also goes into ``fcl_update_staleness_versions``.
@@ -34,6 +43,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fcl_emu.aggregation.defences import Defences, bound
 from fcl_emu.aggregation.policies import RoundPolicy
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 from fcl_emu.coordinator.clock import EmulatedTime
@@ -44,6 +54,8 @@ from fcl_emu.coordinator.requests import RoundRequests
 from fcl_emu.coordinator.round_record import RoundMeter
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.monitoring.results import RoundRecord
+
+WINDOW = 10  # the updates applied last in the task that each aggregation's buffer is bounded with
 
 
 @dataclass
@@ -87,6 +99,8 @@ class AsyncRoundRunner:
         self.waves = 0
         self.last_aggregation_at: float | None = None  # emulated; set at the first round (after a resume's restore)
         self.energy: dict[str, list[float]] = {}  # joules of the waves dispatched since the last aggregation
+        self.defences = Defences.of(state.config.security)
+        self.window: list[ClientUpdate] = []  # the last WINDOW updates applied in the task, as they arrived
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         meter = RoundMeter(self.state)
@@ -100,7 +114,9 @@ class AsyncRoundRunner:
         with meter.phase("collect"):
             buffer, waves = self._collect(task, task_round, meter)
         with meter.phase("aggregate"):
-            skipped = len(buffer) < self.policy.needed
+            full = len(buffer) >= self.policy.needed
+            buffer = self._bounded(buffer) if full else buffer
+            skipped = not (full and buffer)
             applied = [] if skipped else self._aggregate(task, number, buffer)
             last = task_round == self.config.rounds.rounds_per_task - 1
             discarded, discarded_bytes = self._drain() if last else (0, 0)
@@ -184,6 +200,21 @@ class AsyncRoundRunner:
         if self.policy.keeps_sent_models:
             self.versions[self.version] = self.state.server.global_state
 
+    def _bounded(self, buffer: list[InFlight]) -> list[InFlight]:
+        """The buffer after the plain round's defences over it and :attr:`window` (the module docstring): the
+        updates refused are counted under their reasons and left out, the others bounded; the window moves on."""
+        earlier = [ClientUpdate(f"applied-{i}", u.num_samples, u.tensors, square_sums=u.square_sums)
+                   for i, u in enumerate(self.window)]  # named apart from the buffer's (a client may be in both)
+        kept, refused = bound([f.update for f in buffer] + earlier, self.defences, self.state.server.summable,
+                              cohort="the buffer and the updates applied before it")
+        for client, (reason, detail) in refused.items():
+            if not client.startswith("applied-"):
+                self.state.rejected(reason, client, detail)
+        bounded = {u.client: u for u in kept}
+        self.window = (self.window + [f.update for f in buffer if f.client in bounded])[-WINDOW:]
+        return [InFlight(f.client, f.version, f.wave, f.arrival, bounded[f.client], f.up_bytes)
+                for f in buffer if f.client in bounded]
+
     def _aggregate(self, task: int, number: int, buffer: list[InFlight]) -> list[tuple[str, int, float]]:
         """Apply the buffer through the method's server part, each update as the policy weighs it; returns
         (client, staleness, weight) per update."""
@@ -207,5 +238,5 @@ class AsyncRoundRunner:
         count, nbytes = len(self.flight), sum(f.up_bytes for f in self.flight)
         if count:
             self.metrics.stale_update_discarded("task_end", count)
-        self.flight, self.versions = [], {}
+        self.flight, self.versions, self.window = [], {}, []
         return count, nbytes

@@ -45,6 +45,7 @@ class Gathered:
     contributors: list[str] | None = None  # whose own update of this round counted (secure: None, nobody's is seen)
     secagg: dict[str, Any] | None = None  # the secure round's record (RoundRecord.secagg)
     client_edge_bytes: dict[str, int] | None = None  # edge aggregators: their clients' links in the round
+    edge_aggregates: dict[str, dict] | None = None  # edge aggregators: what became of each one's aggregate
 
 
 class Collection(ABC):
@@ -92,8 +93,6 @@ class PlainCollection(Collection):
     def check(self, msg_type: str) -> None:
         if msg_type in SECAGG_REPLIES:
             raise WireError("unexpected", f"{msg_type!r} in a run without secure aggregation")
-        if msg_type == "update_held":
-            raise WireError("unexpected", "an update held at an edge aggregator in a run without them")
 
     def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
         clock.collect(r, serve, side_channel)
@@ -155,8 +154,10 @@ class EdgeCollection(PlainCollection):
         counted = set(contributors)
         losses = [u.loss for u in r.counted if u.client in counted]
         enough = len(contributors) >= self.state.config.rounds.min_participants
-        return Gathered(groups.updates, losses, quorum=1 if enough else len(groups.updates) + 1,
-                        contributors=contributors, client_edge_bytes=self.tier.round_bytes)
+        rule = self.state.config.security.robust_aggregator().min_updates  # --aggregator over the aggregates
+        return Gathered(groups.updates, losses, quorum=rule if enough else len(groups.updates) + 1,
+                        contributors=contributors, client_edge_bytes=self.tier.round_bytes,
+                        edge_aggregates=self.tier.round_aggregates)
 
 
 class SecureCollection(Collection):
@@ -199,9 +200,9 @@ class SecureCollection(Collection):
     def check(self, msg_type: str) -> None:
         if msg_type in ("update", "update_held"):
             raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
-        if msg_type == ("secagg_masked" if self.tier is not None else "secagg_masked_held"):
-            raise WireError("unexpected", f"{msg_type!r}: in a run with edge aggregators every masked input is held "
-                                          f"at one (secagg_masked_held), in a run without none is")
+        if msg_type == "secagg_masked" and self.tier is not None:
+            raise WireError("unexpected", "'secagg_masked' from a client of an edge aggregator (it holds the client's "
+                                          "masked input: secagg_masked_held)")
 
     def on_secagg(self, peer: str, msg: Message) -> bool:
         sr = self._round
@@ -221,7 +222,8 @@ class SecureCollection(Collection):
         outcome, self._round = self._outcome, None
         updates = [] if outcome.delta is None else [ClientUpdate("secagg", outcome.weight, outcome.delta)]
         return Gathered(updates, list(outcome.losses), quorum=1, secagg=outcome.record,
-                        client_edge_bytes=None if self.tier is None else self.tier.round_bytes)
+                        client_edge_bytes=None if self.tier is None else self.tier.round_bytes,
+                        edge_aggregates=None if self.tier is None else self.tier.round_aggregates)
 
 
 def make_collection(state: RunState, privacy, tier: EdgeTier | None = None) -> Collection:

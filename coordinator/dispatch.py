@@ -32,19 +32,19 @@ from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
 from fcl_emu.coordinator.collection import Collection
 from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.state import RunState
-from fcl_emu.aggregation.update import DELTA, ClientUpdate
+from fcl_emu.coordinator.update_checks import check_delta
+from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.runtime.run_log import NONFINITE_LOSS
 from fcl_emu.scenario.devices import DeviceProfile
 from fcl_emu.wire.framing import Message, WireError, link_nbytes
-from fcl_emu.wire.messages import SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel, Error, Welcome, client_id
+from fcl_emu.wire.messages import (CLIENT, HELD_AT_EDGE, ROUND_MESSAGES, SECAGG_REPLIES, SIDE_CHANNEL_TYPES, Cancel,
+                                   Error, Welcome, client_id, sent_by)
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-CLIENT_TYPES = frozenset({"join", "heartbeat", "leave", "update", "update_held", "error", *SECAGG_REPLIES,
-                          *SIDE_CHANNEL_TYPES})
+HELD_NOTICES = frozenset(HELD_AT_EDGE.values())  # an edge aggregator's word, in a client's name, that it holds one
 UPDATES = frozenset({"update", "update_held"})  # a client's update, or its edge aggregator's word that it holds one
 RATE_LIMITED = frozenset({"join", "heartbeat", "leave", "error"})  # control messages: a peer's bucket (guard.py)
-ROUND_ANSWERS = frozenset({*UPDATES, "secagg_masked", "secagg_masked_held"})  # what a selected client owes its round
 NOT_JOINED_INTERVAL_S = 1.0  # at most one `not_joined` error per peer in this time
 
 
@@ -153,18 +153,22 @@ class Dispatcher:
 
     # ------------------------------------------------------------ by message type
     def _handle(self, peer: str, msg: Message) -> None:
+        """Handle a received message by its type; a refusal names what was refused (its sender, type and round), so
+        that :meth:`reject` fails its client for the round as it does a refusal of the wire layer's."""
         try:
             self._dispatch(peer, msg)
         except WireError as exc:
-            exc.peer = peer
+            exc.peer, exc.msg_type, exc.round = peer, msg.type, msg.round
             raise
 
     def _dispatch(self, peer: str, msg: Message) -> None:
         if self.edges is not None and peer in self.edges.names:
             self.edges.on_message(peer, msg)
             return
-        if msg.type not in CLIENT_TYPES:
-            raise WireError("unexpected", f"{msg.type!r} is not a client-to-coordinator message")
+        if msg.type in HELD_NOTICES:
+            self._check_held(msg)
+        elif not sent_by(msg.type, CLIENT):
+            raise WireError("unexpected", f"{msg.type!r} is not a client's message")
         if msg.type in RATE_LIMITED and not self.rate_limiter.allow(peer):
             raise WireError("rate_limited", f"{msg.type!r}: more control messages than "
                                             f"{self.rate_limiter.rate:g}/s (burst {self.rate_limiter.burst})")
@@ -198,6 +202,19 @@ class Dispatcher:
                 self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             self.state.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}", budget="reported")
+
+    def _check_held(self, msg: Message) -> None:
+        """An edge aggregator's notice that it holds a client's answer is taken only in a run with aggregators, naming
+        one of them, and over that aggregator's own connection: with keys, one whose grant lists the aggregator (and,
+        as every message's, the client: its clients); without, the connection the aggregator's own messages come on.
+        A client sending one through its aggregator is refused there (edge_aggregator/relay.py); this refuses one
+        sent straight here, or naming an aggregator that did not send it."""
+        if self.edges is None:
+            raise WireError("unexpected", f"{msg.type!r}: an answer held at an edge aggregator, in a run without them")
+        aggregator = msg.body.aggregator
+        if aggregator not in self.edges.names or not self.endpoint.came_from(aggregator):
+            raise WireError("not_authorized", f"{msg.type!r} naming {aggregator!r} did not come over that edge "
+                                              f"aggregator's connection")
 
     def _on_new_connection(self, peer: str, msg_type: str) -> None:
         """``peer`` spoke over another connection than before (its message is handled already): what was sent
@@ -346,7 +363,7 @@ class Dispatcher:
                                            f"task {task}")
         if msg.type == "update_held":
             return
-        self._check_delta(msg)
+        check_delta(msg.tensors, msg.body.num_samples, self.state.server.global_state)
         bound = self.config.security.max_update_norm
         if bound is not None and msg.body.num_samples > 0:
             norm = delta_norm(_client_update(peer, msg))
@@ -357,33 +374,19 @@ class Dispatcher:
         except ValueError as exc:
             raise WireError("bad_shape", str(exc)) from None
 
-    def _check_delta(self, msg: Message) -> None:
-        expected = self.state.server.global_state
-        got = {k[len(DELTA):]: v for k, v in msg.tensors.items() if k.startswith(DELTA)}
-        if msg.body.num_samples == 0:
-            return
-        if got.keys() != expected.keys():
-            missing = sorted(expected.keys() - got.keys())[:3]
-            extra = sorted(got.keys() - expected.keys())[:3]
-            raise WireError("bad_shape", f"delta keys differ from the model (missing {missing}, unknown {extra})")
-        for name, value in got.items():
-            if value.shape != expected[name].shape:
-                raise WireError("bad_shape", f"delta {name!r} has shape {list(value.shape)}, "
-                                             f"model has {list(expected[name].shape)}")
-            if value.dtype != expected[name].dtype:  # before any arithmetic: an int32 delta broke the mean
-                raise WireError("bad_dtype", f"delta {name!r} is {value.dtype}, model has {expected[name].dtype}")
-        if msg.body.num_samples < 0:
-            raise WireError("bad_body", "negative num_samples")
-
     # ------------------------------------------------------------ refusing, sending
     def reject(self, exc: WireError) -> None:
-        """Count, log (once) and answer a refused message; a refused answer of the open round (an update or a
-        masked input the wire layer or the checks refused) fails its client for the round at once."""
+        """Count, log (once) and answer a refused message. A refused message of a client's part in the open round (an
+        update, a SecAgg+ reply, a side channel: refused by the wire layer, a handler's checks or the protocol) fails
+        its client for the round at once, so the round waits for it no longer; a refused aggregate stops the round's
+        wait for that aggregator (its clients' answers are lost, a secure round recovers them as dropouts)."""
         r = self.round
-        if r is not None and exc.msg_type in ROUND_ANSWERS and exc.peer is not None and exc.round is not None \
+        if r is not None and exc.msg_type in ROUND_MESSAGES and exc.peer is not None and exc.round is not None \
                 and r.is_current(exc.peer, exc.round) and exc.peer not in r.answered():
             r.failed.add(exc.peer)
             self.clock.answered(r, exc.peer, 0, 0.0, 0)
+        if self.edges is not None and exc.msg_type == "edge_aggregate" and exc.round is not None:
+            self.edges.refused(exc.peer, exc.round, exc.reason)
         self.state.rejected(exc.reason, exc.peer, f"rejected a message from {exc.peer!r} ({exc})")
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
@@ -416,4 +419,5 @@ class Dispatcher:
 def _client_update(peer: str, msg: Message) -> ClientUpdate:
     """An update message as the server part sees it, with the square sums its finite check computed."""
     body = msg.body
-    return ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)
+    square_sums = body.square_sums if msg.type == "update_held" else msg.square_sums  # held: what its aggregator saw
+    return ClientUpdate(peer, body.num_samples, msg.tensors, body.loss, body.metrics, square_sums)

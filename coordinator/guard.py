@@ -2,8 +2,9 @@
 
 - :class:`RateLimiter`: a token bucket per identity for control and error messages (joins, leaves, heartbeats,
   errors); a message over the rate is refused as ``rate_limited``, never handled.
-- :class:`LogOnce`: a refusal is logged once per (peer, reason), and at most :data:`MAX_LOGGED` lines per
-  reason, so one kind of refusal repeated cannot silence the others; everything is still counted.
+- :class:`~fcl_emu.runtime.log_budget.LogOnce` (the edge aggregators' too): a refusal is logged once per (peer,
+  reason), and at most 100 lines per reason, so one kind of refusal repeated cannot silence the others; everything
+  is still counted.
 - :func:`on_refused_handshake`: a handshake the allow-list refused is counted by reason and logged once per
   address, within the same budgets.
 
@@ -14,8 +15,6 @@ The buckets and the log memory are bounded, so peers with ever new identities ca
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,12 +22,11 @@ from contextlib import contextmanager
 
 
 from fcl_emu.monitoring.metrics import CoordinatorMetrics
+from fcl_emu.runtime.log_budget import LogOnce
 
 CONTROL_RATE_PER_S = 5.0  # sustained control/error messages per identity, beyond its heartbeats
 CONTROL_BURST = 30  # messages an identity may send at once (a rejoin, a leave, a burst of errors)
 MAX_TRACKED = 100_000  # identities with a bucket; the least recently seen is forgotten first
-MAX_LOGGED = 100  # log lines about refusals per reason in a run; then one line says the rest are only counted
-MAX_BUDGETS = 64  # reasons with a budget of their own; refusals of any later reason share one more
 
 
 class RateLimiter:
@@ -61,35 +59,6 @@ class RateLimiter:
         if len(self._buckets) > self.max_tracked:
             self._buckets.popitem(last=False)
         return allowed
-
-
-class LogOnce:
-    """Log a refusal once per (peer, reason), at most ``limit`` lines per budget; a budget is the reason's own
-    unless ``budget`` names a shared one (a reason holding text the peer chose, like a reported error code, must
-    name one so that a peer cannot make budgets at will). Callable from any thread (refused handshakes are
-    logged from the ZAP handler's)."""
-
-    def __init__(self, log: logging.Logger, limit: int = MAX_LOGGED, max_budgets: int = MAX_BUDGETS):
-        self.log, self.limit, self.max_budgets = log, limit, max_budgets
-        self._seen: dict[str, set[tuple[str | None, str]]] = {}  # budget -> (peer, reason) logged
-        self._lock = threading.Lock()
-
-    def __call__(self, peer: str | None, reason: str, message: str, *, budget: str | None = None) -> None:
-        budget = reason if budget is None else budget
-        with self._lock:
-            if budget not in self._seen and len(self._seen) >= self.max_budgets:
-                budget = "other reasons"
-            seen = self._seen.setdefault(budget, set())
-            key = (peer, reason)
-            if key in seen or len(seen) > self.limit:
-                return
-            seen.add(key)
-            exhausted = len(seen) > self.limit
-        if exhausted:
-            self.log.warning("%d refusals logged for %s; further ones are only counted "
-                             "(fcl_wire_rejected_messages_total, fcl_refused_handshakes_total)", self.limit, budget)
-        else:
-            self.log.warning("%s; further ones from this peer for this reason are only counted", message)
 
 
 def on_refused_handshake(metrics: CoordinatorMetrics, log_once: LogOnce) -> Callable[[str, str], None]:

@@ -170,7 +170,8 @@ class Coordinator:
         self.nodes = NodeWatch(state)
         self.privacy = run_privacy_part(config)  # central or distributed DP; None without
         m = config.topology.edge_aggregators
-        self.edges = EdgeTier(state, m, liveness_timeout_s) if m else None
+        self.edges = EdgeTier(state, m, liveness_timeout_s, config.topology.aggregate_wait_s(config.network)) \
+            if m else None
         collection = make_collection(state, self.privacy, self.edges)
         stale = StaleUpdates(config.rounds.planned_cohort)
         self.dispatcher = Dispatcher(
@@ -181,7 +182,7 @@ class Coordinator:
                          method=config.method, method_options=options.model_dump(mode="json"),
                          model=self.model_name,
                          training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
-                         heartbeat_interval_s=self.heartbeat_interval_s),
+                         heartbeat_interval_s=self.heartbeat_interval_s, secure=config.secagg.enabled),
             on_tick=self.nodes.check, edges=self.edges)
         if self.edges is not None:
             self.edges.send, self.edges.serve = self.dispatcher.try_send, self.dispatcher.serve

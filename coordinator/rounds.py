@@ -84,7 +84,7 @@ class RoundRunner:
             host_cpu_saved_s=r.host_cpu_saved_s,
             privacy=None if self.privacy is None else self.privacy.report(),
             contributors=_contributors(gathered, skipped), energy_j=r.energy, low_battery=r.low_battery,
-            client_edge_bytes=gathered.client_edge_bytes)
+            client_edge_bytes=gathered.client_edge_bytes, edge_aggregates=gathered.edge_aggregates)
 
     def _select(self, task: int, task_round: int) -> OpenRound:
         """Sample the round's clients from the eligible online ones (seeded) and open the round and its

@@ -58,8 +58,9 @@ Serve = Callable[[Callable[[], bool], float], None]  # the coordinator's serve(u
 Alive = Callable[[str], bool]
 Wait = Callable[[int], None]  # wait(phase): serve until the phase is over, as the clock has it
 Reject = Callable[[WireError], None]  # the dispatcher's: count, log and answer a refused message
-# {edge aggregator: its clients whose masked inputs it holds} -> {edge aggregator: the ring sum of them}
-PreSum = Callable[[dict[str, list[str]]], dict[str, np.ndarray]]
+# {edge aggregator: its clients whose masked inputs it holds} -> {edge aggregator: (the clients its answer names, the
+# ring sum of their masked inputs)}, for each aggregator that answered
+PreSum = Callable[[dict[str, list[str]]], dict[str, tuple[list[str], np.ndarray | None]]]
 
 
 def round_id(run_id: str, number: int) -> int:
@@ -100,6 +101,7 @@ class SecureRound:
         self.sent: dict[str, int] = {}  # client -> bytes of the latest phase's message to it
         self.held: dict[int, dict[str, Message]] | None = None  # phase -> replies held until it closes (hold())
         self.held_at: dict[str, str] = {}  # client -> the edge aggregator holding its masked input
+        self.refused: set[str] = set()  # clients a reply of which the protocol refused: out of the round's waits
         self.presum: PreSum | None = None  # asks the edge aggregators for their clients' sums (docs/hierarchy.md)
         self._requests: dict[str, SecAggUnmaskRequest] = {}
         self._started = time.monotonic()
@@ -161,7 +163,11 @@ class SecureRound:
                 raise WireError("secagg", f"{PHASES[phase]}: no reply expected from {peer!r}")
             self.held[phase][peer] = msg
         else:
-            self._receive(phase, peer, msg)
+            try:
+                self._receive(phase, peer, msg)
+            except WireError:
+                self.refused.add(peer)  # no phase waits for it again; the protocol drops it as one that sent nothing
+                raise
         self.replied[phase].add(peer)
         return True
 
@@ -205,8 +211,9 @@ class SecureRound:
             raise WireError("secagg", str(exc)) from None
 
     def waiting(self, phase: int, alive: Callable[[str], bool]) -> set[str]:
-        """Clients still in the round that owe a reply in ``phase`` and may still send it."""
-        return {c for c in self.server.active - self.replied[phase] if alive(c)}
+        """Clients still in the round that owe a reply in ``phase`` and may still send it (none whose reply was
+        refused)."""
+        return {c for c in self.server.active - self.replied[phase] - self.refused if alive(c)}
 
     # ------------------------------------------------------------------- phases
     def _exchange(self, phase: int, wait: Wait, close: Callable[[], Any]) -> Any:
@@ -244,19 +251,30 @@ class SecureRound:
         return len(requests)
 
     def _close_masked(self) -> dict[str, dict[str, Any]]:
-        """Close the masked-input phase, first adding the sums the edge aggregators hold (``presum``): the clients
-        of an aggregator that sends none are dropped, and recovered as any client that sent no masked input."""
+        """Close the masked-input phase, first adding the sums the edge aggregators hold (``presum``). A sum counts
+        for the clients its aggregator was asked for (those noted held there) that its answer names, never for
+        more: the others asked for are dropped, as are all of an aggregator that sends no sum, one that names a
+        client it was not asked for or one whose sum the protocol refuses; the dropped are recovered as any client
+        that sent no masked input."""
         if self.held_at:
             groups: dict[str, list[str]] = {}
             for client, aggregator in sorted(self.held_at.items()):
                 groups.setdefault(aggregator, []).append(client)
             sums = self.presum(groups) if self.presum is not None else {}
             for aggregator, clients in groups.items():
-                y = sums.get(aggregator)
+                named, y = sums.get(aggregator, ([], None))
+                summed = [c for c in clients if c in set(named)]
                 try:
                     if y is None:
                         raise SecAggError(f"no sum from {aggregator}")
-                    self.server.add_sum(clients, y)
+                    if strangers := set(named) - set(clients):
+                        raise SecAggError(f"{aggregator}'s sum names clients not held there ({sorted(strangers)[:3]})")
+                    if len(summed) < len(clients):
+                        log.warning("round %d: %s's sum leaves out %d of its %d clients asked for: they are dropped",
+                                    self.number, aggregator, len(clients) - len(summed), len(clients))
+                        self.server.lose_held(set(clients) - set(summed))
+                    if summed:
+                        self.server.add_sum(summed, y)
                 except SecAggError as exc:
                     log.warning("round %d: the masked inputs of %d clients held at %s are lost: %s", self.number,
                                 len(clients), aggregator, exc)

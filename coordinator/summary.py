@@ -25,6 +25,8 @@ from fcl_emu.monitoring.results import (RoundRecord, average_accuracy, average_f
                                         learned_accuracy, spatial_retention, temporal_retention)
 from fcl_emu.scenario.scenario import overlapping_shares_text
 
+EDGE_REFUSALS = "edge/"  # the edge aggregators' refusals in ``rejected_messages``: edge/<reason>
+
 
 class SummaryBuilder:
     """``summary.json``'s record from the run's results and counters."""
@@ -95,7 +97,7 @@ class SummaryBuilder:
             missed_deadline=sum(r.late for r in rounds),
             late_updates=tally.late_updates,
             late_side_channel=tally.late_side_channel,
-            rejected_messages=dict(tally.rejected),
+            rejected_messages={**tally.rejected, **edge_rejected(self.edges)},
             refused_handshakes=(_refused_handshakes(st.metrics) if self.config.security.transport == "curve"
                                 else None),
             rejected_gpu_pool=dict(self.jobs.pool.rejected),
@@ -143,6 +145,15 @@ class SummaryBuilder:
         per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
         trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
         return results.KnowledgeRetention(temporal=temporal, **spatial_retention(*class_hits, trained))
+
+
+def edge_rejected(edges: EdgeTier | None) -> dict[str, int]:
+    """What the edge aggregators refused, by reason as ``edge/<reason>``, summed over them (each as its last
+    heartbeat reported it); none in a star."""
+    counts = Counter()
+    for reported in {} if edges is None else edges.rejected.values():
+        counts.update(reported)
+    return {f"{EDGE_REFUSALS}{reason}": n for reason, n in sorted(counts.items())}
 
 
 def _refused_handshakes(metrics) -> dict[str, int]:

@@ -9,9 +9,16 @@ announced with its client's work over all K (CPU seconds, bytes up, training tim
 coordinator gets is the edge model's delta from the cloud model: the mean of the last updates plus the edge
 rounds before (:attr:`EdgeRound.offset`).
 
-Deviations, each stated in docs/hierarchy.md: the plain round's defences act on the last edge round's updates
-only; each client trains with the round's seed in every edge round (the same batch order); on the emulated clock
-a client's K trainings and uploads count back to back, without the waits for its group's slowest between them.
+Every edge round is bounded as a plain round is (:func:`fcl_emu.aggregation.defences.bound`): the last one's updates
+at the coordinator's collect, with the defences it names; each earlier one's before its mean moves the edge model,
+with the defences the aggregator was started with (``--max-update-norm``, ``--direction-check``, ``--clip-norm``,
+``--adaptive-clip``: ``up`` passes the run's, and the collect comes only after the last edge round). A client
+refused in an edge round takes no part in the later ones: its refusal goes up as its error of the round (the
+coordinator stops waiting for it), as a refusal on arrival does.
+
+Deviations, each stated in docs/hierarchy.md: each client trains with the round's seed in every edge round (the
+same batch order); on the emulated clock a client's K trainings and uploads count back to back, without the waits
+for its group's slowest between them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fcl_emu.aggregation.combine import fedavg
+from fcl_emu.aggregation.defences import Defences, Refused, bound
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 from fcl_emu.wire.messages import TrainRequest
 
@@ -60,21 +68,24 @@ class EdgeRound:
 
 @dataclass
 class Again:
-    """Ask ``clients`` to train round ``round`` again, from ``model``."""
+    """Ask ``clients`` to train round ``round`` again, from ``model``; ``refused``: the updates of the edge round
+    that closed that the defences refused (their clients are not asked again)."""
 
     round: int
     task: int
     clients: list[str]
     request: TrainRequest
     model: Arrays
+    refused: Refused = field(default_factory=dict)
+    type: str = "update"  # what the refused messages were (a refusal is reported as its client's error of the round)
 
 
 class EdgeRounds:
     """A round's edge rounds at one aggregator; ``k``: edge rounds per cloud round; ``timeout_s``: the longest
-    one edge round waits for its answers."""
+    one edge round waits for its answers; ``defences``: the bounds on each edge round before the last."""
 
-    def __init__(self, k: int, timeout_s: float):
-        self.k, self.timeout_s = k, timeout_s
+    def __init__(self, k: int, timeout_s: float, defences: Defences = Defences()):
+        self.k, self.timeout_s, self.defences = k, timeout_s, defences
         self.rounds: dict[int, EdgeRound] = {}
 
     def requested(self, round: int, task: int, client: str, request: TrainRequest, model: Arrays) -> None:
@@ -120,18 +131,20 @@ class EdgeRounds:
 
     def advance(self, round: int, now: float | None = None) -> Again | None:
         """Close ``round``'s edge round in progress if it is complete (all answered, or its time is up): the edge
-        model gains the mean delta of those that answered, and they are asked again."""
+        model gains the mean delta of the answers the defences keep (bounded over those that answered), and
+        their clients are asked again."""
         er = self.rounds.get(round)
         if er is None or er.step == self.k or not er.complete(time.monotonic() if now is None else now):
             return None
-        useful = [u for u in er.answers.values() if u.num_samples > 0]
+        useful = sorted((u for u in er.answers.values() if u.num_samples > 0), key=lambda u: u.client)
+        useful, refused = bound(useful, self.defences, cohort=f"its edge group in edge round {er.step}")
         if useful:
             delta = fedavg(useful)
             er.model = {name: (value + delta[name]).astype(value.dtype) if value.dtype.kind == "f" and name in delta
                         else delta.get(name, value) for name, value in er.model.items()}
-        er.members, er.answers, er.step = set(er.answers), {}, er.step + 1
+        er.members, er.answers, er.step = set(er.answers) - refused.keys(), {}, er.step + 1
         er.deadline = time.monotonic() + self.timeout_s
-        return Again(round, er.task, sorted(er.members), er.request, er.model)
+        return Again(round, er.task, sorted(er.members), er.request, er.model, refused)
 
     def due(self, now: float) -> list[Again]:
         """The edge rounds whose time ran out, advanced."""

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update, delta_norm
 from fcl_emu.aggregation.combine import group_mean
-from fcl_emu.aggregation.direction import off_cohort
+from fcl_emu.aggregation.defences import Defences, bound
 from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 from fcl_emu.wire.framing import Message, WireError
 from fcl_emu.secagg.protocol import SecAggError
@@ -39,22 +38,35 @@ class Aggregate:
 
 
 class HeldUpdates:
-    """The clients' updates of the latest rounds, by round and client."""
+    """The clients' updates of the latest rounds, by round and client.
 
-    def __init__(self) -> None:
+    What they take is bounded: a client's answer is held only in a round its train request was relayed for, once,
+    no larger than the round's model (a masked input: of the round's shape), and an update without samples without
+    its tensors (a zero weight needs none); all held together stay within ``max_bytes`` (None: every client relayed
+    one answer of the model's size, which those bounds already imply), beyond which an answer is refused
+    (``too_large``)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
         self.models: dict[int, dict[str, TensorSpec]] = {}  # round -> the model's tensors (its train_request's)
+        self.asked: dict[int, set[str]] = {}  # round -> the clients its train request was relayed to
         self.updates: dict[int, dict[str, ClientUpdate]] = {}
         self.rings: dict[int, MaskedShape] = {}  # secure rounds: round -> its masked inputs' shape
         self.masked: dict[int, dict[str, np.ndarray]] = {}
+        self._bytes: dict[int, int] = {}  # round -> bytes of the answers held for it
 
-    def on_train_request(self, round: int, table: list[TensorSpec]) -> None:
-        """The round's model, as its train request's tensor table names it (every client's is the same): the
-        model's parameters (plain names) and a method's modules that ride with it (``<method>/...``)."""
+    def on_train_request(self, round: int, table: list[TensorSpec], client: str) -> None:
+        """``client``'s train request of ``round`` was relayed, with the round's model as its tensor table names it
+        (every client's is the same): the model's parameters (plain names) and a method's modules that ride with it
+        (``<method>/...``)."""
         if round not in self.models:
             self.models[round] = {spec.name: spec for spec in table}
             for old in sorted(self.models)[:-ROUNDS_HELD]:
                 del self.models[old]
                 self.updates.pop(old, None)
+                self.asked.pop(old, None)
+                self._bytes.pop(old, None)
+        self.asked.setdefault(round, set()).add(client)
 
     def on_secagg_setup(self, round: int, params: SecAggParams) -> None:
         """A secure round's parameters, as its ``secagg_setup`` gives them (every client's are the same)."""
@@ -69,13 +81,16 @@ class HeldUpdates:
         ring = self.rings.get(msg.round)
         if ring is None:
             raise WireError("unexpected", f"a masked input for round {msg.round}, which this aggregator did not set up")
+        self._check_asked(msg.sender, msg.round)
         held = self.masked.setdefault(msg.round, {})
         if msg.sender in held:
             raise WireError("secagg", f"second masked input from {msg.sender} in round {msg.round}")
         try:
-            held[msg.sender] = check_masked(ring, msg.tensors.get("y"), repr(msg.sender))
+            y = check_masked(ring, msg.tensors.get("y"), repr(msg.sender))
         except SecAggError as exc:
             raise WireError("secagg", str(exc)) from None
+        self._take(msg.round, y.nbytes)
+        held[msg.sender] = y
 
     def hold(self, msg: Message) -> ClientUpdate:
         """Check the update ``msg`` (:meth:`check`) and hold it for the round's collect."""
@@ -86,21 +101,53 @@ class HeldUpdates:
         held = self.updates.setdefault(round, {})
         if update.client in held:
             raise WireError("unexpected", f"second update from {update.client} in round {round}")
+        self._take(round, _nbytes(update.tensors))
         held[update.client] = update
         return update
 
+    def budget(self) -> int:
+        """The bytes all held answers may take: ``max_bytes``, or one answer of its round's model (or masked
+        input) for every client a train request was relayed to in the rounds held."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return sum(len(clients) * max(self._model_bytes(r), 4 * self.rings[r].length if r in self.rings else 0)
+                   for r, clients in self.asked.items())
+
+    def _take(self, round: int, nbytes: int) -> None:
+        """Count ``nbytes`` more held for ``round``, or refuse them (``too_large``) beyond :meth:`budget`."""
+        held = sum(n for r, n in self._bytes.items() if r in self.updates or r in self.masked)
+        if held + nbytes > (budget := self.budget()):
+            raise WireError("too_large", f"{nbytes:,} bytes more would take the updates held here past their "
+                                         f"budget of {budget:,} bytes ({held:,} held)")
+        self._bytes[round] = self._bytes.get(round, 0) + nbytes
+
+    def _model_bytes(self, round: int) -> int:
+        return sum(spec.nbytes for spec in self.models.get(round, {}).values())
+
+    def _check_asked(self, client: str, round: int) -> None:
+        """Refuse (``unexpected``) an answer from a client no train request of ``round`` was relayed to."""
+        if client not in self.asked.get(round, ()):
+            raise WireError("unexpected", f"an answer from {client} for round {round}, whose train request this "
+                                          f"aggregator did not relay to it")
+
     def check(self, msg: Message) -> ClientUpdate:
         """The update ``msg`` (decoded, finite) checked against its round's model; WireError for one the
-        coordinator would refuse (``bad_shape``, ``bad_dtype``, ``bad_body``, ``unexpected``)."""
+        coordinator would refuse (``bad_shape``, ``bad_dtype``, ``bad_body``, ``unexpected``), from a client the
+        round's train request was not relayed to (``unexpected``) or larger than the model (``too_large``). One
+        without samples keeps no tensors."""
         model = self.models.get(msg.round)
         if model is None:
             raise WireError("unexpected", f"an update for round {msg.round}, which this aggregator did not relay")
+        self._check_asked(msg.sender, msg.round)
         body = msg.body
-        update = ClientUpdate(msg.sender, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)
         if body.num_samples < 0:
             raise WireError("bad_body", "negative num_samples")
-        if body.num_samples > 0:
-            _check_layout(update, model)
+        if body.num_samples == 0:  # weighs nothing in the mean: nothing of it to hold but its loss and metrics
+            return ClientUpdate(msg.sender, 0, {}, body.loss, body.metrics, {})
+        update = ClientUpdate(msg.sender, body.num_samples, msg.tensors, body.loss, body.metrics, msg.square_sums)
+        _check_layout(update, model)
+        if (nbytes := _nbytes(msg.tensors)) > (most := self._model_bytes(msg.round)):  # tensors beside the model's
+            raise WireError("too_large", f"an update of {nbytes:,} tensor bytes; the round's model has {most:,}")
         return update
 
     def collect(self, round: int, ask: EdgeCollect, offset: Arrays | None = None) -> Aggregate:
@@ -114,22 +161,8 @@ class HeldUpdates:
         chosen = sorted((held[c] for c in ask.clients if c in held), key=lambda u: u.client)
         useful = [u for u in chosen if u.num_samples > 0]
         prefixes = tuple(ask.prefixes) or (DELTA,)
-        refused: dict[str, tuple[str, str]] = {}
-        if (bound := ask.max_update_norm) is not None:
-            for u in useful:
-                if not (norm := delta_norm(u)) <= bound:
-                    refused[u.client] = ("norm_bound", f"{u.client}'s model delta has L2 norm {norm:.4g} > {bound:g}")
-            useful = [u for u in useful if u.client not in refused]
-        if ask.direction_check is not None:
-            for client, agreement in off_cohort(useful, ask.direction_check, prefixes).items():
-                refused[client] = ("off_cohort", f"refused {client}'s update: it agrees with nothing of its edge "
-                                                 f"group (largest cosine {agreement:.3g}; --direction-check)")
-            useful = [u for u in useful if u.client not in refused]
+        useful, refused = bound(useful, Defences.of(ask), prefixes, cohort="its edge group")
         losses = [u.loss for u in useful if np.isfinite(u.loss)]
-        if ask.clip_norm is not None:
-            useful = [clip_update(u, ask.clip_norm) for u in useful]
-        if ask.adaptive_clip is not None:
-            useful = clip_to_cohort(useful, ask.adaptive_clip, prefixes)
         body = EdgeAggregate(clients=[u.client for u in chosen if u.client not in refused],
                              num_samples=sum(u.num_samples for u in useful),
                              loss=float(np.mean(losses)) if losses else float("nan"), refused=refused,
@@ -162,6 +195,10 @@ class MaskedShape:
 
     length: int
     ring_bits: int
+
+
+def _nbytes(tensors: Arrays) -> int:
+    return sum(value.nbytes for value in tensors.values())
 
 
 def _check_layout(update: ClientUpdate, sent: dict[str, TensorSpec]) -> None:

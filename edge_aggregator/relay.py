@@ -4,7 +4,10 @@ holds its clients' updates and sends one aggregate up per round (docs/hierarchy.
 Downstream it is what the coordinator is to a node: a ROUTER (with keys, a CurveZMQ server under its own key pair
 that admits the run's roster) taking shared connections, whose envelopes name the clients. Upstream it is one
 shared connection of its own that speaks for all its nodes' clients (its grant in the run's key directory lists
-them) and, under its own name, for itself. Messages cross frame by frame, as they came, with two exceptions:
+them) and, under its own name, for itself. Only what a client may send goes up (``wire.messages.SENDERS``): a
+notice or an aggregate only an aggregator may send, or a coordinator's message, is refused here, and reported up as
+the client's error where it stood for its part in a round. The rest crosses frame by frame, as it came, with two
+exceptions:
 
 - a client's ``update`` (or ``secagg_masked``) is decoded, checked and held
   (:class:`~fcl_emu.edge_aggregator.held.HeldUpdates`); the coordinator gets an ``update_held``
@@ -15,7 +18,8 @@ them) and, under its own name, for itself. Messages cross frame by frame, as the
 
 Every message a client link carries is counted (the client-to-edge tier's bytes) and reported in the next
 aggregate; the aggregator's own heartbeat goes up every heartbeat interval, so the coordinator can route to it and
-notice it is gone.
+notice it is gone, with the counts of what it refused by reason (the run's ``summary.json``). Its log lines about
+refusals are bounded as the coordinator's are, and show no raw bytes of a peer.
 """
 
 from __future__ import annotations
@@ -23,15 +27,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 import msgspec
 import zmq
 
+from fcl_emu.aggregation.defences import Defences
 from fcl_emu.edge_aggregator.edge_rounds import Again, EdgeRounds, Work
 from fcl_emu.edge_aggregator.held import HeldUpdates
+from fcl_emu.runtime.log_budget import LogOnce, shown
 from fcl_emu.wire.auth import Allowlist, ClientKeys, ServerKeys
 from fcl_emu.wire.framing import Limits, WireError, decode, encode, frames_nbytes, peek_header, wire_tensors
-from fcl_emu.wire.messages import BODY_SCHEMAS, HELD_AT_EDGE, EdgeCollect, Error, Heartbeat
+from fcl_emu.wire.messages import (BODY_SCHEMAS, CLIENT, HELD_AT_EDGE, ROUND_MESSAGES, EdgeCollect, Error, Heartbeat,
+                                   sent_by)
 from fcl_emu.wire.sockets import (HELD, MAX_ENVELOPE_BYTES, HeldSets, bound_router, check_grant, drop_rest,
                                   receive_frames, shared_dealer)
 
@@ -45,26 +53,36 @@ class EdgeAggregator:
 
     ``server_keys``: serve CurveZMQ downstream (its key pair and the roster of keys that may connect) and
     ``client_keys``: connect upstream with them; both None for plain TCP. ``edge_rounds``: edge aggregations per
-    cloud round (:mod:`~fcl_emu.edge_aggregator.edge_rounds`), each waiting at most ``edge_round_timeout_s``."""
+    cloud round (:mod:`~fcl_emu.edge_aggregator.edge_rounds`), each waiting at most ``edge_round_timeout_s``, each
+    before the last bounded by ``defences``. ``max_held_bytes``: the most its held updates may take (None: one of
+    the model's size per client relayed, :class:`~fcl_emu.edge_aggregator.held.HeldUpdates`)."""
 
     def __init__(self, name: str, connect: str, bind: str, *, server_keys: ServerKeys | None = None,
                  client_keys: ClientKeys | None = None, heartbeat_interval_s: float = 1.0, edge_rounds: int = 1,
-                 edge_round_timeout_s: float = 120.0, limits: Limits = Limits(), context: zmq.Context | None = None):
+                 edge_round_timeout_s: float = 120.0, defences: Defences = Defences(), limits: Limits = Limits(),
+                 max_held_bytes: int | None = None, context: zmq.Context | None = None):
         self.name, self.limits, self.heartbeat_interval_s = name, limits, heartbeat_interval_s
         self.context = context or zmq.Context()
         self._allowlist = None if server_keys is None else Allowlist(self.context, server_keys)
         self.grants = None if server_keys is None else server_keys.grants
         self.down, self.address = bound_router(self.context, bind, limits, server_keys)
         self.up = shared_dealer(self.context, connect, limits, client_keys)
-        self.held = HeldUpdates()
-        self.edge_rounds = EdgeRounds(edge_rounds, edge_round_timeout_s) if edge_rounds > 1 else None
+        self.held = HeldUpdates(max_held_bytes)
+        self.edge_rounds = EdgeRounds(edge_rounds, edge_round_timeout_s, defences) if edge_rounds > 1 else None
         self._routes: dict[str, bytes] = {}  # client -> the node connection it last spoke on
         self._sets: dict[bytes, list] = {}  # key -> tensor frames the coordinator sent once (the latest few)
         self._node_sets: dict[bytes, HeldSets] = {}  # node connection -> the keys it holds
         self._seq = 0
         self.tier_bytes = {"sent": 0, "received": 0}  # client links, since the last aggregate
-        self.refused = 0
+        self.rejected: Counter[str] = Counter()  # client messages refused here, by reason (reported up)
+        self._log_once = LogOnce(log, counted_in="counted in the coordinator's summary.json, rejected_messages: "
+                                                 "edge/<reason>")
         self.shutdown = False
+
+    @property
+    def refused(self) -> int:
+        """Client messages refused here."""
+        return sum(self.rejected.values())
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event | None = None) -> None:
@@ -76,7 +94,7 @@ class EdgeAggregator:
         while not self.shutdown and not (stop is not None and stop.is_set()):
             now = time.monotonic()
             if now >= beat_at:
-                self._send_up(self.name, "heartbeat", Heartbeat())
+                self._send_up(self.name, "heartbeat", Heartbeat(rejected=dict(self.rejected)))
                 beat_at = now + self.heartbeat_interval_s
             for sock in dict(poller.poll(int(1000 * min(0.2, self.heartbeat_interval_s)))):
                 while not self.shutdown and sock.poll(0):
@@ -119,7 +137,10 @@ class EdgeAggregator:
         self._routes[identity] = route
         nbytes = frames_nbytes(frames)
         self.tier_bytes["received"] += nbytes
-        if header.type in HELD_AT_EDGE:
+        if not sent_by(header.type, CLIENT):  # an aggregator's notice or aggregate, a coordinator's or worker's message
+            self._refuse_answer(identity, header, WireError("unexpected", f"{header.type!r} is not a client's "
+                                                                          f"message: not relayed"))
+        elif header.type in HELD_AT_EDGE:
             self._hold(identity, header, frames, nbytes)
         else:
             self.up.send_multipart([envelope.bytes, *frames], copy=False)
@@ -139,9 +160,7 @@ class EdgeAggregator:
                     return  # into the edge round in progress: the coordinator hears of the client's last one only
                 self.held.keep(msg.round, update)
         except WireError as exc:
-            self._refuse(identity, exc)
-            self._send_up(identity, "error", Error(code=exc.reason, detail=f"refused by {self.name}: {exc.detail}"),
-                          round=header.round, task=header.task)
+            self._refuse_answer(identity, header, exc)
             return
         fields = msgspec.structs.asdict(msg.body)
         work = None if self.edge_rounds is None else self.edge_rounds.work(msg.round, identity)
@@ -149,6 +168,8 @@ class EdgeAggregator:
             fields.update(cpu_s=work.cpu_s, train_time_s=work.train_time_s)
             nbytes = work.nbytes
         held_type = HELD_AT_EDGE[msg.type]
+        if held_type == "update_held":  # what bounds the aggregate at the coordinator
+            fields["square_sums"] = dict(msg.square_sums)
         notice = BODY_SCHEMAS[held_type](**fields, aggregator=self.name, nbytes=nbytes)
         head = encode(held_type, notice, sender=identity, seq=msg.seq, round=msg.round, task=msg.task)
         self.up.send_multipart([identity.encode(), *head], copy=False)
@@ -163,7 +184,11 @@ class EdgeAggregator:
         return last
 
     def _train_again(self, again: Again) -> None:
-        """The next edge round: each of its clients is sent the edge model (once down each node's connection)."""
+        """The next edge round: the updates the defences refused in the one that closed are refused as on arrival
+        (reported up as their clients' errors of the round); each client asked again is sent the edge model (once
+        down each node's connection)."""
+        for client, (reason, detail) in again.refused.items():
+            self._refuse_answer(client, again, WireError(reason, detail))
         self._seq += 1
         tensors = wire_tensors(again.model)
         key = EDGE_KEY + tensors.key.to_bytes(8, "little")
@@ -184,10 +209,22 @@ class EdgeAggregator:
             self.tier_bytes["sent"] += len(head) + frames_nbytes(tensors.buffers)
 
     def _refuse(self, identity: str, exc: WireError) -> None:
-        """A client message refused here: counted and logged (a refused update is also reported up as the client's
-        ``error``, so its round stops waiting for it)."""
-        self.refused += 1
-        log.warning("refused a message from %r (%s)", identity, exc)
+        """A client message refused here: counted by reason (each heartbeat reports the counts up, to the run's
+        summary) and logged within the log's budgets (:class:`~fcl_emu.runtime.log_budget.LogOnce`), the peer's
+        identity and the detail escaped and cut (a refused update is also reported up as the client's ``error``, so
+        its round stops waiting for it)."""
+        self.rejected[exc.reason] += 1
+        self._log_once(identity, exc.reason, f"{self.name}: refused a message from {shown(identity)} ({exc.reason}: "
+                                             f"{shown(exc.detail, 200)})")
+
+    def _refuse_answer(self, identity: str, header, exc: WireError) -> None:
+        """Refuse a client's message (``header``: its read header); where it was its part in a round (an update, a
+        SecAgg+ reply, a side channel, or a notice only an aggregator may send), report it up as the client's
+        ``error`` of that round, so the round fails the client at once instead of waiting for it."""
+        self._refuse(identity, exc)
+        if header.type in ROUND_MESSAGES:
+            self._send_up(identity, "error", Error(code=exc.reason, detail=f"refused by {self.name}: {exc.detail}"),
+                          round=header.round, task=header.task)
 
     def _send_up(self, identity: str, msg_type: str, body, **kw) -> None:
         """A message of the aggregator's own up, speaking as ``identity`` (itself, or a client it reports on)."""
@@ -221,7 +258,7 @@ class EdgeAggregator:
             return  # a client that never spoke through here (or a message after its node left)
         header = peek_header(frames[0], self.limits)
         if header.type == "train_request":
-            self.held.on_train_request(header.round, header.tensors)
+            self.held.on_train_request(header.round, header.tensors, identity)
             if self.edge_rounds is not None and not self.edge_rounds.join(header.round, identity):
                 self._first_edge_round(identity, frames, key)  # the round's first: its model is decoded once
         elif header.type == "cancel" and self.edge_rounds is not None:

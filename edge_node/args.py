@@ -86,6 +86,9 @@ class NodeArgs(Flags, prog="python -m fcl_emu.edge_node",
                             "per-device keys (<client>.key_secret).", default=None)
     insecure: bool = flag("Connect over plain TCP without keys (a coordinator started with --insecure).",
                           default=False)
+    secagg: bool = flag("The run aggregates under SecAgg+ (a coordinator started with --secagg): the clients send "
+                        "masked inputs only. Without it they send plain updates only. A train request or a welcome "
+                        "that says otherwise is refused (no relay can turn a secure run plain).", default=False)
     own_connections: bool = flag("Give each client a connection of its own (a socket and a CurveZMQ handshake per "
                                  "client) instead of one connection shared by the node's clients.", default=False)
     verbose: bool = flag("Log progress (INFO and up).", default=False, alias="-v")
@@ -140,7 +143,7 @@ def run_node(args: NodeArgs) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         edge = EdgeNode(args.connect, list(args.clients), name=args.name, data_roots=roots, threads=args.threads,
-                        keys=keys, own_connections=args.own_connections)
+                        keys=keys, own_connections=args.own_connections, secure=args.secagg)
     except SocketCapacityError as exc:
         return fail(str(exc))
     serving = args.metrics_port is not None and edge.metrics.serve_as_aid(args.metrics_port, args.metrics_host, log)

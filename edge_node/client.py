@@ -90,9 +90,8 @@ class TrainResult:
     cpu_s: float = 0.0  # CPU time of the client's own training (not the wait for the trainer)
     samples_trained: int = 0  # local samples x local epochs
     finished_at: float = 0.0  # monotonic time the main thread got it
-    secure: bool = False  # ``vector`` replaces ``uploads``: it goes through secure aggregation
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
-    vector: np.ndarray | None = None
+    vector: np.ndarray | None = None  # a secure run's: replaces ``uploads``, it goes through secure aggregation
     stale: bool = False  # not trained: its client had moved on to a newer task (nothing is sent)
     cancelled: bool = False  # stopped: the coordinator cancelled it (nothing is sent)
 

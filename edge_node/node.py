@@ -17,6 +17,11 @@ references to its task assets; no model copy. The node's collaborators:
 - :class:`~fcl_emu.edge_node.churn.Churn`: availability, crashes and restarts in host
   time.
 
+How the run aggregates is the node's own knowledge (``secure``: ``--secagg``, from its launcher), chosen once at
+start: its results go into the masked sum or up as plain updates, whatever a relayed train request says, and what
+a client cannot do that way (a secure round whose setup never came, a SecAgg+ setup in a plain run) is refused as
+its error for the round; a welcome into a run that aggregates otherwise ends the node in one line.
+
 Device profiles (docs/edge.md) are applied here, under ``--clock real``
 only: training results are held back until the profile's compute time has
 passed (``compute_factor`` times the measured training time, or
@@ -65,6 +70,7 @@ from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from fcl_emu.edge_node.client import TrainJob, TrainResult
 from fcl_emu.edge_node.training import RunSetup, Trainer
 from fcl_emu.monitoring.metrics import EdgeNodeMetrics
+from fcl_emu.runtime.log_budget import LogOnce
 from fcl_emu.scenario.datasets import DatasetNotFoundError, load_dataset
 from fcl_emu.scenario.spec import ScenarioSpec
 from fcl_emu.wire.auth import ClientKeyring
@@ -88,6 +94,19 @@ class PendingSetup:
     parked: list[tuple[EmulatedClient, int, Message]] = field(default_factory=list)
 
 
+SECURITY_MISMATCH = "secure_mismatch"  # a client's error code: it cannot take part as the run aggregates
+
+
+def _kind(secure: bool) -> str:
+    """The kind of update a client sends in a run that aggregates so."""
+    return "masked" if secure else "plain"
+
+
+def _aggregates(secure: bool) -> str:
+    """How a run aggregates, in words."""
+    return "aggregates securely (--secagg)" if secure else "aggregates plainly (no --secagg)"
+
+
 class NodeSetupError(RuntimeError):
     """The node cannot take part in the run it joined (its clients have said they leave, giving the reason)."""
 
@@ -96,10 +115,14 @@ class EdgeNode:
     def __init__(self, connect: str, client_indices: list[int], *, name: str | None = None,
                  data_roots: list[Path] | None = None, state_dir: Path | None = None,
                  threads: int = 1, context: zmq.Context | None = None, keys: ClientKeyring | None = None,
-                 own_connections: bool = False):
+                 own_connections: bool = False, secure: bool = False):
         """``keys``: the clients connect over CurveZMQ with these keys (docs/security.md); None: plain TCP.
-        ``own_connections``: a connection per client rather than one shared by all (keys per device imply it)."""
+        ``own_connections``: a connection per client rather than one shared by all (keys per device imply it).
+        ``secure``: the run aggregates under SecAgg+ (``--secagg``, from the node's launcher): the node's clients
+        send masked inputs only, else plain updates only, whatever a relayed message says; what they cannot do
+        that way is refused as their error for the round (:meth:`_refuse`)."""
         self.connect = connect
+        self.secure = secure
         self.keys = keys
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
@@ -120,7 +143,8 @@ class EdgeNode:
         self._setup_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-setup")
         self._datasets: dict[str, Any] = {}  # by name, read on the setup thread only
         self._trainer = Trainer(self.context, threads=threads, payloads=self.payloads, metrics=self.metrics,
-                                setup=lambda: self.setup)
+                                setup=lambda: self.setup, masked=secure)
+        self._log_once = LogOnce(log, counted_in="the coordinator counts each as the client's error")
         self._poller = zmq.Poller()
         self._poller.register(self._trainer.wake, zmq.POLLIN)
         self._by_socket: dict[zmq.Socket, EmulatedClient] = {}  # own connections: the client behind each socket
@@ -136,8 +160,16 @@ class EdgeNode:
         self.heartbeat_interval_s = 1.0
         self._next_heartbeat_scan = 0.0
         self._open = len(self.clients)  # clients not closed: the node serves while there are any
-        self._secure = SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed,
+        # chosen once, from what the node was started with: a result goes into the masked sum (trained only with
+        # the round's session open) or up as an update; the SecAgg+ messages are answered, or refused in a plain run
+        if secure:
+            sessions = SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed,
                                       metrics=self.metrics, keys=keys)
+            self._send_result, self._on_secagg, self._cannot_train = (sessions.on_result, sessions.on_message,
+                                                                      sessions.cannot_mask)
+        else:
+            self._send_result, self._on_secagg = self._send_update, self._refuse_secagg
+            self._cannot_train = lambda client, round: None
         self._churn = Churn(join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
@@ -228,6 +260,10 @@ class EdgeNode:
         a welcome still counts at once: its client heartbeats from now on. False: handle it now."""
         if msg.type == "welcome" and self._pending_setup is None \
                 and (self.setup is None or self.setup.run_id != msg.body.run_id):
+            if msg.body.secure != self.secure:
+                raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: the run "
+                                     f"{_aggregates(msg.body.secure)}, but this node was started "
+                                     f"{'with' if self.secure else 'without'} --secagg")
             self._pending_setup = PendingSetup(msg.body, self._setup_thread.submit(self._make_setup, msg.body))
             self.heartbeat_interval_s = msg.body.heartbeat_interval_s
         if self._pending_setup is None:
@@ -263,6 +299,14 @@ class EdgeNode:
                 self._send(client, "error", Error(code="not_ready", detail="train request before task start"),
                            round=msg.round, task=msg.task)
                 return
+            if msg.body.secure != self.secure:  # a relay changed it: the run's own way holds
+                self._log_once(client.id, "train request", f"{client.id}: round {msg.round}: the train request asks "
+                                                           f"for a {_kind(msg.body.secure)} update; sending a "
+                                                           f"{_kind(self.secure)} one: the run "
+                                                           f"{_aggregates(self.secure)}, as this node was started")
+            if (why := self._cannot_train(client, msg.round)) is not None:
+                self._refuse(client, msg, why)
+                return
             now = time.monotonic()
             self._trainer.submit(TrainJob(client, msg.round, msg.task, self.payloads.acquire(msg.round, msg.tensors),
                                           client.generation, now, msg.body), self._train_order(client, msg))
@@ -270,7 +314,7 @@ class EdgeNode:
         elif msg.type == "cancel":  # the emulated clock knows this round's update would come too late
             self._trainer.cancel(client.id, msg.round)
         elif msg.type in SECAGG_DOWN:
-            self._secure.on_message(client, msg)
+            self._on_secagg(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node
             for c in self.clients:
                 c.closed = True
@@ -297,6 +341,19 @@ class EdgeNode:
         samples = len(self.setup.scenario.client_indices(client.index, client.task)) * msg.body.local_epochs
         return (msg.nbytes / profile.downlink_bytes_s + profile.compute_s(0.0, samples)
                 + msg.nbytes / profile.uplink_bytes_s + 2 * profile.latency_s)
+
+    def _refuse(self, client: EmulatedClient, msg: Message, what: str) -> None:
+        """Refuse what the client cannot do the way the run aggregates (a relay may have changed or dropped the
+        coordinator's messages): the client's ``error`` for the round, so the round stops waiting for it; logged
+        once per client."""
+        detail = f"refused {what}: the run {_aggregates(self.secure)}, as this node was started"
+        self._log_once(client.id, SECURITY_MISMATCH, f"{client.id}: round {msg.round}: {detail}")
+        self._send(client, "error", Error(code=SECURITY_MISMATCH, detail=detail), round=msg.round, task=msg.task)
+
+    def _refuse_secagg(self, client: EmulatedClient, msg: Message) -> None:
+        """A SecAgg+ message in a plain run: refused, so no masked input is ever sent (an abort needs no answer)."""
+        if msg.type != "secagg_abort":
+            self._refuse(client, msg, f"a {msg.type}")
 
     def _send(self, client: EmulatedClient, msg_type: str, body, **kw) -> None:
         client.endpoint.send(msg_type, body, **kw)
@@ -325,9 +382,10 @@ class EdgeNode:
         result.finished_at = time.monotonic()
         if client.closed or result.generation != client.generation or result.stale:
             return
-        if result.secure:
-            self._secure.on_result(client, result)
-            return
+        self._send_result(client, result)
+
+    def _send_update(self, client: EmulatedClient, result: TrainResult) -> None:
+        """A plain run's result: its side-channel messages, then its update (or the client's error)."""
         if result.error is not None:
             self._send(client, "error", Error(code="train_failed", detail=result.error[:500]),
                        round=result.round, task=result.task)

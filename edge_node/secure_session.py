@@ -100,6 +100,14 @@ class SecureSessions:
         except (SecAggError, SecAggAbort) as exc:
             self._failed(client, msg.round, msg.task, str(exc))
 
+    def cannot_mask(self, client: EmulatedClient, round: int) -> str | None:
+        """Why the client could not send a masked input for ``round`` were it to train now (no session of that
+        round: its ``secagg_setup`` never came), or None."""
+        session = client.secagg
+        if session is None or session.round != round:
+            return f"to train round {round} without its secure-aggregation session (no secagg_setup came)"
+        return None
+
     def on_result(self, client: EmulatedClient, result: TrainResult) -> None:
         """The client's training result of a secure round; without its round's session (aborted or refused,
         and the coordinator knows) it is dropped."""

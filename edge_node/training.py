@@ -86,14 +86,30 @@ class RunSetup:
         return build_model(self.model_name, self.scenario.dataset.input_shape, num_classes)
 
 
+def as_trained(result: TrainResult, model: Mapping[str, np.ndarray]) -> TrainResult:
+    """A plain run's result: its uploads as trained (a client without samples sends none)."""
+    return result
+
+
+def as_masked(result: TrainResult, model: Mapping[str, np.ndarray]) -> TrainResult:
+    """A secure run's result: the float deltas as the one vector the masked sum carries (a client without samples:
+    zeros, of weight 0)."""
+    layout = DeltaLayout.of(model)
+    result.vector = layout.flatten(result.uploads) if result.num_samples else np.zeros(layout.dim, np.float32)
+    result.uploads = None
+    return result
+
+
 class Trainer:
     """The trainer thread, its job and result queues, and the wake-up socket the main thread polls.
 
-    ``setup`` returns the run's current setup (None before the first welcome)."""
+    ``setup`` returns the run's current setup (None before the first welcome); ``masked``: the run aggregates
+    securely (what the node was started with), so every result is packed for the masked sum."""
 
     def __init__(self, context: zmq.Context, *, threads: int, payloads: RoundPayloads, metrics: EdgeNodeMetrics,
-                 setup: Callable[[], RunSetup | None]):
+                 setup: Callable[[], RunSetup | None], masked: bool = False):
         self._context = context
+        self._pack = as_masked if masked else as_trained
         self._threads = threads
         self._payloads = payloads
         self._metrics = metrics
@@ -177,7 +193,6 @@ class Trainer:
                     continue
                 result.samples_trained = result.num_samples * job.request.local_epochs
                 result.generation, result.received_at = job.generation, job.received_at
-                result.secure = job.request.secure
                 outcome = "failed" if result.error is not None else "ok" if result.num_samples else "no_data"
                 self._metrics.trained(result.train_s, outcome, result.num_samples)
                 self._results.put(result)
@@ -214,9 +229,8 @@ class Trainer:
                          client.task)
                 return TrainResult(client, job.round, job.task, None, stale=True)
             indices = s.scenario.client_indices(client.index, client.task)
-            if len(indices) == 0:  # under secure aggregation: a zero vector of weight 0
-                vector = np.zeros(DeltaLayout.of(job.model).dim, np.float32) if job.request.secure else None
-                return TrainResult(client, job.round, job.task, {}, 0, vector=vector)
+            if len(indices) == 0:
+                return self._pack(TrainResult(client, job.round, job.task, {}, 0), job.model)
             classifier = model_arrays(job.model)  # none for a method without a global classifier (FedCBC):
             model = self._classifier(s, classifier, model_cache) if classifier else None  # its train gets None
             ds = s.scenario.dataset
@@ -235,10 +249,8 @@ class Trainer:
             )
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
-            result = TrainResult(client, job.round, job.task, uploads, len(indices), metrics, side=ctx.outbox)
-            if job.request.secure:  # the masked sum carries the float deltas as one vector
-                result.vector, result.uploads = DeltaLayout.of(job.model).flatten(uploads), None
-            return result
+            return self._pack(TrainResult(client, job.round, job.task, uploads, len(indices), metrics,
+                                          side=ctx.outbox), job.model)
         except TrainingCancelled:
             log.info("%s: round %d %s", client.id, job.round,
                      "dropped: the node is ending" if self._stopping.is_set() else "cancelled by the coordinator")

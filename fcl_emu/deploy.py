@@ -4,7 +4,9 @@ Grafana.
 ``fcl-emu deploy OUT_DIR ...`` (``up``'s run flags but :data:`fcl_emu.options.NOT_DEPLOYED`) writes:
 
 - ``stack.yml``: for ``docker stack deploy -c stack.yml NAME`` on a swarm manager. The coordinator, one service
-  per edge node, Prometheus (from the project's image) and Grafana, on an attachable overlay network, with
+  per edge aggregator (``--edge-aggregators M``: ``edge-aggregator-<a>``, each serving its nodes on port
+  :data:`AGGREGATOR_PORT`, node n under aggregator n mod M), one service per edge node, Prometheus (from the
+  project's image) and Grafana, on an attachable overlay network, with
   ``endpoint_mode: dnsrr``, ``restart_policy: none``, each node's device-class CPU and memory limits and its
   placement on swarm nodes labelled ``fcl-emu.device-class=<class>``; the CurveZMQ keys as Swarm secrets,
   the configuration files as Swarm configs.
@@ -42,14 +44,18 @@ import yaml
 from fcl_emu.containers.image import image_ref
 from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME
 from fcl_emu.keys import with_keys
+from fcl_emu.launchers.aggregators import aggregator_args
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs
 from fcl_emu.launchers.engine_launcher import LABEL_CLASS, node_entrypoint
 from fcl_emu.monitoring import stack
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, node_metrics_port
+from fcl_emu.runconfig.topology import aggregator_name, aggregator_of_node
 from fcl_emu.scenario.datasets import default_data_roots, roots_from_env
 from fcl_emu.wire.auth import ROSTER_FILE, SERVER_NAME, SIGNERS_FILE
 
 COORDINATOR_PORT = 5555
+AGGREGATOR_PORT = 5600  # where each edge aggregator's service takes its nodes
+AGGREGATOR_PROGRAM = ["python", "-m", "fcl_emu.edge_aggregator"]  # what an aggregator's container runs
 METRICS_PORT = 9100
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
@@ -114,12 +120,10 @@ COORDINATOR_SECRETS = [f"{SERVER_NAME}.key", f"{SERVER_NAME}.key_secret", ROSTER
                        f"{WORKER_KEY_NAME}.key_secret"]  # the last for the GPU workers it starts
 
 
-# What every edge node reads beside the coordinator's public key: the clients' SecAgg+ signing keys.
-NODE_SHARED_SECRETS = [f"{SERVER_NAME}.key", SIGNERS_FILE]
-
-
 def _secret_names(config: RunConfig) -> list[str]:
     return [*COORDINATOR_SECRETS, SIGNERS_FILE,
+            *(f"{aggregator_name(a)}{suffix}" for a in range(config.topology.edge_aggregators)
+              for suffix in (".key", ".key_secret")),
             *(f"{node_key_name(spec.number)}.key_secret" for spec in node_specs(config))]
 
 
@@ -153,6 +157,8 @@ def write_deployment(config: RunConfig, out: Path, image: str, data_root: Path,
                 "grafana": _grafana(grafana_configs, anonymous=not publish_monitoring)}
     for name in ("coordinator", "prometheus", "grafana"):  # ./runs and the published ports: on the deploying host
         services[name]["deploy"] = {**services[name]["deploy"], "placement": {"constraints": ["node.role == manager"]}}
+    for a in range(inside.topology.edge_aggregators):
+        services[aggregator_name(a)] = _aggregator(a, inside, image)
     for spec in specs:
         services[spec.name] = _node(spec, inside, image, data_root)
     secrets = {name: {"file": f"./keys/{name}"} for name in _secret_names(config)}
@@ -241,13 +247,28 @@ def _grafana(configs: dict[str, tuple[Path, str]], anonymous: bool) -> dict:
             "configs": [{"source": name, "target": target} for name, (_, target) in configs.items()]}
 
 
+def _aggregator(index: int, inside: RunConfig, image: str) -> dict:
+    """Edge aggregator ``index``'s service: it dials the coordinator and serves its nodes on
+    :data:`AGGREGATOR_PORT`, under its relay key (the roster beside it says which keys its nodes may use)."""
+    name = aggregator_name(index)
+    args = aggregator_args(index, f"tcp://coordinator:{COORDINATOR_PORT}", f"tcp://0.0.0.0:{AGGREGATOR_PORT}", inside)
+    return {**_common(image), "hostname": name, "entrypoint": AGGREGATOR_PROGRAM, "command": args.to_argv(),
+            "secrets": [f"{SERVER_NAME}.key", ROSTER_FILE, f"{name}.key_secret"]}
+
+
 def _node(spec, inside: RunConfig, image: str, data_root: Path) -> dict:
+    """Edge node ``spec``'s service, dialling its edge aggregator's service (or the coordinator's in a star) and
+    checking the SecAgg+ keys of its neighbours against the run's signers."""
     key_file = f"{node_key_name(spec.number)}.key_secret"
-    args = node_args(f"tcp://coordinator:{COORDINATOR_PORT}", spec.clients, inside, spec.name, spec.number)
-    args = args.with_paths(server_key=f"{SECRETS}/{SERVER_NAME}.key", key=f"{SECRETS}/{key_file}")
+    m = inside.topology.edge_aggregators
+    server, port = (aggregator_name(aggregator_of_node(spec.number, m)), AGGREGATOR_PORT) if m \
+        else (SERVER_NAME, COORDINATOR_PORT)  # the service's name is its key's
+    args = node_args(f"tcp://{server}:{port}", spec.clients, inside, spec.name, spec.number, server=server)
+    args = args.with_paths(server_key=f"{SECRETS}/{server}.key", key=f"{SECRETS}/{key_file}")
     service = {**_common(image), "hostname": spec.name, "entrypoint": node_entrypoint(spec.limits.uplink_mbit),
                "command": args.to_argv(),
-               "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro"], "secrets": [*NODE_SHARED_SECRETS, key_file],
+               "volumes": [f"{Path(data_root).resolve()}:{DATA}:ro"],
+               "secrets": [f"{server}.key", SIGNERS_FILE, key_file],
                "environment": {"OMP_NUM_THREADS": "1"}}
     limits = spec.limits
     resources = {k: v for k, v in (("cpus", None if limits.cpus is None else f"{limits.cpus:g}"),

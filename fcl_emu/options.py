@@ -274,12 +274,11 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
 OPTIONS = {o.name: o for o in RUN_OPTIONS}
 
 # `up`'s flags that `deploy` does not take: what its files set themselves (the run directory, the coordinator's
-# address, the metrics ports, the keys and the Prometheus of the containers), what acts on `up`'s own containers,
-# edge aggregators (no service of theirs is written) and --download (the data root is mounted read-only).
+# address, the metrics ports, the keys and the Prometheus of the containers), what acts on `up`'s own containers
+# and --download (the data root is mounted read-only).
 NOT_DEPLOYED = frozenset({
-    "run_dir", "download", "bind", "keys", "backend", "faults", "advertise", "cluster", "edge_aggregators",
-    "edge_rounds", "edge_uplink_mbps", "edge_downlink_mbps", "edge_latency_ms", "metrics_port", "metrics_host",
-    "prometheus", "prometheus_port", "keep_prometheus"})
+    "run_dir", "download", "bind", "keys", "backend", "faults", "advertise", "cluster", "metrics_port",
+    "metrics_host", "prometheus", "prometheus_port", "keep_prometheus"})
 
 
 def offered(command: str) -> list[RunOption]:

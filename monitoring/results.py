@@ -229,6 +229,9 @@ class RoundRecord:
     # edge aggregators: bytes on the clients' links to their aggregators in this round, {"sent"/"received": bytes}
     # as the aggregators reported them (the record's other bytes are the coordinator's: the edge-to-cloud tier)
     client_edge_bytes: dict[str, int] | None = None
+    # edge aggregators: each asked one's clients ({"asked", "taken", "refused": by it, "missing": left out}) and,
+    # where its aggregate was not taken, why ("outcome": a refusal's reason, "no answer", "unreachable")
+    edge_aggregates: dict[str, dict[str, Any]] | None = None
 
 
 # ------------------------------------------------------------------ summary.json

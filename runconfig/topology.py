@@ -17,6 +17,10 @@ class TopologyConfig(pydantic.BaseModel):
     edge_rounds: int = pydantic.Field(
         1, ge=1, le=100, description="edge aggregations per cloud round (HierFAVG): each aggregator's clients train "
         "this many times a round, from its edge model after the first")
+    aggregate_timeout_s: float | None = pydantic.Field(
+        None, gt=0, description="seconds the coordinator waits for the edge aggregators' answers to a round's "
+        "collect, whatever the client count (unset: network.liveness_timeout_s as set, before the heartbeat budget "
+        "stretches it)")
     uplink_mbps: float | None = pydantic.Field(
         None, gt=0, description="emulated clock: megabits per second of each edge aggregator's link up to the "
         "coordinator (unset: not limited)")
@@ -25,6 +29,12 @@ class TopologyConfig(pydantic.BaseModel):
         "coordinator (unset: not limited)")
     latency_ms: float = pydantic.Field(
         0.0, ge=0, description="emulated clock: one-way latency of each edge aggregator's link to the coordinator")
+
+    def aggregate_wait_s(self, network) -> float:
+        """Seconds a round waits for its edge aggregators' answers: ``aggregate_timeout_s``, else ``network``'s
+        liveness timeout as set (a :class:`~fcl_emu.runconfig.config.NetworkConfig`; the heartbeat budget's stretch,
+        which grows with the client count, left out)."""
+        return self.aggregate_timeout_s or network.liveness_timeout_s
 
     def wide_area_s(self, down_bytes: int, up_bytes: int) -> float:
         """Seconds an aggregator's round takes on its link to the coordinator: the model down, the aggregate up
@@ -63,9 +73,9 @@ def check_topology(config, refusals: dict[str, str]) -> None:
                          f"shared (keys per device are not taken either)")
     if config.aggregation.asynchronous:
         raise ValueError(f"{flag} aggregates a synchronous round's cohort at the edge: use --aggregation sync")
-    if config.security.aggregator != "mean":
-        raise ValueError(f"{flag} combines each edge's updates by their weighted mean before the coordinator sees "
-                         f"them: --aggregator {config.security.aggregator} needs every update")
+    if (need := config.security.robust_aggregator().min_updates) > m:  # the rule combines the aggregates
+        raise ValueError(f"--aggregator {config.security.aggregator} combines the edge aggregates (each edge "
+                         f"averages its clients' updates): it needs {need} of them a round, more than {flag}")
     if config.privacy.central:
         raise ValueError(f"{flag}: --privacy central clips each update at the coordinator, which sees only edge "
                          f"aggregates (use --secagg --privacy distributed)")

@@ -157,6 +157,6 @@ class Flags:
             elif spec.repeat:
                 for item in value:
                     argv += [spec.flag, spec.format(item)]
-            elif value is not None:
+            elif value is not None or spec.default is not None:  # None where the default is not: its own word
                 argv += [spec.flag, spec.format(value)]
         return argv

@@ -192,7 +192,7 @@ def test_a_secagg_run_with_distributed_dp_reports_central_epsilon_and_refuses_a_
 
     keyring = ClientKeyring(Path(node_keys[1]), Path(node_keys[3]))
     nodes = [EdgeNode(coordinator.address, list(ix), name=f"node-{i}", data_roots=[mnist_root],
-                      state_dir=tmp_path / f"state-{i}", keys=keyring)
+                      state_dir=tmp_path / f"state-{i}", keys=keyring, secure=True)
              for i, ix in enumerate((range(10), range(10, 20)))]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggServer, "close_keys", tampered)

@@ -135,7 +135,7 @@ def sessions() -> tuple[SecureSessions, Recorder, EdgeNodeMetrics]:
 
 
 def result_of(c: EmulatedClient, error: str | None = None) -> TrainResult:
-    return TrainResult(c, ROUND, TASK, None, 12, {"loss": 0.5}, error=error, cpu_s=0.25, secure=True,
+    return TrainResult(c, ROUND, TASK, None, 12, {"loss": 0.5}, error=error, cpu_s=0.25,
                        vector=np.full(4, 0.1, np.float32))
 
 

@@ -39,9 +39,15 @@ def update_msg(client: str, samples: int, scale: float, round: int = 1, **tensor
     return decode([bytes(memoryview(f)) for f in frames])
 
 
+def relayed(h: HeldUpdates, round: int, table: list[TensorSpec] = TABLE, clients: int = 10) -> HeldUpdates:
+    """``h`` after the round's train request was relayed to clients 0 to ``clients`` - 1."""
+    for i in range(clients):
+        h.on_train_request(round, table, f"client-{i:04d}")
+    return h
+
+
 def held(*msgs: Message) -> HeldUpdates:
-    h = HeldUpdates()
-    h.on_train_request(1, TABLE)
+    h = relayed(HeldUpdates(), 1)
     for msg in msgs:
         h.hold(msg)
     return h
@@ -83,8 +89,7 @@ def test_held_updates_are_checked_like_the_coordinators_and_combined_on_collect(
 def test_a_module_that_rides_with_the_model_is_checked_and_averaged_beside_it():
     """AF-FCL's flow or LANDER's projector: sent with the model under the method's name, uploaded back as a delta
     under the same name, averaged at the edge beside the model's delta."""
-    h = HeldUpdates()
-    h.on_train_request(1, [*TABLE, TensorSpec("affcl/flow/v", "float32", [4], 16)])
+    h = relayed(HeldUpdates(), 1, [*TABLE, TensorSpec("affcl/flow/v", "float32", [4], 16)])
 
     def upload(client, samples, value, flow_shape=(4,)):
         return update_msg(client, samples, value, **{DELTA + k: np.full(a.shape, value, np.float32)
@@ -112,7 +117,7 @@ def test_the_edge_applies_the_norm_bound_and_the_direction_check_to_its_clients(
 
 
 def test_masked_inputs_are_held_checked_and_summed_in_the_ring():
-    h = HeldUpdates()
+    h = relayed(HeldUpdates(), 2)
     params = SecAggParams(round=3, n=4, dim=5, neighbors=3, threshold=2, ring_bits=16, clip=1.0, max_weight=9)
     h.on_secagg_setup(2, params)
 
@@ -211,7 +216,7 @@ def base(**topology) -> dict:
     ({"containers": {"backend": "docker"}}, "--backend process"),
     ({"nodes": 1}, "fewer than --edge-aggregators 2"),
     ({"aggregation": {"kind": "fedbuff"}}, "--aggregation sync"),
-    ({"security": {"aggregator": "median"}}, "needs every update"),
+    ({"security": {"aggregator": "krum"}}, "needs 5 of them"),
     ({"rounds": {"clients_per_round": 8, "late_updates": "next_round"}}, "--late-updates drop"),
     ({"topology": {"edge_aggregators": 2, "edge_rounds": 2}, "secagg": {"enabled": True}}, "--edge-rounds 1"),
     ({"network": {"client_connections": "own"}}, "client_connections: shared"),
@@ -285,7 +290,7 @@ def secure_tiers(tmp_path_factory, mnist_root, one_torch_thread):
         return outcome
 
     nodes = [EdgeNode(aggregators[n % 2].address, list(range(n, 40, 4)), name=f"node-{n}", data_roots=[mnist_root],
-                      state_dir=tmp_path / f"state-{n}") for n in range(4)]
+                      state_dir=tmp_path / f"state-{n}", secure=True) for n in range(4)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggClient, "on_shares", on_shares)
         patch.setattr(HeldUpdates, "hold_masked", hold_masked)
@@ -527,7 +532,7 @@ def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_
     state = make_state()
     tier = EdgeTier(state, 3, liveness_timeout_s=10.0)
     r = OpenRound(task=0, number=4, chosen=["a", "b", "c", "d"], selected={"a", "b", "c", "d"}, wanted=4)
-    r.counted = [ClientUpdate(c, 10, {}) for c in "abcd"]
+    r.counted = [ClientUpdate(c, 10, {}, square_sums={"delta/w": 3.0}) for c in "abcd"]  # as their notices said
     r.held_at = {"a": "edge-aggregator-0", "b": "edge-aggregator-0", "c": "edge-aggregator-1",
                  "d": "edge-aggregator-2"}
     asked = []
@@ -535,12 +540,14 @@ def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_
 
     def aggregate(clients, samples, peer):
         frames = encode("edge_aggregate", EdgeAggregate(clients=clients, num_samples=samples, loss=0.1), sender=peer,
-                        seq=1, round=4, tensors={"delta/w": np.ones(3, np.float32)})
+                        seq=1, round=4, tensors={"delta/w": np.full(3, samples / 1000, np.float32)})  # each its own
         return decode([bytes(memoryview(f)) for f in frames])
 
     def serve(until, deadline):
         tier.on_message("edge-aggregator-0", aggregate(["a", "b"], 20, "edge-aggregator-0"))
-        tier.on_message("edge-aggregator-1", aggregate(["c"], 500, "edge-aggregator-1"))  # more than c announced
+        with pytest.raises(WireError, match="announced") as refused:  # more than c announced
+            tier.on_message("edge-aggregator-1", aggregate(["c"], 500, "edge-aggregator-1"))
+        tier.refused("edge-aggregator-1", 4, refused.value.reason)  # as the dispatcher does: its share fails
         with pytest.raises(WireError, match="not asked for"):
             tier.on_message("edge-aggregator-0", aggregate(["a", "b"], 20, "edge-aggregator-0"))  # a second one
         with pytest.raises(WireError, match="not asked for"):
@@ -555,4 +562,4 @@ def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_
     assert sorted(asked) == [("edge-aggregator-0", ["a", "b"]), ("edge-aggregator-1", ["c"]),
                              ("edge-aggregator-2", ["d"])]
     assert groups.clients == {"edge-aggregator-0": ["a", "b"]} and [u.num_samples for u in groups.updates] == [20]
-    assert state.tally.rejected["implausible"] == 1
+    assert tier.round_aggregates["edge-aggregator-1"] == {"asked": 1, "taken": 0, "outcome": "implausible"}

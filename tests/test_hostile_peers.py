@@ -489,7 +489,8 @@ class NoPool:
 
 class Cohort(threading.Thread):
     """Clients 0-5 on one thread, each on its own socket: they join, then answer every train request at once,
-    client k with a delta of 0.1 k per weight; client 0 with ``attack`` instead when given."""
+    client k with a delta of 0.1 k per weight; client 0 with ``attack`` instead when given: its update's delta, or
+    its whole answer (message type, body, tensors)."""
 
     def __init__(self, ctx: zmq.Context, address: str, attack: dict | None):
         super().__init__(daemon=True)
@@ -507,10 +508,11 @@ class Cohort(threading.Thread):
                 i, endpoint = by_socket[sock]
                 msg = endpoint.recv()
                 if msg.type == "train_request":
-                    delta = self.attack if i == 0 and self.attack is not None else \
-                        {"delta/w": np.full(3, 0.1 * i, np.float32)}
-                    endpoint.send("update", Update(num_samples=10, train_time_s=0.01, loss=0.5), round=msg.round,
-                                  task=msg.task, tensors=delta)
+                    answer = ("update", Update(num_samples=10, train_time_s=0.01, loss=0.5),
+                              {"delta/w": np.full(3, 0.1 * i, np.float32)})
+                    if i == 0 and self.attack is not None:
+                        answer = self.attack if isinstance(self.attack, tuple) else (*answer[:2], self.attack)
+                    endpoint.send(answer[0], answer[1], round=msg.round, task=msg.task, tensors=answer[2])
 
     def close(self) -> None:
         self.stop.set()
@@ -519,7 +521,7 @@ class Cohort(threading.Thread):
             endpoint.close(0)
 
 
-def one_round(attack: dict | None = None) -> tuple[RunState, object]:
+def one_round(attack: dict | tuple | None = None) -> tuple[RunState, object]:
     """The state and record of one real-clock round of 6 clients, every one selected, served by the real
     dispatcher and round runner over real sockets (the method is a fake of 3 weights)."""
     state = make_state(clients_per_round=ROUND_CLIENTS, min_participants=2, deadline_s=DEADLINE_S,

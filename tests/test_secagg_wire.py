@@ -106,7 +106,7 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
 
     keyring = ClientKeyring(Path(node_keys[1]), Path(node_keys[3]))
     nodes = [EdgeNode(coordinator.address, list(ix), name=f"node-{i}", data_roots=[mnist_root],
-                      state_dir=tmp_path / f"state-{i}", keys=keyring)
+                      state_dir=tmp_path / f"state-{i}", keys=keyring, secure=True)
              for i, ix in enumerate((range(0, 50), range(50, 100)))]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SecAggClient, "on_shares", on_shares)

@@ -53,6 +53,7 @@ REASONS = (
     "cohort_bound",  # a side-channel upload or a VAE beyond security.adaptive_clip x its round's median norm
     "off_cohort",  # an update that agrees with nothing of its round's cohort (security.direction_check)
     "late_cap",  # a late update beyond those kept for the next round
+    "replayed",  # an edge aggregate whose tensors are those of one already taken
 )
 
 

@@ -4,8 +4,8 @@ Every message on the wire is a msgpack header (frame 0) followed by raw tensor
 frames. The header is a :class:`Header`; its ``body`` is decoded against the
 schema registered for its ``type`` in :data:`BODY_SCHEMAS`, so a message with a
 missing field, a field of the wrong type or an unknown field is rejected before
-any handler sees it. Adding a message type means adding a body struct and one
-line in :data:`BODY_SCHEMAS`.
+any handler sees it; :data:`SENDERS` names who may send each type. Adding a
+message type means adding a body struct and one line in each of the two.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ Text = Annotated[str, msgspec.Meta(max_length=1024)]  # free text: error details
 MAX_METRICS = 64  # metric keys in one update
 Metrics = Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_METRICS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]  # a finite duration (NaN fails the bound too)
+SquareSum = Annotated[float, msgspec.Meta(ge=0, le=1e300)]  # a tensor's sum of squares (NaN, infinity fail)
+MAX_TENSORS = 4096  # tensors in one message (wire.framing.Limits.max_tensors)
 
 
 def client_id(index: int) -> str:
@@ -86,10 +88,19 @@ class Welcome(Body):
     heartbeat_interval_s: float
     join_task: int
     edge: EdgeSettings = msgspec.field(default_factory=EdgeSettings)
+    # the run aggregates under SecAgg+ (--secagg): a node that was not started to (edge_node/args.py, --secagg),
+    # or one started to in a plain run, exits in one line instead of following what a relay says
+    secure: bool = False
+
+
+MAX_REASONS = 64  # refusal reasons in one report
 
 
 class Heartbeat(Body):
-    pass
+    """A client's carries nothing; an edge aggregator's, the client messages it refused so far by reason, which the
+    coordinator's summary counts as the edge's (``rejected_messages``: ``edge/<reason>``)."""
+
+    rejected: Annotated[dict[Name, Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_REASONS)] = {}
 
 
 class Leave(Body):
@@ -121,7 +132,9 @@ class TrainRequest(Body):
 
     local_epochs: int
     lr: float
-    secure: bool = False  # the update goes through secure aggregation (a secagg_setup came first)
+    # the update goes through secure aggregation (a secagg_setup came first); a node refuses a request whose flag is
+    # not what it was started with (a relay cannot turn a secure round plain)
+    secure: bool = False
 
 
 class Cancel(Body):
@@ -143,11 +156,14 @@ class Update(Body):
 class UpdateHeld(Update, kw_only=True):
     """Edge aggregator -> coordinator, under the client's identity: the client's ``update`` of the round in the
     header reached its edge aggregator (docs/hierarchy.md), which checked it and holds its tensors until the
-    round's ``edge_collect``. The body is the update's, with the aggregator's name and the bytes the client sent
-    (what its link carried)."""
+    round's ``edge_collect``. The body is the update's, with the aggregator's name, the bytes the client sent
+    (what its link carried) and the sum of the squares of each of its float tensors as the aggregator received
+    them: the bound on the aggregate (a weighted mean is no longer, tensor by tensor, than the longest of its
+    clients' updates)."""
 
     aggregator: Name
     nbytes: int
+    square_sums: Annotated[dict[Name, SquareSum], msgspec.Meta(max_length=MAX_TENSORS)] = {}
 
 
 MAX_TIER_CLIENTS = 1 << 17  # clients named in one edge collect or aggregate
@@ -384,6 +400,52 @@ BODY_SCHEMAS: dict[str, type[Body]] = {
     "job_result": JobResult,
 }
 
+# --- who sends what: each message type's rightful sender class --------------------------------------------------
+# Checked where a message enters another party: an edge aggregator's relay forwards up only what a client may send
+# (edge_aggregator/relay.py); the coordinator takes under a client's name only a client's messages, and an edge
+# aggregator's notices (``update_held``, ``secagg_masked_held``) only over that aggregator's own connection
+# (coordinator/dispatch.py). An edge node sends only in its clients' names. A few types are more than one class's
+# own: heartbeats (a client's, an aggregator's), errors (any party's refusal or failure), and train requests (an
+# aggregator trains its clients again from its edge model under --edge-rounds).
+CLIENT, AGGREGATOR, COORDINATOR, WORKER = "client", "aggregator", "coordinator", "worker"
+SENDERS: dict[str, frozenset[str]] = {msg_type: frozenset(senders) for msg_type, senders in {
+    "join": {CLIENT},
+    "welcome": {COORDINATOR},
+    "heartbeat": {CLIENT, AGGREGATOR},
+    "leave": {CLIENT},
+    "task_start": {COORDINATOR},
+    **{asset: {COORDINATOR} for asset in ASSET_TYPES},
+    "train_request": {COORDINATOR, AGGREGATOR},
+    "cancel": {COORDINATOR},
+    "update": {CLIENT},
+    "update_held": {AGGREGATOR},
+    "edge_collect": {COORDINATOR},
+    "edge_aggregate": {AGGREGATOR},
+    **{kind: {CLIENT} for kind in SIDE_CHANNEL_TYPES},
+    "error": {CLIENT, AGGREGATOR, COORDINATOR, WORKER},
+    "shutdown": {COORDINATOR},
+    "secagg_setup": {COORDINATOR},
+    "secagg_keys": {CLIENT},
+    "secagg_peer_keys": {COORDINATOR},
+    "secagg_shares": {CLIENT},
+    "secagg_relay": {COORDINATOR},
+    "secagg_masked": {CLIENT},
+    "secagg_masked_held": {AGGREGATOR},
+    "secagg_unmask_request": {COORDINATOR},
+    "secagg_unmask": {CLIENT},
+    "secagg_abort": {COORDINATOR},
+    "worker_hello": {WORKER},
+    "job": {COORDINATOR},
+    "job_progress": {WORKER},
+    "job_result": {WORKER},
+}.items()}
+
+
+def sent_by(msg_type: str, sender: str) -> bool:
+    """Whether ``sender`` (a class: :data:`CLIENT`, :data:`AGGREGATOR`, ...) may send messages of ``msg_type``."""
+    return sender in SENDERS.get(msg_type, ())
+
+
 def plain_body(body: msgspec.Struct) -> dict[str, Any]:
     """A decoded body as plain dicts and lists (bytes kept as bytes): what the secure-aggregation protocol
     code on both sides takes."""
@@ -396,6 +458,11 @@ SECAGG_REPLIES = {"secagg_keys": "advertise_keys", "secagg_shares": "share_keys"
 
 # What an edge aggregator sends up in place of a client's answer it holds (docs/hierarchy.md), by the answer's type.
 HELD_AT_EDGE = {"update": "update_held", "secagg_masked": "secagg_masked_held"}
+
+# What a selected client sends for its round (or an edge aggregator in its name): a refused one fails the client for
+# the round at once, at the coordinator (coordinator/dispatch.py) or reported up by its aggregator as the client's
+# error (edge_aggregator/relay.py), so that no round waits for an answer that was refused.
+ROUND_MESSAGES = frozenset({"update", "update_held", *SECAGG_REPLIES, *SIDE_CHANNEL_TYPES})
 
 # Message types whose float tensors must be finite (model content a receiver
 # will compute with). Others are checked for shape and size only.

@@ -268,6 +268,7 @@ class ServerEndpoint:
         self._held: dict[bytes, HeldSets] = {}  # shared connection -> what it holds (keys and sizes)
         self._seq = 0
         self.switched = False  # the last message received moved its sender to another connection
+        self._last: tuple[bytes, Grant | None] | None = None  # the last message's connection and its key's grant
         # bytes put on the wire (tensors held by a shared connection counted once, envelopes left out), where the
         # byte counts count each message whole
         self.wire_sent = 0
@@ -334,9 +335,19 @@ class ServerEndpoint:
             exc.peer = claimed  # to answer on that connection
             raise
         check_grant(self.grants, frames[0], msg.sender)
+        self._last = (route, None if self.grants is None else self.grants[frames[0].get("User-Id")])
         self._route(msg.sender, route)
         self.count(msg.type, "received", msg.nbytes)
         return msg.sender, msg
+
+    def came_from(self, identity: str) -> bool:
+        """Whether the message :meth:`recv` returned last came over a connection that may speak for ``identity`` (an
+        edge aggregator's, for a notice it sends in a client's name): with keys, one whose key's grant holds
+        ``identity``; without, the connection ``identity``'s own latest message came on."""
+        if self._last is None:
+            return False
+        route, grant = self._last
+        return identity in grant.identities if grant is not None else self._routes.get(identity) == route
 
     def _is_shared(self, route: bytes, frame: zmq.Frame) -> bool:
         """Whether the connection ``route`` is a shared one (its handshake metadata, read once per connection)."""

@@ -27,15 +27,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def aggregator_args(index: int, coordinator: str, bind: str, config: RunConfig,
                     parent_pid: int | None = None) -> AggregatorArgs:
-    """The arguments of aggregator ``index``, dialling ``coordinator`` and bound to ``bind``, under the run's keys."""
+    """The arguments of aggregator ``index``, dialling ``coordinator`` and bound to ``bind``, under the run's keys,
+    with the run's defences for its edge rounds."""
     keys: dict = {"insecure": True}
     if config.security.transport != "plain":
         directory = Path(config.security.keys)
         keys = {"server_key": directory / f"{SERVER_NAME}.key",
                 "key": directory / f"{aggregator_name(index)}.key_secret"}
     interval, _ = config.network.liveness(config.scenario.num_clients)
+    security = config.security  # the bounds on its edge rounds before the last (the last's come with the collect)
     return AggregatorArgs(coordinator, bind, aggregator_name(index), heartbeat_interval=interval,
                           edge_rounds=config.topology.edge_rounds, edge_round_timeout=config.rounds.deadline_s,
+                          max_update_norm=security.max_update_norm, direction_check=security.direction_check,
+                          clip_norm=security.clip_norm, adaptive_clip=security.adaptive_clip,
                           parent_pid=parent_pid, **keys)
 
 

@@ -123,7 +123,8 @@ def node_key_files(keys: Path, number: int, server: str = SERVER_NAME) -> tuple[
 def node_args(address: str, indices: list[int], config: RunConfig, name: str, n: int = 0,
               parent_pid: int | None = None, metrics_host: str | None = None, server: str = SERVER_NAME) -> NodeArgs:
     """The arguments of edge node ``n`` dialling ``server`` at ``address`` (its keys, data roots and /metrics port,
-    served on ``metrics_host`` or the run's metrics host)."""
+    served on ``metrics_host`` or the run's metrics host, and whether the run aggregates securely: the node learns
+    it from its launcher, never from a message an edge aggregator relays)."""
     keys: dict = {"insecure": True}
     if config.security.transport != "plain":
         if config.security.keys is None:
@@ -134,7 +135,8 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
     metrics = {} if port is None else {"metrics_port": port, "metrics_host": metrics_host or config.metrics.host,
                                        "metrics_linger": config.metrics.linger}
     return NodeArgs(address, indices, data_roots=config.data_root, name=name, parent_pid=parent_pid, **keys,
-                    own_connections=config.network.client_connections == "own", **metrics)
+                    own_connections=config.network.client_connections == "own", secagg=config.secagg.enabled,
+                    **metrics)
 
 
 class NodeLauncher(abc.ABC):
