@@ -172,9 +172,9 @@ def test_an_asynchronous_buffer_is_bounded_with_the_updates_applied_before_it():
 # ------------------------------------------------------------------ FedCBC's VAEs, per class
 
 def test_a_scaled_vae_within_the_norm_bound_is_refused_by_its_classs_bound():
-    """A VAE of class 0 scaled by 9 lies within 10 x the median norm of the round's and the global VAEs, but 8
-    norms from its class's global VAE where the honest ones lie 0.01 norms from it: refused (counted) by the bound
-    per class, and only with it."""
+    """A VAE of class 0 scaled by 9 lies within 10 x the median norm of the round's and the global VAEs of every
+    class, but beyond 3 x its own class's median: refused (counted) by the bound per class, and only with it; in a
+    class's first round too, where the honest VAEs are fresh ones of different initialisations."""
     from fcl_emu.methods.fedcbc import VAES, build_vae, join_vaes
     from tests.test_fedcbc import TINY, _arrays, _server
 
@@ -195,7 +195,13 @@ def test_a_scaled_vae_within_the_norm_bound_is_refused_by_its_classs_bound():
         ClientUpdate("client-9", 10, join_vaes({0: {k: 9 * v for k, v in global_vae.items()}}, VAES))]
     kept = server._within_cohort(updates, 0)
     assert len(kept) == 3 and len(refused) == 1
-    assert "client-9's VAE of class 0 at L2 distance" in refused[0] and "from its class's global VAE" in refused[0]
+    assert refused[0].startswith("client-9's VAE of class 0 of L2 norm") and "VAEs of that class" in refused[0]
+
+    first = _server(TINY, cohort_bound=10.0, refused=refused.append)  # no global VAE of class 0 yet
+    fresh = [_arrays(build_vae(first.options, first.feature_dim, seed=s)) for s in range(2, 6)]
+    first_round = [ClientUpdate(f"client-{i}", 10, join_vaes({0: vae}, VAES)) for i, vae in enumerate(fresh[:3])] + [
+        ClientUpdate("client-9", 10, join_vaes({0: {k: 9 * v for k, v in fresh[3].items()}}, VAES))]
+    assert len(first._within_cohort(first_round, 0)) == 3 and refused[-1].startswith("client-9's VAE of class 0")
     unbounded = _server(TINY)
     unbounded._vaes[0] = global_vae
     assert len(unbounded._within_cohort(updates, 0)) == 4  # without the bound, taken
