@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from fcl_emu.aggregation.clipping import clip_to_cohort, clip_update
-from fcl_emu.aggregation.direction import off_cohort
+from fcl_emu.aggregation.defences import Defences, bound
 from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
 from fcl_emu.coordinator.edge_tier import EdgeGroups, EdgeTier
 from fcl_emu.coordinator.open_round import OpenRound
@@ -103,27 +102,15 @@ class PlainCollection(Collection):
         then to the cohort's adaptive bound (over the method's summed uploads); the quorum is
         ``min_participants``, or what the run's rule needs if more."""
         security, own = self.state.config.security, [u for u in r.counted if u.num_samples > 0]
-        useful = sorted(own + stale, key=lambda u: u.client)
-        if security.direction_check is not None:
-            useful = self._agreeing(useful, security.direction_check)
+        defences = replace(Defences.of(security), max_update_norm=None)  # the norm bound refused them on arrival
+        useful, refused = bound(sorted(own + stale, key=lambda u: u.client), defences, self.state.server.summable)
+        for client, (reason, detail) in refused.items():
+            self.state.rejected(reason, client, detail)
         losses = [u.loss for u in useful]
-        if security.clip_norm is not None:
-            useful = [clip_update(u, security.clip_norm) for u in useful]
-        if security.adaptive_clip is not None:
-            useful = clip_to_cohort(useful, security.adaptive_clip, self.state.server.summable)
         quorum = max(self.state.config.rounds.min_participants, security.robust_aggregator().min_updates)
         kept = {u.client for u in useful}
         contributors = sorted(u.client for u in own if u.client in kept)
         return Gathered(useful, losses, quorum, len(stale), contributors=contributors)
-
-    def _agreeing(self, updates: list[ClientUpdate], z: float) -> list[ClientUpdate]:
-        """``updates`` without those that agree with nothing of their cohort, each refused as ``off_cohort``."""
-        off = off_cohort(updates, z, self.state.server.summable)
-        for client, agreement in off.items():
-            self.state.rejected("off_cohort", client, f"refused {client}'s update: it agrees with nothing of its "
-                                                      f"round's cohort (largest cosine {agreement:.3g}; "
-                                                      f"--direction-check)")
-        return [u for u in updates if u.client not in off]
 
 
 class EdgeCollection(PlainCollection):
