@@ -2,7 +2,7 @@
 
 ``up`` runs a whole emulation on this machine; ``coordinator`` and ``node``
 run the two halves separately (other hosts); ``methods`` lists the learning
-methods; ``report`` and ``compare`` plot finished runs; ``bench`` holds the
+methods; ``compatibility`` prints what combines with what; ``report`` and ``compare`` plot finished runs; ``bench`` holds the
 benchmarks; ``cluster`` makes a local multi-host Swarm; ``image`` builds the
 container image; ``trace`` writes and measures population behaviour traces.
 """
@@ -319,6 +319,34 @@ def list_methods(
     except KeyError as exc:
         raise typer.BadParameter(str(exc).strip("'\""), param_hint="NAME") from None
     Console().print(method_card(spec))
+
+
+@app.command()
+def compatibility(
+    page: Annotated[Optional[Path], typer.Option(
+        "--page", help="Also write the matrix into this docs page, between its <!-- table: compatibility --> and "
+                       "<!-- /table: compatibility --> markers (docs/compatibility.md); the page must exist.")] = None,
+) -> None:
+    """What combines with what: each method and feature against the round policies, privacy, SecAgg+, edge
+    aggregators, backends and robust rules (yes, no with the error, ignored), read from the compatibility table."""
+    from rich.measure import Measurement
+
+    from fcl_emu.bench.tables import PageError, write_table
+    from fcl_emu.compatibility import BLOCK, matrix_markdown, matrix_table
+
+    if page is not None:
+        try:
+            write_table(page, BLOCK, matrix_markdown())
+        except PageError as exc:
+            fail(str(exc), 1)
+        return Console().print(f"{page}: matrix written", markup=False, highlight=False)
+    table, notes = matrix_table()
+    stdout = Console()
+    unbroken = Measurement.get(stdout, stdout.options.update(max_width=1000), table).maximum
+    stdout.width = max(stdout.width, unbroken)  # wider than the terminal rather than each cell cut short
+    stdout.print(table)
+    for note in notes:
+        stdout.print(note, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

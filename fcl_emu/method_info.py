@@ -22,6 +22,7 @@ from fcl_emu.methods.base import ServerPart
 from fcl_emu.methods.registry import MethodSpec
 from fcl_emu.methods.requirements import missing_extras, pip_install
 from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig.compatibility import method_refusals
 
 _TRAINING_KEYS = ("optimizer", "lr", "momentum", "weight_decay", "local_epochs", "batch_size")
 
@@ -112,16 +113,13 @@ def optimiser_lines(spec: MethodSpec) -> list[str]:
 
 
 def requirement_lines(spec: MethodSpec) -> list[str]:
-    """Extras (installed or not), the model the method needs, the features it refuses and why."""
-    from fcl_emu.methods.models.classifier import NO_BATCHNORM
-
+    """Extras (installed or not), and what the method rules out and why (the compatibility table's method entries:
+    models, run features; docs/compatibility.md)."""
     lines = []
     if spec.requires_extras:
         state = "missing here" if missing_extras(spec.requires_extras) else "installed"
         lines.append(f"needs the extra {extras_hint(spec)} ({state})")
-    if spec.server.needs_batchnorm:
-        lines.append(f"needs a model with BatchNorm layers: not --model {' or '.join(sorted(NO_BATCHNORM))}")
-    lines += [f"refuses {feature}: {why}" for feature, why in spec.refusals.items()]
+    lines += [f"refuses {feature}: {why}" for feature, why in method_refusals(spec)]
     return lines or ["needs no extra and takes every run feature"]
 
 

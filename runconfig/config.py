@@ -17,19 +17,17 @@ import pydantic
 import yaml
 
 from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
-from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MODEL_NAMES, one_of
-from fcl_emu.runconfig.aggregation import check_aggregation
+from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.runconfig.ignored import Ignored, settle
 from fcl_emu.runconfig.nodes import NODES_HELP, Nodes, unset_null_nodes
-from fcl_emu.runconfig.secure import check_distributed_privacy, check_secagg
-from fcl_emu.runconfig.topology import TopologyConfig, check_topology
+from fcl_emu.runconfig.topology import TopologyConfig
 from fcl_emu.scenario.availability import parse_availability
 from fcl_emu.scenario.datasets import default_data_roots
 from fcl_emu.scenario.devices import load_profiles, memory_limit
 from fcl_emu.scenario.network_trace import load_network_trace
-from fcl_emu.scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, load_plan
+from fcl_emu.scenario.faults import load_plan
 from fcl_emu.scenario.spec import ScenarioSpec
 from fcl_emu.secagg.settings import SecAggSettings
 
@@ -457,48 +455,21 @@ class RunConfig(pydantic.BaseModel):
         return value
 
     @pydantic.model_validator(mode="after")
-    def _cross_checks(self) -> "RunConfig":
+    def _cross_checks(self, info: pydantic.ValidationInfo) -> "RunConfig":
+        """The method's options; then the privacy accountant's library and what combines with what (the first
+        refusal of the compatibility table that holds, :mod:`~fcl_emu.runconfig.compatibility`), both left to the
+        caller under a context ``{"combinations": False}`` (the matrix reads every entry, on any host)."""
         from fcl_emu.methods import registry
+        from fcl_emu.runconfig import compatibility
 
         spec = registry.get(self.method)
         check_method_options(spec, self.method_options)
-        from fcl_emu.methods.models.classifier import NO_BATCHNORM
-
-        if spec.server.needs_batchnorm and self.model in NO_BATCHNORM:
-            raise ValueError(f"method {spec.name!r} trains its generator on the model's BatchNorm statistics; "
-                             f"model {self.model!r} has none: use "
-                             f"{one_of([m for m in MODEL_NAMES if m not in NO_BATCHNORM])}")
-        if self.secagg.enabled:
-            check_secagg(self, spec.refusals)
-        if self.privacy.central:
-            self._check_privacy(spec)
-        if self.privacy.distributed:
-            check_distributed_privacy(self)
-        if self.security.aggregator != "mean":
-            self._check_aggregator(spec)
-        if self.aggregation.asynchronous:
-            check_aggregation(self, spec.refusals)
-        check_topology(self, spec.refusals)
-        if self.rounds.clients_per_round > self.scenario.num_clients:
-            raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
-                             f"clients ({self.scenario.num_clients})")
-        if self.containers.cluster is not None and self.containers.backend != "swarm":
-            raise ValueError("--cluster names the hosts of a swarm: use it with --backend swarm")
-        if self.containers.faults is not None and self.containers.backend == "process":
-            raise ValueError("a fault plan acts on containers: use it with --backend docker or swarm (emulated "
-                             "churn for host processes: --availability, --crash-rate)")
-        if self.containers.faults is not None and self.containers.cluster is None and any(
-                f.action in HOST_ACTIONS for f in load_plan(self.containers.faults).faults):
-            raise ValueError(NEEDS_CLUSTER)
-        if self.rounds.min_participants > self.rounds.clients_per_round:
-            raise ValueError("rounds.min_participants exceeds rounds.clients_per_round")
-        if self.edge.network_trace is not None and not self.emulated_clock:
-            raise ValueError("--network-trace follows the emulated clock: use --clock emulated or auto (host "
-                             "processes, no --secagg)")
-        if self.metrics.port is not None and self.metrics.port + self.nodes + self.gpu.workers > 65535:
-            raise ValueError(f"metrics.port {self.metrics.port} leaves no room for {self.nodes} edge-node and "
-                             f"{self.gpu.workers} GPU-worker ports after it (port + nodes + gpu.workers must be "
-                             f"at most 65535)")
+        if not (info.context or {}).get("combinations", True):
+            return self
+        if self.privacy.mode != "off" and importlib.util.find_spec("dp_accounting") is None:
+            raise ValueError(f"--privacy {self.privacy.mode} needs Google's dp-accounting library for its privacy "
+                             f"accountant: pip install 'fcl-emu[dp]'")
+        compatibility.check(self, spec)
         return self
 
     @property
@@ -507,44 +478,6 @@ class RunConfig(pydantic.BaseModel):
         if self.rounds.clock == "auto":
             return self.containers.backend == "process"
         return self.rounds.clock == "emulated"
-
-    def _check_privacy(self, spec) -> None:
-        from fcl_emu.methods.requirements import CENTRAL_DP
-
-        cohort = self.rounds.clients_per_round
-        if importlib.util.find_spec("dp_accounting") is None:
-            raise ValueError("--privacy central needs Google's dp-accounting library for its privacy accountant: "
-                             "pip install 'fcl-emu[dp]'")
-        if self.secagg.enabled:
-            raise ValueError("--privacy central cannot be combined with --secagg: the coordinator must see each "
-                             "delta to clip it (under secure aggregation use --privacy distributed)")
-        if CENTRAL_DP in spec.refusals:
-            raise ValueError(f"--privacy central: {spec.refusals[CENTRAL_DP]}")
-        if self.security.aggregator != "mean":
-            raise ValueError(f"--privacy central averages the clipped deltas itself, with equal weights: it cannot "
-                             f"be combined with --aggregator {self.security.aggregator}")
-        if self.rounds.late_updates == "next_round":
-            raise ValueError("--privacy central cannot be combined with --late-updates next_round: a late update "
-                             "would join a second round's aggregate outside the privacy accounting")
-        z, adaptive = self.privacy.noise_multiplier, self.privacy.adaptive
-        if adaptive.enabled and z > 0 and z >= 2 * adaptive.count_noise(cohort):
-            raise ValueError(f"--dp-adaptive-clipping: the noise multiplier {z:g} must be less than twice the "
-                             f"count noise sigma_b = {adaptive.count_noise(cohort):g} (privacy.adaptive."
-                             f"count_stddev, default clients_per_round / 20), which it includes")
-
-    def _check_aggregator(self, spec) -> None:
-        from fcl_emu.methods.requirements import ROBUST
-
-        rule = self.security.aggregator
-        if ROBUST in spec.refusals:
-            raise ValueError(f"--aggregator {rule}: {spec.refusals[ROBUST]}")
-        if self.secagg.enabled:
-            raise ValueError(f"--aggregator {rule} needs each client's delta, which --secagg hides from the server "
-                             f"(it sees only their sum)")
-        need = self.security.robust_aggregator().min_updates
-        if need > self.rounds.clients_per_round:
-            raise ValueError(f"--aggregator {rule} with --byzantine {self.security.byzantine} needs at least {need} "
-                             f"updates a round; rounds.clients_per_round is {self.rounds.clients_per_round}")
 
     def method_options_model(self):
         return method_spec(self.method).options(**self.method_options)

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import pydantic_core
 
@@ -30,6 +30,7 @@ class Dependent:
     needs: str
     why: str
     applies: Callable[[Any], bool]
+    kind: ClassVar[str] = "ignored"  # its kind in the compatibility table (runconfig/compatibility.py)
 
     @property
     def path(self) -> tuple[str, ...]:

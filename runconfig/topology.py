@@ -1,5 +1,6 @@
 """The federation's tiers (``topology:``): clients straight under the coordinator (a star, the default) or under
-edge aggregators (hierarchical FL, docs/hierarchy.md), and which runs a hierarchy can take (:func:`check_topology`)."""
+edge aggregators (hierarchical FL, docs/hierarchy.md); which runs a hierarchy can take is in
+:mod:`~fcl_emu.runconfig.compatibility`."""
 
 from __future__ import annotations
 
@@ -52,35 +53,3 @@ def aggregator_name(index: int) -> str:
 def aggregator_of_node(node: int, aggregators: int) -> int:
     """The edge aggregator that edge node ``node`` dials: nodes are dealt out round-robin."""
     return node % aggregators
-
-
-def check_topology(config, refusals: dict[str, str]) -> None:
-    """Raise ValueError (one line) for a run that edge aggregators cannot serve: ``config`` a
-    :class:`~fcl_emu.runconfig.RunConfig`, ``refusals`` its method's (:func:`fcl_emu.methods.requirements.refusals`)."""
-    from fcl_emu.methods.requirements import HIERARCHY
-
-    m, flag = config.topology.edge_aggregators, f"--edge-aggregators {config.topology.edge_aggregators}"
-    if m == 0:  # edge settings without aggregators: runconfig/ignored.py
-        return
-    if HIERARCHY in refusals:
-        raise ValueError(f"{flag}: {refusals[HIERARCHY]}")
-    if config.containers.backend != "process":
-        raise ValueError(f"{flag} starts the aggregators as processes of this host: use --backend process")
-    if config.nodes < m:
-        raise ValueError(f"--nodes {config.nodes} is fewer than {flag}: each aggregator serves at least one node")
-    if config.network.client_connections != "shared":
-        raise ValueError(f"{flag} relays each edge node's shared connection: use network.client_connections: "
-                         f"shared (keys per device are not taken either)")
-    if config.aggregation.asynchronous:
-        raise ValueError(f"{flag} aggregates a synchronous round's cohort at the edge: use --aggregation sync")
-    if (need := config.security.robust_aggregator().min_updates) > m:  # the rule combines the aggregates
-        raise ValueError(f"--aggregator {config.security.aggregator} combines the edge aggregates (each edge "
-                         f"averages its clients' updates): it needs {need} of them a round, more than {flag}")
-    if config.privacy.central:
-        raise ValueError(f"{flag}: --privacy central clips each update at the coordinator, which sees only edge "
-                         f"aggregates (use --secagg --privacy distributed)")
-    if config.topology.edge_rounds > 1 and config.secagg.enabled:
-        raise ValueError(f"--edge-rounds {config.topology.edge_rounds} averages each edge round's updates at the "
-                         f"edge, which --secagg hides from it: use --edge-rounds 1 with --secagg")
-    if config.rounds.late_updates != "drop":
-        raise ValueError(f"{flag}: a late update stays at its edge aggregator; use --late-updates drop")
