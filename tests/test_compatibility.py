@@ -1,6 +1,7 @@
 """What combines with what (runconfig/compatibility.py): every refusal of the table is reached by its own example and
 is the error the config gives; allowed combinations pass; a method's refusals, its card and the docs' matrix are
-read from the same table."""
+read from the same table. The table's ignored entries (runconfig/ignored.py's rows) each have their case in
+tests/test_ignored_settings.py, which fails on a row without one."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typer.testing import CliRunner
 
 from fcl_emu import options
 from fcl_emu.cli import app
-from fcl_emu.compatibility import DOC_PAGE, example_config, matrix_markdown
+from fcl_emu.compatibility import DOC_PAGE, matrix_markdown
 from fcl_emu.methods import registry
 from fcl_emu.runconfig import RunConfig
-from fcl_emu.runconfig.compatibility import REFUSED, TABLE, method_refusals, refused
+from fcl_emu.runconfig.compatibility import REFUSED, TABLE, example_data, method_refusals, refused
 from fcl_emu.runconfig.ignored import DEPENDENT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,12 +55,13 @@ def attrgetter_or_none(config, path: str):
 
 @pytest.mark.parametrize("entry", REFUSED, ids=_id)
 def test_each_refusal_is_the_error_its_example_gets(entry, tmp_path, accountant):
-    config = example_config(entry, tmp_path)
+    data = example_data(entry, tmp_path)
+    config = RunConfig.model_validate(data, context={"combinations": False})
     spec = registry.get(config.method)
     assert entry.when(config, spec), "the example does not trigger its entry"
     assert refused(config, spec)[0] is entry, f"an earlier entry holds first: {_id(refused(config, spec)[0])}"
     with pytest.raises(ValueError) as info:
-        RunConfig.model_validate(config.model_dump(mode="json"))
+        RunConfig.model_validate(data)
     message = entry.reason(config, spec)
     assert "\n" not in message and f"Value error, {message} [" in str(info.value)
 
