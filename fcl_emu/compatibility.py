@@ -104,20 +104,27 @@ def cell(data: dict[str, Any], notes: list[str]) -> str:
     return f"{'no' if hits else 'ignored'} ({notes.index(note) + 1})"
 
 
-def matrix() -> Matrix:
-    """Every method and feature (rows) against every feature (columns), each cell from the table."""
+def cases() -> list[tuple[str, list[dict[str, Any] | None]]]:
+    """The matrix's rows: each label with the config data of its cells, one per feature (None where the row and
+    the feature set the same setting)."""
     rows = [(name, {"method": name}) for name in registry.names()]
     rows += [(feature.flags, feature.data) for feature in FEATURES if feature.label not in DEFAULTS]
-    notes: list[str] = []
     out = []
     for label, data in rows:
-        cells = []
+        mine, cells = _flat(data), []
         for feature in FEATURES:
-            mine, theirs = _flat(data), _flat(feature.data)
+            theirs = _flat(feature.data)
             clash = any(path in mine and mine[path] != value for path, value in theirs.items())
-            cells.append("-" if clash else cell(_nested({**mine, **theirs}), notes))
+            cells.append(None if clash else _nested({**mine, **theirs}))
         out.append((label, cells))
-    return Matrix([feature.label for feature in FEATURES], out, notes)
+    return out
+
+
+def matrix() -> Matrix:
+    """Every method and feature (rows) against every feature (columns), each cell from the table."""
+    notes: list[str] = []
+    rows = [(label, ["-" if data is None else cell(data, notes) for data in cells]) for label, cells in cases()]
+    return Matrix([feature.label for feature in FEATURES], rows, notes)
 
 
 def example_config(entry: Refusal, folder: Path) -> RunConfig:

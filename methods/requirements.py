@@ -4,8 +4,9 @@
   entry (``MethodSpec.requires_extras``); :data:`EXTRAS` names the modules each extra brings, which
   :func:`missing_extras` looks for before a run starts.
 - **Refusals**: the run features a method's server part cannot take part in, derived from what the part declares
-  (``side_channels``, ``individual_payload``, ``summable``, its own ``aggregate``): :func:`refusals`. The run
-  configuration refuses those combinations with these reasons, and ``fcl-emu methods NAME`` lists them.
+  (``side_channels``, ``individual_payload``, ``summable``, its own ``aggregate``): :func:`refusals`. The
+  compatibility table (``runconfig/compatibility.py``, one entry per feature) reads them: the run configuration
+  refuses those combinations with these reasons, and ``fcl-emu methods NAME`` and docs/compatibility.md list them.
 """
 
 from __future__ import annotations

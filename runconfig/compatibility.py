@@ -203,7 +203,8 @@ REFUSED: tuple[Refusal, ...] = (
             {**FEDBUFF, **SECURE}),
     Refusal(("--aggregation", "--clock", "--backend"), lambda c, s: c.aggregation.asynchronous and not c.emulated_clock,
             lambda c, s: f"{_policy(c)} runs on the emulated clock (arrivals are ordered in emulated time): use "
-                         f"--clock emulated or auto with the process backend", {**FEDBUFF, "rounds": {"clock": "real"}}),
+                         f"--clock emulated or auto with the process backend",
+            {**FEDBUFF, "rounds": {"clock": "real"}}),
     Refusal(("--aggregation", "--privacy"),
             lambda c, s: c.aggregation.asynchronous and (c.privacy.central or c.privacy.distributed),
             lambda c, s: f"{_policy(c)} cannot be combined with --privacy: its accountant counts synchronous rounds",
@@ -263,10 +264,12 @@ REFUSED: tuple[Refusal, ...] = (
                          f"({c.scenario.num_clients})",
             {"scenario": {"num_clients": 10}, "rounds": {"clients_per_round": 20}}),
     # backends, clusters and fault plans
-    Refusal(("--cluster", "--backend"), lambda c, s: c.containers.cluster is not None and c.containers.backend != "swarm",
+    Refusal(("--cluster", "--backend"),
+            lambda c, s: c.containers.cluster is not None and c.containers.backend != "swarm",
             lambda c, s: "--cluster names the hosts of a swarm: use it with --backend swarm",
             {"containers": {"cluster": "lab"}}),
-    Refusal(("--faults", "--backend"), lambda c, s: c.containers.faults is not None and c.containers.backend == "process",
+    Refusal(("--faults", "--backend"),
+            lambda c, s: c.containers.faults is not None and c.containers.backend == "process",
             lambda c, s: "a fault plan acts on containers: use it with --backend docker or swarm (emulated churn for "
                          "host processes: --availability, --crash-rate)",
             {"containers": {"faults": PLAN}}, files={PLAN: "faults:\n  - {action: kill, round: 2}\n"}),
@@ -276,7 +279,8 @@ REFUSED: tuple[Refusal, ...] = (
             files={PLAN: "faults:\n  - {action: lose_host, host: lab-1, round: 2}\n"}),
     Refusal(("--min-participants", "--clients-per-round"),
             lambda c, s: c.rounds.min_participants > c.rounds.clients_per_round,
-            lambda c, s: "rounds.min_participants exceeds rounds.clients_per_round", {"rounds": {"min_participants": 40}}),
+            lambda c, s: "rounds.min_participants exceeds rounds.clients_per_round",
+            {"rounds": {"min_participants": 40}}),
     Refusal(("--network-trace", "--clock", "--backend"),
             lambda c, s: c.edge.network_trace is not None and not c.emulated_clock,
             lambda c, s: "--network-trace follows the emulated clock: use --clock emulated or auto (host processes, "

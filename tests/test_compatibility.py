@@ -10,14 +10,15 @@ import re
 from operator import attrgetter
 from pathlib import Path
 
+import pydantic
 import pytest
 from typer.testing import CliRunner
 
 from fcl_emu import options
 from fcl_emu.cli import app
-from fcl_emu.compatibility import DOC_PAGE, matrix_markdown
+from fcl_emu.compatibility import DOC_PAGE, cases, matrix, matrix_markdown
 from fcl_emu.methods import registry
-from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.compatibility import REFUSED, TABLE, example_data, method_refusals, refused
 from fcl_emu.runconfig.ignored import DEPENDENT
 
@@ -109,6 +110,24 @@ def test_the_matrix_marks_each_cell_from_the_table():
     notes = dict(re.findall(r"^\[(\d+)\]: (.+)$", text, re.M)) or dict(re.findall(r"^(\d+)\. (.+)$", text, re.M))
     number = re.search(r"no \((\d+)\)", cell("--secagg", "central DP"))[1]
     assert notes[number].startswith("--privacy central cannot be combined with --secagg")
+
+
+def test_each_cell_is_what_the_config_does_with_its_settings(accountant):
+    notes = matrix().notes
+    for (label, cells), (_, marks) in zip(cases(), matrix().rows):
+        for data, mark in zip(cells, marks):
+            if mark == "yes":
+                RunConfig.model_validate(data)
+            elif mark.startswith("no ("):
+                with pytest.raises(ValueError) as info:
+                    RunConfig.model_validate(data)
+                assert f"Value error, {notes[int(mark[4:-1]) - 1]} [" in str(info.value), (label, data)
+            elif mark.startswith("ignored ("):  # as flags: refused, naming what the setting needs
+                why = notes[int(mark[9:-1]) - 1].split(": ", 1)[1]
+                with pytest.raises(pydantic.ValidationError, match=re.escape(why)):
+                    load_config(None, data)
+            else:
+                assert mark == "-" and data is None, (label, mark)
 
 
 def test_the_docs_page_holds_the_matrix_the_table_gives():
