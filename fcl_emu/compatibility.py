@@ -134,7 +134,8 @@ def example_config(entry: Refusal, folder: Path) -> RunConfig:
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+    """``text`` as Markdown shows it: ``|`` kept out of the table's cells, ``<class>`` and ``*`` taken literally."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
 
 
 def matrix_markdown() -> str:
