@@ -1,5 +1,5 @@
 """The experiment tables of docs/experiments.md and docs/reproduction.md (their results pages under docs/results/),
-one module per table, each run as ``python -m fcl_emu.bench.tables.<module> ...``: one real ``fcl-emu up`` per row
+one module per table, each run as ``python -m experiments.<module> ...``: one real ``fcl-emu up`` per row
 and seed (``runs.py``).
 
 Every table command writes ``--out/table.md``; with ``--page PATH`` it also writes the table into a results page,
