@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.runs import final_model
 from fcl_emu.methods.affcl import AFFCLOptions, build_flow
+from fcl_emu.run_model import final_model
 
 PRIOR_FLOOR = 0.5 * math.log(2 * math.pi)  # NLL per dimension of a density no higher than the standard normal's
 

@@ -35,9 +35,10 @@ import torch
 
 from experiments import add_page_options, check_page, write_page
 from experiments.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
-from experiments.runs import (add_method_options, add_report_only, events, final_model, grouped, mean_of, pm,
-                                      run_up, seeded, seeds, with_options)
+from experiments.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm,
+                              run_up, seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.run_model import final_model
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
 DATASET = "mnist"

@@ -44,15 +44,14 @@ MAY_IMPORT: dict[str, set[str]] = {
 # Folders of code run from a checkout, not installed (no package-dir entry): the experiment tables.
 NOT_INSTALLED = {"experiments"}
 
-# What the experiment tables may import of the product: the result files' readers, the method registry's public
-# contract, the data sets' class counts and the generators' budgets they share with the synthesis bench; the runs
-# themselves they start as `fcl-emu up` processes.
-EXPERIMENTS_SURFACE = {"fcl_emu.monitoring.results", "fcl_emu.methods.registry", "fcl_emu.scenario.datasets",
-                       "fcl_emu.bench.synthesis_budget"}
-# The analyses of a finished run's model that recompute what a method computes (the final model read back from
-# its checkpoint, AF-FCL's flow fitted to a run's features, GLFC's gradient inversion) reach into methods/,
-# scenario/ and the checkpoint format beyond that surface.
-EXPERIMENTS_ANALYSES = {"experiments/runs.py", "experiments/flow_fit.py", "experiments/glfc_table.py"}
+# What the experiment tables may import of the product: the result files' readers (a run's summary, its final
+# model), the method registry's public contract, the data sets' class counts and the generators' budgets they share
+# with the synthesis bench; the runs themselves they start as `fcl-emu up` processes.
+EXPERIMENTS_SURFACE = {"fcl_emu.monitoring.results", "fcl_emu.run_model", "fcl_emu.methods.registry",
+                       "fcl_emu.scenario.datasets", "fcl_emu.bench.synthesis_budget"}
+# The analyses of a finished run's model that recompute what a method computes (AF-FCL's flow fitted to a run's
+# features, GLFC's gradient inversion) reach into methods/ and scenario/ beyond that surface.
+EXPERIMENTS_ANALYSES = {"experiments/flow_fit.py", "experiments/glfc_table.py"}
 
 # The installed package's name for each folder of code (pyproject.toml's package-dir): fcl_emu.<folder> -> folder.
 PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
