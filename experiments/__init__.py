@@ -1,6 +1,7 @@
 """The experiment tables of docs/experiments.md and docs/reproduction.md (their results pages under docs/results/),
-one module per table, each run as ``python -m experiments.<module> ...``: one real ``fcl-emu up`` per row
-and seed (``runs.py``).
+one module per table, each run from a checkout's root as ``python -m experiments.<module> ...``: one real
+``fcl-emu up`` per row and seed (``runs.py``). They sit above the product and are not installed with it: they use
+its command line (as processes) and its public surface only (tests/test_layers.py lists it).
 
 Every table command writes ``--out/table.md``; with ``--page PATH`` it also writes the table into a results page,
 between the page's markers ``<!-- table: NAME -->`` and ``<!-- /table: NAME -->`` (:func:`write_table`), so the
