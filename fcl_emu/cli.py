@@ -331,7 +331,7 @@ def compatibility(
     aggregators, backends and robust rules (yes, no with the error, ignored), read from the compatibility table."""
     from rich.measure import Measurement
 
-    from fcl_emu.bench.tables import PageError, write_table
+    from fcl_emu.page_blocks import PageError, write_table
     from fcl_emu.compatibility import BLOCK, matrix_markdown, matrix_table
 
     if page is not None:

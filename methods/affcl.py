@@ -121,7 +121,7 @@ EMNIST-shuffle 1e-3, 0.05, 0.02, 0.5; EMNIST-noisy 1e-3, 0.5, 0.1, 0.5;
 MNIST-SVHN-FASHION 1e-3, 0.1, 0, 0; CIFAR100 5e-3, 0.5, 0.1, 0.1 (with
 ``--lr 1e-3``; the last two also set ``--fedprox_k 0.001``, which the code
 parses but never uses). The noisy-client rows of the AF-FCL table take the
-EMNIST-noisy command's (``fcl_emu/bench/tables/feature_replay_table.py``,
+EMNIST-noisy command's (``experiments/feature_replay_table.py``,
 ``NOISY_AFFCL``). The README leaves the rest at ``main.py``'s argparse
 defaults: ``k_kd_last = 0.2`` (``k_kd_last_cls``), ``k_kd_feature = 0.5``,
 ``k_kd_output = 0.1``; and ``model.py`` fixes ``flow_layers = 4``,
@@ -144,7 +144,7 @@ Deviations, on purpose:
   standardised space, where the code's bound holds); ``"raw"`` is the
   code's. The code's bounded scale can only shrink a dimension on the way to
   the latent, so it cannot fit features narrower than the standard normal.
-  ``python -m fcl_emu.bench.tables.flow_fit RUN`` measures it on a finished
+  ``python -m experiments.flow_fit RUN`` measures it on a finished
   run's features; on ``cnn_leaky``'s MNIST features (per-dimension spread
   0.007, median) after 500 and 2,000 Adam steps at 1e-4 (2026-11-29): the
   raw flow's held-out NLL stays at the prior's floor (473 and 471 nats, 0.92

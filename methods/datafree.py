@@ -29,7 +29,7 @@ from torch import nn
 
 from fcl_emu.methods import jobs
 from fcl_emu.methods.models.classifier import IncrementalClassifier, build_model
-from fcl_emu.methods.models.state import load_arrays
+from fcl_emu.methods.models.state import load_arrays, state_to_arrays
 from fcl_emu.scenario.transforms import random_crop_flip
 
 __all__ = ["BatchNormStatistics", "information_entropy_loss", "smoothness_prior", "soft_target_ce",
@@ -181,6 +181,19 @@ def frozen_classifier(model_name: str, input_shape, arrays: Mapping[str, np.ndar
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def sample_teacher(input_shape: tuple[int, int, int], classes: int) -> dict[str, np.ndarray]:
+    """A synthesis job's inputs, ``model/<key>``: a ``cnn_bn`` classifier with random weights from seed 0 and
+    BatchNorm statistics of three batches of 64 random images (what the job inverts); torch's RNG left as it
+    was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model("cnn_bn", tuple(input_shape), classes).train()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(64, *input_shape) * 0.8 + 0.2)
+    return {"model/" + k: v for k, v in state_to_arrays(model.eval()).items()}
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -155,9 +155,8 @@ from fcl_emu.methods.fedcbc_fusion import draw_latents, fit_vae, pseudo_features
 from fcl_emu.aggregation.clipping import beyond_cohort, l2_norm
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
-from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.models.classifier import build_model
-from fcl_emu.methods.models.state import load_arrays, state_to_arrays
+from fcl_emu.methods.models.state import load_arrays, read_only, state_to_arrays, strip_prefix
 from fcl_emu.methods.models.vae import VAE, VAEClassifier
 from fcl_emu.methods.registry import MethodSpec, register
 from fcl_emu.scenario.transforms import denormalize, to_tensor
@@ -263,7 +262,13 @@ def join_vaes(vaes: Mapping[int, Mapping[str, np.ndarray]], prefix: str) -> Arra
 
 
 # --------------------------------------------------------------------- jobs
-@jobs.job("fedcbc.pretrain", label="pretraining")
+def _sample_pretraining(input_shape: tuple[int, int, int], classes: int) -> Arrays:
+    """200 random uint8 images (seed 0) as ``(N, H, W, C)``, labels cycling through the classes."""
+    x = np.random.default_rng(0).integers(0, 256, (200, *input_shape[1:], input_shape[0]), dtype=np.uint8)
+    return {"x": x, "y": np.arange(200) % classes}
+
+
+@jobs.job("fedcbc.pretrain", label="pretraining", sample=_sample_pretraining)
 def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
                        device: torch.device) -> jobs.JobOutput:
     """Pretrain the backbone on the server's labelled subset (inputs ``x``: uint8 images ``(N, H, W, C)``,
@@ -302,7 +307,17 @@ def pretrain_extractor(inputs: Mapping[str, np.ndarray], options: Mapping[str, A
                            "train_accuracy": float((predicted == y).float().mean())})
 
 
-@jobs.job("fedcbc.fuse", label="fusion")
+def _sample_fusion(input_shape: tuple[int, int, int], classes: int) -> Arrays:
+    """Each class's pixel VAEs (sigmoid decoders, seeds 10 x class + i): 2 or 3 sources and the student's start."""
+    o, d, inputs = FedCBCOptions(decoder_output="sigmoid"), int(np.prod(input_shape)), {}
+    for c in range(classes):
+        sources = {i: state_to_arrays(build_vae(o, d, seed=10 * c + i)) for i in range(2 + c % 2)}
+        inputs |= join_vaes(sources, f"source/{c}/")
+        inputs |= join_vaes({c: state_to_arrays(build_vae(o, d, seed=10 * c))}, "start/")
+    return inputs
+
+
+@jobs.job("fedcbc.fuse", label="fusion", sample=_sample_fusion)
 def fuse(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """Selective knowledge fusion (eq. 7) of every class in the inputs: ``source/<class>/<i>/<param>`` (the
     local VAEs and the previous global VAE of the class) and ``start/<class>/<param>`` (the student's start).

@@ -268,7 +268,19 @@ def mean_entropy(model: nn.Module, x: torch.Tensor, batch: int = 512) -> float:
     return total / max(len(x), 1)
 
 
-@jobs.job("glfc.proxy")
+def _sample_prototype_gradients(input_shape: tuple[int, int, int], classes: int) -> Arrays:
+    """A proxy round's inputs: the pooled prototype gradients (``grad/<k>/<param>``), one per class, each of a
+    random image (seed 0) through the encoder of the default ``encoder_seed``."""
+    encoder = GradientEncoder(input_shape, classes, GLFCOptions().encoder_seed)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for k in range(classes):
+        grads = encoder.gradients(torch.rand((1, *input_shape), generator=gen), torch.tensor([k]))
+        inputs.update({f"grad/{k}/{n}": g.numpy() for (n, _), g in zip(encoder.named_parameters(), grads)})
+    return inputs
+
+
+@jobs.job("glfc.proxy", sample=_sample_prototype_gradients)
 def proxy_step(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """The proxy server's round: reconstruct the pooled gradients (inputs ``grad/<k>/<param>``, no identities)
     and score the global model (``model/<key>``) on the task's monitoring set (``monitor/x``, ``monitor/y``)

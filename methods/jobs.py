@@ -44,11 +44,13 @@ class JobOutput:
 
 JobFunction = Callable[[Mapping[str, np.ndarray], Mapping[str, Any], torch.device], JobOutput]
 StepHook = Callable[[int, int], None]  # (steps done, steps in all), as a job reports them
+SampleInputs = Callable[[tuple[int, int, int], int], Arrays]  # (input shape (C, H, W), classes) -> inputs
 
 STEP_INTERVAL_S = 0.25  # a job's steps are passed on at most this often
 
 _JOBS: dict[str, JobFunction] = {}
 _LABELS: dict[str, str] = {}  # kind -> what the job makes, in a word or two (the progress display, events)
+_SAMPLES: dict[str, SampleInputs] = {}  # kind -> a sample of its inputs (sample_inputs)
 
 def _module(prefix: str) -> str | None:
     """The module that registers the jobs ``<prefix>.*`` (imported on first use, by workers too): a built-in
@@ -58,16 +60,29 @@ def _module(prefix: str) -> str | None:
     return __name__ if prefix == "device" else f"fcl_emu.methods.{prefix}" if prefix in BUILTIN else None
 
 
-def job(kind: str, label: str | None = None) -> Callable[[JobFunction], JobFunction]:
+def job(kind: str, label: str | None = None,
+        sample: SampleInputs | None = None) -> Callable[[JobFunction], JobFunction]:
     """Register a job function under ``kind``; ``label``: what the job makes, for users (default: the part of
-    ``kind`` after the dot)."""
+    ``kind`` after the dot); ``sample``: builds inputs of the kind the method's server part hands the job
+    (:func:`sample_inputs`; none: the job takes no arrays)."""
     def register(fn: JobFunction) -> JobFunction:
         if kind in _JOBS and _JOBS[kind] is not fn:
             raise ValueError(f"job kind {kind!r} registered twice")
         _JOBS[kind] = fn
         _LABELS[kind] = label or kind.partition(".")[2] or kind
+        if sample is not None:
+            _SAMPLES[kind] = sample
         return fn
     return register
+
+
+def sample_inputs(kind: str, input_shape: tuple[int, int, int], classes: int) -> Arrays:
+    """Inputs of the kind a run hands job ``kind``, for a model of ``classes`` classes on images of
+    ``input_shape`` (C, H, W), built from fixed seeds (the same arrays every call): what ``fcl-emu bench jobs``
+    profiles a job on, without knowing how the method builds them. A job that takes no arrays: ``{}``."""
+    get(kind)
+    sample = _SAMPLES.get(kind)
+    return {} if sample is None else sample(tuple(input_shape), classes)
 
 
 def kinds(prefix: str) -> dict[str, JobFunction]:

@@ -125,7 +125,8 @@ from fcl_emu.aggregation.combine import apply_fedavg
 from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 from fcl_emu.methods.base import ClientContext
 from fcl_emu.methods.models.state import read_only, strip_prefix
-from fcl_emu.methods.datafree import SynthesisProblem, bounding_loss, soft_target_ce, synthesize, to_uint8
+from fcl_emu.methods.datafree import (SynthesisProblem, bounding_loss, sample_teacher, soft_target_ce, synthesize,
+                                      to_uint8)
 from fcl_emu.methods.models.generators import TextConditionedGenerator
 from fcl_emu.methods.models.state import load_arrays
 from fcl_emu.methods.optim import LocalSGD
@@ -287,7 +288,14 @@ class _LanderProblem(SynthesisProblem):
         return list(self.s_proj.parameters())
 
 
-@jobs.job("lander.synthesize", label="generator")
+def _sample_synthesis(input_shape: tuple[int, int, int], classes: int) -> Arrays:
+    """A synthesis job's inputs: the teacher (:func:`~fcl_emu.methods.datafree.sample_teacher`), random label-text
+    embeddings (``text``, seed 0) and their Bounding radius (``radius``, at fraction 1)."""
+    text = np.random.default_rng(0).normal(size=(classes, TEXT_DIM)).astype(np.float32)
+    return {**sample_teacher(input_shape, classes), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}
+
+
+@jobs.job("lander.synthesize", label="generator", sample=_sample_synthesis)
 def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
                    device: torch.device) -> jobs.JobOutput:
     """LANDER's synthetic set: inputs ``model/<key>``, ``projector/{weight,bias}``, ``text`` (K x D), ``radius``

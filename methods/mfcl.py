@@ -87,7 +87,8 @@ from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
-from fcl_emu.methods.datafree import BatchNormStatistics, frozen_classifier, information_entropy_loss, smoothness_prior
+from fcl_emu.methods.datafree import (BatchNormStatistics, frozen_classifier, information_entropy_loss, sample_teacher,
+                                      smoothness_prior)
 from fcl_emu.methods.models.generators import Generator
 from fcl_emu.methods.models.state import load_arrays, state_to_arrays
 from fcl_emu.methods.registry import MethodSpec, register
@@ -144,7 +145,7 @@ def _build_generator(o: MFCLOptions, input_shape) -> Generator:
     return Generator(o.z_dim, tuple(input_shape), width=o.generator_width, output="tanh_bn", bn_eps=0.8)
 
 
-@jobs.job("mfcl.generator")
+@jobs.job("mfcl.generator", sample=sample_teacher)
 def train_generator(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any],
                     device: torch.device) -> jobs.JobOutput:
     """Train MFCL's generator from the frozen global model (inputs ``model/<key>``; ``generator/<key>`` to

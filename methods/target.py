@@ -92,7 +92,7 @@ from fcl_emu.aggregation.update import Arrays
 from fcl_emu.methods.base import ClientContext, ClientPart, Options, ServerPart
 from fcl_emu.methods.models.state import read_only, strip_prefix
 from fcl_emu.methods.datafree import (SynthesisProblem, SynthesisSettings, frozen_classifier, from_uint8, normalizer,
-                              soft_target_ce, synthesize, to_uint8)
+                              sample_teacher, soft_target_ce, synthesize, to_uint8)
 from fcl_emu.methods.models.classifier import build_model
 from fcl_emu.methods.models.generators import Generator
 from fcl_emu.methods.registry import MethodSpec, register
@@ -172,7 +172,7 @@ def prepare_synthesis(inputs: Mapping[str, np.ndarray], options: Mapping[str, An
     return teacher, student, normalizer(options["mean"], options["std"], device)
 
 
-@jobs.job("target.synthesize", label="generator")
+@jobs.job("target.synthesize", label="generator", sample=sample_teacher)
 def synthesize_job(inputs: Mapping[str, np.ndarray], options: Mapping[str, Any], device: torch.device) -> jobs.JobOutput:
     """TARGET's synthetic set from the frozen global model; returns ``images`` (uint8, N x C x H x W)."""
     o = TargetOptions(**options["method_options"])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fcl_emu.runconfig import RunConfig
-from fcl_emu.bench.tables import flow_fit
+from experiments import flow_fit
 from fcl_emu.methods import affcl
 from fcl_emu.methods import registry as methods
 from fcl_emu.methods.affcl import (FLOW, OLD_FLOW, OLD_MODEL, AFFCLOptions, credibility, feature_distillation, flow_dim,

@@ -1,4 +1,4 @@
-"""The experiment tables (``python -m fcl_emu.bench.tables.<table>``): a run directory is read, not run again;
+"""The experiment tables (``python -m experiments.<table>``): a run directory is read, not run again;
 ``--report-only`` and another process's lock leave a run out; a table row from a run's summary."""
 
 from __future__ import annotations
@@ -7,11 +7,14 @@ import fcntl
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fcl_emu.bench.tables import claims, feature_replay_table, generative_table, glfc_table, many_class_table, runs
+from experiments import claims, feature_replay_table, generative_table, glfc_table, many_class_table, runs
 from fcl_emu.monitoring.results import RunSummary
+
+ROOT = Path(__file__).resolve().parents[1]  # the tables run from a checkout: python -m experiments.<table>
 
 SUMMARY = {
     "status": "completed", "method": "glfc", "dataset": "mnist", "scenario": {"num_tasks": 2},
@@ -66,8 +69,8 @@ def test_rows_read_the_summary_record():
 @pytest.mark.slow
 def test_every_table_runs_as_a_module():
     for table in ("glfc_table", "feature_replay_table", "generative_table", "secagg_table", "many_class_table"):
-        done = subprocess.run([sys.executable, "-m", f"fcl_emu.bench.tables.{table}", "--help"], capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-m", f"experiments.{table}", "--help"], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0 and "--out" in done.stdout, done.stderr
 
 

@@ -94,7 +94,7 @@ def test_colour_data_sets_bring_a_smaller_step_that_the_config_and_the_method_ov
 
 def test_the_generative_tables_keep_the_lr_their_recorded_runs_used():
     """docs/results' CIFAR-10 and Tiny-ImageNet-32 tables ran the methods without their own lr at 0.05."""
-    from fcl_emu.bench.tables import generative_table, many_class_table
+    from experiments import generative_table, many_class_table
 
     def lr(config: dict) -> float:
         return RunConfig.model_validate(config).training.lr

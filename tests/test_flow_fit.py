@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fcl_emu.bench.tables import flow_fit
+from experiments import flow_fit
 from fcl_emu.methods.affcl import AFFCLOptions
 
 

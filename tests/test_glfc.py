@@ -17,7 +17,7 @@ from fcl_emu.edge_node.store import ArrayStore
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.methods import jobs
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
-from fcl_emu.bench.tables import glfc_table
+from experiments import glfc_table
 from fcl_emu.methods.base import ClientContext, ServerContext, TrainingSettings
 from fcl_emu.methods.glfc import (CANDIDATES, MEMORY, GLFCClient, GLFCOptions, GLFCServer, GradientEncoder, herding,
                           label_from_gradients, mean_entropy, merge_memory, prototype_index, reconstruct)

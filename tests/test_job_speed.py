@@ -165,3 +165,28 @@ def test_bench_jobs_writes_its_csv_on_a_tiny_budget(tmp_path):
         assert r["note"].startswith("median of 2: ")
     if not torch.cuda.is_available():
         assert all(r["note"].startswith("skipped") for r in rows if r["device"] == "cuda")
+
+
+def test_every_profiled_kind_samples_its_inputs_from_its_method():
+    """The bench takes each kind's inputs from the method (``jobs.sample_inputs``): the same arrays every call,
+    at the shape and classes asked for; a kind without arrays samples none; an unknown kind is refused."""
+    from fcl_emu.bench.jobs import PROFILES
+
+    for kind in PROFILES:
+        first, again = jobs.sample_inputs(kind, SHAPE, 3), jobs.sample_inputs(kind, SHAPE, 3)
+        assert first.keys() == again.keys()
+        assert all(np.array_equal(first[k], again[k]) for k in first), kind
+    assert jobs.sample_inputs("device.matmul", SHAPE, 3) == {}
+    assert jobs.sample_inputs("lander.text_embeddings", SHAPE, 3) == {}
+    pretrain = jobs.sample_inputs("fedcbc.pretrain", SHAPE, 3)
+    assert pretrain["x"].shape == (200, 12, 12, 1) and pretrain["x"].dtype == np.uint8
+    assert set(pretrain["y"]) == {0, 1, 2}
+    assert {k.split("/")[1] for k in jobs.sample_inputs("glfc.proxy", SHAPE, 3)} == {"0", "1", "2"}
+    fusion = jobs.sample_inputs("fedcbc.fuse", SHAPE, 3)
+    assert {k.rsplit("/", 1)[0] for k in fusion} == {"source/0/0", "source/0/1", "source/1/0", "source/1/1",
+                                                     "source/1/2", "source/2/0", "source/2/1",
+                                                     "start/0", "start/1", "start/2"}  # 2 or 3 sources a class
+    teacher = jobs.sample_inputs("mfcl.generator", SHAPE, 3)
+    assert teacher["model/head.weight"].shape[0] == 3
+    with pytest.raises(KeyError, match="unknown job kind"):
+        jobs.sample_inputs("glfc.nothing", SHAPE, 3)

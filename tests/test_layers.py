@@ -1,8 +1,9 @@
 """The project's folders import each other only downwards (docs/architecture.md), no two of its files import
 each other in a circle, no file of it grows past 600 lines, and every import names the installed package
-(``fcl_emu.<folder>``, pyproject.toml's package-dir), never a bare folder. The imports are read from the code
-itself, function-level ones included, so a new arrow against the layering or a new cycle fails here with the file
-and line that drew it."""
+(``fcl_emu.<folder>``, pyproject.toml's package-dir), never a bare folder. The experiment tables (``experiments/``)
+sit above the product and are not installed with it: nothing in the product imports them, and they name only its
+public surface. The imports are read from the code itself, function-level ones included, so a new arrow against the
+layering or a new cycle fails here with the file and line that drew it."""
 
 import ast
 import re
@@ -35,7 +36,23 @@ MAY_IMPORT: dict[str, set[str]] = {
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
                 "edge_node", "edge_aggregator", "coordinator", "containers"},
+    # the experiment tables, above the product and not installed with it: what they may name of it is
+    # EXPERIMENTS_SURFACE (test_the_experiments_use_the_product_s_public_surface)
+    "experiments": {"fcl_emu", "monitoring", "methods", "scenario", "coordinator"},
 }
+
+# Folders of code run from a checkout, not installed (no package-dir entry): the experiment tables.
+NOT_INSTALLED = {"experiments"}
+
+# What the experiment tables may import of the product: the result files' readers (a run's summary, its final
+# model), the method registry's public contract, the data sets' class counts, the generators' budgets they share
+# with the synthesis bench and the writer of a page's generated blocks; the runs themselves they start as
+# `fcl-emu up` processes.
+EXPERIMENTS_SURFACE = {"fcl_emu.monitoring.results", "fcl_emu.run_model", "fcl_emu.methods.registry",
+                       "fcl_emu.scenario.datasets", "fcl_emu.bench.synthesis_budget", "fcl_emu.page_blocks"}
+# The analyses of a finished run's model that recompute what a method computes (AF-FCL's flow fitted to a run's
+# features, GLFC's gradient inversion) reach into methods/ and scenario/ beyond that surface.
+EXPERIMENTS_ANALYSES = {"experiments/flow_fit.py", "experiments/glfc_table.py"}
 
 # The installed package's name for each folder of code (pyproject.toml's package-dir): fcl_emu.<folder> -> folder.
 PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -228,6 +245,30 @@ def test_no_file_is_over_600_lines():
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
+def test_nothing_in_the_product_imports_the_experiments():
+    wrong = [f"{where}: {source} imports experiments" for source, target, where in arrows()
+             if target in NOT_INSTALLED and source not in NOT_INSTALLED]
+    assert not wrong, "the product must not import the experiment tables:\n" + "\n".join(wrong)
+
+
+def test_the_experiments_are_not_installed():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {name.split(".")[0] for name in setuptools["packages"]} | set(setuptools["package-dir"].values())
+    assert not packages & NOT_INSTALLED
+
+
+def test_the_experiments_use_the_product_s_public_surface():
+    def named(i: Import) -> list[str]:  # ``from fcl_emu.methods import registry`` names fcl_emu.methods.registry
+        return [i.module] if i.module in EXPERIMENTS_SURFACE or not i.names else [f"{i.module}.{n}" for n in i.names]
+
+    files = [p for p in sorted((ROOT / "experiments").rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in EXPERIMENTS_ANALYSES]
+    wrong = [f"{path.relative_to(ROOT)}:{i.line}: {module}" for path in files for i in imports(path)
+             if i.module.split(".")[0] == "fcl_emu" for module in named(i) if module not in EXPERIMENTS_SURFACE]
+    assert not wrong, ("the experiment tables import the product beyond its public surface (EXPERIMENTS_SURFACE):\n"
+                       + "\n".join(wrong))
+
+
 def test_the_reader_catches_function_level_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from fcl_emu.coordinator.lifecycle import Coordinator\n"
@@ -236,7 +277,7 @@ def test_the_reader_catches_function_level_imports(tmp_path):
 
 
 def test_every_folder_of_code_is_installed_under_the_project_s_name():
-    assert set(FOLDERS.values()) | {"fcl_emu"} == code_folders()
+    assert set(FOLDERS.values()) | {"fcl_emu"} == code_folders() - NOT_INSTALLED
     assert all(name == f"fcl_emu.{folder}" for name, folder in PACKAGE_DIR.items() if folder != "fcl_emu")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fcl_emu.bench.tables import PageError, write_table
+from fcl_emu.page_blocks import PageError, write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = """# Results: a page
@@ -18,7 +18,7 @@ PAGE = """# Results: a page
 Some prose with trailing spaces   \nand a measured number, 12.34 %, left as it is.
 
 ```
-python -m fcl_emu.bench.tables.glfc_table --out runs/glfc
+python -m experiments.glfc_table --out runs/glfc
 ```
 
 <!-- table: glfc -->
@@ -107,16 +107,16 @@ def test_a_table_command_writes_its_page_and_refuses_a_missing_one_before_any_ru
     out.mkdir()
     page = tmp_path / "page.md"
     page.write_bytes(PAGE.encode())
-    done = subprocess.run([sys.executable, "-m", "fcl_emu.bench.tables.generative_table", "--report-only",
+    done = subprocess.run([sys.executable, "-m", "experiments.generative_table", "--report-only",
                            "--methods", "fedavg", "--seeds", "0", "--out", str(out), "--page", str(page)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     text = page.read_text()
     assert block(text, "generative") == (out / "table.md").read_text().rstrip("\n")  # named by --out's folder
     assert text.startswith(PAGE)  # the page's own blocks untouched, the new one at its end
     missing = tmp_path / "missing.md"
-    done = subprocess.run([sys.executable, "-m", "fcl_emu.bench.tables.secagg_table", "--out", str(tmp_path / "s"),
-                           "--page", str(missing)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "experiments.secagg_table", "--out", str(tmp_path / "s"),
+                           "--page", str(missing)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode != 0 and f"results page {missing} does not exist" in done.stderr
     assert not (tmp_path / "s").exists()  # refused before the first point ran
 

@@ -2,7 +2,8 @@
 against this machine's own measured peak.
 
 Each job kind the methods register (``methods.jobs.kinds``) runs on
-synthetic inputs of MNIST's shape (28x28 grey images; 10 classes, or ``classes``) for
+the inputs its method samples for MNIST's shape (``methods.jobs.sample_inputs``: 28x28 grey
+images; 10 classes, or ``classes``) for
 ``budget`` steps of its own unit (epochs, L-BFGS steps, generator
 iterations, synthesis rounds). Its floating-point work is counted by
 ``torch.utils.flop_counter.FlopCounterMode`` on runs of one and two steps:
@@ -50,8 +51,8 @@ COLUMNS = ["kind", "variant", "device", "threads", "classes", "budget", "unit", 
 
 @dataclass
 class Profile:
-    """How to run one job kind: its inputs, its options for a budget, what one step is."""
-    inputs: Callable[[int], dict[str, np.ndarray]]  # classes -> inputs
+    """How to run one job kind: its options for a budget, what one step is (its inputs are the method's sample,
+    ``methods.jobs.sample_inputs``)."""
     options: Callable[[int, int], dict[str, Any]]  # (steps, classes) -> options
     budget: int
     unit: str
@@ -60,88 +61,31 @@ class Profile:
     work: Callable[[jobs.JobOutput], float] | None = None  # steps the job reports doing, where not the budget
 
 
-# ------------------------------------------------------------------ inputs
-def _teacher(classes: int) -> dict[str, np.ndarray]:
-    """A ``cnn_bn`` classifier with random weights and BatchNorm statistics (what the synthesis jobs invert)."""
-    from fcl_emu.methods.models.classifier import build_model
-    from fcl_emu.methods.models.state import state_to_arrays
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build_model("cnn_bn", SHAPE, classes).train()
-        with torch.no_grad():
-            for _ in range(3):
-                model(torch.randn(64, *SHAPE) * 0.8 + 0.2)
-    return {"model/" + k: v for k, v in state_to_arrays(model.eval()).items()}
-
-
-def _fusion_inputs(classes: int) -> dict[str, np.ndarray]:
-    """Each class's pixel VAEs (784 inputs), two or three sources each (several clients and the old global)."""
-    from fcl_emu.methods.fedcbc import FedCBCOptions, build_vae
-    from fcl_emu.methods.models.state import state_to_arrays
-
-    o, d, inputs = FedCBCOptions(decoder_output="sigmoid"), int(np.prod(SHAPE)), {}
-    for c in range(classes):
-        for i in range(2 + c % 2):
-            inputs.update({f"source/{c}/{i}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c + i)).items()})
-        inputs.update({f"start/{c}/{k}": v for k, v in state_to_arrays(build_vae(o, d, seed=10 * c)).items()})
-    return inputs
-
-
-def _prototype_gradients(classes: int) -> dict[str, np.ndarray]:
-    """A round's pooled prototype gradients: one per class, of random images."""
-    from fcl_emu.methods.glfc import GLFCOptions, GradientEncoder
-
-    encoder = GradientEncoder(SHAPE, classes, GLFCOptions().encoder_seed)
-    gen = torch.Generator().manual_seed(0)
-    inputs = {}
-    for k in range(classes):
-        grads = encoder.gradients(torch.rand((1, *SHAPE), generator=gen), torch.tensor([k]))
-        inputs.update({f"grad/{k}/{n}": g.numpy() for (n, _), g in zip(encoder.named_parameters(), grads)})
-    return inputs
-
-
-def _pretrain_inputs(classes: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {"x": rng.integers(0, 256, (200, 28, 28, 1), dtype=np.uint8), "y": np.arange(200) % classes}
-
-
 def _common(method_options: dict[str, Any], classes: int) -> dict[str, Any]:
     return {"method_options": method_options, "model": "cnn_bn", "input_shape": list(SHAPE), "mean": MEAN,
             "std": STD, "num_classes": classes, "seed": 0}
-
-
-def _lander_inputs(classes: int) -> dict[str, np.ndarray]:
-    from fcl_emu.methods.lander import TEXT_DIM, bounding_radius
-
-    text = np.random.default_rng(0).normal(size=(classes, TEXT_DIM)).astype(np.float32)
-    return {**_teacher(classes), "text": text, "radius": np.float32(bounding_radius(text, 1.0))}
 
 
 # the synthesis jobs' rounds cut to a few steps each (their defaults take minutes per round on a small CPU)
 _SYNTHESIS = {"generator_steps": 2, "student_steps": 4, "synthesis_batch": 64, "warmup": 1}
 
 PROFILES: dict[str, Profile] = {
-    "device.matmul": Profile(lambda k: {}, lambda n, k: {"seconds": 0.25 * n, "size": 512}, 2, "x 0.25 s", "matmul",
+    "device.matmul": Profile(lambda n, k: {"seconds": 0.25 * n, "size": 512}, 2, "x 0.25 s", "matmul",
                              work=lambda out: out.metrics["products"]),
-    "fedcbc.pretrain": Profile(_pretrain_inputs, lambda n, k: {**_common({"pretrain_epochs": n}, k), "model": "cnn"},
+    "fedcbc.pretrain": Profile(lambda n, k: {**_common({"pretrain_epochs": n}, k), "model": "cnn"},
                                2, "epochs", "conv2d"),
-    "fedcbc.fuse": Profile(_fusion_inputs, lambda n, k: {"method_options": {"fusion_epochs": n,
-                                                                         "decoder_output": "sigmoid"},
-                                                      "feature_dim": int(np.prod(SHAPE)), "seed": 0},
+    "fedcbc.fuse": Profile(lambda n, k: {"method_options": {"fusion_epochs": n, "decoder_output": "sigmoid"},
+                                         "feature_dim": int(np.prod(SHAPE)), "seed": 0},
                            3, "epochs", "matmul", {"batched": {}, "sequential": {"sequential": True}}),
-    "glfc.proxy": Profile(_prototype_gradients, lambda n, k: {**_common({"proxy_iterations": n,
-                                                                         "proxy_keep": min(n, 3)}, k),
-                                                       "model": "cnn"},
+    "glfc.proxy": Profile(lambda n, k: {**_common({"proxy_iterations": n, "proxy_keep": min(n, 3)}, k), "model": "cnn"},
                           3, "L-BFGS steps", "conv2d", {"batched": {}, "sequential": {"sequential": True}}),
-    "mfcl.generator": Profile(_teacher, lambda n, k: _common({"generator_iterations": n}, k), 4, "iterations",
-                              "conv2d"),
-    "target.synthesize": Profile(_teacher, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
+    "mfcl.generator": Profile(lambda n, k: _common({"generator_iterations": n}, k), 4, "iterations", "conv2d"),
+    "target.synthesize": Profile(lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
                                  "rounds", "conv2d"),
-    "lander.synthesize": Profile(_lander_inputs, lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
+    "lander.synthesize": Profile(lambda n, k: _common({**_SYNTHESIS, "synthesis_rounds": n + 1}, k), 2,
                                  "rounds", "conv2d"),
-    "lander.text_embeddings": Profile(lambda k: {}, lambda n, k: {"names": [str(i) for i in range(k * n)],
-                                                                 "prompt": "a photo of a {}"},
+    "lander.text_embeddings": Profile(lambda n, k: {"names": [str(i) for i in range(k * n)],
+                                                    "prompt": "a photo of a {}"},
                                       1, "x classes' names", "matmul"),
 }
 
@@ -246,7 +190,7 @@ def _profile_kind(kind: str, device: torch.device, scale: float, threads: int, l
         return [_row(kind, "", device.type, threads, 0, "", note="skipped: the bench has no profile of this kind")]
     budget = max(1, round(profile.budget * scale))
     try:
-        inputs = profile.inputs(classes)
+        inputs = jobs.sample_inputs(kind, SHAPE, classes)
     except ImportError as exc:
         return [_row(kind, "", device.type, threads, budget, profile.unit, note=f"skipped: {exc}")]
     rows, timers = {}, {}

@@ -11,8 +11,8 @@ computing the same work on this machine can beat the reference by more.
 
     python -m fcl_emu.bench.synthesis --data-root ../shared/data --budget 0.125 --threads 2
 
-The budget is the generative table's (``fcl_emu.bench.tables.generative_table.budget``, half-width generators);
-``--set '{"target.synthesize": {"student_steps": 40}}'`` overrides a job's method options.
+The budget is the generative tables' (:func:`fcl_emu.bench.synthesis_budget.synthesis_budget`, half-width
+generators); ``--set '{"target.synthesize": {"student_steps": 40}}'`` overrides a job's method options.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fcl_emu.bench.jobs import count_flops, peaks
-from fcl_emu.bench.tables.generative_table import CPU, budget
+from fcl_emu.bench.synthesis_budget import CPU, synthesis_budget
 from fcl_emu.methods import jobs
 from fcl_emu.methods.lander import TEXT_DIM, bounding_radius
 from fcl_emu.methods.models.classifier import build_model
@@ -93,7 +93,7 @@ def main() -> None:
     overrides = json.loads(a.set)
     for kind in a.kinds.split(","):
         method = KINDS[kind]
-        options = {"method_options": {**CPU, **budget(method, a.budget), **overrides.get(kind, {})},
+        options = {"method_options": {**CPU, **synthesis_budget(method, a.budget), **overrides.get(kind, {})},
                    "model": "cnn_bn", "input_shape": [1, 28, 28], "mean": list(ds.mean), "std": list(ds.std),
                    "seed": 7}
         inputs = job_inputs(kind, arrays, a.classes)

@@ -2,8 +2,8 @@
 against fedavg, fedlwf2t and fedewc (the baselines of TARGET's tables) over several seeds, each generator at the
 same fraction of its official budget.
 
-    python -m fcl_emu.bench.tables.generative_table --data-root ../shared/data --seeds 0,1,2 --out runs/generative
-    python -m fcl_emu.bench.tables.generative_table --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
+    python -m experiments.generative_table --data-root ../shared/data --seeds 0,1,2 --out runs/generative
+    python -m experiments.generative_table --dataset cifar10 --methods fedavg,mfcl,target,lander,glfc \
         --out runs/generative-cifar10
 
 Every method runs the same scenario (``BASE`` below: 5 tasks of 2 classes, 10 clients, 5 per round, the
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
+from experiments import add_page_options, check_page, write_page
+from experiments.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
+from experiments.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
+from fcl_emu.bench.synthesis_budget import CPU, synthesis_budget
 from fcl_emu.methods import registry
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
@@ -48,7 +49,6 @@ BASE = {
     "security": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
-CPU = {"generator_width": 64, "synthetic_batch": 64}  # for every generative method: half-width generators
 GENERATIVE = ("mfcl", "target", "lander")
 # GLFC, the exemplar-replay reference: the GLFC table's 200 exemplars per client (paper: 2,000) and the task start
 # as its transition signal (this scenario has no clients that keep only old classes)
@@ -77,22 +77,13 @@ CLAIMS: tuple[Claim, ...] = MFCL_CLAIMS + LANDER_T5_CLAIMS
 
 
 def budget(method: str, fraction: float) -> dict:
-    """The synthesis budget options of ``method`` at ``fraction`` of its official code's (rounded up): MFCL 100
-    generator iterations per task (its paper: 5,000); TARGET 10 rounds (2 of warm-up here) of 10 steps; LANDER 50
-    rounds (10 of warm-up) of 40 steps; 256 images per round and the student steps per round stay the code's. GLFC's
-    proxy: 250 reconstruction steps per prototype gradient, the last 20 kept."""
-    if method == "mfcl":
-        return {"generator_iterations": max(1, math.ceil(100 * fraction))}
-    if method == "target":
-        rounds = max(2, math.ceil(10 * fraction))
-        return {"synthesis_rounds": rounds, "warmup": min(rounds - 1, max(1, math.ceil(2 * fraction)))}
-    if method == "lander":
-        rounds = max(2, math.ceil(50 * fraction))
-        return {"synthesis_rounds": rounds, "warmup": min(rounds - 1, max(1, math.ceil(10 * fraction)))}
+    """The budget options of ``method`` at ``fraction`` of its official code's: a generator's synthesis budget
+    (:func:`fcl_emu.bench.synthesis_budget.synthesis_budget`, the synthesis bench's too); GLFC's proxy (rounded
+    up): 250 reconstruction steps per prototype gradient, the last 20 kept, with the table's ``GLFC`` options."""
     if method == "glfc":
         iterations = math.ceil(250 * fraction)
         return {**GLFC, "proxy_iterations": iterations, "proxy_keep": min(iterations, math.ceil(20 * fraction))}
-    return {}
+    return synthesis_budget(method, fraction)
 
 
 def config(method: str, dataset: str, fraction: float, seed: int, base: dict = BASE,

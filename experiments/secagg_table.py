@@ -1,12 +1,12 @@
 """The SecAgg+ cost table of docs/results/secagg.md: ``fcl-emu bench secagg`` over N, K, D and dropout.
 
-    python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table            # the whole grid (about 20 min here)
-    python -m fcl_emu.bench.tables.secagg_table --out runs/secagg-table --quick    # D <= 1M only
+    python -m experiments.secagg_table --out runs/secagg-table            # the whole grid (about 20 min here)
+    python -m experiments.secagg_table --out runs/secagg-table --quick    # D <= 1M only
 
 Each point is one ``fcl-emu bench secagg`` run in its own process (JSON in ``--out``); the Markdown
 table goes to stdout and to ``--out/table.md``. K is ``log`` (2 ceil(log2 N)) or ``n-1`` (SecAgg);
 Flower's client is timed on the D = 1M points only (it is the slow part of a point). ``--page
-docs/results/secagg.md`` also writes the table into its results page (``fcl_emu.bench.tables.write_table``).
+docs/results/secagg.md`` also writes the table into its results page (``fcl_emu.page_blocks.write_table``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fcl_emu.bench.tables import add_page_options, check_page, write_page
+from experiments import add_page_options, check_page, write_page
 
 GRID = [  # (N, K, D, dropout, t); K None: logarithmic; t None: floor(K/2) + 1
     *[(10, k, d, p, None) for k in (None, 9) for d in (100_000, 1_000_000, 11_000_000) for p in (0.0, 0.3)],

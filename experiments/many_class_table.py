@@ -4,7 +4,7 @@ papers' own numbers beside ours and a verdict per claim (:mod:`claims`: the lear
 seed, then the seeds' paired differences). A seeded subset in 5 tasks (``--classes 50 --tasks 5``, the protocol that
 passes the gate) is judged against the papers' 5-task tables instead (:func:`paper_numbers`).
 
-    python -m fcl_emu.bench.tables.many_class_table --data-root ../shared/data --seeds 0,1,2 --out runs/many-class
+    python -m experiments.many_class_table --data-root ../shared/data --seeds 0,1,2 --out runs/many-class
 
 The CPU budget (``BASE``, ``CPU``, ``--budget`` default 1/25): 5 clients, all in every round, 2 rounds per task,
 1 local epoch of batch 32 over 200 samples per client and task (IID: 1,000 of each task's 10,000 training images,
@@ -21,7 +21,7 @@ At the papers' scale, on a GPU: every generator at its official budget, width an
 applies to ``--device cpu`` only), the papers' ResNet-18, each client's whole share of a task and their code's 100
 rounds per task (the 5 clients and the IID split stay this table's)::
 
-    python -m fcl_emu.bench.tables.many_class_table --data-root ../shared/data --seeds 0,1,2 --budget 1 \\
+    python -m experiments.many_class_table --data-root ../shared/data --seeds 0,1,2 --budget 1 \\
         --device cuda --model resnet18 --samples 0 --rounds 100 --out runs/many-class-gpu
 
 Every run is one real ``fcl-emu up`` (coordinator, edge node and GPU worker over ZeroMQ), cached by its
@@ -37,9 +37,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fcl_emu.bench.tables import add_page_options, check_page, generative_table, write_page
-from fcl_emu.bench.tables.claims import Claim, between, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import add_method_options, add_report_only, fraction, pm, seeds, with_options
+from experiments import add_page_options, check_page, generative_table, write_page
+from experiments.claims import Claim, between, learnability_gate, pilot_row, verdicts
+from experiments.runs import add_method_options, add_report_only, fraction, pm, seeds, with_options
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
 DATASET = "tiny-imagenet-32"

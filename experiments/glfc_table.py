@@ -1,7 +1,7 @@
 """The GLFC table of docs/results/reproduction-glfc-affcl-fedcbc.md: fedavg, fedlwf2t and glfc from the same
 scenario, and the proxy's reconstruction quality.
 
-    python -m fcl_emu.bench.tables.glfc_table --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
+    python -m experiments.glfc_table --data-root ../shared/data --seeds 0,1,2 --out runs/glfc
 
 Every row is one real ``fcl-emu up`` of ``BASE`` (MNIST, 5 tasks of 2 classes, 10 clients at the start
 and 2 more joining at every task boundary, 10 % of the earlier clients keeping only their old classes at
@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, final_model, grouped, mean_of, pm,
-                                      run_up, seeded, seeds, with_options)
+from experiments import add_page_options, check_page, write_page
+from experiments.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
+from experiments.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm,
+                              run_up, seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.run_model import final_model
 from fcl_emu.scenario.datasets import NUM_CLASSES
 
 DATASET = "mnist"

@@ -1,10 +1,10 @@
 """The feature-space replay tables of docs/results/reproduction-glfc-affcl-fedcbc.md: FedCBC on its paper's
 protocol, AF-FCL on the limitless task pool with and without noisy clients.
 
-    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc --out runs/fedcbc
-    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table fedcbc-cifar10 \
+    python -m experiments.feature_replay_table --data-root ../shared/data --table fedcbc --out runs/fedcbc
+    python -m experiments.feature_replay_table --data-root ../shared/data --table fedcbc-cifar10 \
         --out runs/fedcbc-cifar10
-    python -m fcl_emu.bench.tables.feature_replay_table --data-root ../shared/data --table affcl --out runs/affcl
+    python -m experiments.feature_replay_table --data-root ../shared/data --table affcl --out runs/affcl
 
 Every row is one real ``fcl-emu up`` per seed (coordinator, edge-node process and one GPU-worker process over
 ZeroMQ) of the table's scenario with one method; the table gives mean ± sample standard deviation over the
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fcl_emu.bench.tables import add_page_options, check_page, write_page
-from fcl_emu.bench.tables.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
-from fcl_emu.bench.tables.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
-                                      seeded, seeds, with_options)
+from experiments import add_page_options, check_page, write_page
+from experiments.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
+from experiments.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
+                              seeded, seeds, with_options)
 from fcl_emu.monitoring.results import RunSummary
 from fcl_emu.scenario.datasets import NUM_CLASSES
 

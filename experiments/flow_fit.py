@@ -1,6 +1,6 @@
 """How well AF-FCL's flow can model a finished run's features, raw and standardised.
 
-    python -m fcl_emu.bench.tables.flow_fit runs/affcl-incremental/affcl-s0 --data-root ../shared/data
+    python -m experiments.flow_fit runs/affcl-incremental/affcl-s0 --data-root ../shared/data
 
 The run's final global model embeds ``--samples`` training and ``--samples // 3`` test images of every class
 (the flow's feature space, :func:`fcl_emu.methods.affcl.embed`); a fresh flow of the run's options is trained on
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcl_emu.bench.tables.runs import final_model
 from fcl_emu.methods.affcl import AFFCLOptions, build_flow
+from fcl_emu.run_model import final_model
 
 PRIOR_FLOOR = 0.5 * math.log(2 * math.pi)  # NLL per dimension of a density no higher than the standard normal's
 

@@ -69,34 +69,6 @@ def host_cpu_s(out: Path, name: str) -> float | None:
     return cpu["user_s"] + cpu["system_s"]
 
 
-def server_state(run_dir: Path) -> dict:
-    """Every array of the server's state in a finished run's last checkpoint, by its name under ``server/``."""
-    from fcl_emu.coordinator import checkpoint
-
-    prefix = "server/"
-    return {k[len(prefix):]: v for k, v in checkpoint.load(run_dir / "checkpoint").arrays.items()
-            if k.startswith(prefix)}
-
-
-def final_model(run_dir: Path, data_root: str, method: str | None = None):
-    """``(config, dataset, model, state)`` of a finished run: its ``config.yaml`` as a dict, its data set (from
-    ``data_root``), its final global model in eval mode and the :func:`server_state` it was read from.
-    ``ValueError`` if ``method`` is given and the run is of another (before anything else is read)."""
-    from fcl_emu.methods.models.classifier import build_model
-    from fcl_emu.methods.models.state import load_arrays
-    from fcl_emu.scenario.datasets import load_dataset
-
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    if method is not None and config.get("method") != method:
-        raise ValueError(f"{run_dir} is a run of {config.get('method')}, not of {method}")
-    ds = load_dataset(config["scenario"]["dataset"], [Path(data_root)])
-    state = server_state(run_dir)
-    arrays = {k: v for k, v in state.items() if "/" not in k}
-    model = build_model(config["model"], ds.input_shape, int(arrays["head.weight"].shape[0]))
-    load_arrays(model, arrays)
-    return config, ds, model.eval(), state
-
-
 def add_report_only(parser) -> None:
     """The tables' ``--report-only`` flag (see :func:`run_up`)."""
     parser.add_argument("--report-only", action="store_true",
