@@ -149,7 +149,7 @@ def test_a_run_with_workers_records_its_jobs(tmp_path, mnist_root):
     assert len(recorded) == 2 and all(e["ok"] and e["metrics"]["gflops"] > 0 for e in recorded)
     assert sorted(p.name for p in (run_dir / "logs").glob("gpu-worker-*.log")) == ["gpu-worker-0.log",
                                                                                   "gpu-worker-1.log"]
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "coordinator.gpu_worker" in (p.info["cmdline"] or [])
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "fcl_emu.gpu_worker" in (p.info["cmdline"] or [])
                  and str(pid) in p.info["cmdline"]]
     assert not leftovers  # the workers ended with the run
 

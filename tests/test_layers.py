@@ -31,10 +31,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runconfig": {"scenario", "aggregation", "methods", "secagg"},
     "edge_node": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring"},
     "edge_aggregator": {"runtime", "wire", "secagg", "aggregation"},
-    "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig"},
+    "gpu_worker": {"runtime", "wire", "methods", "monitoring"},
+    "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
+                    "gpu_worker"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
-                "edge_node", "edge_aggregator", "coordinator", "containers"},
+                "edge_node", "edge_aggregator", "gpu_worker", "coordinator", "containers"},
 }
 
 # The installed package's name for each folder of code (pyproject.toml's package-dir): fcl_emu.<folder> -> folder.
