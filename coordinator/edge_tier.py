@@ -215,6 +215,11 @@ class EdgeTier(Tier):
         return EdgeCollection(state, self)
 
     def check_held(self, msg: Message, came_from: Callable[[str], bool]) -> None:
+        """A notice is taken only naming one of the run's aggregators, over that aggregator's own connection: with
+        keys, one whose grant lists the aggregator (and, as every message's, the client: its clients); without, the
+        connection the aggregator's own messages come on. A client sending one through its aggregator is refused
+        there (edge_aggregator/relay.py); this refuses one sent straight here, or naming an aggregator that did not
+        send it."""
         aggregator = msg.body.aggregator
         if aggregator not in self.names or not came_from(aggregator):
             raise WireError("not_authorized", f"{msg.type!r} naming {aggregator!r} did not come over that edge "

@@ -150,7 +150,7 @@ class Coordinator:
                 self._start_pool(run_dir)
             state.metrics.run_started(
                 run_id=state.run_id, method=config.method, dataset=config.scenario.dataset,
-                model=self.model_name, seed=config.seed, num_clients=config.scenario.num_clients,
+                model=state.model_name, seed=config.seed, num_clients=config.scenario.num_clients,
                 num_tasks=scenario.num_tasks, rounds_per_task=config.rounds.rounds_per_task,
                 clients_per_round=config.rounds.clients_per_round)
             if resumed is None:
