@@ -18,7 +18,8 @@ import torch
 import zmq
 
 from fcl_emu.coordinator.gpu_pool import Job, _LocalRunner
-from fcl_emu.coordinator.lifecycle import Coordinator, JobFailed
+from fcl_emu.coordinator.contracts import JobFailed
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.runconfig import load_config
 from fcl_emu.methods import jobs
 from fcl_emu.monitoring.results import RunSummary
