@@ -1,6 +1,7 @@
 """What the command line, the launchers and the benches take from the coordinator without reaching into its parts:
-why a run ends early (the command line turns each into one line and an exit code) and an edge node's exit as a
-launcher reports it (:class:`NodeExit`, which the coordinator's node watch handles)."""
+why a run ends early (the command line turns each into one line and an exit code), a checkpoint that cannot be
+used, and an edge node's exit as a launcher reports it (:class:`NodeExit`, which the coordinator's node watch
+handles)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signal_name: str, exit_code: int):
         super().__init__(signal_name)
         self.signal_name, self.exit_code = signal_name, exit_code
+
+
+class CheckpointError(Exception):
+    """No usable checkpoint: missing, unreadable, corrupt, or of another format (coordinator/checkpoint.py)."""
 
 
 class BindError(RuntimeError):

@@ -59,8 +59,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     process has no other thread (fcl_emu/launchers/zygote.py)."""
     from fcl_emu.containers.docker_client import EngineError
     from fcl_emu.containers.image import ImageError
-    from fcl_emu.coordinator.checkpoint import CheckpointError
-    from fcl_emu.coordinator.contracts import BindError
+    from fcl_emu.coordinator.contracts import BindError, CheckpointError
     from fcl_emu.monitoring.stack import PortInUseError
     from fcl_emu.scenario.datasets import DatasetNotFoundError
     from fcl_emu.wire.auth import KeyFileError

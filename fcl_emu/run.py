@@ -25,8 +25,8 @@ import pydantic
 from fcl_emu.containers.faults import FaultInjector, Target, load_plan
 from fcl_emu.containers.stats import ContainerStats
 from fcl_emu.coordinator import checkpoint
-from fcl_emu.coordinator.checkpoint import Checkpoint, CheckpointError
-from fcl_emu.coordinator.contracts import BindError, Interrupted, RunAborted
+from fcl_emu.coordinator.checkpoint import Checkpoint
+from fcl_emu.coordinator.contracts import BindError, CheckpointError, Interrupted, RunAborted
 from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.coordinator.resume import CHECKPOINT_DIR, run_fingerprint
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports

@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from fcl_emu.coordinator import checkpoint
-from fcl_emu.coordinator.checkpoint import CheckpointError
+from fcl_emu.coordinator.contracts import CheckpointError
 from fcl_emu.coordinator.resume import CHECKPOINT_DIR
 from fcl_emu.coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
