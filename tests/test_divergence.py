@@ -1,5 +1,5 @@
 """A run whose model diverged ends ``degraded`` and says why (coordinator/round_record.py, the status in
-coordinator/lifecycle.py): NaN or infinite values, an exploded training loss, or an accuracy fallen to chance after
+coordinator/run_status.py): NaN or infinite values, an exploded training loss, or an accuracy fallen to chance after
 having learned, while ordinary class-incremental forgetting completes; a DP run stops at the round that diverged
 unless told to continue; DP whose noise outweighs the clipped mean is warned of before the start; the library warnings and the clients' NaN-loss reports go to the run's log, not to
 the console (runtime/run_log.py)."""
