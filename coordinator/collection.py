@@ -116,7 +116,8 @@ class PlainCollection(Collection):
 
 class SecureCollection(Collection):
     """SecAgg+ over each round's chosen clients; weights clipped to the largest client dataset of the task unless
-    ``secagg.max_weight`` is set; under distributed DP with its clients' clipping and noise."""
+    ``secagg.max_weight`` is set; under distributed DP with its clients' clipping and noise. ``tier``: the run's
+    :class:`~fcl_emu.coordinator.edge_tier.Tier`, which sums the masked inputs its aggregators hold."""
 
     masked = True
 
