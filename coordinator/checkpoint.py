@@ -30,13 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from fcl_emu.coordinator.contracts import CheckpointError
+
 FORMAT = 1
 STATE = "state.json"
 _ARRAYS_GLOB = "arrays-*.npz"
-
-
-class CheckpointError(Exception):
-    """No usable checkpoint: missing, unreadable, corrupt, or of another format."""
 
 
 @dataclass

@@ -3,6 +3,8 @@
 - :class:`PlainCollection`: each selected client sends its ``update``; the server sees every one, bounds and
   clips them (:mod:`fcl_emu.aggregation.clipping`) and hands them to the method's aggregate with any late updates
   kept from the round before;
+- :class:`~fcl_emu.coordinator.edge_tier.EdgeCollection` (``--edge-aggregators``): as plain, each aggregator's
+  aggregate of its clients in place of their updates;
 - :class:`SecureCollection` (``--secagg``): each client is sent a ``secagg_setup`` before its train request and
   answers the four SecAgg+ exchanges (:mod:`fcl_emu.coordinator.secure_round`); the server sees only the unmasked
   mean, which the method aggregates as one update.
@@ -21,7 +23,6 @@ from typing import Any, ClassVar
 
 from fcl_emu.aggregation.defences import Defences, bound
 from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
-from fcl_emu.coordinator.edge_tier import EdgeGroups, EdgeTier
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.privacy import DistributedPrivacy
 from fcl_emu.coordinator.secure_round import Reject, Send, SecureOutcome, SecureRound
@@ -113,47 +114,14 @@ class PlainCollection(Collection):
         return Gathered(useful, losses, quorum, len(stale), contributors=contributors)
 
 
-class EdgeCollection(PlainCollection):
-    """``--edge-aggregators``: each client's update stays at its edge aggregator, which the coordinator hears of
-    (``update_held``); once the round has closed, each aggregator sends the weighted mean of its clients that made
-    the round, after the plain round's defences over them (:mod:`fcl_emu.coordinator.edge_tier`). The method
-    aggregates one update per aggregator, weighing its clients' samples: the flat round's weighted mean."""
-
-    def __init__(self, state: RunState, tier: EdgeTier):
-        super().__init__(state)
-        self.tier = tier
-        self._groups: EdgeGroups | None = None
-
-    def check(self, msg_type: str) -> None:
-        if msg_type in SECAGG_REPLIES or msg_type == "update":
-            raise WireError("unexpected", f"{msg_type!r} from a client of an edge aggregator (it holds the "
-                                          f"client's update: update_held)")
-
-    def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
-        clock.collect(r, serve, side_channel)
-        self._groups = self.tier.gather(r)
-        clock.wide_area(r, self.tier.last_wide_area_s)
-
-    def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
-        """One update per aggregator that answered; the contributors are its clients it did not refuse."""
-        groups, self._groups = self._groups, None
-        contributors = sorted(c for clients in groups.clients.values() for c in clients)
-        counted = set(contributors)
-        losses = [u.loss for u in r.counted if u.client in counted]
-        enough = len(contributors) >= self.state.config.rounds.min_participants
-        rule = self.state.config.security.robust_aggregator().min_updates  # --aggregator over the aggregates
-        return Gathered(groups.updates, losses, quorum=rule if enough else len(groups.updates) + 1,
-                        contributors=contributors, client_edge_bytes=self.tier.round_bytes,
-                        edge_aggregates=self.tier.round_aggregates)
-
-
 class SecureCollection(Collection):
     """SecAgg+ over each round's chosen clients; weights clipped to the largest client dataset of the task unless
-    ``secagg.max_weight`` is set; under distributed DP with its clients' clipping and noise."""
+    ``secagg.max_weight`` is set; under distributed DP with its clients' clipping and noise. ``tier``: the run's
+    :class:`~fcl_emu.coordinator.edge_tier.Tier`, which sums the masked inputs its aggregators hold."""
 
     masked = True
 
-    def __init__(self, state: RunState, privacy: DistributedPrivacy | None, tier: EdgeTier | None = None):
+    def __init__(self, state: RunState, privacy: DistributedPrivacy | None, tier):
         super().__init__(state)
         self.tier = tier
         settings = state.config.secagg
@@ -177,8 +145,6 @@ class SecureCollection(Collection):
             self._round, self._outcome, self._setups = None, opened, {}
             return []
         self._round, self._outcome, self._setups = opened, None, opened.setup_messages()
-        if self.tier is not None:
-            opened.presum = lambda groups: self.tier.sum_masked(task, number, groups)
         return chosen
 
     def setup(self, client: str) -> tuple[str, Any] | None:
@@ -187,21 +153,19 @@ class SecureCollection(Collection):
     def check(self, msg_type: str) -> None:
         if msg_type in ("update", "update_held"):
             raise WireError("unexpected", "a plain update in a secure-aggregation run (send secagg_masked)")
-        if msg_type == "secagg_masked" and self.tier is not None:
-            raise WireError("unexpected", "'secagg_masked' from a client of an edge aggregator (it holds the client's "
-                                          "masked input: secagg_masked_held)")
+        self.tier.check_direct(msg_type)
 
     def on_secagg(self, peer: str, msg: Message) -> bool:
         sr = self._round
         return sr is not None and self._outcome is None and msg.round == sr.number and sr.on_message(peer, msg)
 
     def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
-        if self._round is not None:
-            if self.tier is not None:
-                self.tier.new_round()  # nothing is asked of the aggregators unless the masked-input phase ends
-            self._outcome = clock.collect_secure(r, self._round, serve)
-            if self.tier is not None:
-                clock.wide_area(r, self.tier.last_wide_area_s)
+        sr = self._round
+        if sr is not None:
+            self.tier.new_round()  # nothing is asked of the aggregators unless the masked-input phase ends
+            sr.presum = lambda groups: self.tier.sum_masked(r.task, sr.number, groups, serve)
+            self._outcome = clock.collect_secure(r, sr, serve)
+            clock.wide_area(r, self.tier.last_wide_area_s)
 
     def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
         """One update, the unmasked weighted mean of the clients in the masked sum (none if the round aborted); no
@@ -209,14 +173,14 @@ class SecureCollection(Collection):
         outcome, self._round = self._outcome, None
         updates = [] if outcome.delta is None else [ClientUpdate("secagg", outcome.weight, outcome.delta)]
         return Gathered(updates, list(outcome.losses), quorum=1, secagg=outcome.record,
-                        client_edge_bytes=None if self.tier is None else self.tier.round_bytes,
-                        edge_aggregates=None if self.tier is None else self.tier.round_aggregates)
+                        client_edge_bytes=self.tier.round_bytes, edge_aggregates=self.tier.round_aggregates)
 
 
-def make_collection(state: RunState, privacy, tier: EdgeTier | None = None) -> Collection:
-    """The run's collection, as its config says (``secagg.enabled``, edge aggregators: ``tier``); ``privacy``: the
+def make_collection(state: RunState, privacy, tier) -> Collection:
+    """The run's collection, as its config says (``secagg.enabled``) over the run's ``tier``
+    (:func:`~fcl_emu.coordinator.edge_tier.make_tier`: a plain run's collection is the tier's); ``privacy``: the
     run's DP part."""
     if state.config.secagg.enabled:
         return SecureCollection(state, privacy if isinstance(privacy, DistributedPrivacy) else None, tier)
-    return PlainCollection(state) if tier is None else EdgeCollection(state, tier)
+    return tier.plain_collection(state)
 

@@ -30,7 +30,7 @@ from fcl_emu.aggregation.clipping import delta_norm
 from fcl_emu.coordinator.guard import RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
 from fcl_emu.coordinator.collection import Collection
-from fcl_emu.coordinator.edge_tier import EdgeTier
+from fcl_emu.coordinator.edge_tier import FlatStar, Tier
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.coordinator.update_checks import check_delta
 from fcl_emu.aggregation.update import ClientUpdate
@@ -54,14 +54,15 @@ class Dispatcher:
     ``endpoint``: the ROUTER (:class:`fcl_emu.wire.sockets.ServerEndpoint`); ``pool``: the GPU worker pool, whose
     sockets are served in the same loop; ``welcome``: the run's fields of every ``welcome`` (the device profiles
     clients are assigned at join: ``state.devices``); ``on_tick``: called each time the loop wakes (the node
-    watch); ``edges``: the run's edge aggregators, whose own messages go there."""
+    watch); ``tier``: the run's tier (:func:`~fcl_emu.coordinator.edge_tier.make_tier`), whose own messages go
+    there."""
 
     def __init__(self, state: RunState, endpoint, pool, clock: RunClock, collection: Collection, stale: StaleUpdates,
                  rate_limiter: RateLimiter, *, welcome: dict[str, Any], on_tick: Callable[[], None] = lambda: None,
-                 edges: EdgeTier | None = None):
+                 tier: Tier = FlatStar()):
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.endpoint, self.pool, self.clock, self.collection, self.stale = endpoint, pool, clock, collection, stale
-        self.rate_limiter, self.welcome, self.on_tick, self.edges = rate_limiter, welcome, on_tick, edges
+        self.rate_limiter, self.welcome, self.on_tick, self.tier = rate_limiter, welcome, on_tick, tier
         self.round: OpenRound | None = None  # the open round, set by the round runner
         self._not_joined_at: dict[str, float] = {}  # when each unknown peer was last told to join
         self._next_expiry = 0.0  # monotonic time of the next liveness scan
@@ -162,11 +163,11 @@ class Dispatcher:
             raise
 
     def _dispatch(self, peer: str, msg: Message) -> None:
-        if self.edges is not None and peer in self.edges.names:
-            self.edges.on_message(peer, msg)
+        if peer in self.tier.names:
+            self.tier.on_message(peer, msg)
             return
-        if msg.type in HELD_NOTICES:
-            self._check_held(msg)
+        if msg.type in HELD_NOTICES:  # taken only over the connection of an aggregator of the run, naming it
+            self.tier.check_held(msg, self.endpoint.came_from)
         elif not sent_by(msg.type, CLIENT):
             raise WireError("unexpected", f"{msg.type!r} is not a client's message")
         if msg.type in RATE_LIMITED and not self.rate_limiter.allow(peer):
@@ -202,19 +203,6 @@ class Dispatcher:
                 self.clock.answered(r, peer, msg.nbytes, 0.0, 0)
             self.state.log_once(peer, f"reported {msg.body.code}", f"client {peer} reported {msg.body.code}: "
                                                              f"{msg.body.detail}", budget="reported")
-
-    def _check_held(self, msg: Message) -> None:
-        """An edge aggregator's notice that it holds a client's answer is taken only in a run with aggregators, naming
-        one of them, and over that aggregator's own connection: with keys, one whose grant lists the aggregator (and,
-        as every message's, the client: its clients); without, the connection the aggregator's own messages come on.
-        A client sending one through its aggregator is refused there (edge_aggregator/relay.py); this refuses one
-        sent straight here, or naming an aggregator that did not send it."""
-        if self.edges is None:
-            raise WireError("unexpected", f"{msg.type!r}: an answer held at an edge aggregator, in a run without them")
-        aggregator = msg.body.aggregator
-        if aggregator not in self.edges.names or not self.endpoint.came_from(aggregator):
-            raise WireError("not_authorized", f"{msg.type!r} naming {aggregator!r} did not come over that edge "
-                                              f"aggregator's connection")
 
     def _on_new_connection(self, peer: str, msg_type: str) -> None:
         """``peer`` spoke over another connection than before (its message is handled already): what was sent
@@ -385,8 +373,8 @@ class Dispatcher:
                 and r.is_current(exc.peer, exc.round) and exc.peer not in r.answered():
             r.failed.add(exc.peer)
             self.clock.answered(r, exc.peer, 0, 0.0, 0)
-        if self.edges is not None and exc.msg_type == "edge_aggregate" and exc.round is not None:
-            self.edges.refused(exc.peer, exc.round, exc.reason)
+        if exc.msg_type == "edge_aggregate" and exc.round is not None:
+            self.tier.refused(exc.peer, exc.round, exc.reason)
         self.state.rejected(exc.reason, exc.peer, f"rejected a message from {exc.peer!r} ({exc})")
         if exc.peer and self.registry.is_online(exc.peer) and exc.reason != "rate_limited":
             self.send(exc.peer, "error", Error(code=exc.reason, detail=exc.detail[:500]))
@@ -399,14 +387,8 @@ class Dispatcher:
             self.try_send(client, "cancel", Cancel(), task=r.task, round=r.number, sequenced=False)
 
     def try_send(self, client_id: str, msg_type: str, body, **kw) -> int:
-        """Send; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under ROUTER_MANDATORY) or its
-        queue is full."""
-        try:
-            return self.endpoint.send(client_id, msg_type, body, **kw)
-        except zmq.ZMQError as exc:
-            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            return 0
+        """Send; returns the bytes sent, 0 if the peer is gone or its queue is full (:func:`try_send`)."""
+        return try_send(self.endpoint, client_id, msg_type, body, **kw)
 
     def send(self, client_id: str, msg_type: str, body, **kw) -> int:
         """Send (returns the bytes sent); a vanished peer is declared dead (returns 0)."""
@@ -414,6 +396,17 @@ class Dispatcher:
         if not sent and self.registry.drop(client_id):
             self.metrics.client_dropped("unreachable")
         return sent
+
+
+def try_send(endpoint, peer: str, msg_type: str, body, **kw) -> int:
+    """Send over the ROUTER ``endpoint``; returns the bytes sent, 0 if the peer is gone (EHOSTUNREACH under
+    ROUTER_MANDATORY) or its queue is full."""
+    try:
+        return endpoint.send(peer, msg_type, body, **kw)
+    except zmq.ZMQError as exc:
+        if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            raise
+        return 0
 
 
 def _client_update(peer: str, msg: Message) -> ClientUpdate:

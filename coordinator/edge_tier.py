@@ -19,6 +19,11 @@ already taken; its ``tier_bytes`` are counts. A refused aggregate fails its aggr
 the plain round's direction check and adaptive bound act as they do over clients' updates, and the run's
 ``--aggregator`` rule combines them.
 
+The tier is chosen once per run, as the clock and the collection are (:func:`make_tier`): a flat star
+(:class:`FlatStar`: no aggregators, no round bytes or aggregates, nothing held at an edge) or the edge tier
+(:class:`EdgeTier`). The dispatcher, the collections and the summary call the same methods on either; none asks which
+one it has.
+
 An aggregator speaks under its own name (``edge-aggregator-<a>``): heartbeats, by which the coordinator routes to
 it and notices that it is gone (each with the aggregator's refusals so far, by reason: the summary's), and its
 aggregates.
@@ -30,7 +35,8 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict, defaultdict
+from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,21 +46,24 @@ import numpy as np
 from fcl_emu.aggregation.clipping import delta_norm
 from fcl_emu.aggregation.defences import Defences, bound
 from fcl_emu.aggregation.update import ClientUpdate
+from fcl_emu.coordinator.collection import Gathered, PlainCollection, Serve, SideChannel
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.coordinator.update_checks import check_delta
 from fcl_emu.runconfig.topology import aggregator_name
 from fcl_emu.wire.framing import Message, WireError
-from fcl_emu.wire.messages import EdgeCollect, Shutdown
+from fcl_emu.wire.messages import HELD_AT_EDGE, EdgeCollect, Shutdown
 
 log = logging.getLogger("fcl_emu.coordinator")
 
-Serve = Callable[[Callable[[], bool], float], None]
+Send = Callable[..., int]  # (peer, type, body, **header) -> bytes sent, 0 where the peer is gone
+MaskedSums = dict[str, tuple[list[str], np.ndarray | None]]  # aggregator -> (clients summed, their ring sum)
 
 TIER_DIRECTIONS = ("sent", "received")
 MAX_TIER_BYTES = 1 << 50  # what one aggregate may say its clients' links carried (a petabyte)
 SQUARES_TOLERANCE = 1e-4  # relative, on an aggregate tensor's square sum: float32 rounding of the mean
 TAKEN_KEPT = 4096  # digests of the aggregates taken last, which a new one may not repeat
+EDGE_REFUSALS = "edge/"  # the edge aggregators' refusals in ``rejected_messages``: edge/<reason>
 
 
 @dataclass
@@ -66,19 +75,99 @@ class EdgeGroups:
     clients: dict[str, list[str]]
 
 
-class EdgeTier:
-    """The run's edge aggregators as the coordinator sees them. ``send(identity, type, body, **kw)`` returns the
-    bytes sent, 0 where the peer is gone (the dispatcher's ``try_send``) and ``serve`` serves the socket (its
-    ``serve``): both set once the dispatcher exists. :attr:`round_aggregates` is the last round's outcome per
-    aggregator asked (its round record's ``edge_aggregates``)."""
+class Tier(ABC):
+    """What lies between the clients and the coordinator, as the coordinator's parts see it: :attr:`names` are the
+    peers that speak for the tier (their messages go to :meth:`on_message`); a round's :attr:`round_bytes` and
+    :attr:`round_aggregates` go into its record (None: no tier below the coordinator)."""
 
-    def __init__(self, state: RunState, count: int, liveness_timeout_s: float, answer_timeout_s: float | None = None):
+    names: frozenset[str]
+    round_bytes: dict[str, int] | None
+    round_aggregates: dict[str, dict[str, Any]] | None
+    last_wide_area_s: float  # the last round's time on the tier's links to the coordinator
+
+    @abstractmethod
+    def plain_collection(self, state: RunState) -> PlainCollection:
+        """A plain run's collection over this tier (:func:`~fcl_emu.coordinator.collection.make_collection`)."""
+
+    @abstractmethod
+    def on_message(self, peer: str, msg: Message) -> None:
+        """A message one of :attr:`names` sent under its own name."""
+
+    def refused(self, peer: str | None, number: int, reason: str) -> None:
+        """An ``edge_aggregate`` of round ``number`` from ``peer`` was refused."""
+
+    @abstractmethod
+    def check_held(self, msg: Message, came_from: Callable[[str], bool]) -> None:
+        """Raise :class:`WireError` for a notice that an aggregator holds a client's answer (``update_held``,
+        ``secagg_masked_held``) that this tier cannot have sent; ``came_from(peer)``: the notice came over
+        ``peer``'s connection."""
+
+    def check_direct(self, msg_type: str) -> None:
+        """Raise :class:`WireError` (``unexpected``) for a client's answer that this tier holds instead of passing
+        it on."""
+
+    def new_round(self) -> None:
+        """Forget the last round's bytes, wide-area time and aggregates."""
+
+    def sum_masked(self, task: int, number: int, groups: dict[str, list[str]], serve: Serve) -> MaskedSums:
+        """A secure round's masked-input sums held in the tier, by aggregator (``groups``: its clients)."""
+        return {}
+
+    def summary_bytes(self, received: int) -> dict[str, dict[str, int]]:
+        """Each tier's bytes over the run for ``summary.json`` (``received``: what the coordinator received)."""
+        return {}
+
+    def refusals(self) -> dict[str, int]:
+        """What the tier refused, by reason as ``edge/<reason>`` (summary.json's ``rejected_messages``)."""
+        return {}
+
+    def shutdown(self, reason: str) -> None:
+        """Tell the tier the run is over (after its clients were told)."""
+
+
+class FlatStar(Tier):
+    """No tier: every client speaks to the coordinator itself. Nothing is held at an edge, so a notice that an
+    aggregator holds an answer is refused; a round has no tier bytes and no aggregates."""
+
+    names = frozenset()
+    round_bytes = None
+    round_aggregates = None
+    last_wide_area_s = 0.0
+
+    def plain_collection(self, state: RunState) -> PlainCollection:
+        return PlainCollection(state)
+
+    def on_message(self, peer: str, msg: Message) -> None:
+        raise WireError("unexpected", f"{msg.type!r} from {peer}, in a run without edge aggregators")
+
+    def check_held(self, msg: Message, came_from: Callable[[str], bool]) -> None:
+        raise WireError("unexpected", f"{msg.type!r}: an answer held at an edge aggregator, in a run without them")
+
+
+def make_tier(state: RunState, liveness_timeout_s: float, send: Send, wire_sent: Callable[[], int]) -> Tier:
+    """The run's tier, as its config says (``topology.edge_aggregators``): ``send`` sends to a peer (0 where it is
+    gone), ``wire_sent()`` is what the coordinator's socket put on the wire."""
+    config = state.config
+    count = config.topology.edge_aggregators
+    if not count:
+        return FlatStar()
+    return EdgeTier(state, count, liveness_timeout_s, config.topology.aggregate_wait_s(config.network), send=send,
+                    wire_sent=wire_sent)
+
+
+class EdgeTier(Tier):
+    """The run's edge aggregators as the coordinator sees them. ``send(identity, type, body, **kw)`` returns the
+    bytes sent, 0 where the peer is gone (:func:`~fcl_emu.coordinator.dispatch.try_send` on the coordinator's
+    socket); ``wire_sent()``: the bytes that socket put on the wire. A round's asks serve the socket with the
+    ``serve`` they are given. :attr:`round_aggregates` is the last round's outcome per aggregator asked (its round
+    record's ``edge_aggregates``)."""
+
+    def __init__(self, state: RunState, count: int, liveness_timeout_s: float, answer_timeout_s: float | None = None,
+                 *, send: Send = lambda *a, **kw: 0, wire_sent: Callable[[], int] = lambda: 0):
         self.state, self.liveness_timeout_s = state, liveness_timeout_s
         self.answer_timeout_s = answer_timeout_s or liveness_timeout_s  # the most a round waits for its aggregates
         self.names = frozenset(aggregator_name(a) for a in range(count))
-        self.send: Callable[..., int] = lambda *a, **kw: 0
-        self.serve: Serve = lambda until, deadline: None  # the dispatcher's serve(until, deadline), once it exists
-        self.wire_sent: Callable[[], int] = lambda: 0  # bytes the coordinator's socket put on the wire
+        self.send, self.wire_sent = send, wire_sent
         self.seen: dict[str, float] = {}  # aggregator -> monotonic time it last spoke
         self.rejected: dict[str, dict[str, int]] = {}  # aggregator -> its refusals by reason (its last heartbeat's)
         self.tier_bytes = dict.fromkeys(TIER_DIRECTIONS, 0)  # the client-to-edge links, as the aggregators report them
@@ -122,7 +211,37 @@ class EdgeTier:
         self._failed[peer] = reason
         self._counted_out(number, peer, reason)
 
-    def gather(self, r: OpenRound) -> EdgeGroups:
+    def plain_collection(self, state: RunState) -> PlainCollection:
+        return EdgeCollection(state, self)
+
+    def check_held(self, msg: Message, came_from: Callable[[str], bool]) -> None:
+        """A notice is taken only naming one of the run's aggregators, over that aggregator's own connection: with
+        keys, one whose grant lists the aggregator (and, as every message's, the client: its clients); without, the
+        connection the aggregator's own messages come on. A client sending one through its aggregator is refused
+        there (edge_aggregator/relay.py); this refuses one sent straight here, or naming an aggregator that did not
+        send it."""
+        aggregator = msg.body.aggregator
+        if aggregator not in self.names or not came_from(aggregator):
+            raise WireError("not_authorized", f"{msg.type!r} naming {aggregator!r} did not come over that edge "
+                                              f"aggregator's connection")
+
+    def check_direct(self, msg_type: str) -> None:
+        if msg_type in HELD_AT_EDGE:
+            raise WireError("unexpected", f"{msg_type!r} from a client of an edge aggregator (it holds the client's "
+                                          f"{HELD_WHAT[msg_type]}: {HELD_AT_EDGE[msg_type]})")
+
+    def summary_bytes(self, received: int) -> dict[str, dict[str, int]]:
+        # sent: what the wire carried, each round's model once per aggregator (``bytes`` counts it per client)
+        return {"edge_cloud": {"sent": self.wire_sent(), "received": received}, "client_edge": dict(self.tier_bytes)}
+
+    def refusals(self) -> dict[str, int]:
+        """Summed over the aggregators, each as its last heartbeat reported it."""
+        counts = Counter()
+        for reported in self.rejected.values():
+            counts.update(reported)
+        return {f"{EDGE_REFUSALS}{reason}": n for reason, n in sorted(counts.items())}
+
+    def gather(self, r: OpenRound, serve: Serve) -> EdgeGroups:
         """Ask each aggregator for the aggregate of its clients among the round's on-time updates, after the
         plain round's defences; wait; return the answers taken (the refusals each reports counted and logged as the
         coordinator's own)."""
@@ -134,14 +253,14 @@ class EdgeTier:
         answers = self.ask(r.task, r.number, groups, lambda clients: EdgeCollect(
             clients=clients, prefixes=list(self.state.server.summable), max_update_norm=security.max_update_norm,
             direction_check=security.direction_check, clip_norm=security.clip_norm,
-            adaptive_clip=security.adaptive_clip))
+            adaptive_clip=security.adaptive_clip), serve)
         return self._groups(r.number, answers)
 
-    def sum_masked(self, task: int, number: int,
-                   groups: dict[str, list[str]]) -> dict[str, tuple[list[str], np.ndarray | None]]:
+    def sum_masked(self, task: int, number: int, groups: dict[str, list[str]], serve: Serve) -> MaskedSums:
         """A secure round's masked-input phase: each answering aggregator's ring sum of the masked inputs of its
         clients in ``groups``, with the clients its answer names; :attr:`last_wide_area_s` their time up."""
-        answers = self.ask(task, number, groups, lambda clients: EdgeCollect(clients=clients, prefixes=[]), sums=True)
+        answers = self.ask(task, number, groups, lambda clients: EdgeCollect(clients=clients, prefixes=[]), serve,
+                           sums=True)
         for name, msg in answers.items():
             self.round_aggregates[name]["taken"] = len(msg.body.clients)
         self._count_tier_bytes(answers)
@@ -149,9 +268,9 @@ class EdgeTier:
         return {name: (list(msg.body.clients), msg.tensors.get("y")) for name, msg in answers.items()}
 
     def ask(self, task: int, number: int, groups: dict[str, list[str]],
-            ask_for: Callable[[list[str]], EdgeCollect], sums: bool = False) -> dict[str, Message]:
+            ask_for: Callable[[list[str]], EdgeCollect], serve: Serve, sums: bool = False) -> dict[str, Message]:
         """Send each aggregator of ``groups`` its ``edge_collect`` for its clients (``sums``: for the ring sum of
-        their masked inputs); serve until each has answered (or its answer was refused), gone silent or the answer
+        their masked inputs); ``serve`` until each has answered (or its answer was refused), gone silent or the answer
         timeout passed; the answers taken, by aggregator (:attr:`round_aggregates` says what became of each)."""
         self._round, self._sums = (task, number), sums
         self._asked, self._answers, self._failed = {}, {}, {}
@@ -162,7 +281,7 @@ class EdgeTier:
                 self._asked[name] = sorted(clients)
             else:
                 self._missing(number, name, clients, "unreachable")
-        self.serve(lambda: self._waiting() == [], time.monotonic() + self.answer_timeout_s)
+        serve(lambda: self._waiting() == [], time.monotonic() + self.answer_timeout_s)
         for name in self._waiting(all_of_them=True):
             self._missing(number, name, self._asked[name], "no answer")
         self._round = None
@@ -310,6 +429,42 @@ class EdgeTier:
         """Tell every aggregator the run is over (after its clients were told)."""
         for name in sorted(self.names):
             self.send(name, "shutdown", Shutdown(reason=reason))
+
+
+HELD_WHAT = {"update": "update", "secagg_masked": "masked input"}  # an answer held at an edge, in words
+
+
+class EdgeCollection(PlainCollection):
+    """``--edge-aggregators``: each client's update stays at its edge aggregator, which the coordinator hears of
+    (``update_held``); once the round has closed, each aggregator sends the weighted mean of its clients that made
+    the round, after the plain round's defences over them. The method aggregates one update per aggregator,
+    weighing its clients' samples: the flat round's weighted mean."""
+
+    def __init__(self, state: RunState, tier: EdgeTier):
+        super().__init__(state)
+        self.tier = tier
+        self._groups: EdgeGroups | None = None
+
+    def check(self, msg_type: str) -> None:
+        super().check(msg_type)
+        self.tier.check_direct(msg_type)
+
+    def collect(self, r: OpenRound, clock, serve: Serve, side_channel: SideChannel) -> None:
+        clock.collect(r, serve, side_channel)
+        self._groups = self.tier.gather(r, serve)
+        clock.wide_area(r, self.tier.last_wide_area_s)
+
+    def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
+        """One update per aggregator that answered; the contributors are its clients it did not refuse."""
+        groups, self._groups = self._groups, None
+        contributors = sorted(c for clients in groups.clients.values() for c in clients)
+        counted = set(contributors)
+        losses = [u.loss for u in r.counted if u.client in counted]
+        enough = len(contributors) >= self.state.config.rounds.min_participants
+        rule = self.state.config.security.robust_aggregator().min_updates  # --aggregator over the aggregates
+        return Gathered(groups.updates, losses, quorum=rule if enough else len(groups.updates) + 1,
+                        contributors=contributors, client_edge_bytes=self.tier.round_bytes,
+                        edge_aggregates=self.tier.round_aggregates)
 
 
 def _digest(tensors: dict[str, np.ndarray]) -> bytes | None:

@@ -1,6 +1,6 @@
 """The coordinator-side GPU worker pool: server-side jobs off the coordinator's event loop (docs/gpu.md).
 
-``gpu.workers = N > 0`` starts N worker processes (coordinator/gpu_worker.py),
+``gpu.workers = N > 0`` starts N worker processes (gpu_worker/worker.py),
 each owning one device (CUDA when present and asked for, the CPU otherwise),
 connected to one ROUTER of the pool's own. ``N = 0`` runs jobs in one thread
 of the coordinator process. Either way the pool only ever says which of its
@@ -38,8 +38,7 @@ import numpy as np
 import torch
 import zmq
 
-from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME, worker_device, worker_identity
-from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.gpu_worker import WORKER_KEY_NAME, GpuWorkerArgs, worker_device, worker_identity
 from fcl_emu.coordinator.guard import LogOnce
 from fcl_emu.methods import jobs
 from fcl_emu.wire.framing import Limits, WireError
@@ -151,7 +150,7 @@ class WorkerPool:
                     "key": Path(self._key_dir) / f"{WORKER_KEY_NAME}.key_secret"}
         args = GpuWorkerArgs(self._endpoint.address, worker.index, self.settings.device, parent_pid=os.getpid(),
                              **metrics, **keys)
-        cmd = [sys.executable, "-m", "fcl_emu.coordinator.gpu_worker", *args.to_argv()]
+        cmd = [sys.executable, "-m", "fcl_emu.gpu_worker", *args.to_argv()]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.settings.threads)}
         with open(self._log_dir / f"{worker.identity}.log", "ab") as out:
             worker.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -14,33 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from fcl_emu.coordinator.errors import RunAborted
+from fcl_emu.coordinator.contracts import NodeExit, RunAborted
 from fcl_emu.coordinator.state import RunState
 
 log = logging.getLogger("fcl_emu.coordinator")
-
-
-@dataclass(frozen=True)
-class NodeExit:
-    """An edge node that has ended: its name, exit code, how many clients it hosted, its last error line; ``seq``
-    counts the node's exits (a restarted container can end again) and ``back`` says it has started again since."""
-
-    name: str
-    code: int
-    clients: int
-    last_error: str
-    seq: int = 0
-    back: bool = False
-    cut_off: tuple[str, ...] = ()  # an edge aggregator's: the edge nodes whose clients reached the run through it
-
-
-    def describe(self) -> str:
-        if self.cut_off:
-            return (f"{self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}; the "
-                    f"clients of {', '.join(self.cut_off)} are cut off")
-        return f"edge node {self.name} exited with code {self.code}: {self.last_error or '(its log is empty)'}"
 
 
 class NodeWatch:

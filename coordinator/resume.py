@@ -21,7 +21,7 @@ import torch
 from fcl_emu.coordinator import checkpoint
 from fcl_emu.coordinator.checkpoint import Checkpoint
 from fcl_emu.coordinator.clock import RunClock, Serve
-from fcl_emu.coordinator.errors import RunAborted
+from fcl_emu.coordinator.contracts import RunAborted
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.monitoring.results import RoundRecord
 from fcl_emu.runconfig import RunConfig

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from fcl_emu.coordinator.clock import Serve
-from fcl_emu.coordinator.errors import JobFailed
+from fcl_emu.coordinator.contracts import JobFailed
 from fcl_emu.coordinator.gpu_pool import Job, WorkerPool
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.methods import jobs

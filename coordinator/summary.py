@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fcl_emu.coordinator.clock import RunClock
-from fcl_emu.coordinator.edge_tier import EdgeTier
+from fcl_emu.coordinator.edge_tier import FlatStar, Tier
 from fcl_emu.coordinator.energy import energy_to_accuracy
 from fcl_emu.coordinator.gpu_pool import Job
 from fcl_emu.coordinator.privacy import run_privacy
@@ -25,17 +25,14 @@ from fcl_emu.monitoring.results import (RoundRecord, average_accuracy, average_f
                                         learned_accuracy, spatial_retention, temporal_retention)
 from fcl_emu.scenario.scenario import overlapping_shares_text
 
-EDGE_REFUSALS = "edge/"  # the edge aggregators' refusals in ``rejected_messages``: edge/<reason>
-
-
 class SummaryBuilder:
     """``summary.json``'s record from the run's results and counters."""
 
     def __init__(self, state: RunState, clock: RunClock, jobs: ServerJobs, checkpointer: Checkpointer,
-                 time_account: TimeAccount, heartbeat_interval_s: float, edges: EdgeTier | None = None):
+                 time_account: TimeAccount, heartbeat_interval_s: float, tier: Tier = FlatStar()):
         self.state, self.config, self.scenario, self.clock = state, state.config, state.scenario, clock
         self.jobs, self.checkpointer, self.time_account = jobs, checkpointer, time_account
-        self.heartbeat_interval_s, self.edges = heartbeat_interval_s, edges
+        self.heartbeat_interval_s, self.tier = heartbeat_interval_s, tier
 
     def build(self, matrix, rounds: list[RoundRecord], wall: float, status: str, run_dir: Path,
               class_hits=None, node_hosts: dict[str, str] | None = None) -> results.RunSummary:
@@ -97,7 +94,7 @@ class SummaryBuilder:
             missed_deadline=sum(r.late for r in rounds),
             late_updates=tally.late_updates,
             late_side_channel=tally.late_side_channel,
-            rejected_messages={**tally.rejected, **edge_rejected(self.edges)},
+            rejected_messages={**tally.rejected, **self.tier.refusals()},
             refused_handshakes=(_refused_handshakes(st.metrics) if self.config.security.transport == "curve"
                                 else None),
             rejected_gpu_pool=dict(self.jobs.pool.rejected),
@@ -114,12 +111,7 @@ class SummaryBuilder:
 
     def _tier_bytes(self) -> dict[str, dict[str, int]]:
         """Each tier's bytes under edge aggregators; none in a star."""
-        if self.edges is None:
-            return {}
-        received = sum(v.get("received", 0) for v in self.state.counters.nested().values())
-        # sent: what the wire carried, each round's model once per aggregator (``bytes`` counts it per client)
-        return {"edge_cloud": {"sent": self.edges.wire_sent(), "received": received},
-                "client_edge": dict(self.edges.tier_bytes)}
+        return self.tier.summary_bytes(sum(v.get("received", 0) for v in self.state.counters.nested().values()))
 
     def _energy(self, rounds: list[RoundRecord], task_end_accuracy: list[float]) -> results.EnergyTotals | None:
         """The clients' energy over the run (emulated clock with device classes that give power figures)."""
@@ -145,15 +137,6 @@ class SummaryBuilder:
         per_task = self.state.evaluator.client_task_classes(len(matrix) - 1)
         trained = [np.unique(np.concatenate(tasks)) for tasks in per_task]
         return results.KnowledgeRetention(temporal=temporal, **spatial_retention(*class_hits, trained))
-
-
-def edge_rejected(edges: EdgeTier | None) -> dict[str, int]:
-    """What the edge aggregators refused, by reason as ``edge/<reason>``, summed over them (each as its last
-    heartbeat reported it); none in a star."""
-    counts = Counter()
-    for reported in {} if edges is None else edges.rejected.values():
-        counts.update(reported)
-    return {f"{EDGE_REFUSALS}{reason}": n for reason, n in sorted(counts.items())}
 
 
 def _refused_handshakes(metrics) -> dict[str, int]:

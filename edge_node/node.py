@@ -18,7 +18,7 @@ references to its task assets; no model copy. The node's collaborators:
   time.
 
 How the run aggregates is the node's own knowledge (``secure``: ``--secagg``, from its launcher), chosen once at
-start: its results go into the masked sum or up as plain updates, whatever a relayed train request says, and what
+start (:mod:`~fcl_emu.edge_node.security`: plain or secure rounds): its results go into the masked sum or up as plain updates, whatever a relayed train request says, and what
 a client cannot do that way (a secure round whose setup never came, a SecAgg+ setup in a plain run) is refused as
 its error for the round; a welcome into a run that aggregates otherwise ends the node in one line.
 
@@ -66,6 +66,7 @@ from fcl_emu.edge_node.churn import Churn
 from fcl_emu.edge_node.client import EmulatedClient
 from fcl_emu.edge_node.connection import JoinWatch
 from fcl_emu.edge_node.secure_session import SECAGG_DOWN, SecureSessions
+from fcl_emu.edge_node.security import SECURITY_MISMATCH, round_security
 from fcl_emu.edge_node.store import ArrayStore, AssetCache, RoundPayloads
 from fcl_emu.edge_node.client import TrainJob, TrainResult
 from fcl_emu.edge_node.training import RunSetup, Trainer
@@ -94,19 +95,6 @@ class PendingSetup:
     parked: list[tuple[EmulatedClient, int, Message]] = field(default_factory=list)
 
 
-SECURITY_MISMATCH = "secure_mismatch"  # a client's error code: it cannot take part as the run aggregates
-
-
-def _kind(secure: bool) -> str:
-    """The kind of update a client sends in a run that aggregates so."""
-    return "masked" if secure else "plain"
-
-
-def _aggregates(secure: bool) -> str:
-    """How a run aggregates, in words."""
-    return "aggregates securely (--secagg)" if secure else "aggregates plainly (no --secagg)"
-
-
 class NodeSetupError(RuntimeError):
     """The node cannot take part in the run it joined (its clients have said they leave, giving the reason)."""
 
@@ -122,7 +110,6 @@ class EdgeNode:
         send masked inputs only, else plain updates only, whatever a relayed message says; what they cannot do
         that way is refused as their error for the round (:meth:`_refuse`)."""
         self.connect = connect
-        self.secure = secure
         self.keys = keys
         self.name = name or f"node-{os.getpid()}"
         self.data_roots = list(data_roots or [])
@@ -160,16 +147,10 @@ class EdgeNode:
         self.heartbeat_interval_s = 1.0
         self._next_heartbeat_scan = 0.0
         self._open = len(self.clients)  # clients not closed: the node serves while there are any
-        # chosen once, from what the node was started with: a result goes into the masked sum (trained only with
-        # the round's session open) or up as an update; the SecAgg+ messages are answered, or refused in a plain run
-        if secure:
-            sessions = SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed,
-                                      metrics=self.metrics, keys=keys)
-            self._send_result, self._on_secagg, self._cannot_train = (sessions.on_result, sessions.on_message,
-                                                                      sessions.cannot_mask)
-        else:
-            self._send_result, self._on_secagg = self._send_update, self._refuse_secagg
-            self._cannot_train = lambda client, round: None
+        # chosen once, from what the node was started with (edge_node/security.py)
+        self.security = round_security(secure, send_update=self._send_update, refuse=self._refuse, sessions=lambda: (
+            SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed, metrics=self.metrics,
+                           keys=keys)))
         self._churn = Churn(join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)
@@ -260,10 +241,8 @@ class EdgeNode:
         a welcome still counts at once: its client heartbeats from now on. False: handle it now."""
         if msg.type == "welcome" and self._pending_setup is None \
                 and (self.setup is None or self.setup.run_id != msg.body.run_id):
-            if msg.body.secure != self.secure:
-                raise NodeSetupError(f"{self.name} cannot take part in run {msg.body.run_id}: the run "
-                                     f"{_aggregates(msg.body.secure)}, but this node was started "
-                                     f"{'with' if self.secure else 'without'} --secagg")
+            if (refused := self.security.welcome_refusal(self.name, msg.body)) is not None:
+                raise NodeSetupError(refused)
             self._pending_setup = PendingSetup(msg.body, self._setup_thread.submit(self._make_setup, msg.body))
             self.heartbeat_interval_s = msg.body.heartbeat_interval_s
         if self._pending_setup is None:
@@ -299,12 +278,9 @@ class EdgeNode:
                 self._send(client, "error", Error(code="not_ready", detail="train request before task start"),
                            round=msg.round, task=msg.task)
                 return
-            if msg.body.secure != self.secure:  # a relay changed it: the run's own way holds
-                self._log_once(client.id, "train request", f"{client.id}: round {msg.round}: the train request asks "
-                                                           f"for a {_kind(msg.body.secure)} update; sending a "
-                                                           f"{_kind(self.secure)} one: the run "
-                                                           f"{_aggregates(self.secure)}, as this node was started")
-            if (why := self._cannot_train(client, msg.round)) is not None:
+            if (otherwise := self.security.relayed_otherwise(client.id, msg.round, msg.body)) is not None:
+                self._log_once(client.id, "train request", otherwise)  # a relay changed it: the run's own way holds
+            if (why := self.security.cannot_train(client, msg.round)) is not None:
                 self._refuse(client, msg, why)
                 return
             now = time.monotonic()
@@ -314,7 +290,7 @@ class EdgeNode:
         elif msg.type == "cancel":  # the emulated clock knows this round's update would come too late
             self._trainer.cancel(client.id, msg.round)
         elif msg.type in SECAGG_DOWN:
-            self._on_secagg(client, msg)
+            self.security.on_secagg(client, msg)
         elif msg.type == "shutdown":  # the run is over for every client of this node
             for c in self.clients:
                 c.closed = True
@@ -346,14 +322,9 @@ class EdgeNode:
         """Refuse what the client cannot do the way the run aggregates (a relay may have changed or dropped the
         coordinator's messages): the client's ``error`` for the round, so the round stops waiting for it; logged
         once per client."""
-        detail = f"refused {what}: the run {_aggregates(self.secure)}, as this node was started"
+        detail = self.security.refusal(what)
         self._log_once(client.id, SECURITY_MISMATCH, f"{client.id}: round {msg.round}: {detail}")
         self._send(client, "error", Error(code=SECURITY_MISMATCH, detail=detail), round=msg.round, task=msg.task)
-
-    def _refuse_secagg(self, client: EmulatedClient, msg: Message) -> None:
-        """A SecAgg+ message in a plain run: refused, so no masked input is ever sent (an abort needs no answer)."""
-        if msg.type != "secagg_abort":
-            self._refuse(client, msg, f"a {msg.type}")
 
     def _send(self, client: EmulatedClient, msg_type: str, body, **kw) -> None:
         client.endpoint.send(msg_type, body, **kw)
@@ -382,7 +353,7 @@ class EdgeNode:
         result.finished_at = time.monotonic()
         if client.closed or result.generation != client.generation or result.stale:
             return
-        self._send_result(client, result)
+        self.security.send_result(client, result)
 
     def _send_update(self, client: EmulatedClient, result: TrainResult) -> None:
         """A plain run's result: its side-channel messages, then its update (or the client's error)."""

@@ -59,8 +59,7 @@ def _finish(runner, cfg: RunConfig, fork_nodes: bool = False) -> None:
     process has no other thread (fcl_emu/launchers/zygote.py)."""
     from fcl_emu.containers.docker_client import EngineError
     from fcl_emu.containers.image import ImageError
-    from fcl_emu.coordinator.checkpoint import CheckpointError
-    from fcl_emu.coordinator.lifecycle import BindError
+    from fcl_emu.coordinator.contracts import BindError, CheckpointError
     from fcl_emu.monitoring.stack import PortInUseError
     from fcl_emu.scenario.datasets import DatasetNotFoundError
     from fcl_emu.wire.auth import KeyFileError
@@ -102,7 +101,7 @@ def _check_extras(cfg: RunConfig) -> None:
 def _check_devices(cfg: RunConfig) -> None:
     """Exit 2 with one line naming what torch found where the run asks for a CUDA device that is not here: for
     training and evaluation (--device) or the GPU workers (--gpu-device); before the run starts anything."""
-    from fcl_emu.coordinator.devices import no_cuda
+    from fcl_emu.gpu_worker import no_cuda
 
     for flag, choice in (("--device", cfg.device), ("--gpu-device", cfg.gpu.device)):
         reason = no_cuda(flag) if choice == "cuda" else None
@@ -233,8 +232,7 @@ PASS_ON = {"allow_extra_args": True, "ignore_unknown_options": True, "help_optio
 @app.command("gpu-worker", hidden=True, context_settings=PASS_ON)
 def gpu_worker(ctx: typer.Context) -> None:
     """One GPU worker of the coordinator's pool (started by the coordinator, docs/gpu.md)."""
-    from fcl_emu.coordinator.gpu_worker import run_worker
-    from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+    from fcl_emu.gpu_worker import GpuWorkerArgs, run_worker
 
     raise typer.Exit(run_worker(GpuWorkerArgs.from_argv(ctx.args, prog="fcl-emu gpu-worker")))
 

@@ -42,7 +42,7 @@ from secrets import token_urlsafe
 import yaml
 
 from fcl_emu.containers.image import image_ref
-from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME
+from fcl_emu.gpu_worker import WORKER_KEY_NAME
 from fcl_emu.keys import with_keys
 from fcl_emu.launchers.aggregators import aggregator_args
 from fcl_emu.launchers.base import node_args, node_key_name, node_specs

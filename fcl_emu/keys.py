@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from fcl_emu.coordinator.gpu_worker import WORKER_KEY_NAME, worker_identity
+from fcl_emu.gpu_worker import WORKER_KEY_NAME, worker_identity
 from fcl_emu.edge_node.args import format_client_set
 from fcl_emu.launchers.base import node_key_name, node_specs
 from fcl_emu.wire.auth import write_keys

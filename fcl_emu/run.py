@@ -25,9 +25,10 @@ import pydantic
 from fcl_emu.containers.faults import FaultInjector, Target, load_plan
 from fcl_emu.containers.stats import ContainerStats
 from fcl_emu.coordinator import checkpoint
-from fcl_emu.coordinator.checkpoint import Checkpoint, CheckpointError
-from fcl_emu.coordinator.lifecycle import CHECKPOINT_DIR, Coordinator, Interrupted, RunAborted, run_fingerprint
-from fcl_emu.coordinator.errors import BindError
+from fcl_emu.coordinator.checkpoint import Checkpoint
+from fcl_emu.coordinator.contracts import BindError, CheckpointError, Interrupted, RunAborted
+from fcl_emu.coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.resume import CHECKPOINT_DIR, run_fingerprint
 from fcl_emu.runconfig import RunConfig, gpu_worker_metrics_port, load_config, metrics_ports
 from fcl_emu.keys import RunKeys
 from fcl_emu.launchers import NodeLauncher, launcher
@@ -186,7 +187,7 @@ def check_before_start(config: RunConfig, start_nodes: bool, resume: Checkpoint 
     that the dataset is there (unless it is to be downloaded). The configuration is valid by construction.
 
     Raises :class:`fcl_emu.writable.NotWritableError`, :class:`fcl_emu.monitoring.stack.PortInUseError`,
-    :class:`fcl_emu.coordinator.errors.BindError` or :class:`fcl_emu.scenario.datasets.DatasetNotFoundError`.
+    :class:`fcl_emu.coordinator.contracts.BindError` or :class:`fcl_emu.scenario.datasets.DatasetNotFoundError`.
     """
     check_writable(run_dir)
     config = resolve_metrics(config, start_nodes)

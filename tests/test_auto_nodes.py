@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from fcl_emu import options, run
 from fcl_emu.cli import app
 from fcl_emu.coordinator.resume import run_fingerprint
-from fcl_emu.coordinator.errors import BindError
+from fcl_emu.coordinator.contracts import BindError
 from fcl_emu.monitoring.settings_diff import non_default_settings, settings_text
 from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig import nodes as nodes_module

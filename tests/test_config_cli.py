@@ -137,9 +137,8 @@ def test_a_cuda_device_that_is_not_here_is_refused_in_one_line_before_anything_s
 def test_the_coordinator_and_the_gpu_workers_make_the_same_device_check(monkeypatch):
     import torch
 
-    from fcl_emu.coordinator.devices import DeviceError
-    from fcl_emu.coordinator.gpu_worker import worker_device
-    from fcl_emu.coordinator.lifecycle import resolve_device
+    from fcl_emu.coordinator.compose import resolve_device
+    from fcl_emu.gpu_worker import DeviceError, worker_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match="^--device cuda: torch .* sees no CUDA device"):
@@ -192,7 +191,7 @@ def test_a_taken_port_is_found_before_anything_is_written(tmp_path, mnist_root):
 
 def test_a_run_that_does_not_start_takes_its_keys_away(tmp_path, mnist_root, monkeypatch):
     """Its coordinator fails after ``up`` wrote the run's keys: they go, with the directories made for them."""
-    from fcl_emu.coordinator.errors import BindError
+    from fcl_emu.coordinator.contracts import BindError
     from fcl_emu import run
 
     def coordinator_that_cannot_bind(config, **kwargs):

@@ -18,6 +18,7 @@ from fcl_emu.coordinator.clients import ClientRegistry
 from fcl_emu.coordinator.clock import EmulatedTime, RealTime, make_clock
 from fcl_emu.coordinator.collection import make_collection
 from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.edge_tier import FlatStar
 from fcl_emu.coordinator.guard import LogOnce, RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
 from fcl_emu.coordinator.privacy import run_privacy_part
@@ -157,7 +158,7 @@ def runner(state: RunState, **dispatcher) -> tuple[RoundRunner, PlayingDispatche
     fake = PlayingDispatcher(state, **dispatcher)
     fake.clock = make_clock(state, liveness_timeout_s=10.0)
     stale, privacy = StaleUpdates(state.config.rounds.planned_cohort), run_privacy_part(state.config)
-    return RoundRunner(state, fake, fake.clock, make_collection(state, privacy), stale, privacy), fake
+    return RoundRunner(state, fake, fake.clock, make_collection(state, privacy, FlatStar()), stale, privacy), fake
 
 
 @pytest.mark.parametrize("clock", ["real", "emulated"])
@@ -319,7 +320,7 @@ class FakeEndpoint:
 def dispatcher(state: RunState) -> tuple[Dispatcher, FakeEndpoint]:
     endpoint = FakeEndpoint()
     clock = make_clock(state, liveness_timeout_s=10.0)
-    return Dispatcher(state, endpoint, pool=None, clock=clock, collection=make_collection(state, None),
+    return Dispatcher(state, endpoint, pool=None, clock=clock, collection=make_collection(state, None, FlatStar()),
                       stale=StaleUpdates(3), rate_limiter=RateLimiter(),
                       welcome={"run_id": "test", "scenario": {}, "method": "fake", "method_options": {},
                                "model": "fake", "training": {}, "heartbeat_interval_s": 1.0}), endpoint
@@ -438,29 +439,74 @@ def test_the_clock_is_chosen_once_from_the_config():
     assert emulated.emulated_now == 0.0
 
 
-def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_have():
-    """``Coordinator`` has no mixin bases, and no file of the coordinator outside clock.py compares a clock (or an
-    emulated timeline) with None or asks which kind it is."""
+def _asking(folder: str, skip: tuple[str, ...], asks) -> list[str]:
+    """``file:line`` of every comparison or call in ``folder``'s files (but ``skip``) that ``asks(node, names)``
+    flags, ``names`` being the attribute and variable names the node mentions."""
     import ast
     from pathlib import Path
 
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / folder).glob("*.py")):
+        if path.name in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Compare, ast.Call, ast.If, ast.IfExp)):
+                test = node.test if isinstance(node, (ast.If, ast.IfExp)) else node  # an if: its condition only
+                names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in ast.walk(test)}
+                if asks(node, names):
+                    found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def _is_none(node) -> bool:
+    import ast
+
+    return isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value is None
+                                                 for c in node.comparators)
+
+
+def _kind_check(node, names, kinds: set[str]) -> bool:
+    import ast
+
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and bool(names & kinds)
+
+
+def test_the_coordinator_is_composed_and_its_rounds_never_ask_which_clock_they_have():
+    """``Coordinator`` has no mixin bases, and no file of the coordinator outside clock.py compares a clock (or an
+    emulated timeline) with None or asks which kind it is."""
     from fcl_emu.coordinator.lifecycle import Coordinator
 
     assert Coordinator.__bases__ == (object,)
-    asking = []
-    for path in sorted((Path(__file__).resolve().parents[1] / "coordinator").glob("*.py")):
-        if path.name in ("clock.py", "emulated.py"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in ast.walk(node)} \
-                if isinstance(node, (ast.Compare, ast.Call)) else set()
-            is_none = isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value is None
-                                                            for c in node.comparators)
-            kind_check = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and \
-                names & {"RealTime", "EmulatedTime"}
-            if (is_none and names & {"clock", "timeline"}) or kind_check:
-                asking.append(f"{path.name}:{node.lineno}")
+    asking = _asking("coordinator", ("clock.py", "emulated.py"), lambda node, names: (
+        (_is_none(node) and names & {"clock", "timeline"}) or _kind_check(node, names, {"RealTime", "EmulatedTime"})))
     assert not asking, f"branches on the clock's kind: {asking}"
+
+
+def test_no_part_asks_whether_there_is_an_edge_tier():
+    """The tier is chosen once (edge_tier.py, ``make_tier``: a flat star or edge aggregators): no other file of the
+    coordinator compares a tier (or the edge aggregators) with None or asks which kind it is."""
+    asking = _asking("coordinator", ("edge_tier.py",), lambda node, names: (
+        (_is_none(node) and names & {"tier", "edges"}) or _kind_check(node, names, {"FlatStar", "EdgeTier"})))
+    assert not asking, f"branches on the tier's kind: {asking}"
+
+
+def test_no_part_of_the_edge_node_branches_on_secure():
+    """How a node's run aggregates is chosen once (edge_node/security.py: ``RoundSecurity``, plain or secure): no
+    other file of the edge node branches on ``secure``."""
+    import ast
+
+    asking = _asking("edge_node", ("security.py",), lambda node, names: (
+        isinstance(node, (ast.If, ast.IfExp, ast.Compare)) and "secure" in names))
+    assert not asking, f"branches on secure: {asking}"
+
+
+def test_the_coordinator_and_its_composition_root_stay_small():
+    """``Coordinator``'s file and the composition root are under 250 lines each."""
+    from pathlib import Path
+
+    coordinator = Path(__file__).resolve().parents[1] / "coordinator"
+    lines = {name: len((coordinator / name).read_text().splitlines()) for name in ("lifecycle.py", "compose.py")}
+    assert all(n < 250 for n in lines.values()), lines
 
 
 # ------------------------------------------------------------------------------------------- server jobs
@@ -485,7 +531,7 @@ class DonePool:
 def test_a_server_job_is_an_event_and_its_start_and_end_are_heard(tmp_path, kind, label, ok):
     import json
 
-    from fcl_emu.coordinator.errors import JobFailed
+    from fcl_emu.coordinator.contracts import JobFailed
     from fcl_emu.coordinator.server_jobs import ServerJobs
     from fcl_emu.monitoring.results import RunRecorder
 

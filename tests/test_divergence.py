@@ -1,5 +1,5 @@
 """A run whose model diverged ends ``degraded`` and says why (coordinator/round_record.py, the status in
-coordinator/lifecycle.py): NaN or infinite values, an exploded training loss, or an accuracy fallen to chance after
+coordinator/run_status.py): NaN or infinite values, an exploded training loss, or an accuracy fallen to chance after
 having learned, while ordinary class-incremental forgetting completes; a DP run stops at the round that diverged
 unless told to continue; DP whose noise outweighs the clipped mean is warned of before the start; the library warnings and the clients' NaN-loss reports go to the run's log, not to
 the console (runtime/run_log.py)."""
@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from fcl_emu.aggregation.update import DeltaLayout
-from fcl_emu.coordinator.lifecycle import Coordinator, Diverged, _stop_if_diverged, _trained_status
+from fcl_emu.coordinator.advice import noisy_privacy
+from fcl_emu.coordinator.contracts import Diverged
+from fcl_emu.coordinator.run_status import stop_if_diverged as _stop_if_diverged, trained_status as _trained_status
 from fcl_emu.coordinator.privacy import cohort_for_noise, noise_to_update
 from fcl_emu.coordinator.round_record import round_divergence
 from fcl_emu.methods.models.classifier import build_model
@@ -167,7 +169,7 @@ def test_the_coordinator_warns_before_the_start_when_the_noise_outweighs_the_cli
                                  model=SimpleNamespace(num_classes=2, feature_dim=99))
         scenario = SimpleNamespace(num_tasks=2, seen_classes=lambda task: range(2 * task + 2))
         state = SimpleNamespace(server=server, scenario=scenario)
-        return Coordinator._noisy_privacy(SimpleNamespace(config=config, state=state, privacy=object()))
+        return noisy_privacy(config, state, object())
 
     warning, = warned({"mode": "central", "noise_multiplier": 1.0, "clip": 0.5}, 8)
     assert warning.setting == "privacy.noise_multiplier" and warning.value == 1.0

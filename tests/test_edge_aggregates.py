@@ -21,7 +21,7 @@ import zmq
 from fcl_emu.aggregation.update import DELTA, ClientUpdate
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.collection import make_collection
-from fcl_emu.coordinator.dispatch import Dispatcher
+from fcl_emu.coordinator.dispatch import Dispatcher, try_send
 from fcl_emu.coordinator.edge_tier import EdgeTier
 from fcl_emu.coordinator.guard import RateLimiter
 from fcl_emu.coordinator.open_round import OpenRound, StaleUpdates
@@ -103,11 +103,11 @@ class Tier:
         self.state.event = lambda kind, **fields: self.events.append((kind, fields))
         self.ctx = zmq.Context()
         self.endpoint = ServerEndpoint(self.ctx, "tcp://127.0.0.1:0")
-        self.tier = EdgeTier(self.state, 1, liveness_timeout_s=TIMEOUT_S)
-        dispatch = Dispatcher(self.state, self.endpoint, NoPool(), make_clock(self.state, TIMEOUT_S),
-                              make_collection(self.state, None, self.tier), StaleUpdates(2), RateLimiter(),
-                              welcome=WELCOME, edges=self.tier)
-        self.tier.send, self.tier.serve = dispatch.try_send, dispatch.serve
+        self.tier = EdgeTier(self.state, 1, liveness_timeout_s=TIMEOUT_S,
+                             send=lambda *a, **kw: try_send(self.endpoint, *a, **kw))
+        dispatch = self.dispatch = Dispatcher(self.state, self.endpoint, NoPool(), make_clock(self.state, TIMEOUT_S),
+                                              make_collection(self.state, None, self.tier), StaleUpdates(2),
+                                              RateLimiter(), welcome=WELCOME, tier=self.tier)
         self.aggregator = HostileAggregator(self.ctx, self.endpoint.address, answer, first_honest)
         self.aggregator.start()
         dispatch.serve(lambda: AGGREGATOR in self.tier.seen, time.monotonic() + 10)
@@ -120,7 +120,7 @@ class Tier:
                      for c, (n, w) in CLIENTS.items()]
         r.held_at = dict.fromkeys(CLIENTS, AGGREGATOR)
         started = time.monotonic()
-        return self.tier.gather(r), time.monotonic() - started
+        return self.tier.gather(r, self.dispatch.serve), time.monotonic() - started
 
     def close(self) -> None:
         self.aggregator.stop.set()
@@ -196,7 +196,7 @@ def test_a_second_aggregate_or_one_of_another_round_is_refused_and_the_one_asked
         np.testing.assert_allclose(mean_of(groups), HONEST)
         deadline = time.monotonic() + 5
         while not tier.state.tally.rejected and time.monotonic() < deadline:  # the second may come after the first
-            tier.tier.serve(lambda: bool(tier.state.tally.rejected), deadline)
+            tier.dispatch.serve(lambda: bool(tier.state.tally.rejected), deadline)
         assert tier.state.tally.rejected == {reason: 1}
         assert tier.tier.round_aggregates[AGGREGATOR] == {"asked": 2, "taken": 2, "refused": 0, "missing": 0}
     finally:

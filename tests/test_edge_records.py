@@ -14,7 +14,6 @@ import zmq
 
 from fcl_emu.aggregation.update import DELTA
 from fcl_emu.coordinator.edge_tier import EdgeTier
-from fcl_emu.coordinator.summary import edge_rejected
 from fcl_emu.wire.framing import wire_tensors
 from fcl_emu.wire.messages import Heartbeat, TrainRequest, Update
 from tests.relay_tier import AGGREGATOR, Tier
@@ -54,7 +53,7 @@ def test_a_flood_of_malformed_messages_writes_a_bounded_log_and_reaches_the_summ
     assert "\\x1b[2J\\nclient-0\\r" in lines[0]  # escaped, so still readable
     edges = EdgeTier(make_state(), 1, 5.0)
     edges.on_message(AGGREGATOR, beat[1])
-    assert edge_rejected(edges) == {"edge/bad_header": FLOOD}  # what summary.json's rejected_messages adds
+    assert edges.refusals() == {"edge/bad_header": FLOOD}  # what summary.json's rejected_messages adds
 
 
 def update(samples: int, **extra) -> tuple[Update, dict]:

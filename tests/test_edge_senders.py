@@ -125,7 +125,7 @@ def test_a_held_notice_is_taken_only_over_the_connection_of_the_aggregator_it_na
     edges = EdgeTier(state, 2, liveness_timeout_s=10.0)
     dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
                           make_collection(state, None, edges), StaleUpdates(3), RateLimiter(), welcome=WELCOME,
-                          edges=edges)
+                          tier=edges)
     r = dispatch.round = OpenRound(task=0, number=1, chosen=[c0, c1, c2], selected={c0, c1, c2}, wanted=3)
     aggregator = SharedConnection(ctx, endpoint.address, keys=ring("edge-aggregator-0"))
     node = SharedConnection(ctx, endpoint.address, keys=ring("node-0"))
@@ -321,10 +321,9 @@ def test_the_wait_for_aggregates_does_not_stretch_with_the_client_count():
     config = RunConfig.model_validate({"scenario": {"num_clients": 100_000}, "topology": {"edge_aggregators": 2}})
     assert config.network.liveness(100_000)[1] == pytest.approx(1000.0)
     assert config.topology.aggregate_wait_s(config.network) == 10.0
-    tier = EdgeTier(make_state(), 1, liveness_timeout_s=1000.0, answer_timeout_s=0.5)
-    tier.send = lambda *args, **kw: 64
-    tier.serve = lambda until, deadline: time.sleep(max(0.0, deadline - time.monotonic()))  # nothing ever answers
+    tier = EdgeTier(make_state(), 1, liveness_timeout_s=1000.0, answer_timeout_s=0.5, send=lambda *args, **kw: 64)
+    serve = lambda until, deadline: time.sleep(max(0.0, deadline - time.monotonic()))  # nothing ever answers
     tier.seen["edge-aggregator-0"] = time.monotonic()  # heard from just now: not silent for the liveness timeout
     started = time.monotonic()
-    assert tier.ask(0, 1, {"edge-aggregator-0": ["client-0000"]}, lambda clients: None) == {}
+    assert tier.ask(0, 1, {"edge-aggregator-0": ["client-0000"]}, lambda clients: None, serve) == {}
     assert time.monotonic() - started < 5

@@ -206,6 +206,7 @@ def test_bench_energy_measures_its_baseline_and_plots_it(tmp_path, mnist_root):
 def test_a_run_warns_of_device_classes_that_cannot_make_the_deadline(tmp_path, mnist_root):
     """The MNIST CNN's round takes every class a few seconds; a 2 s deadline is too short for the LTE phones
     (a 1.1 MB update at 2 or 6 Mbit/s), not for Wi-Fi's."""
+    from fcl_emu.coordinator.advice import slow_classes
     from fcl_emu.coordinator.lifecycle import Coordinator
 
     def slow(deadline_s: float, **rounds) -> list:
@@ -215,7 +216,7 @@ def test_a_run_warns_of_device_classes_that_cannot_make_the_deadline(tmp_path, m
             "network": {"bind": "tcp://127.0.0.1:0"}, "data_root": [str(mnist_root)]})
         coordinator = Coordinator(config)
         try:
-            return coordinator._slow_classes()
+            return slow_classes(coordinator.config, coordinator.state)
         finally:
             coordinator.close()
 

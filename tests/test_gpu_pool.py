@@ -18,7 +18,8 @@ import torch
 import zmq
 
 from fcl_emu.coordinator.gpu_pool import Job, _LocalRunner
-from fcl_emu.coordinator.lifecycle import Coordinator, JobFailed
+from fcl_emu.coordinator.contracts import JobFailed
+from fcl_emu.coordinator.lifecycle import Coordinator
 from fcl_emu.runconfig import load_config
 from fcl_emu.methods import jobs
 from fcl_emu.monitoring.results import RunSummary
@@ -149,7 +150,7 @@ def test_a_run_with_workers_records_its_jobs(tmp_path, mnist_root):
     assert len(recorded) == 2 and all(e["ok"] and e["metrics"]["gflops"] > 0 for e in recorded)
     assert sorted(p.name for p in (run_dir / "logs").glob("gpu-worker-*.log")) == ["gpu-worker-0.log",
                                                                                   "gpu-worker-1.log"]
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "coordinator.gpu_worker" in (p.info["cmdline"] or [])
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "fcl_emu.gpu_worker" in (p.info["cmdline"] or [])
                  and str(pid) in p.info["cmdline"]]
     assert not leftovers  # the workers ended with the run
 

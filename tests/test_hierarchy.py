@@ -530,13 +530,13 @@ def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_
     from tests.test_coordinator_parts import make_state
 
     state = make_state()
-    tier = EdgeTier(state, 3, liveness_timeout_s=10.0)
+    asked = []
+    tier = EdgeTier(state, 3, liveness_timeout_s=10.0,
+                    send=lambda name, msg_type, body, **kw: asked.append((name, body.clients)) or 64)
     r = OpenRound(task=0, number=4, chosen=["a", "b", "c", "d"], selected={"a", "b", "c", "d"}, wanted=4)
     r.counted = [ClientUpdate(c, 10, {}, square_sums={"delta/w": 3.0}) for c in "abcd"]  # as their notices said
     r.held_at = {"a": "edge-aggregator-0", "b": "edge-aggregator-0", "c": "edge-aggregator-1",
                  "d": "edge-aggregator-2"}
-    asked = []
-    tier.send = lambda name, msg_type, body, **kw: asked.append((name, body.clients)) or 64
 
     def aggregate(clients, samples, peer):
         frames = encode("edge_aggregate", EdgeAggregate(clients=clients, num_samples=samples, loss=0.1), sender=peer,
@@ -556,9 +556,8 @@ def test_the_coordinator_takes_only_the_aggregates_it_asked_for_and_believes_no_
         tier.seen["edge-aggregator-2"] = time.monotonic() - 60  # silent for the liveness timeout: not awaited
         assert until()
 
-    tier.serve = serve
     tier.seen["edge-aggregator-2"] = time.monotonic()
-    groups = tier.gather(r)
+    groups = tier.gather(r, serve)
     assert sorted(asked) == [("edge-aggregator-0", ["a", "b"]), ("edge-aggregator-1", ["c"]),
                              ("edge-aggregator-2", ["d"])]
     assert groups.clients == {"edge-aggregator-0": ["a", "b"]} and [u.num_samples for u in groups.updates] == [20]

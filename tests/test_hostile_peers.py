@@ -33,6 +33,7 @@ import pytest
 import zmq
 
 from fcl_emu.coordinator.collection import make_collection
+from fcl_emu.coordinator.edge_tier import FlatStar
 from fcl_emu.launchers.process import node_env
 from fcl_emu.coordinator.clock import make_clock
 from fcl_emu.coordinator.dispatch import Dispatcher
@@ -530,7 +531,7 @@ def one_round(attack: dict | tuple | None = None) -> tuple[RunState, object]:
     ctx = zmq.Context()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
     clock = make_clock(state, liveness_timeout_s=10.0)
-    stale, collection = StaleUpdates(ROUND_CLIENTS), make_collection(state, None)
+    stale, collection = StaleUpdates(ROUND_CLIENTS), make_collection(state, None, FlatStar())
     dispatch = Dispatcher(state, endpoint, NoPool(), clock, collection, stale, RateLimiter(), welcome=WELCOME)
     cohort = Cohort(ctx, endpoint.address, attack)
     cohort.start()
@@ -598,7 +599,7 @@ def frames_refused(frames: int) -> tuple[RunState, int, float]:
     ctx = zmq.Context()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0")
     dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
-                          make_collection(state, None), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
+                          make_collection(state, None, FlatStar()), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
     peer = ClientEndpoint(ctx, endpoint.address, client_id(1))
     try:
         peer.sock.send_multipart([peer.encode("heartbeat", Heartbeat())[0]] + [b""] * frames)
@@ -674,7 +675,7 @@ def test_a_strangers_messages_never_reach_the_coordinator(tmp_path, allowlist):
     state = make_state()
     endpoint = ServerEndpoint(ctx, "tcp://127.0.0.1:0", keys=server_keys)
     dispatch = Dispatcher(state, endpoint, NoPool(), make_clock(state, liveness_timeout_s=10.0),
-                          make_collection(state, None), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
+                          make_collection(state, None, FlatStar()), StaleUpdates(3), RateLimiter(), welcome=WELCOME)
     other = write_run_keys(tmp_path / "other", [[0, 1]])
     stranger = ClientEndpoint(ctx, endpoint.address, client_id(1), keys=ClientKeyring(
         keys / "coordinator.key", other / "node-0.key_secret").for_identity(client_id(1)))
@@ -710,7 +711,7 @@ def test_the_gpu_pools_socket_bounds_refuses_counts_and_logs_once(tmp_path, monk
     metric), logged once per peer and reason. A stranger's key never gets a message through (refused at the
     handshake, counted by the allow-list)."""
     from fcl_emu.coordinator.gpu_pool import WorkerPool
-    from fcl_emu.coordinator.gpu_worker import worker_identity
+    from fcl_emu.gpu_worker import worker_identity
     from fcl_emu.keys import write_run_keys
     from fcl_emu.wire.auth import Allowlist, load_server_keys
     from fcl_emu.wire.messages import WorkerHello

@@ -32,10 +32,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runconfig": {"scenario", "aggregation", "methods", "secagg"},
     "edge_node": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring"},
     "edge_aggregator": {"runtime", "wire", "secagg", "aggregation"},
-    "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig"},
+    "gpu_worker": {"runtime", "wire", "methods", "monitoring"},
+    "coordinator": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
+                    "gpu_worker"},
     "containers": {"wire", "secagg", "scenario", "methods", "monitoring", "runconfig"},
     "fcl_emu": {"runtime", "wire", "secagg", "scenario", "aggregation", "methods", "monitoring", "runconfig",
-                "edge_node", "edge_aggregator", "coordinator", "containers"},
+                "edge_node", "edge_aggregator", "gpu_worker", "coordinator", "containers"},
     # the experiment tables, above the product and not installed with it: what they may name of it is
     # EXPERIMENTS_SURFACE (test_the_experiments_use_the_product_s_public_surface)
     "experiments": {"fcl_emu", "monitoring", "methods", "scenario", "coordinator"},

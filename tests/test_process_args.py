@@ -1,4 +1,4 @@
-"""The arguments of the processes a run starts (edge_node/args.py, coordinator/gpu_worker_args.py): each gives
+"""The arguments of the processes a run starts (edge_node/args.py, gpu_worker/args.py): each gives
 itself back through its flags, refuses bad values naming the flag, and is what the launchers build."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.gpu_worker import GpuWorkerArgs
 from fcl_emu.edge_node.args import NodeArgs, format_client_set, parse_client_set
 from fcl_emu.cli import app
 from fcl_emu.launchers import node_args

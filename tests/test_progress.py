@@ -19,7 +19,7 @@ from rich.console import Console
 
 from fcl_emu.aggregation.update import ClientUpdate
 from fcl_emu.coordinator.dispatch import Dispatcher
-from fcl_emu.coordinator.lifecycle import Coordinator
+from fcl_emu.coordinator.advice import tell_advice
 from fcl_emu.coordinator.open_round import OpenRound
 from fcl_emu.progress import ProgressView
 from fcl_emu.monitoring.results import RunRecorder
@@ -230,12 +230,10 @@ def test_overcommit_secagg_neighbours_and_stretched_heartbeats_are_warnings():
 def test_the_coordinator_records_and_shows_each_warning_once(tmp_path):
     recorder = RunRecorder(tmp_path, "")
     heard = []
-    coordinator = SimpleNamespace(config=load_config(None, {"scenario": {"num_clients": 20}}),
-                                  state=SimpleNamespace(event=recorder.event),
-                                  progress=lambda kind, info: heard.append((kind, info)),
-                                  _slow_classes=lambda: [],  # tests/test_energy.py has its own test
-                                  _noisy_privacy=lambda: [])  # and tests/test_divergence.py
-    Coordinator._warn_adjustments(coordinator)
+    # no device profiles and no DP: tests/test_energy.py and tests/test_divergence.py test those warnings
+    state = SimpleNamespace(config=load_config(None, {"scenario": {"num_clients": 20}}), event=recorder.event,
+                            progress=lambda kind, info: heard.append((kind, info)), devices=None)
+    tell_advice(state, privacy=None)
     recorder.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["setting"], e["value"]) for e in events] == [

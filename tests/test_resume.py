@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from fcl_emu.coordinator import checkpoint
-from fcl_emu.coordinator.checkpoint import CheckpointError
+from fcl_emu.coordinator.contracts import CheckpointError
 from fcl_emu.coordinator.resume import CHECKPOINT_DIR
 from fcl_emu.coordinator.clients import ClientRegistry, Status
 from fcl_emu.cli import app
@@ -556,7 +556,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_with_its_summary_checkpoint_and_resume_c
 def test_a_task_that_trained_nothing_is_never_reported_completed():
     """Every round of a task skipped (its clients gone, say, after the task before ended): `degraded`, naming
     the task; no round trained at all: `failed`."""
-    from fcl_emu.coordinator.lifecycle import _trained_status
+    from fcl_emu.coordinator.run_status import trained_status as _trained_status
 
     def rounds(*skipped_by_task):
         return [SimpleNamespace(task=t, skipped=s, diverged=None, accuracy_seen=None)

@@ -39,7 +39,7 @@ from rich.console import Console
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcl_emu.bench.report import emit
-from fcl_emu.coordinator.devices import no_cuda
+from fcl_emu.gpu_worker import no_cuda
 from fcl_emu.methods import jobs, registry
 
 SHAPE = (1, 28, 28)

@@ -18,7 +18,7 @@ import psutil
 import yaml
 
 from fcl_emu.bench.soak_checks import read_events
-from fcl_emu.coordinator.checkpoint import CheckpointError
+from fcl_emu.coordinator.contracts import CheckpointError
 from fcl_emu.coordinator.checkpoint import load as load_checkpoint
 from fcl_emu.launchers.base import node_assignment
 from fcl_emu.wire.messages import client_id

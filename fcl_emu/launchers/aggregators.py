@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.coordinator.contracts import NodeExit
 from fcl_emu.edge_aggregator.args import AggregatorArgs
 from fcl_emu.launchers.base import last_error, signal_exit
 from fcl_emu.runconfig import RunConfig

@@ -9,7 +9,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.coordinator.contracts import NodeExit
 from fcl_emu.edge_node.args import NodeArgs
 from fcl_emu.wire.auth import SERVER_NAME
 from fcl_emu.runconfig import RunConfig, node_metrics_port

@@ -13,7 +13,7 @@ from pathlib import Path
 from fcl_emu.containers.cluster import LABEL_CLASS  # noqa: F401 (beside LABEL_RUN and LABEL_NODE for the launchers)
 from fcl_emu.containers.docker_client import client
 from fcl_emu.containers.faults import Target
-from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.coordinator.contracts import NodeExit
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error_line, signal_exit
 
 log = logging.getLogger("fcl_emu.launchers")

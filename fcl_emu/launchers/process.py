@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from fcl_emu.coordinator.lifecycle import NodeExit
+from fcl_emu.coordinator.contracts import NodeExit
 from fcl_emu.edge_node.args import NodeArgs
 from fcl_emu.launchers import zygote
 from fcl_emu.launchers.base import NodeLauncher, NodeSpec, last_error, node_args, node_specs, signal_exit

@@ -1,6 +1,6 @@
 """A GPU worker process's arguments (:class:`GpuWorkerArgs`): what the pool starts it with, as flags of ``python
--m coordinator.gpu_worker`` and ``fcl-emu gpu-worker``; kept apart from the worker (coordinator/gpu_worker.py) so
-that reading them does not import torch."""
+-m fcl_emu.gpu_worker`` and ``fcl-emu gpu-worker``; kept apart from the worker (gpu_worker/worker.py), which imports
+torch and the methods' jobs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DEVICES = ("auto", "cuda", "cpu")
 
 
 @dataclass(frozen=True)
-class GpuWorkerArgs(Flags, prog="python -m fcl_emu.coordinator.gpu_worker",
+class GpuWorkerArgs(Flags, prog="python -m fcl_emu.gpu_worker",
                     description="One GPU worker of the coordinator's pool (docs/gpu.md)."):
     """What one worker process runs with (without keys: plain TCP), each field one flag
     (:mod:`fcl_emu.runtime.flags`); checked when made (:class:`ArgsError` naming the flag)."""

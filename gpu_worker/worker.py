@@ -8,8 +8,8 @@ four a second). Everything travels in the project's wire framing; nothing receiv
 unpickled. A ``shutdown`` ends it; so does its parent's death (the pool starts
 it with ``--parent-pid``).
 
-The pool starts it as ``python -m fcl_emu.coordinator.gpu_worker FLAGS`` (the flags of
-:class:`~fcl_emu.coordinator.gpu_worker_args.GpuWorkerArgs`); ``fcl-emu gpu-worker``
+The pool starts it as ``python -m fcl_emu.gpu_worker FLAGS`` (the flags of
+:class:`~fcl_emu.gpu_worker.args.GpuWorkerArgs`); ``fcl-emu gpu-worker``
 takes the same flags.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 import zmq
 
-from fcl_emu.coordinator.devices import check_cuda
-from fcl_emu.coordinator.gpu_worker_args import GpuWorkerArgs
+from fcl_emu.gpu_worker.args import GpuWorkerArgs
+from fcl_emu.gpu_worker.devices import check_cuda
 from fcl_emu.methods import jobs
 from fcl_emu.monitoring.metrics import GpuWorkerMetrics
 from fcl_emu.runtime.process import exit_with_parent, fail, setup_logging, setup_process, warn_insecure
@@ -130,10 +130,6 @@ def run_worker(args: GpuWorkerArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fcl_emu.coordinator.gpu_worker FLAGS``."""
+    """``python -m fcl_emu.gpu_worker FLAGS``."""
     setup_process()
     return run_worker(GpuWorkerArgs.from_argv(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
