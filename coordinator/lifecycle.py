@@ -144,7 +144,7 @@ class Coordinator:
             evaluator=Evaluator(scenario, device), registry=ClientRegistry(liveness_timeout_s), metrics=metrics,
             run_id=(config.metrics.run_id or uuid.uuid4().hex[:12]) if resume is None else resume.state["run_id"],
             rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
-            progress=progress or no_progress)
+            progress=progress or no_progress, policy=config.aggregation.policy())
         state.devices = self._devices(options)
         metrics.watch_online(lambda: state.registry.online_count)
         self.context = context or zmq.Context.instance()
@@ -187,9 +187,10 @@ class Coordinator:
         if self.edges is not None:
             self.edges.send, self.edges.serve = self.dispatcher.try_send, self.dispatcher.serve
             self.edges.wire_sent = lambda: self.endpoint.wire_sent
-        policy = config.aggregation.policy()
+        policy = state.policy
         self.rounds = (AsyncRoundRunner(state, self.dispatcher, self.clock, collection, policy) if policy.asynchronous
-                       else RoundRunner(state, self.dispatcher, self.clock, collection, stale, self.privacy))
+                       else RoundRunner(state, self.dispatcher, self.clock, collection, stale, self.privacy,
+                                           policy=policy))
         self.jobs = ServerJobs(state, self.pool, self.dispatcher.serve)
         self.checkpointer = Checkpointer(state, self.clock, self.address)
         self.time = TimeAccount()

@@ -178,6 +178,16 @@ class ServerPart:
         self.global_state = read_only(new, copy=False)
         load_arrays(self.model, self.global_state)
 
+    def parameter_names(self) -> frozenset[str]:
+        """The global model's trainable parameters (state-dict keys; not BatchNorm statistics or counters): what a
+        server optimiser steps (:mod:`fcl_emu.aggregation.server_optimizers`)."""
+        return frozenset(name for name, _ in self.model.named_parameters())
+
+    def set_global_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace the global model by ``arrays`` (same keys and shapes): a server optimiser's step."""
+        self.global_state = read_only(arrays, copy=False)
+        load_arrays(self.model, self.global_state)
+
     def check_update(self, task: int, tensors: Mapping[str, np.ndarray]) -> None:
         """Check a received update's method tensors before it joins the round (the engine has checked the
         ``delta/`` tensors against the global model): raise ValueError naming what does not fit, and the

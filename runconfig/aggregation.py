@@ -1,9 +1,25 @@
-"""Which round policy a run can take (:func:`check_aggregation`); the policies and their settings are
-:mod:`fcl_emu.aggregation.policies` and :mod:`fcl_emu.aggregation.settings`."""
+"""Which round policy (:func:`check_aggregation`) and server optimiser (:func:`check_server_optimizer`) a run can
+take; the policies, optimisers and their settings are :mod:`fcl_emu.aggregation.policies`,
+:mod:`fcl_emu.aggregation.server_optimizers` and :mod:`fcl_emu.aggregation.settings`."""
 
 from __future__ import annotations
 
 
+# --- server optimiser refusals (to move into the run's compatibility table) ------------------------------------
+def check_server_optimizer(config, spec) -> None:
+    """Raise ValueError (one line) for a server optimiser the run cannot take: ``config`` a
+    :class:`~fcl_emu.runconfig.RunConfig`, ``spec`` its method's :class:`~fcl_emu.methods.registry.MethodSpec`."""
+    from fcl_emu.aggregation.update import DELTA
+
+    settings = config.aggregation
+    flag = f"--server-optimizer {settings.server_optimizer}"
+    if settings.asynchronous:
+        raise ValueError(f"{flag} steps a synchronous round's aggregate: --aggregation {settings.kind} applies "
+                         f"updates as they arrive with its own staleness weights (use --aggregation sync)")
+    if DELTA not in spec.server.summable:
+        raise ValueError(f"{flag}: method {spec.name!r} shares no global model for it to step (its clients "
+                         f"upload no model delta)")
+# --- end of server optimiser refusals ---------------------------------------------------------------------------
 
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
 from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES, MODELS as MODEL_NAMES, one_of
-from fcl_emu.runconfig.aggregation import check_aggregation
+from fcl_emu.runconfig.aggregation import check_aggregation, check_server_optimizer
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.runconfig.ignored import Ignored, settle
@@ -478,6 +478,8 @@ class RunConfig(pydantic.BaseModel):
             self._check_aggregator(spec)
         if self.aggregation.asynchronous:
             check_aggregation(self, spec.refusals)
+        if self.aggregation.server_optimizer != "none":
+            check_server_optimizer(self, spec)
         check_topology(self, spec.refusals)
         if self.rounds.clients_per_round > self.scenario.num_clients:
             raise ValueError(f"rounds.clients_per_round ({self.rounds.clients_per_round}) exceeds the number of "
