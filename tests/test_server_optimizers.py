@@ -215,3 +215,69 @@ def test_every_rule_and_server_optimiser_runs_a_round(rule, optimizer):
     expected = aggregate if step is None else step.step(before, aggregate, frozenset({"w"}))
     np.testing.assert_array_equal(state.server.global_state["w"], expected["w"])
     assert not np.array_equal(state.server.global_state["w"], before["w"])
+
+
+# ------------------------------------------------------------------ real runs: plain, SecAgg+, edge aggregators
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["plain", "secagg", "edge"])
+def test_fedadam_steps_each_rounds_aggregate_in_a_real_run(tier, tmp_path, mnist_root, one_torch_thread):
+    """Two rounds of 6 clients with --server-optimizer fedadam, coordinator, edge nodes (and edge aggregators) in
+    this process: every round's new global model is FedAdam's step from the model before the round along what the
+    round aggregated (replayed here), and each float parameter of the first round moved by at most eta."""
+    from fcl_emu.coordinator.lifecycle import Coordinator
+    from fcl_emu.edge_aggregator.relay import EdgeAggregator
+    from fcl_emu.edge_node.node import EdgeNode
+    from fcl_emu.methods.base import ServerPart
+    from fcl_emu.runconfig import load_config
+    from tests.conftest import events, run_beside, small_config
+
+    extra = {"secagg": {"secagg": {"enabled": True, "neighbors": 5, "threshold": 3}},
+             "edge": {"topology": {"edge_aggregators": 2}}}.get(tier, {})
+    config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 12, "num_tasks": 1,
+                                                                      "samples_per_client_task": 100},
+                                      rounds={"clients_per_round": 6, "rounds_per_task": 2, "eval_every": 10},
+                                      training={"local_epochs": 1}, security={"transport": "plain"},
+                                      aggregation={"server_optimizer": "fedadam"}, **extra),
+                         {"data_root": [str(mnist_root)]})
+    coordinator = Coordinator(config)
+    aggregators = [EdgeAggregator(f"edge-aggregator-{a}", coordinator.address, "tcp://127.0.0.1:0",
+                                  heartbeat_interval_s=0.3) for a in range(2)] if tier == "edge" else []
+    above = [a.address for a in aggregators] or [coordinator.address] * 2
+    nodes = [EdgeNode(above[i], list(ix), name=f"node-{i}", data_roots=[mnist_root], state_dir=tmp_path / f"s{i}",
+                      secure=tier == "secagg") for i, ix in enumerate((range(0, 12, 2), range(1, 12, 2)))]
+    steps: list[tuple[dict, dict, dict, frozenset]] = []  # before, the aggregate, after, the parameters
+    apply, set_global_state = Sync.apply, ServerPart.set_global_state
+
+    def recorded_apply(self, server, task, number, updates):
+        steps.append((dict(server.global_state),))
+        apply(self, server, task, number, updates)
+
+    def recorded_set(self, arrays):
+        steps[-1] += (dict(self.global_state), dict(arrays), self.parameter_names())
+        set_global_state(self, arrays)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Sync, "apply", recorded_apply)
+        patch.setattr(ServerPart, "set_global_state", recorded_set)
+        try:
+            summary = run_beside(coordinator, [*aggregators, *nodes], tmp_path / "run")
+        finally:
+            for agg in aggregators:
+                agg.close()
+    assert summary.status == "completed"
+    rounds = [e for e in events(tmp_path / "run") if e["event"] == "round"]
+    assert [r["skipped"] for r in rounds] == [False, False]
+    if tier == "secagg":
+        assert [r["secagg"]["outcome"] for r in rounds] == ["completed"] * 2
+    if tier == "edge":
+        assert all(r["edge_aggregates"] for r in rounds)
+    replay = AggregationSettings(server_optimizer="fedadam").server_step()
+    assert len(steps) == 2
+    for i, (before, aggregate, after, parameters) in enumerate(steps):
+        expected = replay.step(before, aggregate, parameters)
+        assert parameters and set(after) == set(before)
+        for name in after:
+            np.testing.assert_array_equal(after[name], expected[name])
+        moved = max(float(np.abs(after[n] - before[n]).max()) for n in parameters)
+        if i == 0:  # a first step moves a coordinate by eta (1 - beta1) |D| / (sqrt(1 - beta2) |D| + ...) < eta
+            assert 0.5 * replay.options.lr < moved <= replay.options.lr
