@@ -39,9 +39,9 @@ class AggregationSettings(pydantic.BaseModel):
         0.5, ge=0, description="fedasync: a of the polynomial staleness function s(t) = (1 + t)^-a, "
                                "a_t = alpha * s(t)")
     server_optimizer: OptimizerName = pydantic.Field(
-        "none", description="sync: the server step on each round's aggregate (docs/aggregation.md): none (FedAvg), "
-                            "fedavgm (server momentum, Hsu et al. 2019), fedadam, fedyogi or fedadagrad (Reddi et "
-                            "al. 2021)")
+        "none", description="the server step on each synchronous round's aggregate (docs/aggregation.md): none "
+                            "(FedAvg), fedavgm (server momentum, Hsu et al. 2019), fedadam, fedyogi or fedadagrad "
+                            "(Reddi et al. 2021)")
     server_lr: float | None = pydantic.Field(
         None, description="the server optimiser's learning rate eta (unset: its default, 0.1 for fedavgm, 0.01 "
                           "for the adaptive ones)")

@@ -281,3 +281,46 @@ def test_fedadam_steps_each_rounds_aggregate_in_a_real_run(tier, tmp_path, mnist
         moved = max(float(np.abs(after[n] - before[n]).max()) for n in parameters)
         if i == 0:  # a first step moves a coordinate by eta (1 - beta1) |D| / (sqrt(1 - beta2) |D| + ...) < eta
             assert 0.5 * replay.options.lr < moved <= replay.options.lr
+
+
+class CheckpointedServer(AggregatingServer):
+    def state_arrays(self):
+        return dict(self.global_state)
+
+    def state_meta(self):
+        return {}
+
+    def load_state_arrays(self, arrays):
+        self.global_state = dict(arrays)
+
+    def load_state_meta(self, meta):
+        pass
+
+
+def test_the_optimisers_moments_go_through_the_coordinators_checkpoint(tmp_path):
+    from fcl_emu.coordinator import checkpoint
+    from fcl_emu.coordinator.clock import make_clock
+    from fcl_emu.coordinator.resume import CHECKPOINT_DIR, Checkpointer
+
+    def fedadam_state():
+        state = make_state()
+        state.config = state.config.model_copy(update={"aggregation": AggregationSettings(server_optimizer="fedadam")})
+        state.server = CheckpointedServer(state.config.security.robust_aggregator())
+        state.policy = state.config.aggregation.policy()
+        return state
+
+    saved = fedadam_state()
+    join_all(saved)
+    run, _ = runner(saved)
+    run.policy = saved.policy  # the policy the checkpointer saves (the coordinator gives the runner its state's)
+    run.run_round(0, 0)
+    moments = saved.policy.state_arrays()
+    assert sorted(moments) == ["m/w", "v/w"]
+    Checkpointer(saved, make_clock(saved, liveness_timeout_s=10.0), "tcp://127.0.0.1:1").save(
+        tmp_path, 0, 1, [], [], 0.0)
+    ckpt = checkpoint.load(tmp_path / CHECKPOINT_DIR)
+    assert sorted(k for k in ckpt.arrays if k.startswith("policy/")) == ["policy/m/w", "policy/v/w"]
+    restored = fedadam_state()
+    Checkpointer(restored, make_clock(restored, liveness_timeout_s=10.0), "tcp://127.0.0.1:1").restore(ckpt)
+    for name, value in moments.items():
+        np.testing.assert_array_equal(restored.policy.state_arrays()[name], value)
