@@ -36,12 +36,15 @@ def run_fingerprint(config: RunConfig) -> str:
     """A hash of what decides a run's results: the config less data location, metrics, run directory, the GPU
     pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys,
     whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work) and whether
-    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop)."""
+    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop); the server optimiser's
+    settings only where one is chosen (so checkpoints from before they existed still match)."""
     data = config.model_dump(mode="json", exclude={"metrics": True, "data_root": True, "run_dir": True,
                                                    "download": True, "gpu": True, "containers": True,
                                                    "coordinator_threads": True, "rounds": {"skip_late"},
                                                    "security": {"transport", "keys"},
                                                    "privacy": {"on_divergence"}})
+    if config.aggregation.server_optimizer == "none":  # as a run from before server optimisers existed: it matches
+        data["aggregation"] = {k: v for k, v in data["aggregation"].items() if not k.startswith("server_")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -324,3 +324,24 @@ def test_the_optimisers_moments_go_through_the_coordinators_checkpoint(tmp_path)
     Checkpointer(restored, make_clock(restored, liveness_timeout_s=10.0), "tcp://127.0.0.1:1").restore(ckpt)
     for name, value in moments.items():
         np.testing.assert_array_equal(restored.policy.state_arrays()[name], value)
+
+
+def test_a_checkpoint_from_before_server_optimisers_existed_still_matches_its_config(monkeypatch):
+    from fcl_emu.coordinator.resume import run_fingerprint
+
+    plain = RunConfig()
+    ours = run_fingerprint(plain)
+    dump = RunConfig.model_dump
+
+    def as_before(self, **kw):  # the config as it was dumped before the server_* settings existed
+        data = dump(self, **kw)
+        data["aggregation"] = {k: v for k, v in data["aggregation"].items() if not k.startswith("server_")}
+        return data
+
+    monkeypatch.setattr(RunConfig, "model_dump", as_before)
+    assert run_fingerprint(plain) == ours
+    monkeypatch.undo()
+    adam = RunConfig(aggregation={"server_optimizer": "fedadam"})
+    assert run_fingerprint(adam) != ours
+    assert run_fingerprint(adam) != run_fingerprint(RunConfig(aggregation={"server_optimizer": "fedadam",
+                                                                           "server_lr": 0.1}))
