@@ -19,6 +19,8 @@ def check_server_optimizer(config, spec) -> None:
     if DELTA not in spec.server.summable:
         raise ValueError(f"{flag}: method {spec.name!r} shares no global model for it to step (its clients "
                          f"upload no model delta)")
+    if spec.server.server_step_refusal is not None:
+        raise ValueError(f"{flag}: method {spec.name!r} {spec.server.server_step_refusal}")
 # --- end of server optimiser refusals ---------------------------------------------------------------------------
 
 

@@ -169,6 +169,7 @@ def test_bad_options_are_refused_in_one_line(settings, message):
     ({"kind": "fedbuff", "server_optimizer": "fedadam"}, "fedavg",
      "--server-optimizer fedadam steps a synchronous round's aggregate: --aggregation fedbuff"),
     ({"server_optimizer": "fedyogi"}, "fedcbc", "method 'fedcbc' shares no global model"),
+    ({"server_optimizer": "fedavgm"}, "glfc", "method 'glfc' scores each round's aggregate with its proxy"),
 ])
 def test_a_server_optimiser_is_refused_where_it_has_nothing_to_step(aggregation, method, message):
     with pytest.raises(ValueError, match=message):
