@@ -129,9 +129,9 @@ class ServerPart:
     side_channels: ClassVar[tuple[str, ...]] = ()  # side-channel message types this method accepts
     needs_batchnorm: ClassVar[bool] = False  # the model must have BatchNorm layers (data-free synthesis)
     small_model: ClassVar[str] = "cnn"  # what model "auto" is for small images (methods.models.classifier)
+    large_model: ClassVar[str] = "cnn_bn"  # and for larger (colour) images
     # why a server optimiser's step (taken after aggregate) would break this method, if it would
     server_step_refusal: ClassVar[str | None] = None
-    large_model: ClassVar[str] = "cnn_bn"  # and for larger (colour) images
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
