@@ -11,8 +11,11 @@ import pydantic
 from fcl_emu.aggregation.policies import POLICY_NAMES, RoundPolicy, make_policy
 from fcl_emu.aggregation.rules import Aggregator, RuleName
 from fcl_emu.aggregation.rules.base import RuleParams
+from fcl_emu.aggregation.server_optimizers import OPTIMIZER_NAMES, ServerOptimizer, make_optimizer, optimizer_options
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
+OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
+SERVER_OPTIONS = ("lr", "momentum", "beta1", "beta2", "tau")  # server_<name>: an option of the server optimiser
 
 
 class AggregationSettings(pydantic.BaseModel):
@@ -35,6 +38,36 @@ class AggregationSettings(pydantic.BaseModel):
     async_staleness_exponent: float = pydantic.Field(
         0.5, ge=0, description="fedasync: a of the polynomial staleness function s(t) = (1 + t)^-a, "
                                "a_t = alpha * s(t)")
+    server_optimizer: OptimizerName = pydantic.Field(
+        "none", description="the server step on each synchronous round's aggregate (docs/aggregation.md): none "
+                            "(FedAvg), fedavgm (server momentum, Hsu et al. 2019), fedadam, fedyogi or fedadagrad "
+                            "(Reddi et al. 2021)")
+    server_lr: float | None = pydantic.Field(
+        None, description="the server optimiser's learning rate eta (unset: its default, 0.1 for fedavgm, 0.01 "
+                          "for the adaptive ones)")
+    server_momentum: float | None = pydantic.Field(None, description="fedavgm: the server momentum (unset: 0.9)")
+    server_beta1: float | None = pydantic.Field(
+        None, description="fedadam, fedyogi, fedadagrad: the first moment's decay (unset: 0.9)")
+    server_beta2: float | None = pydantic.Field(
+        None, description="fedadam, fedyogi: the second moment's decay (unset: 0.99)")
+    server_tau: float | None = pydantic.Field(
+        None, description="fedadam, fedyogi, fedadagrad: the adaptivity tau (unset: 1e-3)")
+
+    @pydantic.model_validator(mode="after")
+    def _server_options(self) -> AggregationSettings:
+        """The server optimiser's options are its own (:mod:`fcl_emu.aggregation.server_optimizers`): one it does
+        not take, or a value out of its range, is refused here."""
+        optimizer_options(self.server_optimizer, self.server_option_values())
+        return self
+
+    def server_option_values(self) -> dict[str, float]:
+        """The set ``server_*`` values, by the optimiser's option names."""
+        values = {name: getattr(self, f"server_{name}") for name in SERVER_OPTIONS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def server_step(self) -> ServerOptimizer | None:
+        """The run's server optimiser (None: the plain FedAvg step)."""
+        return make_optimizer(self.server_optimizer, self.server_option_values())
 
     def policy(self) -> RoundPolicy:
         return make_policy(self)

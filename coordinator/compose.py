@@ -121,7 +121,7 @@ def compose(config: RunConfig, *, context: zmq.Context | None = None, progress: 
         evaluator=Evaluator(scenario, device), registry=ClientRegistry(liveness_timeout_s), metrics=metrics,
         run_id=(config.metrics.run_id or uuid.uuid4().hex[:12]) if resume is None else resume.state["run_id"],
         rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
-        progress=progress or no_progress)
+        progress=progress or no_progress, policy=config.aggregation.policy())
     state.devices = _device_profiles(state, dataset.input_shape, options)
     metrics.watch_online(lambda: state.registry.online_count)
     context = context or zmq.Context.instance()
@@ -157,9 +157,9 @@ def compose(config: RunConfig, *, context: zmq.Context | None = None, progress: 
                      training={**config.training.model_dump(), "seed": config.seed, "device": config.device},
                      heartbeat_interval_s=heartbeat_interval_s, secure=config.secagg.enabled),
         on_tick=nodes.check, tier=tier)
-    policy = config.aggregation.policy()
+    policy = state.policy
     rounds = (AsyncRoundRunner(state, dispatcher, clock, collection, policy) if policy.asynchronous
-              else RoundRunner(state, dispatcher, clock, collection, stale, privacy))
+              else RoundRunner(state, dispatcher, clock, collection, stale, privacy, policy=policy))
     jobs = ServerJobs(state, pool, dispatcher.serve)
     checkpointer = Checkpointer(state, clock, endpoint.address)
     time_account = TimeAccount()

@@ -29,19 +29,22 @@ from fcl_emu.runconfig import RunConfig
 log = logging.getLogger("fcl_emu.coordinator")
 
 CHECKPOINT_DIR = "checkpoint"  # in the run directory (docs/resume.md)
-SERVER, TORCH_RNG, CUDA_RNG = "server/", "rng/torch", "rng/cuda/"  # checkpoint array names
+SERVER, POLICY, TORCH_RNG, CUDA_RNG = "server/", "policy/", "rng/torch", "rng/cuda/"  # checkpoint array names
 
 
 def run_fingerprint(config: RunConfig) -> str:
     """A hash of what decides a run's results: the config less data location, metrics, run directory, the GPU
     pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys,
     whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work) and whether
-    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop)."""
+    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop); the server optimiser's
+    settings only where one is chosen (so checkpoints from before they existed still match)."""
     data = config.model_dump(mode="json", exclude={"metrics": True, "data_root": True, "run_dir": True,
                                                    "download": True, "gpu": True, "containers": True,
                                                    "coordinator_threads": True, "rounds": {"skip_late"},
                                                    "security": {"transport", "keys"},
                                                    "privacy": {"on_divergence"}})
+    if config.aggregation.server_optimizer == "none":  # as a run from before server optimisers existed: it matches
+        data["aggregation"] = {k: v for k, v in data["aggregation"].items() if not k.startswith("server_")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -71,6 +74,8 @@ class Checkpointer:
         st = self.state
         t0 = time.perf_counter()
         arrays = {SERVER + k: v for k, v in st.server.state_arrays().items()}
+        if st.policy is not None:
+            arrays.update({POLICY + k: v for k, v in st.policy.state_arrays().items()})
         arrays[TORCH_RNG] = torch.get_rng_state().numpy()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -112,6 +117,8 @@ class Checkpointer:
         try:
             st.server.load_state_arrays({k[len(SERVER):]: v for k, v in arrays.items() if k.startswith(SERVER)})
             st.server.load_state_meta(s["server"])
+            if st.policy is not None:
+                st.policy.load_state_arrays({k[len(POLICY):]: v for k, v in arrays.items() if k.startswith(POLICY)})
             # after the server: loading never draws from torch's RNG, but be sure nothing comes after this
             torch.set_rng_state(torch.from_numpy(np.array(arrays[TORCH_RNG])))
             cuda = [torch.from_numpy(np.array(v)) for k, v in sorted(arrays.items()) if k.startswith(CUDA_RNG)]

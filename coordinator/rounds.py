@@ -14,7 +14,8 @@
    (:mod:`fcl_emu.coordinator.clock`);
 4. aggregate: if the collection gathered at least its quorum of updates (``min_participants``, or what the run's
    rule needs; with late updates kept from the round before under ``rounds.late_updates: next_round``), through
-   the method's server part (under differential privacy as :mod:`fcl_emu.coordinator.privacy` releases them);
+   the round policy (:class:`~fcl_emu.aggregation.policies.sync.Sync`: the method's server part, then the run's
+   server optimiser; under differential privacy as :mod:`fcl_emu.coordinator.privacy` releases them);
    otherwise skip the round;
 5. evaluate: every ``eval_every`` rounds (a task's last round is evaluated at task end);
 6. record: the :class:`~fcl_emu.monitoring.results.RoundRecord` (:mod:`fcl_emu.coordinator.round_record`).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from fcl_emu.aggregation.policies.sync import Sync
 from fcl_emu.aggregation.update import ClientUpdate, DeltaLayout
 from fcl_emu.coordinator.clock import RunClock
 from fcl_emu.coordinator.collection import Collection, Gathered
@@ -44,12 +46,16 @@ class RoundRunner:
     """One round of training, phase by phase (the phases: the module docstring)."""
 
     def __init__(self, state: RunState, dispatcher: Dispatcher, clock: RunClock, collection: Collection,
-                 stale: StaleUpdates, privacy: CentralPrivacy | DistributedPrivacy | None = None):
-        """``privacy``: the run's differential privacy (:func:`~fcl_emu.coordinator.privacy.run_privacy_part`)."""
+                 stale: StaleUpdates, privacy: CentralPrivacy | DistributedPrivacy | None = None,
+                 policy: Sync | None = None):
+        """``privacy``: the run's differential privacy (:func:`~fcl_emu.coordinator.privacy.run_privacy_part`);
+        ``policy``: the run's synchronous round policy, which applies each round's aggregate (unset: a fresh one
+        of the run's config)."""
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.dispatcher, self.clock, self.collection, self.stale = dispatcher, clock, collection, stale
         self.requests = RoundRequests(state, dispatcher, clock, collection)
         self.privacy = privacy
+        self.policy = policy if policy is not None else state.config.aggregation.policy()
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         """One round, phase by phase; each phase's seconds go into the round's record."""
@@ -68,7 +74,7 @@ class RoundRunner:
             gathered = self.collection.gathered(r, self.stale.take(r.task, r.kept_late))
             skipped = len(gathered.updates) < gathered.quorum
             if not skipped:
-                self.state.server.aggregate(r.task, r.number, self._released(gathered.updates, r.number))
+                self.policy.apply(self.state.server, r.task, r.number, self._released(gathered.updates, r.number))
         accuracy = meter.evaluate(task, task_round)
         return meter.record(
             # a client whose loss became NaN or infinite reports none: it counts as an infinite one

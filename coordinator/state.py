@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fcl_emu.aggregation.policies import RoundPolicy
 from fcl_emu.coordinator.clients import ClientRegistry
 from fcl_emu.coordinator.evaluation import Evaluator
 from fcl_emu.coordinator.guard import LogOnce
@@ -99,6 +100,7 @@ class RunState:
     client_accuracy: list[float | None] = field(default_factory=list)  # accuracy_clients after each task
     task: int = 0
     global_round: int = 0
+    policy: RoundPolicy | None = None  # the round policy and its state (a server optimiser's moments); checkpointed
 
     def event(self, kind: str, /, **fields) -> None:
         """An event into ``events.jsonl`` (none before the run's recorder exists)."""

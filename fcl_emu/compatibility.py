@@ -48,6 +48,8 @@ FEATURES: tuple[Feature, ...] = (
             {"secagg": {"enabled": True}, "privacy": {"mode": "distributed"}}),
     Feature("secagg", "--secagg", {"secagg": {"enabled": True}}),
     Feature("edge aggregators", "--edge-aggregators 2", {"topology": {"edge_aggregators": 2}}),
+    # every server optimiser is refused alike (runconfig/compatibility.py): fedadam stands for them
+    Feature("server optimiser", "--server-optimizer fedadam", {"aggregation": {"server_optimizer": "fedadam"}}),
     Feature("process", "--backend process", {"containers": {"backend": "process"}}),
     Feature("docker", "--backend docker", {"containers": {"backend": "docker"}}),
     Feature("swarm", "--backend swarm", {"containers": {"backend": "swarm"}}),

@@ -130,6 +130,8 @@ class ServerPart:
     needs_batchnorm: ClassVar[bool] = False  # the model must have BatchNorm layers (data-free synthesis)
     small_model: ClassVar[str] = "cnn"  # what model "auto" is for small images (methods.models.classifier)
     large_model: ClassVar[str] = "cnn_bn"  # and for larger (colour) images
+    # why a server optimiser's step (taken after aggregate) would break this method, if it would
+    server_step_refusal: ClassVar[str | None] = None
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
@@ -176,6 +178,16 @@ class ServerPart:
             else:
                 new[name] = d
         self.global_state = read_only(new, copy=False)
+        load_arrays(self.model, self.global_state)
+
+    def parameter_names(self) -> frozenset[str]:
+        """The global model's trainable parameters (state-dict keys; not BatchNorm statistics or counters): what a
+        server optimiser steps (:mod:`fcl_emu.aggregation.server_optimizers`)."""
+        return frozenset(name for name, _ in self.model.named_parameters())
+
+    def set_global_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace the global model by ``arrays`` (same keys and shapes): a server optimiser's step."""
+        self.global_state = read_only(arrays, copy=False)
         load_arrays(self.model, self.global_state)
 
     def check_update(self, task: int, tensors: Mapping[str, np.ndarray]) -> None:

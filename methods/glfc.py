@@ -332,6 +332,8 @@ class GLFCServer(ServerPart):
 
     options: GLFCOptions
     side_channels = (CHANNEL,)
+    server_step_refusal = ("scores each round's aggregate with its proxy and keeps the best as the next task's old "
+                           "model: a server step would replace the model it scored")
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 SECAGG, CENTRAL_DP, HIERARCHY = "--secagg", "--privacy central", "--edge-aggregators"
 ASYNC = "--aggregation fedbuff|fedasync"
+SERVER_STEP = "--server-optimizer"
 ROBUST = f"--aggregator {'|'.join(rule for rule in RULE_NAMES if rule != 'mean')}"
 
 
@@ -100,10 +101,19 @@ def _robust_refusal(name: str, server: type[ServerPart]) -> str | None:
     return None
 
 
+def _server_step_refusal(name: str, server: type[ServerPart]) -> str | None:
+    if DELTA not in server.summable:
+        return f"method {name!r} shares no global model for it to step (its clients upload no model delta)"
+    if server.server_step_refusal is not None:
+        return f"method {name!r} {server.server_step_refusal}"
+    return None
+
+
 def refusals(name: str, server: type[ServerPart]) -> dict[str, str]:
     """The features method ``name`` (its server part ``server``) refuses, each with why: :data:`SECAGG`,
-    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``), :data:`ASYNC`, :data:`HIERARCHY`."""
+    :data:`CENTRAL_DP`, :data:`ROBUST` (every rule but ``mean``), :data:`ASYNC`, :data:`HIERARCHY`, :data:`SERVER_STEP` (a server
+    optimiser's step on the aggregate)."""
     reasons = {SECAGG: _secagg_refusal(name, server), CENTRAL_DP: _central_dp_refusal(name, server),
                ROBUST: _robust_refusal(name, server), ASYNC: _async_refusal(name, server),
-               HIERARCHY: _hierarchy_refusal(name, server)}
+               HIERARCHY: _hierarchy_refusal(name, server), SERVER_STEP: _server_step_refusal(name, server)}
     return {feature: why for feature, why in reasons.items() if why is not None}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from fcl_emu.methods.models.classifier import NO_BATCHNORM
 from fcl_emu.methods.models.names import MODELS as MODEL_NAMES, one_of
 from fcl_emu.methods.registry import MethodSpec
-from fcl_emu.methods.requirements import ASYNC, CENTRAL_DP, HIERARCHY, ROBUST, SECAGG
+from fcl_emu.methods.requirements import ASYNC, CENTRAL_DP, HIERARCHY, ROBUST, SECAGG, SERVER_STEP
 from fcl_emu.runconfig.ignored import DEPENDENT, Dependent
 from fcl_emu.scenario.faults import HOST_ACTIONS, NEEDS_CLUSTER, load_plan
 
@@ -68,6 +68,15 @@ def _byzantine(config) -> int:
 def _bounds_norms(config) -> bool:
     """Whether the server bounds or clips each update's norm (``--max-update-norm``, ``--clip-norm``)."""
     return config.security.max_update_norm is not None or config.security.clip_norm is not None
+
+
+def _optimizer(config) -> str:
+    return f"--server-optimizer {config.aggregation.server_optimizer}"
+
+
+def _steps(config) -> bool:
+    """Whether a server optimiser steps each round's aggregate (``--server-optimizer`` other than none)."""
+    return config.aggregation.server_optimizer != "none"
 
 
 def _m(config) -> int:
@@ -258,6 +267,13 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("--edge-aggregators", "--late-updates"), lambda c, s: _m(c) > 0 and c.rounds.late_updates != "drop",
             lambda c, s: f"{_hier(c)}: a late update stays at its edge aggregator; use --late-updates drop",
             {**TIERS, "rounds": {"late_updates": "next_round"}}),
+    # server optimisers
+    _method(SERVER_STEP, _steps, _optimizer, {"method": "glfc", "aggregation": {"server_optimizer": "fedadam"}},
+            ("--server-optimizer",)),
+    Refusal(("--server-optimizer", "--aggregation"), lambda c, s: _steps(c) and c.aggregation.asynchronous,
+            lambda c, s: f"{_optimizer(c)} steps a synchronous round's aggregate: {_policy(c)} applies updates as "
+                         f"they arrive with its own staleness weights (use --aggregation sync)",
+            {"aggregation": {"kind": "fedbuff", "server_optimizer": "fedadam"}}),
     # the population and the cohort
     Refusal(("--clients-per-round", "--clients"), lambda c, s: c.rounds.clients_per_round > c.scenario.num_clients,
             lambda c, s: f"rounds.clients_per_round ({c.rounds.clients_per_round}) exceeds the number of clients "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
+
+import numpy as np
 
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 
@@ -32,6 +35,16 @@ class RoundPolicy:
         """The update as the method's aggregate should take it, and its weight (for the round's event); ``sent``:
         the model the client trained from (where :attr:`keeps_sent_models`), ``current``: the global model now."""
         raise NotImplementedError(f"{self.name} aggregates rounds, not single updates")
+
+    def state_arrays(self) -> Arrays:
+        """The policy's own state to checkpoint (default: none)."""
+        return {}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_arrays` (default: nothing to restore; anything saved is refused)."""
+        if arrays:
+            raise ValueError(f"checkpoint: round policy {self.name} keeps no state, the checkpoint has "
+                             f"{len(arrays)} arrays for it")
 
 
 POLICIES: dict[str, type[RoundPolicy]] = {}
