@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fcl_emu.aggregation.registry import registrar
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 
 
@@ -48,11 +49,4 @@ class RoundPolicy:
 
 
 POLICIES: dict[str, type[RoundPolicy]] = {}
-
-
-def register(policy: type[RoundPolicy]) -> type[RoundPolicy]:
-    """Class decorator: make ``policy`` available under its ``name`` (``--aggregation NAME``)."""
-    if policy.name in POLICIES:
-        raise ValueError(f"round policy {policy.name!r} is registered twice")
-    POLICIES[policy.name] = policy
-    return policy
+register = registrar(POLICIES, "round policy", "--aggregation")

@@ -13,6 +13,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from fcl_emu.aggregation.registry import registrar
+
 Delta = Mapping[str, np.ndarray]
 Weighted = Sequence[tuple[float, Delta]]
 
@@ -42,14 +44,7 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
-
-
-def register(rule: type[Rule]) -> type[Rule]:
-    """Class decorator: make ``rule`` available under its ``name`` (``--aggregator NAME``)."""
-    if rule.name in RULES:
-        raise ValueError(f"aggregation rule {rule.name!r} is registered twice")
-    RULES[rule.name] = rule()
-    return rule
+register = registrar(RULES, "aggregation rule", "--aggregator", entry=lambda rule: rule())
 
 
 def names(updates: Weighted) -> list[str]:

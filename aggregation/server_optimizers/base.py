@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import pydantic
 
+from fcl_emu.aggregation.registry import registrar
 from fcl_emu.aggregation.update import Arrays
 
 
@@ -73,11 +74,4 @@ class ServerOptimizer:
 
 
 OPTIMIZERS: dict[str, type[ServerOptimizer]] = {}
-
-
-def register(optimizer: type[ServerOptimizer]) -> type[ServerOptimizer]:
-    """Class decorator: make ``optimizer`` available under its ``name`` (``--server-optimizer NAME``)."""
-    if optimizer.name in OPTIMIZERS:
-        raise ValueError(f"server optimiser {optimizer.name!r} is registered twice")
-    OPTIMIZERS[optimizer.name] = optimizer
-    return optimizer
+register = registrar(OPTIMIZERS, "server optimiser", "--server-optimizer")
