@@ -283,6 +283,16 @@ def test_every_folder_of_code_is_installed_under_the_project_s_name():
     assert all(name == f"fcl_emu.{folder}" for name, folder in PACKAGE_DIR.items() if folder != "fcl_emu")
 
 
+def test_every_package_of_code_is_in_the_wheel():
+    """Each folder of an installed folder that holds an ``__init__.py`` is in pyproject's ``packages``: an editable
+    install finds a package left out of that list, the wheel that containers and a plain install use does not."""
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {folder: name for name, folder in PACKAGE_DIR.items()}
+    found = {".".join((folders[init.relative_to(ROOT).parts[0]], *init.relative_to(ROOT).parts[1:-1]))
+             for folder in folders for init in (ROOT / folder).rglob("__init__.py")}
+    assert found == packages, f"missing from packages: {sorted(found - packages)}; not code: {sorted(packages - found)}"
+
+
 def test_no_code_or_test_imports_a_folder_by_its_bare_name():
     files = code_files() + sorted((ROOT / "tests").rglob("*.py"))
     bare = [line for path in files for line in bare_imports(path)]
