@@ -9,6 +9,8 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+import pydantic
+
 from fcl_emu.aggregation.server_optimizers.base import OPTIMIZERS, OptimizerOptions, ServerOptimizer
 
 BUILTIN = ("none", "fedavgm", "fedadam", "fedyogi", "fedadagrad")  # modules of this package that register one
@@ -29,12 +31,9 @@ def optimizer_options(name: str, values: Mapping[str, Any]) -> OptimizerOptions:
                          f"(it takes {takes})")
     try:
         return cls(**values)
-    except Exception as exc:  # pydantic.ValidationError: its first error, on one line
-        errors = getattr(exc, "errors", lambda: [])()
-        if errors:
-            e = errors[0]
-            raise ValueError(f"--server-optimizer {name}: server_{e['loc'][0]} {e['msg'].lower()}") from None
-        raise
+    except pydantic.ValidationError as exc:  # its first error, on one line
+        e = exc.errors()[0]
+        raise ValueError(f"--server-optimizer {name}: server_{e['loc'][0]} {e['msg'].lower()}") from None
 
 
 def make_optimizer(name: str, values: Mapping[str, Any]) -> ServerOptimizer | None:
