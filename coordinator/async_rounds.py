@@ -92,14 +92,14 @@ class AsyncRoundRunner:
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.dispatcher, self.clock, self.policy = dispatcher, clock, policy
         self.requests = RoundRequests(state, dispatcher, clock, collection)
-        self.concurrency = state.config.aggregation.resolved_concurrency(state.config.rounds.clients_per_round)
+        self.concurrency = policy.options.resolved_concurrency(state.config.rounds.clients_per_round)
         self.version = 0
         self.versions: dict[int, Arrays] = {}  # the global models clients may still train from (policy's choice)
         self.flight: list[InFlight] = []
         self.waves = 0
         self.last_aggregation_at: float | None = None  # emulated; set at the first round (after a resume's restore)
         self.energy: dict[str, list[float]] = {}  # joules of the waves dispatched since the last aggregation
-        self.defences = Defences.of(state.config.security)
+        self.defences = Defences.of(state.config.aggregation)
         self.window: list[ClientUpdate] = []  # the last WINDOW updates applied in the task, as they arrived
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
@@ -153,7 +153,7 @@ class AsyncRoundRunner:
             self.clock.advance(arrived.arrival)
             if arrived.update is None:
                 continue
-            if self.version - arrived.version > self.config.aggregation.max_staleness:
+            if self.version - arrived.version > self.policy.options.max_staleness:
                 waves.too_stale += 1
                 self.metrics.stale_update_discarded("too_stale")
                 continue

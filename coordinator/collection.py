@@ -99,16 +99,16 @@ class PlainCollection(Collection):
 
     def gathered(self, r: OpenRound, stale: list[ClientUpdate]) -> Gathered:
         """The on-time updates with samples and the late ones kept, in client order, without those that agree with
-        nothing of their cohort (``security.direction_check``), each delta clipped to ``security.clip_norm`` and
+        nothing of their cohort (``aggregation.direction_check``), each delta clipped to ``aggregation.clip_norm`` and
         then to the cohort's adaptive bound (over the method's summed uploads); the quorum is
         ``min_participants``, or what the run's rule needs if more."""
-        security, own = self.state.config.security, [u for u in r.counted if u.num_samples > 0]
-        defences = replace(Defences.of(security), max_update_norm=None)  # the norm bound refused them on arrival
+        settings, own = self.state.config.aggregation, [u for u in r.counted if u.num_samples > 0]
+        defences = replace(Defences.of(settings), max_update_norm=None)  # the norm bound refused them on arrival
         useful, refused = bound(sorted(own + stale, key=lambda u: u.client), defences, self.state.server.summable)
         for client, (reason, detail) in refused.items():
             self.state.rejected(reason, client, detail)
         losses = [u.loss for u in useful]
-        quorum = max(self.state.config.rounds.min_participants, security.robust_aggregator().min_updates)
+        quorum = max(self.state.config.rounds.min_participants, settings.aggregator().min_updates)
         kept = {u.client for u in useful}
         contributors = sorted(u.client for u in own if u.client in kept)
         return Gathered(useful, losses, quorum, len(stale), contributors=contributors)

@@ -110,8 +110,8 @@ def compose(config: RunConfig, *, context: zmq.Context | None = None, progress: 
     server = spec.server(ServerContext(
         options=options, scenario=scenario, build_model=lambda n: build_model(model_name, dataset.input_shape, n),
         seed=config.seed, run_job=run_job, model_name=model_name, input_shape=tuple(dataset.input_shape),
-        rounds_per_task=config.rounds.rounds_per_task, aggregator=config.security.robust_aggregator(),
-        cohort_bound=config.security.adaptive_clip,
+        rounds_per_task=config.rounds.rounds_per_task, aggregator=config.aggregation.aggregator(),
+        cohort_bound=config.aggregation.adaptive_clip,
         # an upload the method left out for lying beyond its round's cohort bound: counted and logged once
         refused=lambda detail: state.rejected("cohort_bound", None, f"refused {detail}")))
     heartbeat_interval_s, liveness_timeout_s = config.network.liveness(config.scenario.num_clients)
@@ -121,7 +121,7 @@ def compose(config: RunConfig, *, context: zmq.Context | None = None, progress: 
         evaluator=Evaluator(scenario, device), registry=ClientRegistry(liveness_timeout_s), metrics=metrics,
         run_id=(config.metrics.run_id or uuid.uuid4().hex[:12]) if resume is None else resume.state["run_id"],
         rng=np.random.default_rng(config.seed), log_once=LogOnce(logging.getLogger("fcl_emu.coordinator")),
-        progress=progress or no_progress, policy=config.aggregation.policy())
+        progress=progress or no_progress, policy=config.aggregation.round_policy())
     state.devices = _device_profiles(state, dataset.input_shape, options)
     metrics.watch_online(lambda: state.registry.online_count)
     context = context or zmq.Context.instance()

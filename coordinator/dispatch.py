@@ -352,7 +352,7 @@ class Dispatcher:
         if msg.type == "update_held":
             return
         check_delta(msg.tensors, msg.body.num_samples, self.state.server.global_state)
-        bound = self.config.security.max_update_norm
+        bound = self.config.aggregation.max_update_norm
         if bound is not None and msg.body.num_samples > 0:
             norm = delta_norm(_client_update(peer, msg))
             if not norm <= bound:

@@ -248,12 +248,12 @@ class EdgeTier(Tier):
         groups: dict[str, list[str]] = defaultdict(list)
         for u in r.counted:
             groups[r.held_at[u.client]].append(u.client)
-        security = self.state.config.security
+        settings = self.state.config.aggregation
         self._announced = {u.client: u for u in r.counted}  # what each client's notice said: samples, square sums
         answers = self.ask(r.task, r.number, groups, lambda clients: EdgeCollect(
-            clients=clients, prefixes=list(self.state.server.summable), max_update_norm=security.max_update_norm,
-            direction_check=security.direction_check, clip_norm=security.clip_norm,
-            adaptive_clip=security.adaptive_clip), serve)
+            clients=clients, prefixes=list(self.state.server.summable), max_update_norm=settings.max_update_norm,
+            direction_check=settings.direction_check, clip_norm=settings.clip_norm,
+            adaptive_clip=settings.adaptive_clip), serve)
         return self._groups(r.number, answers)
 
     def sum_masked(self, task: int, number: int, groups: dict[str, list[str]], serve: Serve) -> MaskedSums:
@@ -341,7 +341,7 @@ class EdgeTier(Tier):
         method's own check), within the norm bound, and no float tensor longer than the longest of its clients'
         (from their notices' square sums; not under edge rounds, whose aggregate adds what the earlier edge rounds
         moved)."""
-        server, security = self.state.server, self.state.config.security
+        server, settings = self.state.server, self.state.config.aggregation
         stray = sorted(name for name in msg.tensors if not name.startswith(tuple(server.summable)))
         if stray:
             raise WireError("bad_shape", f"{peer}'s aggregate carries tensors the method does not sum ({stray[:3]})")
@@ -351,7 +351,7 @@ class EdgeTier(Tier):
         except ValueError as exc:
             raise WireError("bad_shape", str(exc)) from None
         update = ClientUpdate(peer, msg.body.num_samples, msg.tensors, square_sums=msg.square_sums)
-        if (limit := security.max_update_norm) is not None and not (norm := delta_norm(update)) <= limit:
+        if (limit := settings.max_update_norm) is not None and not (norm := delta_norm(update)) <= limit:
             raise WireError("norm_bound", f"{peer}'s aggregate has L2 norm {norm:.4g} > {limit:g}")
         if self.state.config.topology.edge_rounds > 1:
             return
@@ -379,7 +379,7 @@ class EdgeTier(Tier):
             if body.num_samples > 0:
                 updates.append(ClientUpdate(name, body.num_samples, msg.tensors, body.loss,
                                             square_sums=msg.square_sums))
-        kept, refused = bound(updates, Defences.of(self.state.config.security), tuple(self.state.server.summable),
+        kept, refused = bound(updates, Defences.of(self.state.config.aggregation), tuple(self.state.server.summable),
                               cohort="the other aggregators' aggregates")
         for name, (reason, detail) in sorted(refused.items()):
             self.state.rejected(reason, name, detail)
@@ -461,7 +461,7 @@ class EdgeCollection(PlainCollection):
         counted = set(contributors)
         losses = [u.loss for u in r.counted if u.client in counted]
         enough = len(contributors) >= self.state.config.rounds.min_participants
-        rule = self.state.config.security.robust_aggregator().min_updates  # --aggregator over the aggregates
+        rule = self.state.config.aggregation.aggregator().min_updates  # --aggregator over the aggregates
         return Gathered(groups.updates, losses, quorum=rule if enough else len(groups.updates) + 1,
                         contributors=contributors, client_edge_bytes=self.tier.round_bytes,
                         edge_aggregates=self.tier.round_aggregates)

@@ -24,7 +24,7 @@ from fcl_emu.coordinator.clock import RunClock, Serve
 from fcl_emu.coordinator.contracts import RunAborted
 from fcl_emu.coordinator.state import RunState
 from fcl_emu.monitoring.results import RoundRecord
-from fcl_emu.runconfig import RunConfig
+from fcl_emu.runconfig import RunConfig, legacy
 
 log = logging.getLogger("fcl_emu.coordinator")
 
@@ -37,14 +37,14 @@ def run_fingerprint(config: RunConfig) -> str:
     pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys,
     whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work) and whether
     a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop); the server optimiser's
-    settings only where one is chosen (so checkpoints from before they existed still match)."""
+    settings only where one is chosen; aggregation's settings in their old layout (:func:`~fcl_emu.runconfig.legacy.
+    as_legacy`), so that checkpoints from before still match."""
     data = config.model_dump(mode="json", exclude={"metrics": True, "data_root": True, "run_dir": True,
                                                    "download": True, "gpu": True, "containers": True,
                                                    "coordinator_threads": True, "rounds": {"skip_late"},
                                                    "security": {"transport", "keys"},
                                                    "privacy": {"on_divergence"}})
-    if config.aggregation.server_optimizer == "none":  # as a run from before server optimisers existed: it matches
-        data["aggregation"] = {k: v for k, v in data["aggregation"].items() if not k.startswith("server_")}
+    data = legacy.as_legacy(data)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -55,7 +55,7 @@ class RoundRunner:
         self.dispatcher, self.clock, self.collection, self.stale = dispatcher, clock, collection, stale
         self.requests = RoundRequests(state, dispatcher, clock, collection)
         self.privacy = privacy
-        self.policy = policy if policy is not None else state.config.aggregation.policy()
+        self.policy = policy if policy is not None else state.config.aggregation.round_policy()
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         """One round, phase by phase; each phase's seconds go into the round's record."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fcl_emu.aggregation.defences import Defences
-from fcl_emu.aggregation.settings import AggregationDefences
+from fcl_emu.aggregation.settings import AggregationSettings
 from fcl_emu.runtime.flags import Flags, flag
 from fcl_emu.runtime.process import (ArgsError, check, check_keys, exit_with_parent, fail, setup_logging,
                                      setup_process, warn_insecure)
@@ -19,7 +19,7 @@ from fcl_emu.wire.sockets import check_endpoint
 
 log = logging.getLogger("fcl_emu.edge_aggregator")
 
-_DEFAULTS = AggregationDefences()  # a run's defences unless it sets them: an aggregator's without its flags
+_DEFAULTS = AggregationSettings()  # a run's defences unless it sets them: an aggregator's without its flags
 
 
 def _number_or_off(text: str) -> float | None:

@@ -63,7 +63,7 @@ COMMON = {
     "gpu": {"workers": 1, "job_timeout_s": 3600, "threads": 1},
     "nodes": 1,
     # the papers' protocols have no defences: every update is averaged as it came
-    "security": {"direction_check": "off", "adaptive_clip": "off"},
+    "aggregation": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 FEDCBC_SCENARIO = {"num_tasks": 5, "num_clients": 3, "partition": "accessible_classes"}

@@ -46,7 +46,7 @@ BASE = {
     "model": "cnn_bn",
     "nodes": 2,
     # the papers' protocols have no defences: every update is averaged as it came
-    "security": {"direction_check": "off", "adaptive_clip": "off"},
+    "aggregation": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 GENERATIVE = ("mfcl", "target", "lander")

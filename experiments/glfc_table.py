@@ -53,7 +53,7 @@ BASE = {
     "model": "cnn",
     "nodes": 2,
     # the papers' protocols have no defences: every update is averaged as it came
-    "security": {"direction_check": "off", "adaptive_clip": "off"},
+    "aggregation": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 # The paper's setting at a CPU budget on a 50-class Tiny-ImageNet-32 subset in 5 tasks of 10 (the protocol whose

@@ -56,7 +56,7 @@ BASE = {
     "model": "cnn_bn",
     "nodes": 1,
     # the papers' protocols have no defences: every update is averaged as it came
-    "security": {"direction_check": "off", "adaptive_clip": "off"},
+    "aggregation": {"direction_check": "off", "adaptive_clip": "off"},
     "device": "cpu",
 }
 

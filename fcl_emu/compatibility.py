@@ -40,9 +40,9 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("sync", "--aggregation sync", {"aggregation": {"kind": "sync"}}),
-    Feature("fedbuff", "--aggregation fedbuff", {"aggregation": {"kind": "fedbuff"}}),
-    Feature("fedasync", "--aggregation fedasync", {"aggregation": {"kind": "fedasync"}}),
+    Feature("sync", "--aggregation sync", {"aggregation": {"policy": "sync"}}),
+    Feature("fedbuff", "--aggregation fedbuff", {"aggregation": {"policy": "fedbuff"}}),
+    Feature("fedasync", "--aggregation fedasync", {"aggregation": {"policy": "fedasync"}}),
     Feature("central DP", "--privacy central", {"privacy": {"mode": "central"}}),
     Feature("distributed DP", "--secagg --privacy distributed",
             {"secagg": {"enabled": True}, "privacy": {"mode": "distributed"}}),
@@ -53,7 +53,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("process", "--backend process", {"containers": {"backend": "process"}}),
     Feature("docker", "--backend docker", {"containers": {"backend": "docker"}}),
     Feature("swarm", "--backend swarm", {"containers": {"backend": "swarm"}}),
-    *(Feature(rule, f"--aggregator {rule}", {"security": {"aggregator": rule}}) for rule in RULE_NAMES
+    *(Feature(rule, f"--aggregator {rule}", {"aggregation": {"rule": rule}}) for rule in RULE_NAMES
       if rule != "mean"),
 )
 DEFAULTS = ("sync", "process")  # the run's own: no row of their own (the fedavg row is theirs)

@@ -10,6 +10,7 @@ side overrides the YAML, neither leaves it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import yaml
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from fcl_emu.aggregation.choice import members
 from fcl_emu.runconfig import RunConfig
 
 UP, COORDINATOR, DEPLOY = "up", "coordinator", "deploy"
@@ -49,11 +51,29 @@ def _paths(items: list[Path]) -> list[str]:
 
 
 def config_field(path: tuple[str, ...]) -> FieldInfo:
-    """The :class:`fcl_emu.runconfig.RunConfig` field at ``path`` (through the nested models)."""
-    model: Any = RunConfig
-    for key in path[:-1]:
-        model = model.model_fields[key].annotation
-    return model.model_fields[path[-1]]
+    """The :class:`fcl_emu.runconfig.RunConfig` field at ``path`` (through the nested models). Under a part chosen
+    with its options (:mod:`fcl_emu.aggregation.choice`), ``name`` is the choice (its description, the parts'
+    names, the default part) and an option the first part's that takes it, its default each part's where they
+    differ."""
+    field = RunConfig.model_fields[path[0]]
+    for key in path[1:]:
+        parts = members(field.annotation)
+        if not parts:
+            field = field.annotation.model_fields[key]
+        elif key == "name":
+            names = tuple(p.model_fields["name"].default for p in parts)
+            field = FieldInfo(annotation=Literal[names], default=field.default.name, description=field.description)
+        else:
+            taking = [p for p in parts if key in p.model_fields]
+            field, by_default = taking[0].model_fields[key], {}
+            for part in taking:
+                by_default.setdefault(part.model_fields[key].default, []).append(part.model_fields["name"].default)
+            if len(by_default) > 1:
+                field = copy.copy(field)
+                field.description += " (default " + "; ".join(
+                    f"{_number(value)} for {', '.join(names)}" for value, names in by_default.items()) + ")"
+                field.default = None
+    return field
 
 
 def value_type(annotation: Any) -> Any:
@@ -208,18 +228,18 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("late_updates", "rounds.late_updates"),
             _option("skip_late", "rounds.skip_late", with_resume=True),
             _option("clock", "rounds.clock"),
-            _option("aggregation", "aggregation.kind"),
-            _option("buffer", "aggregation.buffer"),
-            _option("max_staleness", "aggregation.max_staleness"),
-            _option("concurrency", "aggregation.concurrency"),
-            _option("async_alpha", "aggregation.async_alpha"),
-            _option("async_staleness_exponent", "aggregation.async_staleness_exponent"),
-            _option("server_optimizer", "aggregation.server_optimizer"),
-            _option("server_lr", "aggregation.server_lr"),
-            _option("server_momentum", "aggregation.server_momentum"),
-            _option("server_beta1", "aggregation.server_beta1"),
-            _option("server_beta2", "aggregation.server_beta2"),
-            _option("server_tau", "aggregation.server_tau")),
+            _option("aggregation", "aggregation.policy.name"),
+            _option("buffer", "aggregation.policy.buffer"),
+            _option("max_staleness", "aggregation.policy.max_staleness"),
+            _option("concurrency", "aggregation.policy.concurrency"),
+            _option("async_alpha", "aggregation.policy.alpha"),
+            _option("async_staleness_exponent", "aggregation.policy.staleness_exponent"),
+            _option("server_optimizer", "aggregation.server_optimizer.name"),
+            _option("server_lr", "aggregation.server_optimizer.lr"),
+            _option("server_momentum", "aggregation.server_optimizer.momentum"),
+            _option("server_beta1", "aggregation.server_optimizer.beta1"),
+            _option("server_beta2", "aggregation.server_optimizer.beta2"),
+            _option("server_tau", "aggregation.server_optimizer.tau")),
     *_panel(EDGE,
             _option("nodes", "nodes", commands=UP_ONLY),
             _option("edge_aggregators", "topology.edge_aggregators"),
@@ -252,14 +272,14 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
             _option("secagg", "secagg.enabled"),
             _option("secagg_neighbors", "secagg.neighbors"),
             _option("secagg_threshold", "secagg.threshold"),
-            _option("max_update_norm", "security.max_update_norm"),
-            _option("clip_norm", "security.clip_norm"),
-            _option("adaptive_clip", "security.adaptive_clip", cli_type=str, metavar="MULTIPLE|off"),
-            _option("direction_check", "security.direction_check", cli_type=str, metavar="Z|off"),
-            _option("aggregator", "security.aggregator"),
-            _option("trim_fraction", "security.trim_fraction"),
-            _option("byzantine", "security.byzantine"),
-            _option("multikrum_keep", "security.multikrum_keep")),
+            _option("max_update_norm", "aggregation.max_update_norm"),
+            _option("clip_norm", "aggregation.clip_norm"),
+            _option("adaptive_clip", "aggregation.adaptive_clip", cli_type=str, metavar="MULTIPLE|off"),
+            _option("direction_check", "aggregation.direction_check", cli_type=str, metavar="Z|off"),
+            _option("aggregator", "aggregation.rule.name"),
+            _option("trim_fraction", "aggregation.rule.trim_fraction"),
+            _option("byzantine", "aggregation.rule.byzantine"),
+            _option("multikrum_keep", "aggregation.rule.keep")),
     *_panel(PRIVACY,
             _option("privacy", "privacy.mode"),
             _option("dp_noise_multiplier", "privacy.noise_multiplier"),
@@ -294,8 +314,11 @@ def offered(command: str) -> list[RunOption]:
     return [o for o in RUN_OPTIONS if command in o.commands]
 
 
-# Where each config field is set on the command line, for validation errors.
-FLAG_OF: dict[tuple[str, ...], str] = {path: o.flag for o in RUN_OPTIONS for path in o.fields}
+# Where each config field is set on the command line, for validation errors (a part chosen with its options: the
+# flag of its name).
+FLAG_OF: dict[tuple[str, ...], str] = {
+    **{path[:-1]: o.flag for o in RUN_OPTIONS for path in o.fields if path[-1] == "name"},
+    **{path: o.flag for o in RUN_OPTIONS for path in o.fields}}
 
 
 def elsewhere(name: str) -> Any:

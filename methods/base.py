@@ -113,9 +113,9 @@ class ServerContext:
     model_name: str = "cnn"  # the concrete model (methods.models.classifier.BACKBONES): jobs rebuild it by name
     input_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the scenario's images
     rounds_per_task: int = 1
-    aggregator: Aggregator = MEAN  # how deltas are combined (the run's security.aggregator, aggregation/rules/)
+    aggregator: Aggregator = MEAN  # how deltas are combined (the run's aggregation.rule, aggregation/rules/)
     # uploads a method uses one by one (side channels, VAEs) beyond this multiple of their round's median norm are
-    # refused (the run's security.adaptive_clip; None: no bound): aggregation.clipping.beyond_cohort
+    # refused (the run's aggregation.adaptive_clip; None: no bound): aggregation.clipping.beyond_cohort
     cohort_bound: float | None = None
     # the coordinator's count of such a refusal (a cohort_bound rejection, logged once), given what was refused
     refused: Callable[[str], None] = lambda detail: None

@@ -117,14 +117,14 @@ missing or extra VAE parameters, a wrong shape or dtype, or non-finite values
 (the wire already drops NaN in updates): the engine rejects it as
 ``bad_shape`` and the round goes on without it. At aggregation, a defence
 the paper does not have: a client with a VAE whose L2 norm lies beyond
-``security.adaptive_clip`` (default 10) times the median norm of the
+``aggregation.adaptive_clip`` (default 10) times the median norm of the
 round's uploaded and the global VAEs is left out of the fusion whole, a
 ``cohort_bound`` rejection (``aggregation.clipping.beyond_cohort``): one
 insider's scaled VAE would otherwise be a source of its class's fused VAE.
 The client still counts as a participant of the round.
 
 A second bound, per class, also a deliberate deviation from the paper (on
-with the first, ``security.adaptive_clip``): a client whose VAE of class
+with the first, ``aggregation.adaptive_clip``): a client whose VAE of class
 ``c`` is longer than ``CLASS_NORM_BOUND`` (3) times the median norm of the
 round's VAEs of ``c`` and the class's global VAE is left out the same way.
 The bound over all classes' norms above takes 10 times a median over every

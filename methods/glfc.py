@@ -146,7 +146,7 @@ Deviations, on purpose:
   is the old model); each here swaps that one part and keeps the rest
   (weights, memory, detection, loss form).
 - A defence neither has: a prototype gradient whose L2 norm lies beyond
-  ``security.adaptive_clip`` (default 10) times the median of the round's
+  ``aggregation.adaptive_clip`` (default 10) times the median of the round's
   and the task's earlier pooled gradients is left out of the proxy, a
   ``cohort_bound`` rejection (``aggregation.clipping.beyond_cohort``); its
   sender stays unknown.

@@ -33,7 +33,7 @@ _RANK = {group: k for k, group in enumerate([*GROUPS, OTHER])}
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting by its dotted name in config.yaml (``aggregation.kind``), its value and its group."""
+    """One setting by its dotted name in config.yaml (``aggregation.policy.name``), its value and its group."""
 
     group: str
     name: str

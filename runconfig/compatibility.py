@@ -53,30 +53,30 @@ class Refusal:
 # Accessors of the settings the predicates read where they may move: one line each to change.
 def _rule(config) -> str:
     """The aggregation rule's name (``--aggregator``)."""
-    return config.security.aggregator
+    return config.aggregation.rule.name
 
 
 def _rule_needs(config) -> int:
     """The updates the run's aggregation rule needs a round."""
-    return config.security.robust_aggregator().min_updates
+    return config.aggregation.aggregator().min_updates
 
 
 def _byzantine(config) -> int:
-    return config.security.byzantine
+    return config.aggregation.rule.byzantine
 
 
 def _bounds_norms(config) -> bool:
     """Whether the server bounds or clips each update's norm (``--max-update-norm``, ``--clip-norm``)."""
-    return config.security.max_update_norm is not None or config.security.clip_norm is not None
+    return config.aggregation.max_update_norm is not None or config.aggregation.clip_norm is not None
 
 
 def _optimizer(config) -> str:
-    return f"--server-optimizer {config.aggregation.server_optimizer}"
+    return f"--server-optimizer {config.aggregation.server_optimizer.name}"
 
 
 def _steps(config) -> bool:
     """Whether a server optimiser steps each round's aggregate (``--server-optimizer`` other than none)."""
-    return config.aggregation.server_optimizer != "none"
+    return config.aggregation.server_optimizer.name != "none"
 
 
 def _m(config) -> int:
@@ -88,7 +88,7 @@ def _hier(config) -> str:
 
 
 def _policy(config) -> str:
-    return f"--aggregation {config.aggregation.kind}"
+    return f"--aggregation {config.aggregation.policy.name}"
 
 
 def _secagg_sampled(config) -> tuple[int, int]:
@@ -123,7 +123,7 @@ def _batchnorm_reason(config, spec: MethodSpec) -> str:
 
 SECURE = {"secagg": {"enabled": True}}
 CENTRAL = {"privacy": {"mode": "central"}}
-FEDBUFF = {"aggregation": {"kind": "fedbuff"}}
+FEDBUFF = {"aggregation": {"policy": "fedbuff"}}
 TIERS = {"topology": {"edge_aggregators": 2}}
 PLAN = "plan.yaml"
 TRACE = "network.json"
@@ -140,7 +140,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("--secagg", "--max-update-norm", "--clip-norm"), lambda c, s: c.secagg.enabled and _bounds_norms(c),
             lambda c, s: "--secagg hides each client's delta from the server, so the server cannot bound or clip its "
                          "norm: --max-update-norm and --clip-norm need plain aggregation",
-            {**SECURE, "security": {"max_update_norm": 5.0}}),
+            {**SECURE, "aggregation": {"max_update_norm": 5.0}}),
     Refusal(("--secagg", "--late-updates"), lambda c, s: c.secagg.enabled and c.rounds.late_updates == "next_round",
             lambda c, s: "--secagg cannot be combined with --late-updates next_round: a late masked input cannot "
                          "join another round's sum",
@@ -163,7 +163,7 @@ REFUSED: tuple[Refusal, ...] = (
             ("--privacy central",)),
     Refusal(("--privacy central", "--aggregator"), lambda c, s: c.privacy.central and _rule(c) != "mean",
             lambda c, s: f"--privacy central averages the clipped deltas itself, with equal weights: it cannot be "
-                         f"combined with --aggregator {_rule(c)}", {**CENTRAL, "security": {"aggregator": "median"}}),
+                         f"combined with --aggregator {_rule(c)}", {**CENTRAL, "aggregation": {"rule": "median"}}),
     Refusal(("--privacy central", "--late-updates"),
             lambda c, s: c.privacy.central and c.rounds.late_updates == "next_round",
             lambda c, s: "--privacy central cannot be combined with --late-updates next_round: a late update would "
@@ -195,15 +195,15 @@ REFUSED: tuple[Refusal, ...] = (
             {"privacy": {"mode": "distributed"}, "secagg": {"enabled": True, "ring_bits": 8}}),
     # robust aggregation rules
     _method(ROBUST, lambda c: _rule(c) != "mean", lambda c: f"--aggregator {_rule(c)}",
-            {"method": "fedcbc", "security": {"aggregator": "median"}}, ("--aggregator",)),
+            {"method": "fedcbc", "aggregation": {"rule": "median"}}, ("--aggregator",)),
     Refusal(("--aggregator", "--secagg"), lambda c, s: _rule(c) != "mean" and c.secagg.enabled,
             lambda c, s: f"--aggregator {_rule(c)} needs each client's delta, which --secagg hides from the server "
-                         f"(it sees only their sum)", {**SECURE, "security": {"aggregator": "median"}}),
+                         f"(it sees only their sum)", {**SECURE, "aggregation": {"rule": "median"}}),
     Refusal(("--aggregator", "--byzantine", "--clients-per-round"),
             lambda c, s: _rule(c) != "mean" and _rule_needs(c) > c.rounds.clients_per_round,
             lambda c, s: f"--aggregator {_rule(c)} with --byzantine {_byzantine(c)} needs at least {_rule_needs(c)} "
                          f"updates a round; rounds.clients_per_round is {c.rounds.clients_per_round}",
-            {"scenario": {"num_clients": 10}, "security": {"aggregator": "bulyan", "byzantine": 2}}),
+            {"scenario": {"num_clients": 10}, "aggregation": {"rule": {"name": "bulyan", "byzantine": 2}}}),
     # asynchronous round policies
     _method(ASYNC, lambda c: c.aggregation.asynchronous, _policy, {"method": "glfc", **FEDBUFF}, ("--aggregation",)),
     Refusal(("--aggregation", "--secagg"), lambda c, s: c.aggregation.asynchronous and c.secagg.enabled,
@@ -220,7 +220,7 @@ REFUSED: tuple[Refusal, ...] = (
             {**FEDBUFF, **CENTRAL}),
     Refusal(("--aggregation", "--aggregator"), lambda c, s: c.aggregation.asynchronous and _rule(c) != "mean",
             lambda c, s: f"{_policy(c)} cannot be combined with --aggregator {_rule(c)}: the staleness weights "
-                         f"replace the mean", {**FEDBUFF, "security": {"aggregator": "median"}}),
+                         f"replace the mean", {"aggregation": {"policy": "fedbuff", "rule": "median"}}),
     Refusal(("--aggregation", "--crash-rate"), lambda c, s: c.aggregation.asynchronous and c.edge.crash_rate > 0,
             lambda c, s: f"{_policy(c)} does not draw crashes during training: use --crash-rate 0 (availability is "
                          f"followed when a client is picked)", {**FEDBUFF, "edge": {"crash_rate": 0.1}}),
@@ -231,11 +231,11 @@ REFUSED: tuple[Refusal, ...] = (
                          f"--late-updates and --overcommit are for synchronous rounds",
             {**FEDBUFF, "rounds": {"overcommit": 1.5}}),
     Refusal(("--concurrency", "--clients"),
-            lambda c, s: (c.aggregation.asynchronous and c.aggregation.resolved_concurrency(
+            lambda c, s: (c.aggregation.asynchronous and c.aggregation.policy.resolved_concurrency(
                 c.rounds.clients_per_round) > c.scenario.num_clients),
-            lambda c, s: (f"--concurrency {c.aggregation.resolved_concurrency(c.rounds.clients_per_round)} exceeds "
+            lambda c, s: (f"--concurrency {c.aggregation.policy.resolved_concurrency(c.rounds.clients_per_round)} exceeds "
                           f"the number of clients ({c.scenario.num_clients})"),
-            {"aggregation": {"kind": "fedbuff", "concurrency": 400}}),
+            {"aggregation": {"policy": {"name": "fedbuff", "concurrency": 400}}}),
     # edge aggregators (hierarchical FL)
     _method(HIERARCHY, lambda c: _m(c) > 0, _hier, {"method": "fedcbc", **TIERS}, ("--edge-aggregators",)),
     Refusal(("--edge-aggregators", "--backend"), lambda c, s: _m(c) > 0 and c.containers.backend != "process",
@@ -255,7 +255,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("--edge-aggregators", "--aggregator", "--byzantine"), lambda c, s: _m(c) > 0 and _rule_needs(c) > _m(c),
             lambda c, s: f"--aggregator {_rule(c)} combines the edge aggregates (each edge averages its clients' "
                          f"updates): it needs {_rule_needs(c)} of them a round, more than {_hier(c)}",
-            {**TIERS, "security": {"aggregator": "krum"}}),
+            {**TIERS, "aggregation": {"rule": "krum"}}),
     Refusal(("--edge-aggregators", "--privacy central"), lambda c, s: _m(c) > 0 and c.privacy.central,
             lambda c, s: f"{_hier(c)}: --privacy central clips each update at the coordinator, which sees only edge "
                          f"aggregates (use --secagg --privacy distributed)", {**TIERS, **CENTRAL}),
@@ -273,7 +273,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("--server-optimizer", "--aggregation"), lambda c, s: _steps(c) and c.aggregation.asynchronous,
             lambda c, s: f"{_optimizer(c)} steps a synchronous round's aggregate: {_policy(c)} applies updates as "
                          f"they arrive with its own staleness weights (use --aggregation sync)",
-            {"aggregation": {"kind": "fedbuff", "server_optimizer": "fedadam"}}),
+            {"aggregation": {"policy": "fedbuff", "server_optimizer": "fedadam"}}),
     # the population and the cohort
     Refusal(("--clients-per-round", "--clients"), lambda c, s: c.rounds.clients_per_round > c.scenario.num_clients,
             lambda c, s: f"rounds.clients_per_round ({c.rounds.clients_per_round}) exceeds the number of clients "

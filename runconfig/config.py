@@ -16,8 +16,9 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
-from fcl_emu.aggregation.settings import AggregationDefences, AggregationSettings
+from fcl_emu.aggregation.settings import AggregationSettings
 from fcl_emu.methods.models.names import CHOICES as MODEL_CHOICES
+from fcl_emu.runconfig import legacy
 from fcl_emu.runconfig.dataset_defaults import dataset_training
 from fcl_emu.runconfig.errors import check_method_options, method_spec
 from fcl_emu.runconfig.ignored import Ignored, settle
@@ -190,10 +191,9 @@ class GpuSettings(pydantic.BaseModel):
     threads: int = pydantic.Field(1, ge=1, le=256, description="torch CPU threads of each worker process")
 
 
-class SecurityConfig(AggregationDefences):
-    """Transport security and the defences against hostile clients (docs/security.md); the defences of
-    aggregation (clipping, the rule) are declared with aggregation (:class:`~fcl_emu.aggregation.settings.
-    AggregationDefences`)."""
+class SecurityConfig(pydantic.BaseModel):
+    """Transport security (docs/security.md); the defences against hostile updates are aggregation's
+    (:class:`~fcl_emu.aggregation.settings.AggregationSettings`)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -204,8 +204,6 @@ class SecurityConfig(AggregationDefences):
     keys: Path | None = pydantic.Field(
         None, description="key directory written by `fcl-emu keys` (unset: `up` writes the run's keys in "
                           "RUN_DIR/keys; `coordinator` needs one)")
-    max_update_norm: float | None = pydantic.Field(
-        None, gt=0, description="refuse an update whose model delta has a larger L2 norm (counted as norm_bound)")
 
 
 class AdaptiveClipping(pydantic.BaseModel):
@@ -391,8 +389,9 @@ class RunConfig(pydantic.BaseModel):
     @classmethod
     def _default_cohort(cls, data: Any, handler: pydantic.ModelWrapValidatorHandler) -> "RunConfig":
         """Unset ``rounds.clients_per_round`` is the default cohort, or every client where there are fewer
-        (:attr:`capped_cohort` then says so); ``nodes: null`` is unset ``nodes`` (runconfig/nodes.py)."""
-        capped, data = None, unset_null_nodes(data)
+        (:attr:`capped_cohort` then says so); ``nodes: null`` is unset ``nodes`` (runconfig/nodes.py); a config of
+        the old layout of aggregation's settings is read as today's (runconfig/legacy.py)."""
+        capped, data = None, unset_null_nodes(legacy.upgrade(data)[0])
         rounds = data.get("rounds", {}) if isinstance(data, dict) else None
         scenario = data.get("scenario", {}) if isinstance(data, dict) else None
         if isinstance(rounds, dict) and "clients_per_round" not in rounds and isinstance(scenario, dict):
@@ -486,11 +485,21 @@ class RunConfig(pydantic.BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def merge_config(base: dict[str, Any], override: dict[str, Any], dropped: list[Ignored] | None = None,
+                 at: str = "") -> dict[str, Any]:
+    """``override`` over ``base`` (a config's mappings), key by key. A part chosen by name alone (``rule: krum``)
+    is its mapping; where ``override`` chooses another part than ``base``, ``base``'s options of its part go, each
+    put in ``dropped`` where given."""
+    dropped = [] if dropped is None else dropped
     out = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+        old = {"name": out[key]} if isinstance(value, dict) and isinstance(out.get(key), str) else out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            if value.get("name", old.get("name")) != old.get("name"):
+                dropped += [Ignored(f"{at}{key}.{k}", v, f"an option of {old.get('name')}, not of {value['name']}")
+                            for k, v in old.items() if k != "name"]
+                old = {}
+            out[key] = merge_config(old, value, dropped, f"{at}{key}.")
         else:
             out[key] = value
     return out
@@ -510,6 +519,13 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> RunConfig:
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"--config: {path} must hold a mapping at the top level")
         data = loaded or {}
+    data, old = legacy.upgrade(data)
+    dropped: list[Ignored] = []
+
     def build(file_data: dict[str, Any]) -> RunConfig:
-        return RunConfig.model_validate(_merge(file_data, overrides))
-    return settle(build(data), data, overrides, build)
+        dropped.clear()
+        return RunConfig.model_validate(merge_config(file_data, overrides, dropped))
+    config = settle(build(data), data, overrides, build)
+    if old or dropped:  # the old layout's and the file's options of a part the flags replaced
+        config._ignored = (*config.ignored, *old, *dropped)
+    return config

@@ -6,14 +6,18 @@ from typing import Any, Mapping
 
 import pydantic
 
+from fcl_emu.aggregation.settings import AggregationSettings
 from fcl_emu.runconfig.config import RunConfig
+
+CHOSEN = ("policy", "rule", "server_optimizer")  # aggregation's parts, each chosen with its options
 
 
 def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config.yaml with every setting at the default a run like ``config`` (a run's config.yaml) has: RunConfig's
     defaults, with the training values of its method (a method may bring its own, ``fcl-emu methods``) and the
     data set's (``runconfig.dataset_defaults``), the clients per round capped at a smaller population and the edge
-    nodes an unset ``nodes`` chooses for it (``runconfig.nodes``). An unknown method, data set or population:
+    nodes an unset ``nodes`` chooses for it (``runconfig.nodes``), and the options of each part of aggregation it
+    chose (its policy, rule, server optimiser) at that part's defaults. An unknown method, data set or population:
     RunConfig's defaults."""
     defaults = RunConfig().model_dump(mode="json")
     scenario = config.get("scenario")
@@ -27,4 +31,12 @@ def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
     defaults["training"] = run.training.model_dump(mode="json")
     defaults["rounds"]["clients_per_round"] = run.rounds.clients_per_round
     defaults["nodes"] = run.nodes
+    aggregation = config.get("aggregation")
+    for part, chosen in (aggregation.items() if isinstance(aggregation, Mapping) else ()):
+        if part in CHOSEN and isinstance(chosen, Mapping):
+            try:
+                options = AggregationSettings.model_validate({part: chosen.get("name")}).model_dump(mode="json")[part]
+            except pydantic.ValidationError:
+                continue  # an unknown part: its name is told apart from the default's
+            defaults["aggregation"][part] = {**options, "name": defaults["aggregation"][part]["name"]}
     return defaults

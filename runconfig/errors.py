@@ -11,6 +11,8 @@ from typing import Any
 
 import pydantic
 
+from fcl_emu.aggregation.choice import members
+
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """``"; did you mean X?"`` for the known name closest to a mistyped ``word`` (``""`` where none is close)."""
@@ -34,6 +36,23 @@ def _keys_at(model: Any, path: tuple) -> list[str]:
             return []
         model = field.annotation
     return list(model.model_fields) if _is_model(model) else []
+
+
+def _untagged(model: Any, loc: tuple) -> tuple:
+    """``loc`` less the part's name pydantic puts after a part chosen with its options (``aggregation.rule.krum.
+    byzantine`` is ``aggregation.rule.byzantine``: :mod:`fcl_emu.aggregation.choice`)."""
+    out: list = []
+    for key in loc:
+        field = model.model_fields.get(key) if _is_model(model) else None
+        parts = members(field.annotation) if field is not None else ()
+        out.append(key)
+        model = field.annotation if field is not None else None
+        if parts:
+            tags = {p.model_fields["name"].default: p for p in parts}
+            rest = loc[len(out):]
+            if rest and rest[0] in tags:
+                return (*out, *_untagged(tags[rest[0]], rest[1:]))
+    return tuple(out)
 
 
 def _all_keys(model: Any, prefix: str = "") -> dict[str, str]:
@@ -63,7 +82,7 @@ def error_lines(exc: pydantic.ValidationError, model: type[pydantic.BaseModel],
     a bound says the value given."""
     lines = []
     for error in exc.errors():
-        loc, kind, given = tuple(error["loc"]), error["type"], error.get("input")
+        loc, kind, given = _untagged(model, tuple(error["loc"])), error["type"], error.get("input")
         ctx = {key: _value(value) for key, value in (error.get("ctx") or {}).items()}
         if kind == "extra_forbidden":
             known, anywhere = _keys_at(model, loc[:-1]), _all_keys(model)

@@ -46,10 +46,6 @@ def _needing(needs: str, applies: Callable[[Any], bool], why: str, *settings: st
     return tuple(Dependent(setting, needs, why, applies) for setting in settings)
 
 
-def _robust(*rules: str) -> Callable[[Any], bool]:
-    return lambda config: config.security.aggregator in rules
-
-
 EMULATED = "the emulated clock (--clock emulated, or auto with the process backend)"
 DEPENDENT: tuple[Dependent, ...] = (
     *_needing("--privacy central or distributed", lambda c: c.privacy.mode != "off", "differential privacy is off",
@@ -65,19 +61,8 @@ DEPENDENT: tuple[Dependent, ...] = (
               "secagg.threshold", "secagg.ring_bits", "secagg.phase_timeout_s"),
     *_needing("--secagg without --privacy distributed", lambda c: c.secagg.enabled and not c.privacy.distributed,
               "distributed DP clips to --dp-clip and weighs every client 1", "secagg.clip", "secagg.max_weight"),
-    *_needing("--aggregation fedbuff", lambda c: c.aggregation.kind == "fedbuff", "the updates a FedBuff aggregation "
-              "takes", "aggregation.buffer"),
-    *_needing("--aggregation fedbuff or fedasync", lambda c: c.aggregation.asynchronous, "synchronous rounds train "
-              "their cohort and take no stale update", "aggregation.max_staleness", "aggregation.concurrency"),
-    *_needing("--aggregation fedasync", lambda c: c.aggregation.kind == "fedasync", "FedAsync's mixing weights",
-              "aggregation.async_alpha", "aggregation.async_staleness_exponent"),
-    *_needing("--aggregator trimmed_mean", _robust("trimmed_mean"), "a parameter of that rule",
-              "security.trim_fraction"),
-    *_needing("--aggregator krum, multikrum or bulyan", _robust("krum", "multikrum", "bulyan"), "a parameter of "
-              "those rules", "security.byzantine"),
-    *_needing("--aggregator multikrum", _robust("multikrum"), "a parameter of that rule", "security.multikrum_keep"),
     *_needing("plain aggregation (no --secagg)", lambda c: not c.secagg.enabled, "a secure round shows the server no "
-              "single update", "security.adaptive_clip", "security.direction_check"),
+              "single update", "aggregation.adaptive_clip", "aggregation.direction_check"),
     *_needing("CurveZMQ (no --insecure)", lambda c: c.security.transport == "curve", "plain TCP takes no keys",
               "security.keys"),
     *_needing("--edge-aggregators M", lambda c: c.topology.edge_aggregators > 0, "edge rounds run at edge "

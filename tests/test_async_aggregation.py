@@ -70,7 +70,7 @@ def test_staleness_is_exported_as_a_histogram():
 @pytest.mark.parametrize("name", registry.names())
 def test_the_config_refuses_asynchronous_aggregation_exactly_where_the_method_says(name):
     spec = registry.get(name)
-    data = {"method": name, "aggregation": {"kind": "fedbuff"}}
+    data = {"method": name, "aggregation": {"policy": "fedbuff"}}
     if ASYNC in spec.refusals:
         with pytest.raises(ValueError, match=re.escape(f"--aggregation fedbuff: {spec.refusals[ASYNC]}")):
             RunConfig.model_validate(data)
@@ -132,7 +132,7 @@ def _run(tmp_path, name: str, mnist_root, aggregation: dict, *flags: str, slow_s
 def test_a_fedbuff_run_is_bit_identical_across_edge_node_counts(tmp_path, mnist_root):
     """With no profiles file (the default device mix: compute from each class's throughput), one edge node and
     three give the same aggregations, the same energy and the same accuracy matrix."""
-    aggregation = {"kind": "fedbuff", "buffer": 2, "concurrency": 4}
+    aggregation = {"policy": {"name": "fedbuff", "buffer": 2, "concurrency": 4}}
     runs = [_run(tmp_path, f"nodes{n}", mnist_root, aggregation, "--nodes", str(n), slow_share=None)
             for n in (1, 3)]
     (one, one_events), (three, three_events) = runs
@@ -162,8 +162,8 @@ def test_a_fedbuff_run_is_bit_identical_across_edge_node_counts(tmp_path, mnist_
 
 @pytest.mark.slow
 def test_fedasync_mixes_each_update_and_discards_the_too_stale(tmp_path, mnist_root):
-    summary, evs = _run(tmp_path, "fedasync", mnist_root, {"kind": "fedasync", "concurrency": 4,
-                                                            "max_staleness": 0}, "--method", "fedprox", "--nodes", "1")
+    summary, evs = _run(tmp_path, "fedasync", mnist_root, {"policy": {"name": "fedasync", "concurrency": 4,
+                                                                       "max_staleness": 0}}, "--method", "fedprox", "--nodes", "1")
     assert summary.status == "completed"
     applied = [e for e in evs if e["event"] == "async_aggregation"]
     assert [len(e["clients"]) for e in applied] == [1, 1, 1, 1]

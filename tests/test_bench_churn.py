@@ -130,13 +130,14 @@ def test_straggler_points_compare_round_policies_at_equal_updates_per_round(tmp_
         "fedavg-stragglers0.00-sync-s3", "fedavg-stragglers0.00-fedbuff-s3",
         "fedavg-stragglers0.50-sync-s3", "fedavg-stragglers0.50-fedbuff-s3"]
     config = RunConfig.model_validate(points[3][1])
-    assert config.aggregation.kind == "fedbuff" and config.aggregation.buffer == config.aggregation.concurrency == 5
+    policy = config.aggregation.policy
+    assert policy.name == "fedbuff" and policy.buffer == policy.concurrency == 5
     assert config.rounds.eval_every == 1 and config.emulated_clock and config.edge.availability == "always"
     profiles = yaml.safe_load(open(config.edge.device_profiles))["profiles"]
     assert [(p["name"], p["share"], p["ms_per_sample"]) for p in profiles] == [
         ("phone", 0.5, 3.0), ("straggler", 0.5, 30.0)]
     assert points[3][2] == {"sweep": "stragglers", "aggregation": "fedbuff", "stragglers": 0.5}
-    assert RunConfig.model_validate(points[0][1]).aggregation.kind == "sync"
+    assert RunConfig.model_validate(points[0][1]).aggregation.policy.name == "sync"
 
 
 def test_time_to_accuracy_reads_the_first_tasks_evaluations_in_emulated_time(tmp_path):

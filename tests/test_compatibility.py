@@ -71,8 +71,8 @@ def test_each_refusal_is_the_error_its_example_gets(entry, tmp_path, accountant)
     {},
     {"secagg": {"enabled": True}, "privacy": {"mode": "distributed"}, "topology": {"edge_aggregators": 2}},
     {"privacy": {"mode": "central"}, "rounds": {"overcommit": 1.3}},
-    {"aggregation": {"kind": "fedasync"}, "edge": {"availability": "onoff:60:30"}},
-    {"security": {"aggregator": "krum"}, "topology": {"edge_aggregators": 5}, "nodes": 5},
+    {"aggregation": {"policy": "fedasync"}, "edge": {"availability": "onoff:60:30"}},
+    {"aggregation": {"rule": "krum"}, "topology": {"edge_aggregators": 5}, "nodes": 5},
     {"containers": {"backend": "swarm", "cluster": "lab"}},
     {"method": "fedcbc", "containers": {"backend": "docker"}},
 ], ids=str)

@@ -335,7 +335,7 @@ def test_a_run_whose_every_round_was_skipped_is_not_completed(tmp_path, mnist_ro
     # 100 samples a client (not 5,000): the updates only have to exist to be refused
     config = load_config(small_config(tmp_path / "c.yaml", scenario={"num_clients": 6, "samples_per_client_task": 100},
                                       rounds={"clients_per_round": 3, "rounds_per_task": 1},
-                                      training={"local_epochs": 1}, security={"max_update_norm": 1e-9}),
+                                      training={"local_epochs": 1}, aggregation={"max_update_norm": 1e-9}),
                          {"data_root": [str(mnist_root)], "run_dir": str(tmp_path / "run")})
     summary = run_module.run_local(config, Console(file=io.StringIO()))
     assert summary.status.startswith("failed: every round was skipped")

@@ -107,7 +107,7 @@ def test_the_default_defences_contain_an_insider_sending_100_per_weight():
     """29 honest deltas near a common direction and one of +-100 per weight with the same sample count: through
     the default adaptive bound and aggregation rule the insider moves the result by at most its weight share of
     the bound (multiplier x the median norm), instead of 300 times the honest mean's length."""
-    security = RunConfig().security
+    settings = RunConfig().aggregation
     rng = np.random.default_rng(0)
     direction = rng.standard_normal(10_000).astype(np.float32) * 0.01
     honest = [ClientUpdate(f"c{i:02d}", 40, {"delta/w": direction + 0.005 * rng.standard_normal(10_000)
@@ -118,12 +118,12 @@ def test_the_default_defences_contain_an_insider_sending_100_per_weight():
     honest_mean = fedavg(honest)["w"]
     scale = np.linalg.norm(honest_mean)
     assert np.linalg.norm(fedavg(cohort)["w"] - honest_mean) > 100 * scale  # what the insider does undefended
-    defended = fedavg(clip_to_cohort(cohort, security.adaptive_clip), security.robust_aggregator())["w"]
+    defended = fedavg(clip_to_cohort(cohort, settings.adaptive_clip), settings.aggregator())["w"]
     median_norm = np.median([delta_norm(u) for u in cohort])
     shift = np.linalg.norm(defended - honest_mean)
-    assert shift <= security.adaptive_clip * median_norm / 30 + 0.01 * scale and shift < 0.5 * scale
-    median = fedavg(clip_to_cohort(cohort, security.adaptive_clip), RunConfig(
-        security={"aggregator": "median"}).security.robust_aggregator())["w"]
+    assert shift <= settings.adaptive_clip * median_norm / 30 + 0.01 * scale and shift < 0.5 * scale
+    median = fedavg(clip_to_cohort(cohort, settings.adaptive_clip), RunConfig(
+        aggregation={"rule": "median"}).aggregation.aggregator())["w"]
     assert np.linalg.norm(median - honest_mean) < 0.1 * scale  # a robust rule as well: hardly moved
 
 

@@ -38,16 +38,8 @@ CASES: dict[str, tuple[object, dict]] = {
     "secagg.phase_timeout_s": (5.0, {}),
     "secagg.clip": (2.0, {}),
     "secagg.max_weight": (100, {}),
-    "aggregation.buffer": (5, {"aggregation": {"kind": "fedasync"}}),
-    "aggregation.max_staleness": (2, {}),
-    "aggregation.concurrency": (10, {}),
-    "aggregation.async_alpha": (0.5, {"aggregation": {"kind": "fedbuff"}}),
-    "aggregation.async_staleness_exponent": (1.0, {}),
-    "security.trim_fraction": (0.2, {"security": {"aggregator": "median"}}),
-    "security.byzantine": (2, {"security": {"aggregator": "trimmed_mean"}}),
-    "security.multikrum_keep": (3, {"security": {"aggregator": "krum"}}),
-    "security.adaptive_clip": (5.0, {"secagg": {"enabled": True}}),
-    "security.direction_check": (None, {"secagg": {"enabled": True}}),
+    "aggregation.adaptive_clip": (5.0, {"secagg": {"enabled": True}}),
+    "aggregation.direction_check": (None, {"secagg": {"enabled": True}}),
     "security.keys": ("keys", {"security": {"transport": "plain"}}),
     "topology.edge_rounds": (2, {}),
     "topology.uplink_mbps": (10.0, {}),
@@ -111,27 +103,26 @@ def test_a_config_file_value_the_config_ignores_is_listed_and_back_at_its_defaul
 
 
 def test_the_command_line_refuses_each_ignored_flag_on_a_line_of_its_own():
-    result = CliRunner().invoke(app, ["up", "--dp-noise-multiplier", "2", "--buffer", "5", "--trim-fraction", "0.2",
-                                      "--secagg-threshold", "4", "--edge-rounds", "2"])
+    result = CliRunner().invoke(app, ["up", "--dp-noise-multiplier", "2", "--secagg-threshold", "4",
+                                      "--edge-rounds", "2"])
     assert result.exit_code == 2, result.output
     lines = [line.removeprefix("error: ") for line in result.output.splitlines() if line.strip()]
     assert lines == [f"{options.FLAG_OF[row.path]}: {row.reason}" for row in DEPENDENT if row.setting in (
-        "privacy.noise_multiplier", "secagg.threshold", "aggregation.buffer", "security.trim_fraction",
-        "topology.edge_rounds")]
+        "privacy.noise_multiplier", "secagg.threshold", "topology.edge_rounds")]
     assert lines[0] == ("--dp-noise-multiplier: needs --privacy central or distributed (differential privacy is "
                         "off)")
 
 
 def test_a_dependent_setting_counts_where_its_enabler_is_on_from_a_file_or_a_flag(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"aggregation": {"kind": "fedbuff"}, "edge": {"availability": "bernoulli:0.5"}}))
-    config = load_config(path, {"aggregation": {"buffer": 5}, "edge": {"availability_slot_s": 2.0}})
-    assert (config.aggregation.buffer, config.edge.availability_slot_s, config.ignored) == (5, 2.0, ())
+    path.write_text(yaml.safe_dump({"aggregation": {"policy": "fedbuff"}, "edge": {"availability": "bernoulli:0.5"}}))
+    config = load_config(path, {"aggregation": {"policy": {"buffer": 5}}, "edge": {"availability_slot_s": 2.0}})
+    assert (config.aggregation.policy.buffer, config.edge.availability_slot_s, config.ignored) == (5, 2.0, ())
 
 
 def test_a_file_value_at_its_default_is_not_set_and_a_flag_that_turns_the_enabler_off_keeps_the_file(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"aggregation": {"buffer": 10}, "secagg": {"enabled": True, "threshold": 4}}))
+    path.write_text(yaml.safe_dump({"privacy": {"delta": 1e-5}, "secagg": {"enabled": True, "threshold": 4}}))
     off = load_config(path, {"secagg": {"enabled": False}})  # --no-secagg over a base file
     assert [i.setting for i in off.ignored] == ["secagg.threshold"] and off.secagg.threshold is None
     # a method's own training values are the run's defaults: glfc's SGD has no momentum
@@ -154,12 +145,12 @@ def test_the_closing_table_lists_the_ignored_settings_apart_from_the_applied(tmp
     from tests.test_report import summary
 
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"seed": 3, "aggregation": {"buffer": 20}}))
+    path.write_text(yaml.safe_dump({"seed": 3, "privacy": {"noise_multiplier": 2.0}}))
     console = Console(record=True, width=300)
     console.print(summary_table(RunSummary.from_dict(summary()), load_config(path, {})))
     out = console.export_text()
-    assert "scenario: seed=3" in out and "aggregation.buffer=20" in out.split("ignored (config file)")[1]
-    assert "buffer" not in out.split("settings (not default)")[1].split("ignored (config file)")[0]
+    assert "scenario: seed=3" in out and "privacy.noise_multiplier=2" in out.split("ignored (config file)")[1]
+    assert "noise_multiplier" not in out.split("settings (not default)")[1].split("ignored (config file)")[0]
 
 
 def test_a_secagg_threshold_no_round_can_reach_is_refused_before_the_start():

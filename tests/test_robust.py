@@ -95,23 +95,23 @@ def test_bulyan_by_hand():
 def test_fedavg_takes_the_rule_for_floats_and_the_largest_step_counter():
     updates = [ClientUpdate(f"c{i}", 1, {"delta/w": np.array([v], np.float32), "delta/n": np.array(i, np.int64)})
                for i, v in enumerate([1.0, 2.0, 900.0])]
-    out = fedavg(updates, Aggregator("median"))
+    out = fedavg(updates, Aggregator.named("median"))
     np.testing.assert_allclose(out["w"], [2.0])
     assert out["n"] == 2 and out["n"].dtype == np.int64
     np.testing.assert_allclose(fedavg(updates)["w"], [301.0])  # the default: the mean
 
 
 def test_the_configuration_refuses_what_a_rule_cannot_aggregate():
-    assert RunConfig().security.aggregator == "mean"
-    assert RunConfig(security={"aggregator": "krum"}).security.robust_aggregator().min_updates == 5
+    assert RunConfig().aggregation.rule.name == "mean"
+    assert RunConfig(aggregation={"rule": "krum"}).aggregation.aggregator().min_updates == 5
     for method in ("fedavg", "fedprox", "fedlwf2t", "fedewc", "glfc", "affcl"):  # a weighted mean of deltas
-        RunConfig(method=method, security={"aggregator": "median"})
+        RunConfig(method=method, aggregation={"rule": "median"})
     with pytest.raises(ValueError, match="fedcbc.*does not average model deltas"):
-        RunConfig(method="fedcbc", security={"aggregator": "median"})
+        RunConfig(method="fedcbc", aggregation={"rule": "median"})
     with pytest.raises(ValueError, match="secagg hides"):
-        RunConfig(secagg={"enabled": True}, security={"aggregator": "median"})
+        RunConfig(secagg={"enabled": True}, aggregation={"rule": "median"})
     with pytest.raises(ValueError, match="at least 11 updates"):
-        RunConfig(scenario={"num_clients": 10}, security={"aggregator": "bulyan", "byzantine": 2})
+        RunConfig(scenario={"num_clients": 10}, aggregation={"rule": {"name": "bulyan", "byzantine": 2}})
     RunConfig(secagg={"enabled": True})  # the adaptive bound is on by default and simply skips secure rounds
 
 
@@ -119,10 +119,10 @@ def test_the_configuration_refuses_what_a_rule_cannot_aggregate():
     ("adaptive_clip", 10.0, "2.5", "0.5", "greater than or equal to 1"),
     ("direction_check", 10.0, "3", "0", "greater than 0")])
 def test_each_default_defence_is_on_by_default_and_off_turns_it_off(name, default, setting, bad, message):
-    assert getattr(RunConfig().security, name) == default
-    assert getattr(load_config(None, overrides({name: "off"})).security, name) is None
-    assert getattr(RunConfig(security={name: False}).security, name) is None  # YAML's `off`
-    assert getattr(load_config(None, overrides({name: setting})).security, name) == float(setting)
+    assert getattr(RunConfig().aggregation, name) == default
+    assert getattr(load_config(None, overrides({name: "off"})).aggregation, name) is None
+    assert getattr(RunConfig(aggregation={name: False}).aggregation, name) is None  # YAML's `off`
+    assert getattr(load_config(None, overrides({name: setting})).aggregation, name) == float(setting)
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides({name: bad}))
 

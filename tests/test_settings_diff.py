@@ -18,7 +18,7 @@ from fcl_emu.runconfig import RunConfig, load_config
 from fcl_emu.runconfig.defaults import defaults_for
 from tests.test_report import events, make_run, summary
 
-CHANGED = {"method": "fedprox", "method_options": {"mu": 0.1}, "aggregation": {"kind": "fedbuff"},
+CHANGED = {"method": "fedprox", "method_options": {"mu": 0.1}, "aggregation": {"policy": {"name": "fedbuff", "buffer": 5}},
            "edge": {"availability": "onoff:60:30"}, "scenario": {"num_clients": 10}, "seed": 3,
            # where the run was, not what it varied: never listed
            "run_dir": "runs/x", "metrics": {"port": 9100}, "network": {"bind": "tcp://0.0.0.0:5555"}}
@@ -47,14 +47,20 @@ def test_the_settings_not_default_are_listed_by_group():
     assert [(s.group, str(s)) for s in settings] == [
         ("scenario", "scenario.num_clients=10"), ("scenario", "seed=3"),
         ("method", "method=fedprox"), ("method", "method_options.mu=0.1"),
-        ("rounds & aggregation", "aggregation.kind=fedbuff"),
+        ("rounds & aggregation", "aggregation.policy.name=fedbuff"),
+        ("rounds & aggregation", "aggregation.policy.buffer=5"),  # its policy's options apart from its defaults
         ("churn & devices", "edge.availability=onoff:60:30")]  # clients per round capped at 10: not a choice
     assert settings_text(settings) == (
         "scenario: scenario.num_clients=10, seed=3; method: method=fedprox, method_options.mu=0.1; "
-        "rounds & aggregation: aggregation.kind=fedbuff; churn & devices: edge.availability=onoff:60:30")
-    robust = config_dict(security={"aggregator": "trimmed_mean", "trim_fraction": 0.2}, nodes=4)
+        "rounds & aggregation: aggregation.policy.name=fedbuff, aggregation.policy.buffer=5; churn & devices: "
+        "edge.availability=onoff:60:30")
+    robust = config_dict(aggregation={"rule": {"name": "trimmed_mean", "trim_fraction": 0.2}}, nodes=4)
     assert settings_text(non_default_settings(robust, defaults_for(robust))) == (
-        "security & privacy: security.aggregator=trimmed_mean, security.trim_fraction=0.2; deployment: nodes=4")
+        "rounds & aggregation: aggregation.rule.name=trimmed_mean, aggregation.rule.trim_fraction=0.2; "
+        "deployment: nodes=4")
+    at_defaults = config_dict(aggregation={"rule": "trimmed_mean"})  # the rule's options at its defaults
+    assert settings_text(non_default_settings(at_defaults, defaults_for(at_defaults))) == (
+        "rounds & aggregation: aggregation.rule.name=trimmed_mean")
 
     default = RunConfig().model_dump(mode="json")
     assert non_default_settings(default, defaults_for(default)) == []
@@ -77,10 +83,10 @@ def test_the_summary_table_names_the_settings_and_the_epsilon():
         return console.export_text()
 
     dp = RunSummary.from_dict({**summary(), "privacy": PRIVACY})
-    out = text(summary_table(dp, load_config(None, {"aggregation": {"kind": "fedbuff"}, "seed": 3})))
+    out = text(summary_table(dp, load_config(None, {"aggregation": {"policy": "fedbuff"}, "seed": 3})))
     assert "epsilon (delta)" in out and "2.35 (1e-05)" in out
     assert "settings (not default)" in out and "scenario: seed=3" in out
-    assert "rounds & aggregation: aggregation.kind=fedbuff" in out
+    assert "rounds & aggregation: aggregation.policy.name=fedbuff" in out
     assert "none" in text(summary_table(dp, RunConfig()))
     plain = text(summary_table(RunSummary.from_dict(summary())))
     assert "epsilon" not in plain and "settings" not in plain
@@ -99,15 +105,15 @@ def test_compare_names_each_runs_settings_and_warns_when_system_settings_differ(
     a = make_run(tmp_path / "a")
     with_config(a)
     b = with_config(make_run(tmp_path / "b"), method="fedprox", method_options={"mu": 0.1})
-    c = with_config(make_run(tmp_path / "c"), aggregation={"kind": "fedbuff"}, edge={"availability": "onoff:60:30"})
+    c = with_config(make_run(tmp_path / "c"), aggregation={"policy": "fedbuff"}, edge={"availability": "onoff:60:30"})
     assert compare_runs([a, b], tmp_path / "cmp").warnings == []  # the method is what a comparison varies
     found = compare_runs([a, b, c], tmp_path / "cmp", defaults=defaults_for)
     assert found.warnings == [
-        "the runs differ in rounds & aggregation: aggregation.kind: 'sync' (a, b); 'fedbuff' (c)",
+        "the runs differ in rounds & aggregation: aggregation.policy.name: 'sync' (a, b); 'fedbuff' (c)",
         "the runs differ in churn & devices: edge.availability: 'always' (a, b); 'onoff:60:30' (c)"]
     assert [r.settings for r in found.rows] == [
         "none", "method: method=fedprox, method_options.mu=0.1",
-        "rounds & aggregation: aggregation.kind=fedbuff; churn & devices: edge.availability=onoff:60:30"]
+        "rounds & aggregation: aggregation.policy.name=fedbuff; churn & devices: edge.availability=onoff:60:30"]
     console = Console(record=True, width=300)
     console.print(format_table(found.rows))
     assert "settings (not default)" in console.export_text()

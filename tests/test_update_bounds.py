@@ -77,8 +77,8 @@ def test_an_aggregators_flags_carry_the_runs_defences():
     from fcl_emu.launchers.aggregators import aggregator_args
     from fcl_emu.runconfig import RunConfig
 
-    config = RunConfig.model_validate({"security": {"transport": "plain", "max_update_norm": 5.0,
-                                                    "adaptive_clip": "off"}})
+    config = RunConfig.model_validate({"security": {"transport": "plain"},
+                                       "aggregation": {"max_update_norm": 5.0, "adaptive_clip": "off"}})
     args = aggregator_args(0, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", config)
     assert Defences.of(AggregatorArgs.from_argv(args.to_argv())) == Defences(5.0, 10.0, None, None)
     by_hand = AggregatorArgs.from_argv(["--connect", "tcp://h:1", "--bind", "tcp://h:2", "--name", "e", "--insecure"])
@@ -152,7 +152,7 @@ def test_an_asynchronous_buffer_is_bounded_with_the_updates_applied_before_it():
     from tests.test_coordinator_parts import make_state
 
     state = make_state()
-    runner = AsyncRoundRunner(state, None, None, None, make_policy(AggregationSettings(kind="fedasync")))
+    runner = AsyncRoundRunner(state, None, None, None, make_policy(AggregationSettings(policy="fedasync")))
 
     def buffered(client, values):
         return runner._bounded([InFlight(client, 0, 1, 1.0, update(client, values), 100)])

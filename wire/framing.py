@@ -49,9 +49,9 @@ REASONS = (
     "secagg",
     "rate_limited",  # more control messages than a peer may send (coordinator/guard.py)
     "implausible",  # an update counting more samples than its client holds
-    "norm_bound",  # an update beyond security.max_update_norm
-    "cohort_bound",  # a side-channel upload or a VAE beyond security.adaptive_clip x its round's median norm
-    "off_cohort",  # an update that agrees with nothing of its round's cohort (security.direction_check)
+    "norm_bound",  # an update beyond aggregation.max_update_norm
+    "cohort_bound",  # a side-channel upload or a VAE beyond aggregation.adaptive_clip x its round's median norm
+    "off_cohort",  # an update that agrees with nothing of its round's cohort (aggregation.direction_check)
     "late_cap",  # a late update beyond those kept for the next round
     "replayed",  # an edge aggregate whose tensors are those of one already taken
 )

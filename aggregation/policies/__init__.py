@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+from fcl_emu.aggregation.choice import choice
 from fcl_emu.aggregation.policies.base import POLICIES, RoundPolicy
 
 BUILTIN = ("sync", "fedbuff", "fedasync")  # modules of this package that register policies
@@ -13,8 +14,9 @@ for _module in BUILTIN:
     importlib.import_module(f"{__name__}.{_module}")
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+PolicyChoice, DEFAULT_POLICY = choice(POLICIES, "round policy", "sync")  # the run config's policy
 
 
 def make_policy(settings) -> RoundPolicy:
-    """The policy a run's :class:`~fcl_emu.aggregation.settings.AggregationSettings` name, with them."""
-    return POLICIES[settings.kind](settings)
+    """The policy a run's :class:`~fcl_emu.aggregation.settings.AggregationSettings` choose, with its options."""
+    return POLICIES[settings.policy.name].of(settings)

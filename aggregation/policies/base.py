@@ -1,4 +1,5 @@
-"""What a round policy is (:class:`RoundPolicy`), and the registry of policies by name (:func:`register`)."""
+"""What a round policy is (:class:`RoundPolicy`), its options (:class:`AsyncOptions` for the asynchronous ones), and
+the registry of policies by name (:func:`register`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,24 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
+import pydantic
 
+from fcl_emu.aggregation.choice import PartOptions
 from fcl_emu.aggregation.registry import registrar
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
+
+
+class AsyncOptions(PartOptions):
+    """What every asynchronous policy takes."""
+
+    max_staleness: int = pydantic.Field(
+        4, ge=0, description="asynchronous: updates staler than S server versions are discarded (4: the bound of "
+                             "FedAsync's experiments)")
+    concurrency: int | None = pydantic.Field(
+        None, ge=1, description="asynchronous: clients kept training at once (unset: clients_per_round)")
+
+    def resolved_concurrency(self, clients_per_round: int) -> int:
+        return self.concurrency if self.concurrency is not None else clients_per_round
 
 
 class RoundPolicy:
@@ -20,11 +36,17 @@ class RoundPolicy:
     aggregations happened between the version a client was sent and the one its update is applied to)."""
 
     name: ClassVar[str]
+    Options: ClassVar[type[PartOptions]] = AsyncOptions
     asynchronous: ClassVar[bool] = True
     keeps_sent_models: ClassVar[bool] = False  # weigh() needs the model each client was sent
 
-    def __init__(self, settings: Any):  # fcl_emu.aggregation.settings.AggregationSettings
-        self.settings = settings
+    def __init__(self, options: Any):  # its Options, as the run config's aggregation.policy sets them
+        self.options = options
+
+    @classmethod
+    def of(cls, settings: Any) -> RoundPolicy:
+        """The policy a run's :class:`~fcl_emu.aggregation.settings.AggregationSettings` choose."""
+        return cls(settings.policy)
 
     @property
     def needed(self) -> int:

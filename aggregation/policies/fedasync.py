@@ -6,8 +6,9 @@ delta."""
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 
-from fcl_emu.aggregation.policies.base import RoundPolicy, register
+from fcl_emu.aggregation.policies.base import AsyncOptions, RoundPolicy, register
 from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 
 
@@ -31,13 +32,22 @@ def fedasync_update(update: ClientUpdate, staleness: int, alpha: float, exponent
     return update.with_tensors(out)
 
 
+class FedAsyncOptions(AsyncOptions):
+    alpha: float = pydantic.Field(
+        0.6, gt=0, le=1, description="fedasync: the mixing weight alpha of x <- (1 - a_t) x + a_t x_new")
+    staleness_exponent: float = pydantic.Field(
+        0.5, ge=0, description="fedasync: a of the polynomial staleness function s(t) = (1 + t)^-a, "
+                               "a_t = alpha * s(t)")
+
+
 @register
 class FedAsync(RoundPolicy):
     name = "fedasync"
+    Options = FedAsyncOptions
     keeps_sent_models = True
 
     def weigh(self, update: ClientUpdate, staleness: int, sent: Arrays | None, current: Arrays
               ) -> tuple[ClientUpdate, float]:
-        s = self.settings
-        return (fedasync_update(update, staleness, s.async_alpha, s.async_staleness_exponent, sent, current),
-                fedasync_mixing(s.async_alpha, s.async_staleness_exponent, staleness))
+        o = self.options
+        return (fedasync_update(update, staleness, o.alpha, o.staleness_exponent, sent, current),
+                fedasync_mixing(o.alpha, o.staleness_exponent, staleness))

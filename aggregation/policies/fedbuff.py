@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pydantic
 
-from fcl_emu.aggregation.policies.base import RoundPolicy, register
+from fcl_emu.aggregation.policies.base import AsyncOptions, RoundPolicy, register
 from fcl_emu.aggregation.update import DELTA, Arrays, ClientUpdate
 
 
@@ -25,13 +26,19 @@ def fedbuff_update(update: ClientUpdate, staleness: int) -> ClientUpdate:
                                 for k, v in update.tensors.items()})
 
 
+class FedBuffOptions(AsyncOptions):
+    buffer: int = pydantic.Field(
+        10, ge=1, description="fedbuff: the server aggregates every B arrived updates (10, as in the FedBuff paper)")
+
+
 @register
 class FedBuff(RoundPolicy):
     name = "fedbuff"
+    Options = FedBuffOptions
 
     @property
     def needed(self) -> int:
-        return self.settings.buffer
+        return self.options.buffer
 
     def weigh(self, update: ClientUpdate, staleness: int, sent: Arrays | None, current: Arrays
               ) -> tuple[ClientUpdate, float]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from fcl_emu.aggregation.choice import PartOptions
 from fcl_emu.aggregation.policies.base import RoundPolicy, register
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 
@@ -18,23 +19,26 @@ from fcl_emu.aggregation.update import Arrays, ClientUpdate
 @register
 class Sync(RoundPolicy):
     name = "sync"
+    Options = PartOptions
     asynchronous = False
 
-    def __init__(self, settings: Any):
-        super().__init__(settings)
-        self.optimizer = settings.server_step()
+    def __init__(self, options: Any, optimizer: Any):  # a ServerOptimizer (aggregation.server_optimizers)
+        super().__init__(options)
+        self.optimizer = optimizer
+
+    @classmethod
+    def of(cls, settings: Any) -> Sync:
+        return cls(settings.policy, settings.server_step())
 
     def apply(self, server: Any, task: int, round: int, updates: list[ClientUpdate]) -> None:
         """Aggregate a round into ``server`` (a :class:`~fcl_emu.methods.base.ServerPart`): its ``aggregate``, then
         the server optimiser's step on the global model's float parameters (none: the aggregate as it is)."""
         before = server.global_state
         server.aggregate(task, round, updates)
-        if self.optimizer is not None:
-            server.set_global_state(self.optimizer.step(before, server.global_state, server.parameter_names()))
+        self.optimizer.apply(server, before)
 
     def state_arrays(self) -> Arrays:
-        return {} if self.optimizer is None else self.optimizer.state_arrays()
+        return self.optimizer.state_arrays()
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-        if self.optimizer is not None:
-            self.optimizer.load_state_arrays(arrays)
+        self.optimizer.load_state_arrays(arrays)

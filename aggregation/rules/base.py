@@ -1,45 +1,37 @@
 """What every aggregation rule is: a pure function of weighted deltas, registered by name (:func:`register`).
 
 A rule takes ``updates``, a list of ``(weight, delta)`` pairs (weight: the client's sample count; delta:
-``{name: float array}``, the same names and shapes in every pair) and the run's :class:`RuleParams`, and returns
-one delta of the same names and shapes in float32.
+``{name: float array}``, the same names and shapes in every pair) and its options as the run sets them (its
+``Options``, a :class:`~fcl_emu.aggregation.choice.PartOptions`: the run config's ``aggregation.rule``), and
+returns one delta of the same names and shapes in float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from fcl_emu.aggregation.choice import PartOptions
 from fcl_emu.aggregation.registry import registrar
 
 Delta = Mapping[str, np.ndarray]
 Weighted = Sequence[tuple[float, Delta]]
 
 
-@dataclass(frozen=True)
-class RuleParams:
-    """The rules' parameters as the run sets them: ``trim`` (trimmed_mean), ``f`` the hostile updates a round must
-    withstand (krum, multikrum, bulyan), ``m`` (multikrum; None: ``n - f``)."""
-
-    trim: float = 0.1
-    f: int = 1
-    m: int | None = None
-
-
 class Rule:
     """One aggregation rule. Subclasses set ``name``, implement :meth:`combine` and, where the rule needs more than
-    one update, :meth:`min_updates`."""
+    one update, :meth:`min_updates`; a rule with options declares them as its ``Options``."""
 
     name: ClassVar[str]
+    Options: ClassVar[type[PartOptions]] = PartOptions
 
-    def min_updates(self, params: RuleParams) -> int:
+    def min_updates(self, options: PartOptions) -> int:
         """The fewest updates the rule can combine (fewer: the round is skipped)."""
         return 1
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
 

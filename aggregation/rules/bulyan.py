@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcl_emu.aggregation.rules.base import Rule, RuleParams, Weighted, names, register, stacked
-from fcl_emu.aggregation.rules.krum import krum_scores
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.rules.base import Rule, Weighted, names, register, stacked
+from fcl_emu.aggregation.rules.krum import ByzantineOptions, krum_scores
 
 
 def bulyan(updates: Weighted, f: int) -> dict[str, np.ndarray]:
@@ -33,9 +34,10 @@ def bulyan(updates: Weighted, f: int) -> dict[str, np.ndarray]:
 @register
 class Bulyan(Rule):
     name = "bulyan"
+    Options = ByzantineOptions
 
-    def min_updates(self, params: RuleParams) -> int:
-        return 4 * params.f + 3
+    def min_updates(self, options: PartOptions) -> int:
+        return 4 * options.byzantine + 3
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
-        return bulyan(updates, params.f)
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
+        return bulyan(updates, options.byzantine)

@@ -8,8 +8,10 @@ counts, as Flower's MultiKrum does (the paper averages them equally).
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 
-from fcl_emu.aggregation.rules.base import Rule, RuleParams, Weighted, names, register, stacked
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.rules.base import Rule, Weighted, names, register, stacked
 from fcl_emu.aggregation.rules.mean import weighted_mean
 
 
@@ -56,20 +58,34 @@ def multikrum(updates: Weighted, f: int, m: int | None = None) -> dict[str, np.n
     return weighted_mean([updates[i] for i in sorted(order)])
 
 
+class ByzantineOptions(PartOptions):
+    byzantine: int = pydantic.Field(
+        1, ge=0, le=1000, description="the hostile updates f a round of krum, multikrum or bulyan must withstand "
+                                      "(krum and multikrum need 2f + 3 updates, bulyan 4f + 3; fewer: the round is "
+                                      "skipped)")
+
+
+class MultiKrumOptions(ByzantineOptions):
+    keep: int | None = pydantic.Field(
+        None, ge=1, description="the updates of best Krum score that multikrum averages (unset: n - f)")
+
+
 @register
 class Krum(Rule):
     name = "krum"
+    Options = ByzantineOptions
 
-    def min_updates(self, params: RuleParams) -> int:
-        return 2 * params.f + 3
+    def min_updates(self, options: PartOptions) -> int:
+        return 2 * options.byzantine + 3
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
-        return krum(updates, params.f)
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
+        return krum(updates, options.byzantine)
 
 
 @register
 class MultiKrum(Krum):
     name = "multikrum"
+    Options = MultiKrumOptions
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
-        return multikrum(updates, params.f, params.m)
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
+        return multikrum(updates, options.byzantine, options.keep)

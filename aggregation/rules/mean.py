@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcl_emu.aggregation.rules.base import Rule, RuleParams, Weighted, names, register
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.rules.base import Rule, Weighted, names, register
 
 PARTIAL_TERMS = 32  # terms summed in float32 before their sum joins the float64 total
 
@@ -36,5 +37,5 @@ def weighted_mean(updates: Weighted) -> dict[str, np.ndarray]:
 class Mean(Rule):
     name = "mean"
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
         return weighted_mean(updates)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcl_emu.aggregation.rules.base import Rule, RuleParams, Weighted, names, register, stacked
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.rules.base import Rule, Weighted, names, register, stacked
 
 
 def coordinate_median(updates: Weighted) -> dict[str, np.ndarray]:
@@ -18,5 +19,5 @@ def coordinate_median(updates: Weighted) -> dict[str, np.ndarray]:
 class Median(Rule):
     name = "median"
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
         return coordinate_median(updates)

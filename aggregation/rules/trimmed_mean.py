@@ -5,8 +5,10 @@ cut at each end; withstands ``f <= k``. One vote per client, as in the paper."""
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 
-from fcl_emu.aggregation.rules.base import Rule, RuleParams, Weighted, names, register, stacked
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.rules.base import Rule, Weighted, names, register, stacked
 
 
 def trimmed_mean(updates: Weighted, trim: float) -> dict[str, np.ndarray]:
@@ -20,9 +22,15 @@ def trimmed_mean(updates: Weighted, trim: float) -> dict[str, np.ndarray]:
     return out
 
 
+class TrimOptions(PartOptions):
+    trim_fraction: float = pydantic.Field(
+        0.1, ge=0, lt=0.5, description="the fraction of values trimmed_mean cuts at each end of every coordinate")
+
+
 @register
 class TrimmedMean(Rule):
     name = "trimmed_mean"
+    Options = TrimOptions
 
-    def combine(self, updates: Weighted, params: RuleParams) -> dict[str, np.ndarray]:
-        return trimmed_mean(updates, params.trim)
+    def combine(self, updates: Weighted, options: PartOptions) -> dict[str, np.ndarray]:
+        return trimmed_mean(updates, options.trim_fraction)

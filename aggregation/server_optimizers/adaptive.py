@@ -15,15 +15,21 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 
-from fcl_emu.aggregation.server_optimizers.base import OptimizerOptions, ServerOptimizer
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.server_optimizers.base import ServerOptimizer
 
 
-class AdaptiveOptions(OptimizerOptions):
+class AdaptiveOptions(PartOptions):
     lr: float = pydantic.Field(0.01, gt=0, description="the server learning rate eta")
     beta1: float = pydantic.Field(0.9, ge=0, lt=1, description="the first moment's decay beta1")
+    tau: float = pydantic.Field(1e-3, gt=0, description="the adaptivity tau (v starts at tau^2)")
+
+
+class DecayOptions(AdaptiveOptions):
+    """FedAdam's and FedYogi's: FedAdagrad's second moment does not decay."""
+
     beta2: float = pydantic.Field(0.99, ge=0, lt=1, description="the second moment's decay beta2 (fedadam, "
                                                                  "fedyogi)")
-    tau: float = pydantic.Field(1e-3, gt=0, description="the adaptivity tau (v starts at tau^2)")
 
 
 class AdaptiveOptimizer(ServerOptimizer):

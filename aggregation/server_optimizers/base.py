@@ -13,31 +13,30 @@ restarts its state. :meth:`state_arrays` / :meth:`load_state_arrays` carry the s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
-import pydantic
 
+from fcl_emu.aggregation.choice import PartOptions
 from fcl_emu.aggregation.registry import registrar
 from fcl_emu.aggregation.update import Arrays
-
-
-class OptimizerOptions(pydantic.BaseModel):
-    """An optimiser's typed options; subclasses declare theirs with defaults and descriptions."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
 
 class ServerOptimizer:
     """``x <- x_before + step(Delta)`` per float parameter; subclasses give :meth:`direction` and their state."""
 
     name: ClassVar[str]
-    Options: ClassVar[type[OptimizerOptions]] = OptimizerOptions
+    Options: ClassVar[type[PartOptions]] = PartOptions
     slots: ClassVar[tuple[str, ...]] = ()  # the per-parameter state arrays (m, v), checkpointed
 
-    def __init__(self, options: OptimizerOptions):
+    def __init__(self, options: PartOptions):
         self.options = options
         self.state: dict[str, dict[str, np.ndarray]] = {slot: {} for slot in self.slots}
+
+    def apply(self, server: Any, before: Mapping[str, np.ndarray]) -> None:
+        """Step ``server``'s global model (a :class:`~fcl_emu.methods.base.ServerPart` that has aggregated a round)
+        from ``before``, the model the round's clients were sent."""
+        server.set_global_state(self.step(before, server.global_state, server.parameter_names()))
 
     def step(self, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
              parameters: frozenset[str]) -> Arrays:

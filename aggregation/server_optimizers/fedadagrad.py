@@ -1,4 +1,4 @@
-"""FedAdagrad (Reddi et al., ICLR 2021, Algorithm 2): ``v_t = v_{t-1} + Delta_t^2`` (beta2 unused); the rest of
+"""FedAdagrad (Reddi et al., ICLR 2021, Algorithm 2): ``v_t = v_{t-1} + Delta_t^2`` (no beta2: it does not decay); the rest of
 the step and the defaults: :mod:`.adaptive`."""
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcl_emu.aggregation.server_optimizers.adaptive import AdaptiveOptimizer
+from fcl_emu.aggregation.server_optimizers.adaptive import AdaptiveOptimizer, DecayOptions
 from fcl_emu.aggregation.server_optimizers.base import register
 
 
 @register
 class FedAdam(AdaptiveOptimizer):
     name = "fedadam"
+    Options = DecayOptions
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
         b2 = self.options.beta2

@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 
-from fcl_emu.aggregation.server_optimizers.base import OptimizerOptions, ServerOptimizer, register
+from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.server_optimizers.base import ServerOptimizer, register
 
 
-class MomentumOptions(OptimizerOptions):
+class MomentumOptions(PartOptions):
     lr: float = pydantic.Field(0.1, gt=0, description="the server learning rate eta")
     momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="the server momentum beta")
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcl_emu.aggregation.server_optimizers.adaptive import AdaptiveOptimizer
+from fcl_emu.aggregation.server_optimizers.adaptive import AdaptiveOptimizer, DecayOptions
 from fcl_emu.aggregation.server_optimizers.base import register
 
 
 @register
 class FedYogi(AdaptiveOptimizer):
     name = "fedyogi"
+    Options = DecayOptions
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
         d2 = delta ** 2

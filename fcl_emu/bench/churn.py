@@ -50,6 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fcl_emu.monitoring.results import RunSummary
+from fcl_emu.runconfig.config import merge_config
 
 CSV_NAME = "churn.csv"
 PNG_NAME = "churn.png"
@@ -124,13 +125,6 @@ def parse_rates(text: str) -> list[float]:
             raise ValueError(f"--rates: {item} is outside [0, 1)")
         rates.append(rate)
     return sorted(set(rates))
-
-
-def merge_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = merge_config(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def base_config(config_file: Optional[Path], *, clients: Optional[int] = None, tasks: Optional[int] = None,

@@ -54,7 +54,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from fcl_emu.bench.churn import merge_config, emulated_base, run_point
+from fcl_emu.bench.churn import emulated_base, run_point
+from fcl_emu.runconfig.config import merge_config
 from fcl_emu.bench.soak_checks import compare, double_counts, read_events
 from fcl_emu.bench.soak_cluster import ClusterSoak
 from fcl_emu.bench.soak_run import LIVENESS_S, Fault, FaultedRun, delayed_only

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from fcl_emu.bench.churn import EMULATED_DEVICE, merge_config, point_config
+from fcl_emu.bench.churn import EMULATED_DEVICE, point_config
+from fcl_emu.runconfig.config import merge_config
 
 SLOWDOWN = 10.0  # a straggler's training time against a phone's
 DEFAULT_SHARES = (0.0, 0.2, 0.5)
@@ -39,10 +40,9 @@ def parse_shares(text: str) -> list[float]:
 
 
 def parse_aggregations(text: str) -> list[str]:
-    from fcl_emu.aggregation.settings import AggregationSettings
+    from fcl_emu.aggregation.policies import POLICY_NAMES as allowed
 
     kinds = [t.strip() for t in text.split(",") if t.strip()]
-    allowed = AggregationSettings.model_fields["kind"].annotation.__args__
     unknown = [k for k in kinds if k not in allowed]
     if unknown or not kinds:
         raise ValueError(f"--aggregations: give some of {', '.join(allowed)} (got {text!r})")
@@ -68,11 +68,15 @@ def point_name(method: str, share: float, aggregation: str, seed: int) -> str:
 def straggler_config(base: dict, method: str, share: float, aggregation: str, seed: int, out: Path) -> dict:
     """One point's config, validated (ValueError naming the problem)."""
     cohort = int(base.get("rounds", {}).get("clients_per_round", 30))
+    policy: dict[str, Any] = {"name": aggregation}  # asynchronous: as many training at once as a round's cohort
+    if aggregation != "sync":
+        policy["concurrency"] = cohort
+    if aggregation == "fedbuff":
+        policy["buffer"] = cohort
     override: dict[str, Any] = {
         "edge": {"device_profiles": str(profiles_file(out, share).resolve())},
         "rounds": {"clock": "emulated", "eval_every": 1},
-        "aggregation": {"kind": aggregation, **({} if aggregation == "sync" else
-                                                {"buffer": cohort, "concurrency": cohort})}}
+        "aggregation": {"policy": policy}}
     return point_config(merge_config(base, override), method, 0.0, 0.0, seed)
 
 

@@ -35,11 +35,11 @@ def aggregator_args(index: int, coordinator: str, bind: str, config: RunConfig,
         keys = {"server_key": directory / f"{SERVER_NAME}.key",
                 "key": directory / f"{aggregator_name(index)}.key_secret"}
     interval, _ = config.network.liveness(config.scenario.num_clients)
-    security = config.security  # the bounds on its edge rounds before the last (the last's come with the collect)
+    defences = config.aggregation  # the bounds on its edge rounds before the last (the last's come with the collect)
     return AggregatorArgs(coordinator, bind, aggregator_name(index), heartbeat_interval=interval,
                           edge_rounds=config.topology.edge_rounds, edge_round_timeout=config.rounds.deadline_s,
-                          max_update_norm=security.max_update_norm, direction_check=security.direction_check,
-                          clip_norm=security.clip_norm, adaptive_clip=security.adaptive_clip,
+                          max_update_norm=defences.max_update_norm, direction_check=defences.direction_check,
+                          clip_norm=defences.clip_norm, adaptive_clip=defences.adaptive_clip,
                           parent_pid=parent_pid, **keys)
 
 
