@@ -159,7 +159,7 @@ def compose(config: RunConfig, *, context: zmq.Context | None = None, progress: 
         on_tick=nodes.check, tier=tier)
     policy = state.policy
     rounds = (AsyncRoundRunner(state, dispatcher, clock, collection, policy) if policy.asynchronous
-              else RoundRunner(state, dispatcher, clock, collection, stale, privacy, policy=policy))
+              else RoundRunner(state, dispatcher, clock, collection, stale, privacy))
     jobs = ServerJobs(state, pool, dispatcher.serve)
     checkpointer = Checkpointer(state, clock, endpoint.address)
     time_account = TimeAccount()

@@ -74,8 +74,7 @@ class Checkpointer:
         st = self.state
         t0 = time.perf_counter()
         arrays = {SERVER + k: v for k, v in st.server.state_arrays().items()}
-        if st.policy is not None:
-            arrays.update({POLICY + k: v for k, v in st.policy.state_arrays().items()})
+        arrays.update({POLICY + k: v for k, v in st.policy.state_arrays().items()})
         arrays[TORCH_RNG] = torch.get_rng_state().numpy()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -117,8 +116,7 @@ class Checkpointer:
         try:
             st.server.load_state_arrays({k[len(SERVER):]: v for k, v in arrays.items() if k.startswith(SERVER)})
             st.server.load_state_meta(s["server"])
-            if st.policy is not None:
-                st.policy.load_state_arrays({k[len(POLICY):]: v for k, v in arrays.items() if k.startswith(POLICY)})
+            st.policy.load_state_arrays({k[len(POLICY):]: v for k, v in arrays.items() if k.startswith(POLICY)})
             # after the server: loading never draws from torch's RNG, but be sure nothing comes after this
             torch.set_rng_state(torch.from_numpy(np.array(arrays[TORCH_RNG])))
             cuda = [torch.from_numpy(np.array(v)) for k, v in sorted(arrays.items()) if k.startswith(CUDA_RNG)]

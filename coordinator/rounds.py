@@ -46,16 +46,14 @@ class RoundRunner:
     """One round of training, phase by phase (the phases: the module docstring)."""
 
     def __init__(self, state: RunState, dispatcher: Dispatcher, clock: RunClock, collection: Collection,
-                 stale: StaleUpdates, privacy: CentralPrivacy | DistributedPrivacy | None = None,
-                 policy: Sync | None = None):
-        """``privacy``: the run's differential privacy (:func:`~fcl_emu.coordinator.privacy.run_privacy_part`);
-        ``policy``: the run's synchronous round policy, which applies each round's aggregate (unset: a fresh one
-        of the run's config)."""
+                 stale: StaleUpdates, privacy: CentralPrivacy | DistributedPrivacy | None = None):
+        """``privacy``: the run's differential privacy (:func:`~fcl_emu.coordinator.privacy.run_privacy_part`); the
+        run's synchronous round policy (``state.policy``) applies each round's aggregate."""
         self.state, self.config, self.registry, self.metrics = state, state.config, state.registry, state.metrics
         self.dispatcher, self.clock, self.collection, self.stale = dispatcher, clock, collection, stale
         self.requests = RoundRequests(state, dispatcher, clock, collection)
         self.privacy = privacy
-        self.policy = policy if policy is not None else state.config.aggregation.round_policy()
+        self.policy: Sync = state.policy
 
     def run_round(self, task: int, task_round: int) -> RoundRecord:
         """One round, phase by phase; each phase's seconds go into the round's record."""

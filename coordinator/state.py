@@ -92,6 +92,7 @@ class RunState:
     run_id: str
     rng: np.random.Generator
     log_once: LogOnce
+    policy: RoundPolicy  # the round policy and its state (a server optimiser's moments); checkpointed
     devices: DeviceSet | None = None  # the device profiles clients are assigned at join (None: none)
     counters: Counters = field(default_factory=Counters.empty)
     tally: Tally = field(default_factory=Tally)
@@ -100,7 +101,6 @@ class RunState:
     client_accuracy: list[float | None] = field(default_factory=list)  # accuracy_clients after each task
     task: int = 0
     global_round: int = 0
-    policy: RoundPolicy | None = None  # the round policy and its state (a server optimiser's moments); checkpointed
 
     def event(self, kind: str, /, **fields) -> None:
         """An event into ``events.jsonl`` (none before the run's recorder exists)."""

@@ -125,3 +125,29 @@ def test_todays_layout_reads_without_a_warning():
         RunConfig(aggregation={"policy": "fedbuff", "clip_norm": 1.0})
         RunConfig(aggregation={"rule": "median", "clip_norm": 1.0})
         load_config(None, {"aggregation": {"server_optimizer": {"name": "fedavgm", "lr": 0.5}}})
+
+
+# ------------------------------------------------------------------ every policy through its runner
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_registered_policy_aggregates_through_the_runner_the_coordinator_gives_it(policy):
+    """Fake clients on the emulated clock; the runner is the one the composition root picks for the policy (a
+    synchronous round, or the asynchronous loop up to its next aggregation); each aggregates what the policy
+    needs, as the policy weighs it. Every rule and server optimiser through a round: tests/test_server_optimizers.py."""
+    from fcl_emu.aggregation.settings import AggregationSettings
+    from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
+    from tests.test_coordinator_parts import join_all, make_state, runner
+    from tests.test_server_optimizers import AggregatingServer
+
+    state = make_state(clock="emulated")
+    settings = AggregationSettings(policy={"name": policy, **({"buffer": 2} if policy == "fedbuff" else {})})
+    state.config = state.config.model_copy(update={"aggregation": settings})
+    state.policy, state.server = settings.round_policy(), AggregatingServer(settings.aggregator())
+    join_all(state)
+    run, fake = runner(state)
+    if state.policy.asynchronous:
+        run = AsyncRoundRunner(state, fake, fake.clock, run.collection, state.policy)
+    before = state.server.global_state["w"].copy()
+    record = run.run_round(0, 0)
+    (_, _, updates), = state.server.aggregated
+    assert not record.skipped and len(updates) == (3 if policy == "sync" else state.policy.needed)
+    assert not (state.server.global_state["w"] == before).all()

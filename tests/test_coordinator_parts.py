@@ -92,7 +92,8 @@ def make_state(clock: str = "real", edge: dict | None = None, **rounds) -> RunSt
         "edge": edge or {}, "security": {"transport": "plain"}})
     return RunState(config=config, scenario=FakeScenario(), spec=FakeSpec(), server=FakeServer(), model_name="fake",
                     evaluator=None, registry=ClientRegistry(liveness_timeout_s=10.0), metrics=CoordinatorMetrics(),
-                    run_id="test", rng=np.random.default_rng(0), log_once=LogOnce(logging.getLogger("test")))
+                    run_id="test", rng=np.random.default_rng(0), log_once=LogOnce(logging.getLogger("test")),
+                    policy=config.aggregation.round_policy())
 
 
 def join_all(state: RunState) -> list[str]:

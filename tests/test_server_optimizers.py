@@ -213,7 +213,7 @@ def test_every_rule_and_server_optimiser_runs_a_round(rule, optimizer):
     state = make_state(clock="emulated")
     config = state.config.model_copy(update={
         "aggregation": AggregationSettings(server_optimizer=optimizer, rule=rule_with_no_byzantine(rule))})
-    state.config = config
+    state.config, state.policy = config, config.aggregation.round_policy()
     state.server = AggregatingServer(config.aggregation.aggregator())
     join_all(state)
     run, _ = runner(state)
@@ -322,7 +322,6 @@ def test_the_optimisers_moments_go_through_the_coordinators_checkpoint(tmp_path)
     saved = fedadam_state()
     join_all(saved)
     run, _ = runner(saved)
-    run.policy = saved.policy  # the policy the checkpointer saves (the coordinator gives the runner its state's)
     run.run_round(0, 0)
     moments = saved.policy.state_arrays()
     assert sorted(moments) == ["m/w", "v/w"]
