@@ -53,8 +53,8 @@ def _paths(items: list[Path]) -> list[str]:
 def config_field(path: tuple[str, ...]) -> FieldInfo:
     """The :class:`fcl_emu.runconfig.RunConfig` field at ``path`` (through the nested models). Under a part chosen
     with its options (:mod:`fcl_emu.aggregation.choice`), ``name`` is the choice (its description, the parts'
-    names, the default part) and an option the first part's that takes it, its default each part's where they
-    differ."""
+    names, the default part) and an option the first part's that takes it, its description led by the parts that
+    take it, its default each part's where they differ."""
     field = RunConfig.model_fields[path[0]]
     for key in path[1:]:
         parts = members(field.annotation)
@@ -65,11 +65,12 @@ def config_field(path: tuple[str, ...]) -> FieldInfo:
             field = FieldInfo(annotation=Literal[names], default=field.default.name, description=field.description)
         else:
             taking = [p for p in parts if key in p.model_fields]
-            field, by_default = taking[0].model_fields[key], {}
+            field, by_default = copy.copy(taking[0].model_fields[key]), {}
             for part in taking:
                 by_default.setdefault(part.model_fields[key].default, []).append(part.model_fields["name"].default)
+            if len(taking) < len(parts):  # the parts that take it
+                field.description = f"for {', '.join(p.model_fields['name'].default for p in taking)}: {field.description}"
             if len(by_default) > 1:
-                field = copy.copy(field)
                 field.description += " (default " + "; ".join(
                     f"{_number(value)} for {', '.join(names)}" for value, names in by_default.items()) + ")"
                 field.default = None

@@ -18,10 +18,10 @@ class AsyncOptions(PartOptions):
     """What every asynchronous policy takes."""
 
     max_staleness: int = pydantic.Field(
-        4, ge=0, description="asynchronous: updates staler than S server versions are discarded (4: the bound of "
-                             "FedAsync's experiments)")
+        4, ge=0, description="updates staler than S server versions are discarded (4: the bound of FedAsync's "
+                             "experiments)")
     concurrency: int | None = pydantic.Field(
-        None, ge=1, description="asynchronous: clients kept training at once (unset: clients_per_round)")
+        None, ge=1, description="clients kept training at once (unset: clients_per_round)")
 
     def resolved_concurrency(self, clients_per_round: int) -> int:
         return self.concurrency if self.concurrency is not None else clients_per_round

@@ -34,10 +34,9 @@ def fedasync_update(update: ClientUpdate, staleness: int, alpha: float, exponent
 
 class FedAsyncOptions(AsyncOptions):
     alpha: float = pydantic.Field(
-        0.6, gt=0, le=1, description="fedasync: the mixing weight alpha of x <- (1 - a_t) x + a_t x_new")
+        0.6, gt=0, le=1, description="the mixing weight alpha of x <- (1 - a_t) x + a_t x_new")
     staleness_exponent: float = pydantic.Field(
-        0.5, ge=0, description="fedasync: a of the polynomial staleness function s(t) = (1 + t)^-a, "
-                               "a_t = alpha * s(t)")
+        0.5, ge=0, description="a of the polynomial staleness function s(t) = (1 + t)^-a, a_t = alpha * s(t)")
 
 
 @register

@@ -28,7 +28,7 @@ def fedbuff_update(update: ClientUpdate, staleness: int) -> ClientUpdate:
 
 class FedBuffOptions(AsyncOptions):
     buffer: int = pydantic.Field(
-        10, ge=1, description="fedbuff: the server aggregates every B arrived updates (10, as in the FedBuff paper)")
+        10, ge=1, description="the server aggregates every B arrived updates (10, as in the FedBuff paper)")
 
 
 @register

@@ -60,14 +60,13 @@ def multikrum(updates: Weighted, f: int, m: int | None = None) -> dict[str, np.n
 
 class ByzantineOptions(PartOptions):
     byzantine: int = pydantic.Field(
-        1, ge=0, le=1000, description="the hostile updates f a round of krum, multikrum or bulyan must withstand "
-                                      "(krum and multikrum need 2f + 3 updates, bulyan 4f + 3; fewer: the round is "
-                                      "skipped)")
+        1, ge=0, le=1000, description="the hostile updates f a round must withstand (krum and multikrum need "
+                                      "2f + 3 updates, bulyan 4f + 3; fewer: the round is skipped)")
 
 
 class MultiKrumOptions(ByzantineOptions):
     keep: int | None = pydantic.Field(
-        None, ge=1, description="the updates of best Krum score that multikrum averages (unset: n - f)")
+        None, ge=1, description="the updates of best Krum score averaged (unset: n - f)")
 
 
 @register

@@ -24,7 +24,7 @@ def trimmed_mean(updates: Weighted, trim: float) -> dict[str, np.ndarray]:
 
 class TrimOptions(PartOptions):
     trim_fraction: float = pydantic.Field(
-        0.1, ge=0, lt=0.5, description="the fraction of values trimmed_mean cuts at each end of every coordinate")
+        0.1, ge=0, lt=0.5, description="the fraction of values cut at each end of every coordinate")
 
 
 @register

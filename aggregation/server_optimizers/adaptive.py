@@ -28,8 +28,7 @@ class AdaptiveOptions(PartOptions):
 class DecayOptions(AdaptiveOptions):
     """FedAdam's and FedYogi's: FedAdagrad's second moment does not decay."""
 
-    beta2: float = pydantic.Field(0.99, ge=0, lt=1, description="the second moment's decay beta2 (fedadam, "
-                                                                 "fedyogi)")
+    beta2: float = pydantic.Field(0.99, ge=0, lt=1, description="the second moment's decay beta2")
 
 
 class AdaptiveOptimizer(ServerOptimizer):
