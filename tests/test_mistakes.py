@@ -68,7 +68,7 @@ CASES: list[tuple[list[str], int, str]] = [
     (["up", "--resume", "usedrun", "--overwrite"], 2, "--overwrite"),
     # up: settings the configuration ignores, and what cannot work
     (["up", "--dp-noise-multiplier", "1.0"], 2, "needs --privacy"),
-    (["up", "--buffer", "5"], 2, "needs --aggregation fedbuff"),
+    (["up", "--buffer", "5"], 2, "round policy sync takes no option buffer (fedbuff takes it"),
     (["up", "--secagg", "--clients-per-round", "5", "--secagg-threshold", "6"], 2, "every round would be skipped"),
     # up: config files
     (["up", "--config", "missing.yaml"], 2, "cannot read"),

@@ -36,7 +36,7 @@ class RoundPolicy:
     aggregations happened between the version a client was sent and the one its update is applied to)."""
 
     name: ClassVar[str]
-    Options: ClassVar[type[PartOptions]] = AsyncOptions
+    Options: ClassVar[type[PartOptions]] = PartOptions  # its options (none: it takes none)
     asynchronous: ClassVar[bool] = True
     keeps_sent_models: ClassVar[bool] = False  # weigh() needs the model each client was sent
 

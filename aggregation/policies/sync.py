@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from fcl_emu.aggregation.choice import PartOptions
 from fcl_emu.aggregation.policies.base import RoundPolicy, register
 from fcl_emu.aggregation.update import Arrays, ClientUpdate
 
@@ -19,7 +18,6 @@ from fcl_emu.aggregation.update import Arrays, ClientUpdate
 @register
 class Sync(RoundPolicy):
     name = "sync"
-    Options = PartOptions
     asynchronous = False
 
     def __init__(self, options: Any, optimizer: Any):  # a ServerOptimizer (aggregation.server_optimizers)
