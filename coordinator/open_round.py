@@ -24,6 +24,7 @@ class OpenRound:
     chosen: list[str]  # in selection order
     selected: set[str]  # asked to train (a secure round that could not start asks none)
     wanted: int  # updates that close the round early (clients_per_round; fewer than selected with overcommit)
+    eligible: int = 0  # the eligible online clients ``chosen`` was drawn from
     # the dispatcher, as answers arrive
     updates: list[ClientUpdate] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # reported an error, or its update was refused

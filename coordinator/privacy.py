@@ -25,11 +25,20 @@ b_k = 1[||D_k|| <= C] and the count's noise sigma_b (default K / 20, the paper's
 and the delta's noise multiplier is z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that the two Gaussian releases
 together cost what one with multiplier z costs. The round is clipped with C, then C is updated.
 
-**Accounting**: each noised round is the sampled Gaussian mechanism with multiplier z and sampling rate
-q = ceil(K x overcommit) / num_clients, composed over the noised rounds by the Renyi-DP accountant of Google's
-dp-accounting library (``dp_accounting.rdp.RdpAccountant``, Poisson sampling as in the McMahan and Andrew
-analyses; the emulator samples a fixed number of clients without replacement). Epsilon for ``privacy.delta`` is
-reported after every round.
+**Accounting**: each noised round is the sampled Gaussian mechanism with multiplier z, composed over the noised
+rounds by the Renyi-DP accountant of Google's dp-accounting library (``dp_accounting.rdp.RdpAccountant``), twice
+(:class:`PrivacyAccountant`):
+
+- *as sampled* (``epsilon_sampled``, the figure that holds): each round as the emulator drew it, a cohort of fixed
+  size (the clients it selected) without replacement from that round's eligible online clients
+  (``SampledWithoutReplacementDpEvent``, under the replace-one neighbouring relation that dp-accounting's analysis
+  of this sampling takes, Wang, Balle and Kasiviswanathan 2019); under churn, availability or clients joining task
+  by task the pool is smaller than the population and each round costs more;
+- *as assumed* (``epsilon``): Poisson sampling at q = ceil(K x overcommit) / num_clients over every client, under
+  add-or-remove, as the McMahan and Andrew analyses write it; the figure those papers would report, kept beside the
+  other for comparison.
+
+Epsilon for ``privacy.delta`` is reported after every round, both ways.
 
 **Distributed DP** (``privacy.mode: distributed``, under SecAgg+; :mod:`fcl_emu.secagg.noise`): the clients clip their
 own deltas to C and each adds integer Skellam noise of variance z^2 Delta^2 / K in the quantised domain, so the
@@ -89,32 +98,67 @@ def cohort_for_noise(settings: PrivacyConfig, dim: int) -> int:
     return cohort
 
 
+Sample = tuple[int, int]  # a round's sampling as it happened: (clients selected, eligible clients drawn from)
+
+
 class PrivacyAccountant:
-    """Epsilon of the sampled Gaussian mechanism composed over rounds (dp-accounting's RDP accountant)."""
+    """Epsilon of the sampled Gaussian mechanism composed over rounds (dp-accounting's RDP accountant), as each
+    round sampled and as Poisson sampling at the run's rate would have (the module docstring)."""
 
     def __init__(self, noise_multiplier: float, sampling_rate: float, orders: Sequence[float] | None = None):
         import dp_accounting
         from dp_accounting import rdp
 
         self._dp = dp_accounting
-        self._accountant = rdp.RdpAccountant() if orders is None else rdp.RdpAccountant(list(orders))
+        orders = rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS if orders is None else list(orders)
+        self._assumed = rdp.RdpAccountant(orders)
+        self._sampled = rdp.RdpAccountant(orders, dp_accounting.NeighboringRelation.REPLACE_ONE)
         self.noise_multiplier, self.sampling_rate, self.steps = noise_multiplier, sampling_rate, 0
         self._noiseless = noise_multiplier == 0  # a round composed without noise: no guarantee
+        self._unsampled = 0  # rounds composed without their sampling (a resumed run's records from before it)
 
-    def step(self, count: int = 1, noise_multiplier: float | None = None) -> None:
-        """Compose ``count`` more rounds (with ``noise_multiplier`` instead of the run's, where given)."""
+    def step(self, count: int = 1, noise_multiplier: float | None = None, sample: Sample | None = None) -> None:
+        """Compose ``count`` more rounds (with ``noise_multiplier`` instead of the run's, where given), each
+        drawn as ``sample`` says (None: not known, and there is no figure as sampled)."""
         z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
         self._noiseless |= z == 0
         if z > 0:
-            self._accountant.compose(self._dp.PoissonSampledDpEvent(
-                self.sampling_rate, self._dp.GaussianDpEvent(z)), count)
+            gaussian = self._dp.GaussianDpEvent(z)
+            self._assumed.compose(self._dp.PoissonSampledDpEvent(self.sampling_rate, gaussian), count)
+            if sample is not None:
+                selected, pool = sample
+                self._sampled.compose(self._dp.SampledWithoutReplacementDpEvent(pool, selected, gaussian), count)
+        self._unsampled += count if sample is None else 0
         self.steps += count
 
+    def replay(self, rounds: Sequence[RoundRecord]) -> None:
+        """Compose again the noised rounds of a resumed run from its records: each with the multiplier and the
+        sampling its record names."""
+        steps = 0
+        for r in rounds:
+            report = r.privacy
+            if report is not None and report["steps"] > steps:
+                sample = None if r.eligible is None else (r.selected, r.eligible)
+                self.step(report["steps"] - steps, report.get("noise_multiplier"), sample)
+                steps = report["steps"]
+
     def epsilon(self, delta: float) -> float | None:
-        """Epsilon for ``delta`` after the rounds composed so far (None without noise: no guarantee)."""
+        """Epsilon for ``delta`` after the rounds composed so far, as Poisson sampling at the run's rate would
+        have spent it (None without noise: no guarantee)."""
         if self._noiseless:
             return None
-        return float(self._accountant.get_epsilon(delta)) if self.steps else 0.0
+        return float(self._assumed.get_epsilon(delta)) if self.steps else 0.0
+
+    def epsilon_sampled(self, delta: float) -> float | None:
+        """Epsilon for ``delta`` after the rounds composed so far, as they sampled (None without noise, or where a
+        round's sampling is not known)."""
+        if self._noiseless or self._unsampled:
+            return None
+        return float(self._sampled.get_epsilon(delta)) if self.steps else 0.0
+
+    def report(self, delta: float) -> dict[str, float | int | None]:
+        return {"epsilon": self.epsilon(delta), "epsilon_sampled": self.epsilon_sampled(delta), "delta": delta,
+                "steps": self.steps}
 
 
 class CentralPrivacy:
@@ -141,10 +185,11 @@ class CentralPrivacy:
         z_D C / K."""
         return self.delta_multiplier * clip / self.cohort
 
-    def noised_mean(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> ClientUpdate:
+    def noised_mean(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int,
+                    sample: Sample | None = None) -> ClientUpdate:
         """The clipped, equally weighted, noised mean of the updates' float model deltas (the module docstring),
-        as one update; composes the round into the accountant and, with adaptive clipping, moves the clip
-        norm."""
+        as one update; composes the round (drawn as ``sample`` says) into the accountant and, with adaptive
+        clipping, moves the clip norm."""
         rng = self._rng(round_number)
         total, unclipped = np.zeros(layout.dim, np.float64), 0
         for update in updates:
@@ -158,28 +203,27 @@ class CentralPrivacy:
         if adaptive.enabled:
             self.clip = adaptive_clip(self.clip, unclipped + rng.normal(0.0, self.count_stddev), self.cohort,
                                       adaptive.target_quantile, adaptive.learning_rate)
-        self.accountant.step()
+        self.accountant.step(sample=sample)
         return ClientUpdate(NOISED_UPDATE, 1, layout.unflatten(mean))
 
-    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> list[ClientUpdate]:
+    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int,
+                sample: Sample | None = None) -> list[ClientUpdate]:
         """What the method's server part aggregates: the noised mean, as one update."""
-        return [self.noised_mean(updates, layout, round_number)]
+        return [self.noised_mean(updates, layout, round_number, sample)]
 
     def report(self) -> dict[str, float | int | None]:
-        """The round record's ``privacy``: epsilon for delta so far, noised rounds, the clip norm the last one
-        used and the noise's standard deviation on its mean, the clip norm of the next."""
-        return {"epsilon": self.accountant.epsilon(self.settings.delta), "delta": self.settings.delta,
-                "steps": self.accountant.steps, "clip": self.last_clip,
+        """The round record's ``privacy``: epsilon for delta so far (as assumed and as sampled), noised rounds,
+        the clip norm the last one used and the noise's standard deviation on its mean, the clip norm of the
+        next."""
+        return {**self.accountant.report(self.settings.delta), "clip": self.last_clip,
                 "noise_std": self.noise_std(self.last_clip), "next_clip": self.clip}
 
     def restore(self, rounds: Sequence[RoundRecord]) -> None:
         """Take over the state of a resumed run from its round records: the rounds composed, the clip norm."""
+        self.accountant.replay(rounds)
         reports = [r.privacy for r in rounds if r.privacy is not None]
         if reports:
-            last = reports[-1]
-            if last["steps"]:
-                self.accountant.step(last["steps"])
-            self.last_clip, self.clip = last["clip"], last["next_clip"]
+            self.last_clip, self.clip = reports[-1]["clip"], reports[-1]["next_clip"]
 
     def _rng(self, round_number: int) -> np.random.Generator:
         seed = self.settings.noise_seed
@@ -208,29 +252,26 @@ class DistributedPrivacy:
         bounds every value too), every client weighing 1."""
         return settings.model_copy(update={"clip": self.clip, "max_weight": 1})
 
-    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int) -> list[ClientUpdate]:
+    def release(self, updates: list[ClientUpdate], layout: DeltaLayout, round_number: int,
+                sample: Sample | None = None) -> list[ClientUpdate]:
         """The unmasked mean already holds the noise (one update, its weight the clients in the sum): compose the
-        round with the multiplier of the noise those clients added. A client without samples adds its noise but
-        weighs 0: leaving it out of the count only lowers the multiplier accounted, which is conservative."""
+        round (drawn as ``sample`` says) with the multiplier of the noise those clients added. A client without
+        samples adds its noise but weighs 0: leaving it out of the count only lowers the multiplier accounted,
+        which is conservative."""
         summed = sum(u.num_samples for u in updates)
         self.last_multiplier = self.noise.effective_multiplier(min(summed, self.cohort))
-        self.accountant.step(noise_multiplier=self.last_multiplier)
+        self.accountant.step(noise_multiplier=self.last_multiplier, sample=sample)
         return updates
 
     def report(self) -> dict[str, float | int | None]:
         """The round record's ``privacy``, as central DP's; ``noise_multiplier``: of the last round's noise."""
-        return {"epsilon": self.accountant.epsilon(self.settings.delta), "delta": self.settings.delta,
-                "steps": self.accountant.steps, "clip": self.clip,
+        return {**self.accountant.report(self.settings.delta), "clip": self.clip,
                 "noise_std": self.last_multiplier * self.clip / self.cohort, "next_clip": self.clip,
                 "noise_multiplier": self.last_multiplier}
 
     def restore(self, rounds: Sequence[RoundRecord]) -> None:
-        """Compose again the rounds of a resumed run, each with the multiplier its record names."""
-        steps = 0
-        for report in (r.privacy for r in rounds if r.privacy is not None):
-            if report["steps"] > steps:
-                self.accountant.step(report["steps"] - steps, report.get("noise_multiplier"))
-                steps = report["steps"]
+        """Compose again the rounds of a resumed run, each with the multiplier and sampling its record names."""
+        self.accountant.replay(rounds)
 
 
 def run_privacy_part(config: RunConfig) -> CentralPrivacy | DistributedPrivacy | None:
@@ -254,7 +295,9 @@ def run_privacy(config: RunConfig, rounds: Sequence[RoundRecord]) -> Privacy | N
     return Privacy(mode=s.mode, noise_multiplier=s.noise_multiplier, clip=s.clip if last is None else last["clip"],
                    adaptive=s.adaptive.enabled, sampling_rate=sampling_rate(config),
                    steps=0 if last is None else last["steps"], delta=s.delta,
-                   epsilon=(0.0 if s.noise_multiplier else None) if last is None else last["epsilon"])
+                   epsilon=(0.0 if s.noise_multiplier else None) if last is None else last["epsilon"],
+                   epsilon_sampled=(0.0 if s.noise_multiplier else None) if last is None
+                   else last.get("epsilon_sampled"))
 
 
 def adaptive_clip(clip: float, noised_unclipped: float, cohort: int, target_quantile: float,

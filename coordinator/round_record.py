@@ -182,8 +182,9 @@ class RoundMeter:
                                    accuracy_seen_percent=record.accuracy_seen, emulated_s=record.emulated_s,
                                    emulated_clock_s=record.emulated_clock_s, host_timeout=record.host_timeout)
         if record.privacy is not None:
-            state.metrics.privacy_epsilon.set(math.inf if record.privacy["epsilon"] is None
-                                              else record.privacy["epsilon"])
+            for sampling, key in (("poisson", "epsilon"), ("as_sampled", "epsilon_sampled")):
+                value = record.privacy.get(key)
+                state.metrics.privacy_epsilon.labels(sampling).set(math.inf if value is None else value)
         return record
 
     def _update_handling(self) -> tuple[float, float]:

@@ -72,7 +72,7 @@ class RoundRunner:
             gathered = self.collection.gathered(r, self.stale.take(r.task, r.kept_late))
             skipped = len(gathered.updates) < gathered.quorum
             if not skipped:
-                self.policy.apply(self.state.server, r.task, r.number, self._released(gathered.updates, r.number))
+                self.policy.apply(self.state.server, r.task, r.number, self._released(gathered.updates, r))
         accuracy = meter.evaluate(task, task_round)
         return meter.record(
             # a client whose loss became NaN or infinite reports none: it counts as an infinite one
@@ -88,7 +88,8 @@ class RoundRunner:
             host_cpu_saved_s=r.host_cpu_saved_s,
             privacy=None if self.privacy is None else self.privacy.report(),
             contributors=_contributors(gathered, skipped), energy_j=r.energy, low_battery=r.low_battery,
-            client_edge_bytes=gathered.client_edge_bytes, edge_aggregates=gathered.edge_aggregates)
+            client_edge_bytes=gathered.client_edge_bytes, edge_aggregates=gathered.edge_aggregates,
+            eligible=r.eligible)
 
     def _select(self, task: int, task_round: int) -> OpenRound:
         """Sample the round's clients from the eligible online ones (seeded) and open the round and its
@@ -104,20 +105,21 @@ class RoundRunner:
         self.state.global_round += 1
         number = self.state.global_round
         roster = self.collection.open(task, number, chosen, self.dispatcher.send, self.dispatcher.reject)
-        r = OpenRound(task, number, chosen, set(roster), wanted=cfg.clients_per_round)
+        r = OpenRound(task, number, chosen, set(roster), wanted=cfg.clients_per_round, eligible=len(eligible))
         self.clock.open_round(r)
         self.dispatcher.round = r
         self.metrics.round_started(task, task_round, r.number)
         self.state.progress("round_start", {"task": task, "round": r.number, "task_round": task_round})
         return r
 
-    def _released(self, updates: list[ClientUpdate], number: int) -> list[ClientUpdate]:
+    def _released(self, updates: list[ClientUpdate], r: OpenRound) -> list[ClientUpdate]:
         """What the method's server part aggregates: the updates, or under central DP their clipped, equally
         weighted and noised mean as one update; under distributed DP the noised mean the secure round unmasked,
-        once the round is accounted for (:mod:`fcl_emu.coordinator.privacy`)."""
+        once the round is accounted for, as it sampled (:mod:`fcl_emu.coordinator.privacy`)."""
         if self.privacy is None:
             return updates
-        return self.privacy.release(updates, DeltaLayout.of(self.state.server.global_state), number)
+        return self.privacy.release(updates, DeltaLayout.of(self.state.server.global_state), r.number,
+                                    sample=(len(r.chosen), r.eligible))
 
     def _train_s_by_class(self, r: OpenRound) -> dict[str, float] | None:
         """Mean local training time of the round's participants per device class (with device profiles; under a

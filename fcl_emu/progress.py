@@ -94,8 +94,10 @@ class ProgressView:
         self.last_round_end, self.round_began, self.answers = self.clock(), None, None
         if info["accuracy_seen"] is not None:
             self.accuracy = info["accuracy_seen"]
-        if (info.get("privacy") or {}).get("epsilon") is not None:
-            self.epsilon = info["privacy"]["epsilon"]
+        privacy = info.get("privacy") or {}
+        spent = privacy.get("epsilon_sampled", privacy.get("epsilon"))  # as the rounds sampled: the figure that holds
+        if spent is not None:
+            self.epsilon = spent
         task, task_round = info["task"], info["task_round"] + 1
         self.running = (task, task_round) if task_round < self.rounds_per_task else (task + 1, 0)
         self.progress.update(self.bar, completed=self.completed)

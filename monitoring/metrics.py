@@ -268,8 +268,11 @@ class CoordinatorMetrics(ProcessMetrics):
                                         "capacity) of each client after a round's work.",
                                         buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
                                         registry=r)
-        self.privacy_epsilon = Gauge("fcl_privacy_epsilon", "Central differential privacy: epsilon spent so far "
-                                     "for the run's delta (+Inf without noise).", registry=r)
+        self.privacy_epsilon = Gauge("fcl_privacy_epsilon", "Differential privacy: epsilon spent so far for the run's "
+                                     "delta, as the rounds sampled (as_sampled, the figure that holds) and as Poisson "
+                                     "sampling would have (poisson); +Inf without noise.", ["sampling"], registry=r)
+        for sampling in ("as_sampled", "poisson"):  # 0 until a DP round reports (and in a run without DP)
+            self.privacy_epsilon.labels(sampling)
         self.gpu_jobs = Counter("fcl_gpu_jobs", "Server-side jobs of the GPU worker pool by kind and outcome "
                                 "(ok, or failed after its retries).", ["kind", "outcome"], registry=r)
         self.gpu_job_duration = Histogram("fcl_gpu_job_duration_seconds", "Time of a job on its worker's "

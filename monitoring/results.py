@@ -214,9 +214,11 @@ class RoundRecord:
     # CPU seconds that saved (an estimate: their samples at the run's measured CPU time per sample)
     skipped_trainings: int = 0
     host_cpu_saved_s: float = 0.0
-    # central DP (coordinator/privacy.py) after this round: epsilon for delta (None without noise), noised rounds
-    # so far, the clip norm the last one used, the noise's standard deviation on its mean, the next clip norm
+    # central DP (coordinator/privacy.py) after this round: epsilon for delta as Poisson-sampled and as sampled
+    # (None without noise), noised rounds so far, the clip norm the last one used, the noise's standard deviation on
+    # its mean, the next clip norm
     privacy: dict[str, Any] | None = None
+    eligible: int | None = None  # synchronous rounds: the eligible online clients its cohort was drawn from
     # plain rounds: the clients whose own update of this round was aggregated (skipped round: none; secure: None)
     contributors: list[str] | None = None
     # emulated clock, device classes with power figures: joules [compute, radio] of each client the round (an
@@ -350,14 +352,22 @@ class Privacy(SummaryPart):
     sampling_rate: float
     steps: int
     delta: float
-    epsilon: float | None
+    epsilon: float | None  # as Poisson sampling at sampling_rate would have spent it (the papers' analyses)
     accountant: str = "rdp"
+    # as the rounds sampled: a fixed cohort from each round's eligible clients (the figure that holds; None without
+    # noise, or for a run from before the rounds recorded their pool)
+    epsilon_sampled: float | None = None
 
 
 def epsilon_text(privacy: Privacy) -> str:
-    """``2.31 (1e-05)``: the epsilon a DP run spent for its delta, as summaries print it; ``inf`` without noise."""
-    epsilon = "inf (no noise: no guarantee)" if privacy.epsilon is None else f"{privacy.epsilon:.2f}"
-    return f"{epsilon} ({privacy.delta:g})"
+    """``3.81 as sampled; 2.55 if Poisson-sampled (1e-05)``: the epsilon a DP run spent for its delta, as summaries
+    print it (the first holds); ``inf`` without noise; the Poisson figure alone for a run without its rounds'
+    pools."""
+    if privacy.epsilon is None:
+        return f"inf (no noise: no guarantee) ({privacy.delta:g})"
+    if privacy.epsilon_sampled is None:
+        return f"{privacy.epsilon:.2f} if Poisson-sampled ({privacy.delta:g})"
+    return f"{privacy.epsilon_sampled:.2f} as sampled; {privacy.epsilon:.2f} if Poisson-sampled ({privacy.delta:g})"
 
 
 class LinkTraffic(SummaryPart):

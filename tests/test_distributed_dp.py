@@ -118,23 +118,26 @@ def test_distributed_dp_charges_what_central_dp_charges_and_more_after_dropouts(
     distributed = DistributedPrivacy(PrivacyConfig(mode="distributed", **settings), 6, sampling_rate=0.3)
     layout = DeltaLayout.of({"w": np.zeros(2, np.float32)})
     summed = ClientUpdate("secagg", 6, {DELTA + "w": np.zeros(2, np.float32)})
+    drawn = (6, 20)  # each round: 6 selected of 20 eligible
     for number in (1, 2, 3):
-        central.noised_mean([summed], layout, number)
-        assert distributed.release([summed], layout, number) == [summed]
-        assert distributed.report()["epsilon"] == pytest.approx(central.report()["epsilon"], rel=1e-12)
+        central.noised_mean([summed], layout, number, drawn)
+        assert distributed.release([summed], layout, number, drawn) == [summed]
+        for figure in ("epsilon", "epsilon_sampled"):
+            assert distributed.report()[figure] == pytest.approx(central.report()[figure], rel=1e-12)
         assert distributed.report()["noise_std"] == pytest.approx(central.report()["noise_std"])
     before = distributed.report()["epsilon"]
     short = ClientUpdate("secagg", 4, summed.tensors)  # 4 of 6 in the sum: z sqrt(4/6)
-    distributed.release([short], layout, 4)
-    central.noised_mean([summed], layout, 4)
+    distributed.release([short], layout, 4, drawn)
+    central.noised_mean([summed], layout, 4, drawn)
     report = distributed.report()
     assert report["noise_multiplier"] == pytest.approx(math.sqrt(4 / 6))
     assert report["epsilon"] > central.report()["epsilon"] > before
     resumed = DistributedPrivacy(PrivacyConfig(mode="distributed", **settings), 6, sampling_rate=0.3)
-    records = [type("R", (), {"privacy": {"steps": s, "noise_multiplier": z}})()
+    records = [type("R", (), {"privacy": {"steps": s, "noise_multiplier": z}, "selected": 6, "eligible": 20})()
                for s, z in ((1, 1.0), (2, 1.0), (3, 1.0), (4, math.sqrt(4 / 6)))]
     resumed.restore(records)
-    assert resumed.report()["epsilon"] == pytest.approx(report["epsilon"], rel=1e-12)
+    for figure in ("epsilon", "epsilon_sampled"):
+        assert resumed.report()[figure] == pytest.approx(report[figure], rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------- the config

@@ -15,7 +15,7 @@ from fcl_emu.coordinator.privacy import (CentralPrivacy, PrivacyAccountant, adap
                                  run_privacy)
 from fcl_emu import options
 from fcl_emu.aggregation.update import DELTA, ClientUpdate, DeltaLayout
-from fcl_emu.monitoring.results import RoundRecord, RunSummary
+from fcl_emu.monitoring.results import RoundRecord, RunSummary, epsilon_text
 from fcl_emu.runconfig import RunConfig
 from fcl_emu.runconfig.config import PrivacyConfig
 from tests.test_coordinator_parts import join_all, make_state, runner
@@ -145,6 +145,35 @@ def test_epsilon_grows_with_the_rounds_and_is_none_without_noise():
     assert none.epsilon(1e-5) is None
 
 
+@needs_accountant
+def test_each_round_is_composed_as_it_sampled_beside_poisson_at_the_runs_rate():
+    """The per-round composition equals a hand-composed sequence of the same dp-accounting events; a pool that
+    shrinks under churn costs more than the whole population eligible every round, the Poisson figure is blind to
+    it."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    shrinking = [(10, 100), (10, 80), (10, 40), (10, 10)]  # (selected, eligible) each round: the last takes all
+    accountant = PrivacyAccountant(1.0, 0.1)
+    for sample in shrinking:
+        accountant.step(sample=sample)
+    by_hand = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    poisson = rdp.RdpAccountant()
+    for selected, pool in shrinking:
+        gaussian = dp_accounting.GaussianDpEvent(1.0)
+        by_hand.compose(dp_accounting.SampledWithoutReplacementDpEvent(pool, selected, gaussian))
+        poisson.compose(dp_accounting.PoissonSampledDpEvent(0.1, gaussian))
+    assert accountant.epsilon_sampled(1e-5) == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)
+    assert accountant.epsilon(1e-5) == pytest.approx(poisson.get_epsilon(1e-5), rel=1e-9)
+    everyone = PrivacyAccountant(1.0, 0.1)
+    everyone.step(4, sample=(10, 100))
+    assert everyone.epsilon(1e-5) == pytest.approx(accountant.epsilon(1e-5))
+    assert everyone.epsilon_sampled(1e-5) < accountant.epsilon_sampled(1e-5)
+    unknown = PrivacyAccountant(1.0, 0.1)
+    unknown.step()
+    assert unknown.epsilon_sampled(1e-5) is None and unknown.epsilon(1e-5) > 0
+
+
 # ----------------------------------------------------------------------- a round, its record, the summary
 @needs_accountant
 def test_a_private_round_hands_the_server_one_noised_mean_and_reports_epsilon():
@@ -156,15 +185,27 @@ def test_a_private_round_hands_the_server_one_noised_mean_and_reports_epsilon():
     (_, _, aggregated), = state.server.aggregated
     assert [u.client for u in aggregated] == ["central-dp"] and record.participants == 3
     assert record.privacy["steps"] == 1 and record.privacy["epsilon"] > 0
-    assert state.metrics.privacy_epsilon._value.get() == pytest.approx(record.privacy["epsilon"])
+    assert state.metrics.privacy_epsilon.labels("poisson")._value.get() == pytest.approx(record.privacy["epsilon"])
+    # every client eligible, 3 of 6 drawn without replacement (replace-one): not the Poisson figure
+    assert record.eligible == 6 and record.privacy["epsilon_sampled"] > record.privacy["epsilon"]
+    assert state.metrics.privacy_epsilon.labels("as_sampled")._value.get() == pytest.approx(
+        record.privacy["epsilon_sampled"])
     second = run.run_round(task=0, task_round=1)
     assert second.privacy["epsilon"] > record.privacy["epsilon"]
 
     summary = run_privacy(state.config, [record, second])
-    assert (summary.steps, summary.epsilon, summary.sampling_rate) == (2, second.privacy["epsilon"], 3 / 6)
+    assert (summary.steps, summary.epsilon, summary.epsilon_sampled, summary.sampling_rate) == (
+        2, second.privacy["epsilon"], second.privacy["epsilon_sampled"], 3 / 6)
+    assert epsilon_text(summary) == (f"{summary.epsilon_sampled:.2f} as sampled; {summary.epsilon:.2f} if "
+                                     f"Poisson-sampled (1e-05)")
     resumed = CentralPrivacy.of(state.config)  # a resumed run takes over the composed rounds
     resumed.restore([RoundRecord(**{**vars(record)}), RoundRecord(**{**vars(second)})])
     assert resumed.report()["epsilon"] == pytest.approx(second.privacy["epsilon"])
+    assert resumed.report()["epsilon_sampled"] == pytest.approx(second.privacy["epsilon_sampled"])
+    before = CentralPrivacy.of(state.config)  # records from before the rounds kept their pool: no figure as sampled
+    before.restore([RoundRecord(**{**vars(record), "eligible": None})])
+    assert before.report()["epsilon"] == pytest.approx(record.privacy["epsilon"])
+    assert before.report()["epsilon_sampled"] is None
 
 
 def test_older_records_and_summaries_without_privacy_still_load():

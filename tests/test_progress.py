@@ -170,7 +170,9 @@ def test_under_differential_privacy_the_label_shows_the_epsilon_spent():
     v("round", round_info(0, 0))
     assert "epsilon" not in label(v)
     v("round", round_info(0, 1, privacy={"epsilon": 1.234, "delta": 1e-5, "steps": 2}))
-    assert label(v).endswith("| epsilon 1.23")
+    assert label(v).endswith("| epsilon 1.23")  # a record from before the rounds kept their pool: Poisson's
+    v("round", round_info(0, 2, privacy={"epsilon": 1.5, "epsilon_sampled": 2.25, "delta": 1e-5, "steps": 3}))
+    assert label(v).endswith("| epsilon 2.25")  # as the rounds sampled: the figure that holds
 
 
 def test_the_bar_shows_the_accuracy_of_the_last_evaluation_not_a_stale_one():

@@ -23,7 +23,7 @@ CHANGED = {"method": "fedprox", "method_options": {"mu": 0.1}, "aggregation": {"
            # where the run was, not what it varied: never listed
            "run_dir": "runs/x", "metrics": {"port": 9100}, "network": {"bind": "tcp://0.0.0.0:5555"}}
 PRIVACY = {"mode": "central", "noise_multiplier": 1.0, "clip": 1.0, "adaptive": False, "sampling_rate": 0.1,
-           "steps": 30, "delta": 1e-5, "epsilon": 2.345}
+           "steps": 30, "delta": 1e-5, "epsilon": 2.345, "epsilon_sampled": 4.5}
 
 
 def config_dict(**changes) -> dict:
@@ -84,7 +84,7 @@ def test_the_summary_table_names_the_settings_and_the_epsilon():
 
     dp = RunSummary.from_dict({**summary(), "privacy": PRIVACY})
     out = text(summary_table(dp, load_config(None, {"aggregation": {"policy": "fedbuff"}, "seed": 3})))
-    assert "epsilon (delta)" in out and "2.35 (1e-05)" in out
+    assert "epsilon (delta)" in out and "4.50 as sampled; 2.35 if Poisson-sampled (1e-05)" in out
     assert "settings (not default)" in out and "scenario: seed=3" in out
     assert "rounds & aggregation: aggregation.policy.name=fedbuff" in out
     assert "none" in text(summary_table(dp, RunConfig()))
