@@ -225,7 +225,7 @@ class AsyncRoundRunner:
             update, weight = self.policy.weigh(f.update, staleness, self.versions.get(f.version), server.global_state)
             updates.append(update)
             applied.append((f.client, staleness, weight))
-        server.aggregate(task, number, updates)
+        self.policy.apply(server, task, number, updates)
         self.version += 1
         self.metrics.updates_applied([staleness for _, staleness, _ in applied])
         oldest = min([f.version for f in self.flight], default=self.version)

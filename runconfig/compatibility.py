@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from fcl_emu.aggregation.policies import POLICIES
 from fcl_emu.methods.models.classifier import NO_BATCHNORM
 from fcl_emu.methods.models.names import MODELS as MODEL_NAMES, one_of
 from fcl_emu.methods.registry import MethodSpec
@@ -270,10 +271,11 @@ REFUSED: tuple[Refusal, ...] = (
     # server optimisers
     _method(SERVER_STEP, _steps, _optimizer, {"method": "glfc", "aggregation": {"server_optimizer": "fedadam"}},
             ("--server-optimizer",)),
-    Refusal(("--server-optimizer", "--aggregation"), lambda c, s: _steps(c) and c.aggregation.asynchronous,
-            lambda c, s: f"{_optimizer(c)} steps a synchronous round's aggregate: {_policy(c)} applies updates as "
-                         f"they arrive with its own staleness weights (use --aggregation sync)",
-            {"aggregation": {"policy": "fedbuff", "server_optimizer": "fedadam"}}),
+    Refusal(("--server-optimizer", "--aggregation"),
+            lambda c, s: _steps(c) and not POLICIES[c.aggregation.policy.name].takes_server_step,
+            lambda c, s: f"{_optimizer(c)} steps along what an aggregation moved the model: {_policy(c)} mixes "
+                         f"each update in on arrival by its own weight (use --aggregation sync or fedbuff)",
+            {"aggregation": {"policy": "fedasync", "server_optimizer": "fedadam"}}),
     # the population and the cohort
     Refusal(("--clients-per-round", "--clients"), lambda c, s: c.rounds.clients_per_round > c.scenario.num_clients,
             lambda c, s: f"rounds.clients_per_round ({c.rounds.clients_per_round}) exceeds the number of clients "

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import yaml
 
 from fcl_emu.aggregation.choice import PartOptions
+from fcl_emu.aggregation.combine import fedavg
 from fcl_emu.aggregation.policies import POLICIES
 from fcl_emu.aggregation.rules import RULES
 from fcl_emu.aggregation.server_optimizers import OPTIMIZERS
@@ -128,26 +130,38 @@ def test_todays_layout_reads_without_a_warning():
 
 
 # ------------------------------------------------------------------ every policy through its runner
-@pytest.mark.parametrize("policy", POLICIES)
-def test_every_registered_policy_aggregates_through_the_runner_the_coordinator_gives_it(policy):
+def _policy_cases():
+    """Every registered policy with every server optimiser it takes (the rest are refused at configuration)."""
+    return [(policy, optimizer) for policy, part in POLICIES.items() for optimizer in OPTIMIZERS
+            if part.takes_server_step or optimizer == "none"]
+
+
+@pytest.mark.parametrize("policy, optimizer", _policy_cases())
+def test_every_registered_policy_aggregates_through_the_runner_the_coordinator_gives_it(policy, optimizer):
     """Fake clients on the emulated clock; the runner is the one the composition root picks for the policy (a
     synchronous round, or the asynchronous loop up to its next aggregation); each aggregates what the policy
-    needs, as the policy weighs it. Every rule and server optimiser through a round: tests/test_server_optimizers.py."""
+    needs, as the policy weighs it, and the server optimiser steps from the model before along what the method's
+    aggregate moved it. Every rule with every optimiser through a round: tests/test_server_optimizers.py."""
     from fcl_emu.aggregation.settings import AggregationSettings
     from fcl_emu.coordinator.async_rounds import AsyncRoundRunner
     from tests.test_coordinator_parts import join_all, make_state, runner
     from tests.test_server_optimizers import AggregatingServer
 
     state = make_state(clock="emulated")
-    settings = AggregationSettings(policy={"name": policy, **({"buffer": 2} if policy == "fedbuff" else {})})
+    settings = AggregationSettings(policy={"name": policy, **({"buffer": 2} if policy == "fedbuff" else {})},
+                                   server_optimizer=optimizer)
     state.config = state.config.model_copy(update={"aggregation": settings})
     state.policy, state.server = settings.round_policy(), AggregatingServer(settings.aggregator())
     join_all(state)
     run, fake = runner(state)
     if state.policy.asynchronous:
         run = AsyncRoundRunner(state, fake, fake.clock, run.collection, state.policy)
-    before = state.server.global_state["w"].copy()
+    before = {"w": state.server.global_state["w"].copy()}
     record = run.run_round(0, 0)
     (_, _, updates), = state.server.aggregated
     assert not record.skipped and len(updates) == (3 if policy == "sync" else state.policy.needed)
-    assert not (state.server.global_state["w"] == before).all()
+    aggregate = {"w": before["w"] + fedavg(updates, settings.aggregator())["w"]}
+    expected = settings.server_step().step(before, aggregate, frozenset({"w"}))  # a fresh optimiser's first step
+    np.testing.assert_array_equal(state.server.global_state["w"], expected["w"])
+    assert not (state.server.global_state["w"] == before["w"]).all()
+    assert sorted(state.policy.state_arrays()) == sorted(f"{slot}/w" for slot in settings.server_step().slots)

@@ -172,8 +172,8 @@ def test_bad_options_are_refused_in_one_line(flags, message):
 
 
 @pytest.mark.parametrize("aggregation, method, message", [
-    ({"policy": "fedbuff", "server_optimizer": "fedadam"}, "fedavg",
-     "--server-optimizer fedadam steps a synchronous round's aggregate: --aggregation fedbuff"),
+    ({"policy": "fedasync", "server_optimizer": "fedadam"}, "fedavg",
+     "--server-optimizer fedadam steps along what an aggregation moved the model: --aggregation fedasync mixes"),
     ({"server_optimizer": "fedyogi"}, "fedcbc", "method 'fedcbc' shares no global model"),
     ({"server_optimizer": "fedavgm"}, "glfc", "method 'glfc' scores each round's aggregate with its proxy"),
 ])

@@ -44,6 +44,7 @@ class FedAsync(RoundPolicy):
     name = "fedasync"
     Options = FedAsyncOptions
     keeps_sent_models = True
+    takes_server_step = False  # each update is mixed in by its own weight: no aggregate to step along
 
     def weigh(self, update: ClientUpdate, staleness: int, sent: Arrays | None, current: Arrays
               ) -> tuple[ClientUpdate, float]:
