@@ -11,8 +11,10 @@ page is written by its command and the text around the table stays as it is.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from fcl_emu.page_blocks import PageError, markers, write_table
 
@@ -54,3 +56,14 @@ def write_page(args: argparse.Namespace, out: Path, table: str) -> None:
     except PageError as e:
         raise SystemExit(f"error: --page: {e}") from None
     print(f"table {name!r} written into {args.page}", file=sys.stderr)
+
+
+def publish(args: argparse.Namespace, out: Path, table: str, data: Any = None) -> None:
+    """A table's outputs: ``out/table.md``, the ``--page`` block (:func:`write_page`), every run's numbers
+    ``data`` in ``out/table.json`` (where given), and the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n")
+    write_page(args, out, table)
+    if data is not None:
+        (out / "table.json").write_text(json.dumps(data, indent=1))
+    print(table)

@@ -43,12 +43,11 @@ accuracy, over the whole test set (``accuracy_all``); "clients' own test sets" i
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
-from experiments import add_page_options, check_page, write_page
+from experiments import add_page_options, check_page, publish
 from experiments.claims import Claim, accuracy_fields, learnability_gate, pilot_row, verdicts
 from experiments.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm, run_up,
                               seeded, seeds, with_options)
@@ -269,10 +268,7 @@ def main() -> None:
             if summary is not None:
                 rows.append(row(name, seed, summary, paper, events(out, f"{name}-s{seed}")))
     table = markdown(rows, CLAIMS[args.table], NUM_CLASSES[base["scenario"]["dataset"]])
-    (out / "table.md").write_text(table + "\n")
-    write_page(args, out, table)
-    (out / "table.json").write_text(json.dumps({"table": args.table, "rows": rows}, indent=1))
-    print(table)
+    publish(args, out, table, {"table": args.table, "rows": rows})
 
 
 if __name__ == "__main__":

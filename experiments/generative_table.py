@@ -22,13 +22,12 @@ seeds) goes to stdout and ``--out/table.md``, every run's numbers to ``--out/tab
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from experiments import add_page_options, check_page, write_page
+from experiments import add_page_options, check_page, publish
 from experiments.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
 from experiments.runs import add_report_only, events, fraction, host_cpu_s, pm, run_up, seeded, seeds
 from fcl_emu.bench.synthesis_budget import CPU, synthesis_budget
@@ -206,10 +205,7 @@ def main() -> None:
     methods = args.methods.split(",")
     rows = sweep(methods, args.seeds, lambda m, seed: config(m, args.dataset, args.budget, seed), args)
     table = markdown(rows, methods, NUM_CLASSES[args.dataset])
-    (args.out / "table.md").write_text(table + "\n")
-    write_page(args, args.out, table)
-    (args.out / "table.json").write_text(json.dumps(rows, indent=1))
-    print(table)
+    publish(args, args.out, table, rows)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments import add_page_options, check_page, write_page
+from experiments import add_page_options, check_page, publish
 from experiments.claims import Claim, between, accuracy_fields, learnability_gate, pilot_row, verdicts
 from experiments.runs import (add_method_options, add_report_only, events, grouped, mean_of, pm,
                               run_up, seeded, seeds, with_options)
@@ -256,10 +256,7 @@ def main() -> None:
     glfc_runs = [f"{r['row']}-s{r['seed']}" for r in rows if r["method"] == "glfc" and r["status"] == "completed"]
     quality = [reconstruction_quality(args.out / glfc_runs[0], args.data_root, noise)
                for noise in NOISE] if glfc_runs and not args.skip_reconstruction else []
-    (args.out / "table.md").write_text(table + "\n")
-    write_page(args, args.out, table)
-    (args.out / "table.json").write_text(json.dumps({"rows": rows, "reconstruction": quality}, indent=1))
-    print(table)
+    publish(args, args.out, table, {"rows": rows, "reconstruction": quality})
     for q in quality:
         print(json.dumps({k: v for k, v in q.items() if k != "per_class"}))
 

@@ -33,11 +33,10 @@ verdicts) goes to stdout and ``--out/table.md``, every run's numbers to ``--out/
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments import add_page_options, check_page, generative_table, write_page
+from experiments import add_page_options, check_page, generative_table, publish
 from experiments.claims import Claim, between, learnability_gate, pilot_row, verdicts
 from experiments.runs import add_method_options, add_report_only, fraction, pm, seeds, with_options
 from fcl_emu.scenario.datasets import NUM_CLASSES
@@ -200,11 +199,7 @@ def main() -> None:
     rows = generative_table.sweep(
         methods, args.seeds, lambda m, seed: with_options(config(m, args.budget, seed, base), args.option), args)
     table = markdown(rows, methods, args.classes, args.tasks)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table.md").write_text(table + "\n")
-    write_page(args, args.out, table)
-    (args.out / "table.json").write_text(json.dumps(rows, indent=1))
-    print(table)
+    publish(args, args.out, table, rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments import add_page_options, check_page, write_page
+from experiments import add_page_options, check_page, publish
 
 GRID = [  # (N, K, D, dropout, t); K None: logarithmic; t None: floor(K/2) + 1
     *[(10, k, d, p, None) for k in (None, 9) for d in (100_000, 1_000_000, 11_000_000) for p in (0.0, 0.3)],
@@ -78,9 +78,7 @@ def main() -> None:
             continue
         lines.append(row(run_point(n, k, d, p, t, args.out)))
         print(lines[-1], flush=True)
-    (args.out / "table.md").write_text("\n".join(lines) + "\n")
-    write_page(args, args.out, "\n".join(lines))
-    print("\n".join(lines))
+    publish(args, args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ from typing import Any, Mapping
 
 import pydantic
 
+from fcl_emu.aggregation.choice import members
 from fcl_emu.aggregation.settings import AggregationSettings
 from fcl_emu.runconfig.config import RunConfig
 
-CHOSEN = ("policy", "rule", "server_optimizer")  # aggregation's parts, each chosen with its options
+# aggregation's parts, each chosen with its options (policy, rule, server_optimizer)
+CHOSEN = tuple(name for name, field in AggregationSettings.model_fields.items() if members(field.annotation))
 
 
 def defaults_for(config: Mapping[str, Any]) -> dict[str, Any]:
