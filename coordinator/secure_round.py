@@ -201,7 +201,8 @@ class SecureRound:
                 self.server.receive_shares(peer, body)
             elif phase == 3:
                 held = msg.type == "secagg_masked_held"
-                self.server.receive_masked(peer, {"held": True} if held else {"y": msg.tensors.get("y")})
+                masked = {"held": True} if held else {"y": msg.tensors.get("y")}
+                self.server.receive_masked(peer, {**masked, "model_sig": body.get("model_sig")})
                 if held:
                     self.held_at[peer] = body["aggregator"]
                 self.reported[peer] = (body["train_time_s"], body["loss"])

@@ -89,6 +89,10 @@ class NodeArgs(Flags, prog="python -m fcl_emu.edge_node",
     secagg: bool = flag("The run aggregates under SecAgg+ (a coordinator started with --secagg): the clients send "
                         "masked inputs only. Without it they send plain updates only. A train request or a welcome "
                         "that says otherwise is refused (no relay can turn a secure run plain).", default=False)
+    skip_model_check: bool = flag("Research only: under --secagg, release a client's shares without checking that "
+                                  "every survivor signed the model it trained (the check that stops a coordinator "
+                                  "from isolating one client's update by sending the others other models).",
+                                  default=False)
     own_connections: bool = flag("Give each client a connection of its own (a socket and a CurveZMQ handshake per "
                                  "client) instead of one connection shared by the node's clients.", default=False)
     verbose: bool = flag("Log progress (INFO and up).", default=False, alias="-v")
@@ -143,7 +147,8 @@ def run_node(args: NodeArgs) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         edge = EdgeNode(args.connect, list(args.clients), name=args.name, data_roots=roots, threads=args.threads,
-                        keys=keys, own_connections=args.own_connections, secure=args.secagg)
+                        keys=keys, own_connections=args.own_connections, secure=args.secagg,
+                        check_models=not args.skip_model_check)
     except SocketCapacityError as exc:
         return fail(str(exc))
     serving = args.metrics_port is not None and edge.metrics.serve_as_aid(args.metrics_port, args.metrics_host, log)

@@ -92,6 +92,7 @@ class TrainResult:
     finished_at: float = 0.0  # monotonic time the main thread got it
     side: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # side-channel messages
     vector: np.ndarray | None = None  # a secure run's: replaces ``uploads``, it goes through secure aggregation
+    model_digest: bytes | None = None  # a secure run's: of what it was trained from (secagg.consistency)
     stale: bool = False  # not trained: its client had moved on to a newer task (nothing is sent)
     cancelled: bool = False  # stopped: the coordinator cancelled it (nothing is sent)
 

@@ -103,12 +103,13 @@ class EdgeNode:
     def __init__(self, connect: str, client_indices: list[int], *, name: str | None = None,
                  data_roots: list[Path] | None = None, state_dir: Path | None = None,
                  threads: int = 1, context: zmq.Context | None = None, keys: ClientKeyring | None = None,
-                 own_connections: bool = False, secure: bool = False):
+                 own_connections: bool = False, secure: bool = False, check_models: bool = True):
         """``keys``: the clients connect over CurveZMQ with these keys (docs/security.md); None: plain TCP.
         ``own_connections``: a connection per client rather than one shared by all (keys per device imply it).
         ``secure``: the run aggregates under SecAgg+ (``--secagg``, from the node's launcher): the node's clients
         send masked inputs only, else plain updates only, whatever a relayed message says; what they cannot do
-        that way is refused as their error for the round (:meth:`_refuse`)."""
+        that way is refused as their error for the round (:meth:`_refuse`). ``check_models``: in a secure run, a
+        client releases its shares only if every survivor trained its model (secagg.consistency; off: research)."""
         self.connect = connect
         self.keys = keys
         self.name = name or f"node-{os.getpid()}"
@@ -150,7 +151,7 @@ class EdgeNode:
         # chosen once, from what the node was started with (edge_node/security.py)
         self.security = round_security(secure, send_update=self._send_update, refuse=self._refuse, sessions=lambda: (
             SecureSessions(send=self._send, upload=self._upload, seed=lambda: self.setup.seed, metrics=self.metrics,
-                           keys=keys)))
+                           keys=keys, check_models=check_models)))
         self._churn = Churn(join=self._join, send=self._send, detach=self._detach,
                             reconnect=self._reconnect, retain_assets=self._retain_assets, metrics=self.metrics)
         self.metrics.watch(self.clients, self._trainer.queued)

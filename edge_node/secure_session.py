@@ -8,7 +8,8 @@ protocol ends the client's session and is reported as an ``error`` (code
 ``secagg``). Where the node's keys come with signing keys, each client signs
 the public keys it advertises and checks its neighbours' signatures against
 the run's signers (``secagg_signers.json``, :mod:`fcl_emu.secagg.identity`); a
-neighbour whose signature fails is refused and logged. Each reply carries the
+neighbour whose signature fails is refused and logged, and no client releases a share unless every survivor signed
+the model it trained itself (:mod:`fcl_emu.secagg.consistency`; ``check_models``, off only for research). Each reply carries the
 CPU seconds the client's cryptography took for it (``cpu_s``; ``mask_cpu_s``
 for the masked input), which the emulated clock places on the client's
 timeline as it places training.
@@ -47,15 +48,17 @@ class SecureSessions:
 
     ``send`` sends a message now; ``upload`` sends a training result through the client's emulated device;
     ``seed`` is the run's seed (it seeds the stochastic rounding of each masked input); ``keys``: the node's
-    keys, whose signing keys and signers' list sign and check the advertised SecAgg+ keys (None: plain TCP)."""
+    keys, whose signing keys and signers' list sign and check the advertised SecAgg+ keys and the trained models
+    (None: plain TCP); ``check_models``: whether a client checks that every survivor trained its model."""
 
     def __init__(self, *, send: Send, upload: Upload, seed: Callable[[], int], metrics: EdgeNodeMetrics,
-                 keys: ClientKeyring | None = None):
+                 keys: ClientKeyring | None = None, check_models: bool = True):
         self._send = send
         self._upload = upload
         self._seed = seed
         self._metrics = metrics
         self._keys = keys
+        self._check_models = check_models
         self._verifier = None if keys is None or keys.signers is None else KeyVerifier(keys.signers)
         if keys is not None and keys.signers is None:
             log.warning("no secagg_signers.json beside the coordinator's key: the SecAgg+ keys of neighbours are "
@@ -64,7 +67,8 @@ class SecureSessions:
     def _protocol(self, client: EmulatedClient) -> SecAggClient:
         """A fresh protocol state for the client's round, signing and checking keys where the node can."""
         signing = None if self._keys is None else self._keys.for_identity(client.id).signing
-        return SecAggClient(client.id, None if signing is None else KeySigner(signing), self._verifier)
+        return SecAggClient(client.id, None if signing is None else KeySigner(signing), self._verifier,
+                            check_models=self._check_models)
 
     def on_message(self, client: EmulatedClient, msg: Message) -> None:
         """One SecAgg+ message of the coordinator (a type in :data:`SECAGG_DOWN`)."""
@@ -137,14 +141,16 @@ class SecureSessions:
         rng = np.random.default_rng(zlib.crc32(f"{self._seed()}/secagg/{client.index}/{result.round}".encode()))
         cpu_started = time.thread_time()
         try:
-            y = session.protocol.on_shares(session.relay, result.vector, result.num_samples, rng)["y"]
+            masked = session.protocol.on_shares(session.relay, result.vector, result.num_samples, rng,
+                                                result.model_digest)
         except (SecAggError, SecAggAbort) as exc:
             self._failed(client, result.round, result.task, str(exc))
             return
         session.relay = session.result = None  # the shares stay in the protocol state; the inputs can go
         self._metrics.secagg_phase("masked_input", session.protocol.timings["masked_input"])
         self._upload(client, result, "secagg_masked",
-                     SecAggMasked(**result.report(), mask_cpu_s=time.thread_time() - cpu_started), {"y": y})
+                     SecAggMasked(**result.report(), mask_cpu_s=time.thread_time() - cpu_started,
+                                  model_sig=masked.get("model_sig")), {"y": masked["y"]})
 
     def _failed(self, client: EmulatedClient, round: int, task: int, detail: str) -> None:
         client.secagg = None

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -47,6 +48,7 @@ from fcl_emu.monitoring.metrics import EdgeNodeMetrics
 from fcl_emu.scenario.scenario import Scenario, build_scenario
 from fcl_emu.scenario.spec import ScenarioSpec
 from fcl_emu.scenario.transforms import to_tensor
+from fcl_emu.secagg.consistency import model_digest
 from fcl_emu.wire.messages import Welcome
 
 log = logging.getLogger("fcl_emu.edge_node")
@@ -86,18 +88,39 @@ class RunSetup:
         return build_model(self.model_name, self.scenario.dataset.input_shape, num_classes)
 
 
-def as_trained(result: TrainResult, model: Mapping[str, np.ndarray]) -> TrainResult:
+def as_trained(result: TrainResult, job: TrainJob) -> TrainResult:
     """A plain run's result: its uploads as trained (a client without samples sends none)."""
     return result
 
 
-def as_masked(result: TrainResult, model: Mapping[str, np.ndarray]) -> TrainResult:
+class AsMasked:
     """A secure run's result: the float deltas as the one vector the masked sum carries (a client without samples:
-    zeros, of weight 0)."""
-    layout = DeltaLayout.of(model)
-    result.vector = layout.flatten(result.uploads) if result.num_samples else np.zeros(layout.dim, np.float32)
-    result.uploads = None
-    return result
+    zeros, of weight 0), and the digest of what the client was asked to train, which it signs with its masked input
+    (:func:`fcl_emu.secagg.consistency.model_digest`). The digest of a round's model shared by its jobs
+    (:class:`~fcl_emu.edge_node.store.RoundPayloads`) is computed once; the model is held with it, so no other
+    payload can be taken for it."""
+
+    def __init__(self) -> None:
+        self._digests: list[tuple[int, Mapping[str, np.ndarray], tuple, bytes]] = []  # of the latest round
+
+    def __call__(self, result: TrainResult, job: TrainJob) -> TrainResult:
+        layout = DeltaLayout.of(job.model)
+        result.vector = layout.flatten(result.uploads) if result.num_samples else np.zeros(layout.dim, np.float32)
+        result.uploads = None
+        result.model_digest = self._digest(job)
+        return result
+
+    def _digest(self, job: TrainJob) -> bytes:
+        request = msgspec.structs.asdict(job.request)
+        key = (job.task, tuple(sorted(request.items())))
+        if self._digests and self._digests[0][0] != job.round:
+            self._digests.clear()
+        for _, model, known, digest in self._digests:
+            if model is job.model and known == key:
+                return digest
+        digest = model_digest(job.round, job.task, request, job.model)
+        self._digests.append((job.round, job.model, key, digest))
+        return digest
 
 
 class Trainer:
@@ -109,7 +132,7 @@ class Trainer:
     def __init__(self, context: zmq.Context, *, threads: int, payloads: RoundPayloads, metrics: EdgeNodeMetrics,
                  setup: Callable[[], RunSetup | None], masked: bool = False):
         self._context = context
-        self._pack = as_masked if masked else as_trained
+        self._pack = AsMasked() if masked else as_trained
         self._threads = threads
         self._payloads = payloads
         self._metrics = metrics
@@ -230,7 +253,7 @@ class Trainer:
                 return TrainResult(client, job.round, job.task, None, stale=True)
             indices = s.scenario.client_indices(client.index, client.task)
             if len(indices) == 0:
-                return self._pack(TrainResult(client, job.round, job.task, {}, 0), job.model)
+                return self._pack(TrainResult(client, job.round, job.task, {}, 0), job)
             classifier = model_arrays(job.model)  # none for a method without a global classifier (FedCBC):
             model = self._classifier(s, classifier, model_cache) if classifier else None  # its train gets None
             ds = s.scenario.dataset
@@ -250,7 +273,7 @@ class Trainer:
             uploads, metrics = s.client_part.train(ctx, model)
             client.trained_task = client.task
             return self._pack(TrainResult(client, job.round, job.task, uploads, len(indices), metrics,
-                                          side=ctx.outbox), job.model)
+                                          side=ctx.outbox), job)
         except TrainingCancelled:
             log.info("%s: round %d %s", client.id, job.round,
                      "dropped: the node is ending" if self._stopping.is_set() else "cancelled by the coordinator")

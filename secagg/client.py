@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from fcl_emu.secagg import protocol
+from fcl_emu.secagg.consistency import DIGEST_BYTES, check_survivors
 from fcl_emu.secagg.identity import KeySigner, KeyVerifier
 from fcl_emu.secagg.noise import add_skellam, clip_l2
 from fcl_emu.secagg.protocol import (PHASES, RING_DTYPE, SECRET_BYTES, SHARE_BYTES, Quantizer, RoundParams, SecAggAbort,
@@ -46,13 +47,18 @@ class SecAggClient:
     (``advertise_keys``, ``share_keys``, ``masked_input``, ``unmasking``), and the ``quantize`` /
     ``mask`` split of ``masked_input``.
 
-    With a ``signer`` the client signs the keys it advertises; with a ``verifier`` it uses a neighbour's keys
-    only if their signature checks out, and refuses the others (:attr:`refused`; :mod:`fcl_emu.secagg.identity`).
+    With a ``signer`` the client signs the keys it advertises and the digest of the model it trained; with a
+    ``verifier`` it uses a neighbour's keys only if their signature checks out, and refuses the others
+    (:attr:`refused`; :mod:`fcl_emu.secagg.identity`), and, with ``check_models`` (the default), it releases no
+    share unless every survivor signed the model it trained itself (:mod:`fcl_emu.secagg.consistency`).
     """
 
-    def __init__(self, client: str, signer: KeySigner | None = None, verifier: KeyVerifier | None = None):
+    def __init__(self, client: str, signer: KeySigner | None = None, verifier: KeyVerifier | None = None,
+                 check_models: bool = True):
         self.client = _id(client, "client")
         self.signer, self.verifier = signer, verifier
+        self.check_models = check_models
+        self.model: bytes | None = None  # the digest of the model it masked an input of (on_shares)
         self.refused: list[str] = []  # neighbours whose advertised keys failed the signature check
         self.params: RoundParams | None = None
         self.index = 0
@@ -162,10 +168,12 @@ class SecAggClient:
         return reply
 
     # --- phase 2 -> 3 ----------------------------------------------------------------------
-    def on_shares(self, msg: Mapping[str, Any], vector: Any, weight: Any,
-                  rng: np.random.Generator) -> dict[str, Any]:
+    def on_shares(self, msg: Mapping[str, Any], vector: Any, weight: Any, rng: np.random.Generator,
+                  model: bytes | None = None) -> dict[str, Any]:
         """Shares addressed to this client ``{"shares": {peer: ciphertext}}``, its input vector (dim floats),
-        its sample weight and the generator for stochastic rounding -> ``{"y": uint32 array (dim + 1)}``.
+        its sample weight, the generator for stochastic rounding and the digest of the model the vector was trained
+        from (:func:`fcl_emu.secagg.consistency.model_digest`; None: none to bind) -> ``{"y": uint32 array
+        (dim + 1)}``, and ``"model_sig"``, the client's signature of the digest, with a signer.
 
         The senders are the neighbours that survived the share phase: the client masks with exactly those.
         Shares are decrypted and authenticated here, before the masked input leaves the client. With
@@ -187,6 +195,8 @@ class SecAggClient:
             held[peer] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])
         if len(held) < p.threshold:
             raise SecAggAbort(f"only {len(held)} neighbours sent shares, threshold t={p.threshold}", PHASES[2])
+        if model is not None and (not isinstance(model, bytes) or len(model) != DIGEST_BYTES):
+            raise SecAggError(f"{what}: the model digest must be {DIGEST_BYTES} bytes, got {describe(model)}")
         quantizer = Quantizer(p)
         x, w = quantizer.check_input(vector, weight)
         noise_mu, noise_rng = 0.0, None
@@ -221,17 +231,22 @@ class SecAggClient:
         if p.ring_bits < 32:
             np.bitwise_and(y, np.uint32(p.ring_mask), out=y)
         end = time.perf_counter()
-        self._held = held
+        self._held, self.model = held, model
         self._phase = 3
-        self.timings.update(masked_input=end - start, quantize=t_quant, mask=end - t_mask - t_quant)
-        return {"y": y}
+        reply: dict[str, Any] = {"y": y}
+        if self.signer is not None and model is not None:
+            reply["model_sig"] = self.signer.sign_model(p.round_id, self.client, model)
+        self.timings.update(masked_input=time.perf_counter() - start, quantize=t_quant, mask=end - t_mask - t_quant)
+        return reply
 
     # --- phase 3 -> 4 ----------------------------------------------------------------------
     def on_unmask(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"survivors": [peer...], "dropped": [peer...], "n_survivors": int}`` ->
+        """``{"survivors": [peer...], "dropped": [peer...], "n_survivors": int, "model_sigs": {survivor: bytes}}`` ->
         ``{"b_shares": {survivor: bytes}, "s_shares": {dropped: bytes}}``.
 
-        The lists must partition the neighbours this client masked with. For any one peer the client
+        The lists must partition the neighbours this client masked with. With a verifier, ``check_models`` and a
+        model digest given with the masked input, ``model_sigs`` must hold every survivor's signature over that
+        digest (:func:`fcl_emu.secagg.consistency.check_survivors`), else no share is released. For any one peer the client
         reveals either the share of its self-mask seed (peer survived) or the share of its mask key (peer
         dropped), never both, also across repeated requests; a request that would break this is refused.
         """
@@ -267,6 +282,9 @@ class SecAggClient:
             raise SecAggError(f"{what}: n_survivors must be an integer >= {len(survivors) + 1}, got {n_surv!r}")
         if n_surv < p.threshold:
             raise SecAggAbort(f"only {n_surv} clients sent masked inputs, threshold t={p.threshold}", PHASES[4])
+        if self.check_models and self.verifier is not None and self.model is not None:
+            check_survivors(self.verifier, p.round_id, self.client, self.model, msg.get("model_sigs"), n_surv,
+                            survivors, dropped)
         self._revealed_b |= survivors
         self._revealed_s |= dropped
         self._phase = 4

@@ -27,6 +27,12 @@ def keys_statement(round_id: int, client: str, c_pk: bytes, s_pk: bytes) -> byte
     return context(b"advertised keys", round_id, client, bytes(c_pk), bytes(s_pk))
 
 
+def model_statement(round_id: int, client: str, digest: bytes) -> bytes:
+    """What a client signs with its masked input: the digest of the model it trained in this round
+    (:mod:`fcl_emu.secagg.consistency`)."""
+    return context(b"trained model", round_id, client, bytes(digest))
+
+
 class KeySigner:
     """Signs the keys a client advertises, with the Ed25519 key of its grant (32 raw private bytes)."""
 
@@ -35,6 +41,9 @@ class KeySigner:
 
     def sign(self, round_id: int, client: str, c_pk: bytes, s_pk: bytes) -> bytes:
         return self._key.sign(keys_statement(round_id, client, c_pk, s_pk))
+
+    def sign_model(self, round_id: int, client: str, digest: bytes) -> bytes:
+        return self._key.sign(model_statement(round_id, client, digest))
 
 
 class KeyVerifier:
@@ -46,11 +55,19 @@ class KeyVerifier:
 
     def verify(self, round_id: int, client: str, c_pk: bytes, s_pk: bytes, signature: Any) -> bool:
         """Whether ``signature`` is ``client``'s listed key's signature of these keys (False if unlisted)."""
+        return self._verify(client, keys_statement(round_id, client, c_pk, s_pk), signature)
+
+    def verify_model(self, round_id: int, client: str, digest: bytes, signature: Any) -> bool:
+        """Whether ``signature`` is ``client``'s listed key's signature of having trained the model of ``digest``
+        in this round (False if unlisted)."""
+        return self._verify(client, model_statement(round_id, client, digest), signature)
+
+    def _verify(self, client: str, statement: bytes, signature: Any) -> bool:
         key = self._keys.get(client)
         if key is None or not isinstance(signature, (bytes, bytearray)) or len(signature) != SIGNATURE_BYTES:
             return False
         try:
-            key.verify(bytes(signature), keys_statement(round_id, client, c_pk, s_pk))
+            key.verify(bytes(signature), statement)
         except InvalidSignature:
             return False
         return True

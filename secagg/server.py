@@ -109,6 +109,7 @@ class SecAggServer:
         self._commits: dict[str, bytes] = {}
         self._in_masking: frozenset[str] = frozenset()    # U2: the clients everyone masks with
         self._masked: set[str] = set()
+        self._model_sigs: dict[str, bytes] = {}           # client -> its signature of the model it trained
         self._elsewhere: set[str] = set()  # masked inputs a relay holds, whose sum it has yet to add (add_sum)
         self._sum: np.ndarray | None = None       # running sum of masked inputs
         self._survivors: frozenset[str] = frozenset()
@@ -274,14 +275,21 @@ class SecAggServer:
     def receive_masked(self, client: str, reply: Mapping[str, Any]) -> None:
         """Checks the masked input ``{"y": uint32 array (dim + 1)}`` and adds it into the running sum; or, with
         ``{"held": True}``, notes that a relay below (an edge aggregator) holds the client's masked input and will
-        add it in a sum of several (:meth:`add_sum`) before the phase closes."""
+        add it in a sum of several (:meth:`add_sum`) before the phase closes. Either may carry ``"model_sig"``, the
+        client's signature of the model it trained, which the unmasking requests relay
+        (:mod:`fcl_emu.secagg.consistency`)."""
         start = time.perf_counter()
         client = self._check_reply(3, client, reply, self._masked)
+        sig = reply.get("model_sig")
+        if sig is not None and (not isinstance(sig, (bytes, bytearray)) or len(sig) != SIGNATURE_BYTES):
+            raise SecAggError(f"{PHASES[3]}: 'model_sig' of {client!r} must be {SIGNATURE_BYTES} bytes")
         if reply.get("held") is True:
             self._elsewhere.add(client)
         else:
             self._add(check_masked(self.params, reply.get("y"), repr(client)))
         self._masked.add(client)
+        if sig is not None:
+            self._model_sigs[client] = bytes(sig)
         self._time(PHASES[3], start)
 
     def add_sum(self, clients: Iterable[str], y_sum: Any) -> None:
@@ -307,7 +315,8 @@ class SecAggServer:
 
     def close_masked(self) -> dict[str, dict[str, Any]]:
         """End of masked input -> every survivor's message ``{"survivors": [...], "dropped": [...],
-        "n_survivors": int}`` (its neighbours that sent / did not send a masked input)."""
+        "n_survivors": int, "model_sigs": {...}}`` (its neighbours that sent / did not send a masked input, and
+        every survivor's signature of the model it trained, where it sent one)."""
         start = time.perf_counter()
         self._check_close(3)
         if self._elsewhere:
@@ -325,13 +334,16 @@ class SecAggServer:
                 raise self._abort(f"the {what} of client {c!r} cannot be recovered: {live} of its share "
                                   f"holders remain, threshold t={t}", 3)
         self._survivors = survivors
+        model_sigs = {c: self._model_sigs[c] for c in sorted(survivors, key=self.index.__getitem__)
+                      if c in self._model_sigs}
         out = {}
         for c in sorted(survivors):
             peers = self.graph[c] & u2
             surv, drop = peers & survivors, peers - survivors
             self._requests[c] = (frozenset(surv), frozenset(drop))
             out[c] = {"survivors": sorted(surv, key=self.index.__getitem__),
-                      "dropped": sorted(drop, key=self.index.__getitem__), "n_survivors": len(survivors)}
+                      "dropped": sorted(drop, key=self.index.__getitem__), "n_survivors": len(survivors),
+                      "model_sigs": model_sigs}
         self.phase = 4
         self._time(PHASES[3], start)
         return out

@@ -25,7 +25,8 @@ def log_neighbors(n: int) -> int:
 
 class SecAggSettings(pydantic.BaseModel):
     """Secure aggregation of the model deltas, SecAgg+ (docs/secagg.md). ``enabled`` and ``phase_timeout_s``
-    are the run's (the coordinator's); the others shape every round's :class:`RoundParams`."""
+    are the run's (the coordinator's), ``model_check`` the edge nodes' (their launcher passes it); the others shape
+    every round's :class:`RoundParams`."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -48,6 +49,11 @@ class SecAggSettings(pydantic.BaseModel):
         None, ge=1, description=f"sample weights are clipped to this (unset: in a run, the largest client dataset "
                                 f"of the task, which the emulated server knows from the scenario; else "
                                 f"{DEFAULT_MAX_WEIGHT})")
+    model_check: bool = pydantic.Field(
+        True, description="a client releases its shares only when every survivor signed the model it trained itself, "
+                          "so a coordinator that sends different clients different models aborts the round instead "
+                          "of reading one client's update from the sum (needs the run's keys; off: research only, "
+                          "docs/secagg.md)")
     phase_timeout_s: float = pydantic.Field(
         30.0, gt=0, description="how long the key, share and unmasking phases wait for replies, in the run "
                                 "clock's seconds (the masked input waits until the round deadline)")

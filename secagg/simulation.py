@@ -55,11 +55,12 @@ def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tupl
                    settings: SecAggSettings | None = None, round_id: int = 0, seed: int = 0,
                    dropout: Mapping[str, int] | None = None, stats: PhaseStats | None = None,
                    server: SecAggServer | None = None,
-                   clients: Mapping[str, SecAggClient] | None = None) -> SecAggResult:
+                   clients: Mapping[str, SecAggClient] | None = None,
+                   models: Mapping[str, bytes] | None = None) -> SecAggResult:
     """Runs one round in this process (tests, benchmarks): ``inputs(client)`` gives (vector, weight, rng)
     when the client masks; ``dropout[client] = p`` makes it go silent from phase p on (1: no keys,
     2: no shares, 3: no masked input, 4: no unmasking answer); ``clients``: the clients' protocol objects (default:
-    plain ones). Raises :class:`SecAggAbort` as the server does.
+    plain ones); ``models``: the digest of the model each client trained (:mod:`fcl_emu.secagg.consistency`). Raises :class:`SecAggAbort` as the server does.
     """
     dropout = dict(dropout or {})
     server = server or SecAggServer(roster, dim, settings, round_id, seed)
@@ -81,7 +82,7 @@ def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tupl
 
     def masked(cl: SecAggClient, msg: Any) -> Any:
         vector, weight, rng = inputs(cl.client)
-        return cl.on_shares(msg, vector, weight, rng)
+        return cl.on_shares(msg, vector, weight, rng, None if models is None else models[cl.client])
 
     try:
         exchange(1, server.setup(), SecAggClient.on_setup, server.receive_keys)

@@ -277,9 +277,9 @@ def secure_tiers(tmp_path_factory, mnist_root, one_torch_thread):
     original_on_shares, original_hold_masked = SecAggClient.on_shares, HeldUpdates.hold_masked
     original_unmask = SecureRound.unmask
 
-    def on_shares(self, msg, vector, weight, rng):
+    def on_shares(self, msg, vector, weight, rng, model=None):
         plaintext[(self.params.round_id, self.client)] = (np.array(vector, copy=True), int(weight), self.params)
-        return original_on_shares(self, msg, vector, weight, rng)
+        return original_on_shares(self, msg, vector, weight, rng, model)
 
     def hold_masked(self, msg):
         original_hold_masked(self, msg)

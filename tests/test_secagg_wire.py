@@ -79,13 +79,13 @@ def inspected_run(tmp_path_factory, mnist_root, one_torch_thread):
     to_fail = {2: 1, 3: 3}  # round -> how many clients fail after sharing their keys
     original_on_shares = SecAggClient.on_shares
 
-    def on_shares(self, msg, vector, weight, rng):
+    def on_shares(self, msg, vector, weight, rng, model=None):
         number = run_ids[self.params.round_id]
         if to_fail.get(number, 0) > 0:
             to_fail[number] -= 1
             raise SecAggError("test: this client fails after the share exchange")
         plaintext[(number, self.client)] = (np.array(vector, copy=True), int(weight))
-        return original_on_shares(self, msg, vector, weight, rng)
+        return original_on_shares(self, msg, vector, weight, rng, model)
 
     original_receive = SecureRound.on_message
 

@@ -298,6 +298,7 @@ class SecAggMasked(Body):
     metrics: Metrics = {}
     cpu_s: Seconds = 0.0  # of its training
     mask_cpu_s: Seconds = 0.0  # of its masking
+    model_sig: bytes | None = None  # its signature of the model it trained (secagg.consistency), with signing keys
 
 
 class SecAggMaskedHeld(SecAggMasked, kw_only=True):
@@ -316,6 +317,7 @@ class SecAggUnmaskRequest(Body):
     survivors: list[str]
     dropped: list[str]
     n_survivors: int
+    model_sigs: dict[str, bytes] = {}  # every survivor's signature of the model it trained (secagg.consistency)
 
 
 class SecAggUnmask(Body):

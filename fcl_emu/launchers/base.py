@@ -136,7 +136,7 @@ def node_args(address: str, indices: list[int], config: RunConfig, name: str, n:
                                        "metrics_linger": config.metrics.linger}
     return NodeArgs(address, indices, data_roots=config.data_root, name=name, parent_pid=parent_pid, **keys,
                     own_connections=config.network.client_connections == "own", secagg=config.secagg.enabled,
-                    **metrics)
+                    skip_model_check=config.secagg.enabled and not config.secagg.model_check, **metrics)
 
 
 class NodeLauncher(abc.ABC):
