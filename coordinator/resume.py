@@ -34,9 +34,9 @@ SERVER, POLICY, TORCH_RNG, CUDA_RNG = "server/", "policy/", "rng/torch", "rng/cu
 
 def run_fingerprint(config: RunConfig) -> str:
     """A hash of what decides a run's results: the config less data location, metrics, run directory, the GPU
-    pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys, the nodes' model check,
-    whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work) and whether
-    a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop); the server optimiser's
+    pool's size and device, the coordinator's threads, where the edge nodes run, the transport's keys, the nodes'
+    model check, whether late trainings are cancelled (``rounds.skip_late``: the same results with less host work)
+    and whether a diverged DP run stops (``privacy.on_divergence``: the same rounds, up to the stop); the server optimiser's
     settings only where one is chosen; aggregation's settings in their old layout (:func:`~fcl_emu.runconfig.legacy.
     as_legacy`), so that checkpoints from before still match."""
     data = config.model_dump(mode="json", exclude={"metrics": True, "data_root": True, "run_dir": True,

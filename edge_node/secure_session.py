@@ -8,9 +8,10 @@ protocol ends the client's session and is reported as an ``error`` (code
 ``secagg``). Where the node's keys come with signing keys, each client signs
 the public keys it advertises and checks its neighbours' signatures against
 the run's signers (``secagg_signers.json``, :mod:`fcl_emu.secagg.identity`); a
-neighbour whose signature fails is refused and logged, and no client releases a share unless every survivor signed
-the model it trained itself (:mod:`fcl_emu.secagg.consistency`; ``check_models``, off only for research). Each reply carries the
-CPU seconds the client's cryptography took for it (``cpu_s``; ``mask_cpu_s``
+neighbour whose signature fails is refused and logged, and no client releases a
+share unless every survivor signed the model it trained itself
+(:mod:`fcl_emu.secagg.consistency`; ``check_models``, off only for research).
+Each reply carries the CPU seconds the client's cryptography took for it (``cpu_s``; ``mask_cpu_s``
 for the masked input), which the emulated clock places on the client's
 timeline as it places training.
 """

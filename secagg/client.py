@@ -246,8 +246,8 @@ class SecAggClient:
 
         The lists must partition the neighbours this client masked with. With a verifier, ``check_models`` and a
         model digest given with the masked input, ``model_sigs`` must hold every survivor's signature over that
-        digest (:func:`fcl_emu.secagg.consistency.check_survivors`), else no share is released. For any one peer the client
-        reveals either the share of its self-mask seed (peer survived) or the share of its mask key (peer
+        digest (:func:`fcl_emu.secagg.consistency.check_survivors`), else no share is released. For any one peer the
+        client reveals either the share of its self-mask seed (peer survived) or the share of its mask key (peer
         dropped), never both, also across repeated requests; a request that would break this is refused.
         """
         start = time.perf_counter()

@@ -4,7 +4,8 @@ Secure aggregation hides each update inside a sum, but the coordinator chooses w
 coordinator that sends its target the real model and every other client a model whose training changes nothing
 (all weights zero: every gradient but the output bias's is zero) gets, from an honest run of the protocol, a sum
 that is the target's update alone (Pasquini, Francati and Ateniese, "Eluding Secure Aggregation in Federated
-Learning via Model Inconsistency", CCS 2022). No part of the cryptography is broken, so no check of the protocol's own messages sees it.
+Learning via Model Inconsistency", CCS 2022). No part of the cryptography is broken, so no check of the
+protocol's own messages sees it.
 
 The defence binds each masked input to the model it was computed from:
 
@@ -39,7 +40,7 @@ from fcl_emu.secagg.identity import KeyVerifier
 from fcl_emu.secagg.protocol import PHASES, SecAggAbort, SecAggError, context, describe
 
 DIGEST_BYTES = 32
-INCONSISTENT = "inconsistent models"  # how a refusal of this check begins (the round's abort reason quotes it)
+INCONSISTENT = "inconsistent models"  # how a refusal of this check begins (the client's error detail)
 
 
 def model_digest(round: int, task: int, request: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> bytes:

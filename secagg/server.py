@@ -76,6 +76,14 @@ def check_masked(params, y: Any, whose: str) -> np.ndarray:
     return y
 
 
+def _signature(reply: Mapping[str, Any], name: str, client: str, phase: int) -> bytes | None:
+    """The signature field ``name`` of a reply in ``phase``: absent (None) or :data:`SIGNATURE_BYTES` bytes."""
+    sig = reply.get(name)
+    if sig is not None and (not isinstance(sig, (bytes, bytearray)) or len(sig) != SIGNATURE_BYTES):
+        raise SecAggError(f"{PHASES[phase]}: {name!r} of {client!r} must be {SIGNATURE_BYTES} bytes")
+    return sig
+
+
 class SecAggServer:
     """The server of one SecAgg+ round over ``roster`` (the sampled clients; roster index = position + 1)."""
 
@@ -190,9 +198,7 @@ class SecAggServer:
             raw.append(bytes(v))
         if raw[0] == raw[1] or any(r in pair for pair in self._keys.values() for r in raw):
             raise SecAggError(f"{PHASES[1]}: a public key of {client!r} repeats a key already advertised")
-        sig = reply.get("sig")
-        if sig is not None and (not isinstance(sig, (bytes, bytearray)) or len(sig) != SIGNATURE_BYTES):
-            raise SecAggError(f"{PHASES[1]}: 'sig' of {client!r} must be {SIGNATURE_BYTES} bytes")
+        sig = _signature(reply, "sig", client, 1)
         self._keys[client] = (raw[0], raw[1])
         if sig is not None:
             self._signatures[client] = bytes(sig)
@@ -280,9 +286,7 @@ class SecAggServer:
         (:mod:`fcl_emu.secagg.consistency`)."""
         start = time.perf_counter()
         client = self._check_reply(3, client, reply, self._masked)
-        sig = reply.get("model_sig")
-        if sig is not None and (not isinstance(sig, (bytes, bytearray)) or len(sig) != SIGNATURE_BYTES):
-            raise SecAggError(f"{PHASES[3]}: 'model_sig' of {client!r} must be {SIGNATURE_BYTES} bytes")
+        sig = _signature(reply, "model_sig", client, 3)
         if reply.get("held") is True:
             self._elsewhere.add(client)
         else:

@@ -60,7 +60,8 @@ def simulate_round(roster: Sequence[str], dim: int, inputs: Callable[[str], tupl
     """Runs one round in this process (tests, benchmarks): ``inputs(client)`` gives (vector, weight, rng)
     when the client masks; ``dropout[client] = p`` makes it go silent from phase p on (1: no keys,
     2: no shares, 3: no masked input, 4: no unmasking answer); ``clients``: the clients' protocol objects (default:
-    plain ones); ``models``: the digest of the model each client trained (:mod:`fcl_emu.secagg.consistency`). Raises :class:`SecAggAbort` as the server does.
+    plain ones); ``models``: the digest of the model each client trained (:mod:`fcl_emu.secagg.consistency`).
+    Raises :class:`SecAggAbort` as the server does.
     """
     dropout = dict(dropout or {})
     server = server or SecAggServer(roster, dim, settings, round_id, seed)
